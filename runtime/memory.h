@@ -14,6 +14,7 @@
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include "runtime/device.h"
 #include "runtime/error.h"
@@ -92,6 +93,13 @@ class DeviceBuffer {
   explicit DeviceBuffer(int64_t num_elements)
       : memory_(detail::CheckedByteSize("DeviceBuffer", num_elements, sizeof(T))),
         size_(num_elements) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : memory_(std::move(other.memory_)), size_(std::exchange(other.size_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    memory_ = std::move(other.memory_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
 
   T* data() { return static_cast<T*>(memory_.data()); }
   const T* data() const { return static_cast<const T*>(memory_.data()); }
@@ -132,6 +140,13 @@ class PinnedHostBuffer {
   explicit PinnedHostBuffer(int64_t num_elements)
       : memory_(detail::CheckedByteSize("PinnedHostBuffer", num_elements, sizeof(T))),
         size_(num_elements) {}
+  PinnedHostBuffer(PinnedHostBuffer&& other) noexcept
+      : memory_(std::move(other.memory_)), size_(std::exchange(other.size_, 0)) {}
+  PinnedHostBuffer& operator=(PinnedHostBuffer&& other) noexcept {
+    memory_ = std::move(other.memory_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
 
   T* data() { return static_cast<T*>(memory_.data()); }
   const T* data() const { return static_cast<const T*>(memory_.data()); }

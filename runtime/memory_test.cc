@@ -99,6 +99,8 @@ TEST(PinnedHostBufferTest, MovesTransferOwnership) {
   PinnedHostBuffer<float> b(std::move(a));
   EXPECT_EQ(b.data(), data);
   EXPECT_EQ(b.size(), 4);
+  EXPECT_EQ(a.size(), 0);  // NOLINT(bugprone-use-after-move): moved-from is empty
+  EXPECT_EQ(a.data(), nullptr);
   PinnedHostBuffer<float> c;
   c = std::move(b);
   EXPECT_EQ(c.data(), data);

@@ -1,0 +1,49 @@
+#include "quant/block_format.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+
+#include "runtime/error.h"
+
+namespace tqkv {
+
+BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads,
+                            int block_size) {
+  constexpr const char* kWhere = "MakeBlockFormat";
+  if (std::find(std::begin(kHeadDims), std::end(kHeadDims), head_dim) == std::end(kHeadDims)) {
+    throw InvalidArgument(kWhere, "head_dim", head_dim, "64, 128, 256");
+  }
+  if (std::find(std::begin(kBlockSizes), std::end(kBlockSizes), block_size) ==
+      std::end(kBlockSizes)) {
+    throw InvalidArgument(kWhere, "block_size", block_size, "16, 32, 64, 128");
+  }
+  if (num_kv_heads < 1 || num_kv_heads > kMaxKvHeads) {
+    throw InvalidArgument(kWhere, "num_kv_heads", num_kv_heads,
+                          fmt::format("1 to {}", kMaxKvHeads));
+  }
+  const bool three_bit = preset.key_bits == 3 || preset.value_bits == 3;
+  if (three_bit && head_dim % 8 != 0) {
+    throw InvalidArgument(kWhere, "head_dim", head_dim,
+                          fmt::format("a multiple of 8 for 3-bit preset {}", preset.name));
+  }
+
+  BlockFormat f;
+  f.head_dim = head_dim;
+  f.num_kv_heads = num_kv_heads;
+  f.block_size = block_size;
+  f.fp8_keys = preset.key_coding == KeyCoding::kFp8;
+  f.key_bits = preset.key_bits;
+  f.value_bits = preset.value_bits;
+  f.key_data_bytes = f.fp8_keys ? head_dim : (head_dim * preset.key_bits + 7) / 8;
+  f.val_data_bytes = (head_dim * preset.value_bits + 7) / 8;
+  f.num_meta = f.fp8_keys ? 2 : 3;
+  f.data_per_slot = f.key_data_bytes + f.val_data_bytes;
+  f.slot_bytes = f.data_per_slot + 2 * f.num_meta;
+  f.meta_offset = static_cast<int64_t>(block_size) * num_kv_heads * f.data_per_slot;
+  f.block_bytes = static_cast<int64_t>(block_size) * num_kv_heads * f.slot_bytes;
+  return f;
+}
+
+}  // namespace tqkv

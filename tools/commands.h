@@ -1,0 +1,10 @@
+// Subcommands of the `tqkv` program. Each Add*Command registers its flags and its callback.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace tqkv::cli {
+
+void AddInfoCommand(CLI::App& app);
+
+}  // namespace tqkv::cli

@@ -1,0 +1,56 @@
+// `tqkv info`: version, CUDA support, devices, and the presets' sizes.
+#include <fmt/format.h>
+
+#include "quant/block_format.h"
+#include "quant/preset.h"
+#include "runtime/device.h"
+#include "runtime/version.h"
+#include "tools/commands.h"
+
+namespace tqkv::cli {
+namespace {
+
+void PrintInfo() {
+  fmt::print("tqkv {}\n", kVersion);
+  fmt::print("CUDA compiled in: {}\n", CudaCompiledIn() ? "yes" : "no");
+  const auto devices = QueryDevices();
+  if (devices.empty()) {
+    fmt::print("CUDA devices: none\n");
+  } else {
+    fmt::print("CUDA devices: {}\n", devices.size());
+    for (const auto& d : devices) {
+      fmt::print("  [{}] {}: {} SMs, {:.1f} GiB, compute capability {}.{}, L2 {:.0f} MiB\n",
+                 d.ordinal, d.name, d.sm_count,
+                 static_cast<double>(d.total_memory_bytes) / (1 << 30), d.compute_major,
+                 d.compute_minor, static_cast<double>(d.l2_cache_bytes) / (1 << 20));
+    }
+  }
+
+  fmt::print("\nPresets: bytes per token per KV head (K + V + metadata), compression vs bf16\n");
+  fmt::print("{:<20} {:>6} {:>6} {:>13} {:>13} {:>13}\n", "preset", "K bits", "V bits",
+             "D=64", "D=128", "D=256");
+  auto row = [](std::string_view name, std::string_view kbits, std::string_view vbits,
+                auto bytes_for) {
+    std::string cells;
+    for (int d : kHeadDims) {
+      const int bytes = bytes_for(d);
+      cells += fmt::format(" {:>6} {:>5.2f}x", bytes, 4.0 * d / bytes);
+    }
+    fmt::print("{:<20} {:>6} {:>6}{}\n", name, kbits, vbits, cells);
+  };
+  row("bf16", "16", "16", [](int d) { return 4 * d; });
+  for (const Preset& p : AllPresets()) {
+    row(p.name, p.key_coding == KeyCoding::kFp8 ? "fp8" : fmt::format("{}", p.key_bits),
+        fmt::format("{}", p.value_bits),
+        [&](int d) { return MakeBlockFormat(p, d, 1, 16).slot_bytes; });
+  }
+}
+
+}  // namespace
+
+void AddInfoCommand(CLI::App& app) {
+  auto* cmd = app.add_subcommand("info", "Version, CUDA devices and preset sizes");
+  cmd->callback(PrintInfo);
+}
+
+}  // namespace tqkv::cli

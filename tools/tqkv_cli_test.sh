@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# End-to-end checks of the tqkv command line: outputs and exit codes.
+set -u
+TQKV=tools/tqkv
+failures=0
+check() {  # check DESCRIPTION CONDITION...
+  local what=$1; shift
+  if "$@"; then echo "ok   $what"; else echo "FAIL $what"; failures=$((failures + 1)); fi
+}
+
+out=$($TQKV info 2>&1); rc=$?
+check "info exits 0" test $rc -eq 0
+check "info prints the version" grep -q '^tqkv [0-9]' <<<"$out"
+check "info says whether CUDA is compiled in" grep -q '^CUDA compiled in: \(yes\|no\)$' <<<"$out"
+# TURBOQUANT.md: 196 / 134 / 118 / 102 bytes per token-head at D=128; 2.61x .. 5.02x.
+check "k8v4 row"    grep -Eq '^turboquant_k8v4 +fp8 +4 .* 196  2\.61x' <<<"$out"
+check "4bit_nc row" grep -Eq '^turboquant_4bit_nc +4 +4 .* 134  3\.82x' <<<"$out"
+check "k3v4_nc row" grep -Eq '^turboquant_k3v4_nc +3 +4 .* 118  4\.34x' <<<"$out"
+check "3bit_nc row" grep -Eq '^turboquant_3bit_nc +3 +3 .* 102  5\.02x' <<<"$out"
+check "bf16 row" grep -Eq '^bf16 +16 +16 +256  1\.00x +512  1\.00x +1024  1\.00x' <<<"$out"
+
+$TQKV >/dev/null 2>&1; rc=$?
+check "no subcommand is an error" test $rc -ne 0
+out=$($TQKV frobnicate 2>&1); rc=$?
+check "unknown subcommand is an error" test $rc -ne 0
+out=$($TQKV --log-level loud info 2>&1); rc=$?
+check "bad --log-level exits non-zero" test $rc -ne 0
+check "bad --log-level names the value" grep -q '"loud"' <<<"$out"
+check "bad --log-level is one line" test "$(wc -l <<<"$out")" -eq 1
+
+echo "$failures failure(s)"
+exit $((failures > 0))
