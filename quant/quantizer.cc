@@ -1,0 +1,235 @@
+#include "quant/quantizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <unordered_map>
+#include <vector>
+
+#include "quant/numerics.h"
+#include "quant/packing.h"
+#include "runtime/error.h"
+
+namespace tqkv {
+namespace {
+
+int64_t LoadSlot(const void* data, DType dtype, int64_t i) {
+  return dtype == DType::kI32 ? static_cast<const int32_t*>(data)[i]
+                              : static_cast<const int64_t*>(data)[i];
+}
+
+}  // namespace
+
+float LoadAsFloat(const void* data, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(data)[i];
+    case DType::kF16: return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16: return BFloat16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    default: break;
+  }
+  throw InvalidArgument("LoadAsFloat", "dtype", DTypeName(dtype), "F32, F16, BF16");
+}
+
+Quantizer::Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int block_size,
+                     Rotation rotation, std::optional<Codebook> codebook)
+    : preset_(&preset),
+      format_(MakeBlockFormat(preset, head_dim, num_kv_heads, block_size)),
+      rotation_(std::move(rotation)) {
+  if (format_.fp8_keys) {
+    rotation_ = Rotation{};  // FP8 keys are stored unrotated; the id 0 marks "no rotation"
+    return;
+  }
+  if (rotation_.head_dim != head_dim ||
+      rotation_.matrix.size() != static_cast<size_t>(head_dim) * head_dim) {
+    throw InvalidArgument("Quantizer", "rotation.head_dim", rotation_.head_dim,
+                          fmt::format("{} (the head_dim)", head_dim));
+  }
+  if (codebook) {
+    if (codebook->bits != preset.key_bits || codebook->size() != (1 << preset.key_bits)) {
+      throw InvalidArgument("Quantizer", "codebook.bits", codebook->bits,
+                            fmt::format("{} (key bits of {})", preset.key_bits, preset.name));
+    }
+    codebook_ = std::move(*codebook);
+  } else {
+    codebook_ = LloydMaxGaussian(head_dim, preset.key_bits);
+  }
+}
+
+Quantizer Quantizer::Create(std::string_view preset, int head_dim, int num_kv_heads,
+                            int block_size, RotationKind kind, uint64_t seed) {
+  const Preset& p = PresetByName(preset);
+  // Validate the shape before building a rotation, so a bad head_dim is reported as such.
+  MakeBlockFormat(p, head_dim, num_kv_heads, block_size);
+  Rotation rotation =
+      p.key_coding == KeyCoding::kFp8 ? Rotation{} : MakeRotation(kind, head_dim, seed);
+  return Quantizer(p, head_dim, num_kv_heads, block_size, std::move(rotation));
+}
+
+void Quantizer::RotateQuery(const float* q, float* out) const {
+  const int d = format_.head_dim;
+  if (format_.fp8_keys) {
+    std::copy(q, q + d, out);
+    return;
+  }
+  for (int j = 0; j < d; ++j) {
+    double acc = 0.0;
+    for (int i = 0; i < d; ++i) acc += double(q[i]) * rotation_.matrix[size_t(i) * d + j];
+    out[j] = static_cast<float>(acc);
+  }
+}
+
+void Quantizer::EncodeSlot(const float* k, const float* v, uint8_t* block, int pos,
+                           int head) const {
+  const BlockFormat& f = format_;
+  const int d = f.head_dim;
+  uint8_t codes[256];
+  uint8_t* key_out = block + f.KeyCodesOffset(pos, head);
+
+  if (f.fp8_keys) {
+    for (int i = 0; i < d; ++i) key_out[i] = FloatToE4M3(k[i]);
+  } else {
+    // Norm: the sum of squares in fp64 (exact products, order-insensitive to far below fp32
+    // rounding), rounded to fp32 once — so every implementation gets the same fp32 norm.
+    double ss = 0.0;
+    for (int i = 0; i < d; ++i) ss += double(k[i]) * k[i];
+    const float norm = static_cast<float>(std::sqrt(ss));
+    const float denom = norm + 1e-8f;
+    float x[256];
+    for (int i = 0; i < d; ++i) x[i] = k[i] / denom;
+    double csum = 0.0;
+    for (int j = 0; j < d; ++j) {
+      double acc = 0.0;
+      for (int i = 0; i < d; ++i) acc += double(x[i]) * rotation_.matrix[size_t(i) * d + j];
+      const int idx = codebook_.Bucketize(static_cast<float>(acc));
+      codes[j] = static_cast<uint8_t>(idx);
+      csum += double(codebook_.centroids[idx]) * codebook_.centroids[idx];
+    }
+    PackCodes(codes, d, f.key_bits, key_out);
+    float stored = preset_->norm_correction
+                       ? static_cast<float>(double(norm) / std::sqrt(csum + 1e-16))
+                       : norm;
+    if (std::isnan(stored)) stored = 0.0f;  // NaN keys: a zero norm, never NaN metadata
+    StoreHalfBits(block + f.MetaOffset(MetaField::kKeyNorm, pos, head),
+              FloatToHalfBitsClamped(stored));
+  }
+
+  // Values: uniform min/max over the finite range of fp16.
+  float vmin = INFINITY, vmax = -INFINITY;
+  for (int i = 0; i < d; ++i) {
+    if (std::isnan(v[i])) continue;
+    vmin = std::min(vmin, v[i]);
+    vmax = std::max(vmax, v[i]);
+  }
+  vmin = std::clamp(vmin, -65504.0f, 65504.0f);
+  vmax = std::clamp(vmax, -65504.0f, 65504.0f);
+  const int levels = (1 << f.value_bits) - 1;
+  float scale = (vmax - vmin) / static_cast<float>(levels);
+  if (!(scale > 1e-8f)) scale = 1e-8f;
+  for (int i = 0; i < d; ++i) {
+    const float t = std::floor((v[i] - vmin) / scale + 0.5f);
+    codes[i] = t >= 0.0f ? static_cast<uint8_t>(std::min(t, static_cast<float>(levels))) : 0;
+  }
+  PackCodes(codes, d, f.value_bits, block + f.ValueCodesOffset(pos, head));
+  StoreHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, head), FloatToHalfBits(scale));
+  StoreHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head), FloatToHalfBits(vmin));
+}
+
+void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
+  constexpr const char* kWhere = "Quantizer::StoreCpu";
+  const BlockFormat& f = format_;
+  if (in.num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", in.num_tokens, ">= 0");
+  if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
+    throw InvalidArgument(kWhere, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
+  }
+  if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
+    throw InvalidArgument(kWhere, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
+  }
+  if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
+  if (in.num_tokens == 0) return;
+  if (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
+      (cache.data == nullptr && cache.num_blocks > 0)) {
+    throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
+  }
+  const int64_t num_slots = cache.num_blocks * f.block_size;
+  std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes
+  first_token.reserve(static_cast<size_t>(in.num_tokens));
+  for (int64_t t = 0; t < in.num_tokens; ++t) {
+    const int64_t slot = LoadSlot(in.slot_mapping, in.slot_dtype, t);
+    if (slot < 0) continue;
+    if (slot >= num_slots) {
+      throw InvalidArgument(kWhere, fmt::format("slot_mapping[{}]", t), slot,
+                            fmt::format("negative (skip) or 0 to {} ({} blocks x {} tokens)",
+                                        num_slots - 1, cache.num_blocks, f.block_size));
+    }
+    const auto [it, inserted] = first_token.emplace(slot, t);
+    if (!inserted) {
+      throw InvalidArgument(kWhere, fmt::format("slot_mapping[{}]", t), slot,
+                            fmt::format("a slot no other token writes (token {} writes it too)",
+                                        it->second));
+    }
+  }
+
+  const int d = f.head_dim;
+  std::vector<float> k(d), v(d);
+  for (int64_t t = 0; t < in.num_tokens; ++t) {
+    const int64_t slot = LoadSlot(in.slot_mapping, in.slot_dtype, t);
+    if (slot < 0) continue;
+    uint8_t* block = cache.data + (slot / f.block_size) * f.block_bytes;
+    const int pos = static_cast<int>(slot % f.block_size);
+    for (int h = 0; h < f.num_kv_heads; ++h) {
+      const int64_t base = (t * f.num_kv_heads + h) * d;
+      for (int i = 0; i < d; ++i) {
+        k[i] = LoadAsFloat(in.key, in.dtype, base + i);
+        v[i] = LoadAsFloat(in.value, in.dtype, base + i);
+      }
+      EncodeSlot(k.data(), v.data(), block, pos, h);
+    }
+  }
+}
+
+DequantizedSlot Quantizer::Dequantize(const uint8_t* cache, int64_t num_blocks, int64_t slot,
+                                      int head) const {
+  const BlockFormat& f = format_;
+  if (slot < 0 || slot >= num_blocks * f.block_size) {
+    throw InvalidArgument("Quantizer::Dequantize", "slot", slot,
+                          fmt::format("0 to {}", num_blocks * f.block_size - 1));
+  }
+  if (head < 0 || head >= f.num_kv_heads) {
+    throw InvalidArgument("Quantizer::Dequantize", "head", head,
+                          fmt::format("0 to {}", f.num_kv_heads - 1));
+  }
+  const uint8_t* block = cache + (slot / f.block_size) * f.block_bytes;
+  const int pos = static_cast<int>(slot % f.block_size);
+  const int d = f.head_dim;
+  DequantizedSlot out;
+  out.key_rotated.resize(d);
+  out.key.resize(d);
+  out.value.resize(d);
+  const uint8_t* key_codes = block + f.KeyCodesOffset(pos, head);
+  if (f.fp8_keys) {
+    for (int i = 0; i < d; ++i) out.key[i] = E4M3ToFloat(key_codes[i]);
+    out.key_rotated = out.key;
+  } else {
+    const float norm = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kKeyNorm, pos, head)));
+    for (int j = 0; j < d; ++j) {
+      out.key_rotated[j] = norm * codebook_.centroids[UnpackCode(key_codes, j, f.key_bits)];
+    }
+    // x = y · Π, i.e. x[i] = Σ_j y[j] · Πᵀ[i][j].
+    for (int i = 0; i < d; ++i) {
+      double acc = 0.0;
+      for (int j = 0; j < d; ++j) acc += double(out.key_rotated[j]) * rotation_.matrix[size_t(i) * d + j];
+      out.key[i] = static_cast<float>(acc);
+    }
+  }
+  const float scale = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, head)));
+  const float zero = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head)));
+  const uint8_t* value_codes = block + f.ValueCodesOffset(pos, head);
+  for (int i = 0; i < d; ++i) {
+    out.value[i] = std::fma(static_cast<float>(UnpackCode(value_codes, i, f.value_bits)), scale, zero);
+  }
+  return out;
+}
+
+}  // namespace tqkv

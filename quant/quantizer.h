@@ -1,0 +1,84 @@
+// Quantizer: one preset + block format + codebook + rotation, and the CPU reference store and
+// dequantize of TURBOQUANT.md. Every CUDA kernel is judged against what this file computes.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+
+#include "quant/block_format.h"
+#include "quant/codebook.h"
+#include "quant/preset.h"
+#include "quant/rotation.h"
+#include "runtime/dtype.h"
+
+namespace tqkv {
+
+// Keys and values of the tokens to store, and where each goes.
+struct StoreInputs {
+  const void* key = nullptr;           // [num_tokens, num_kv_heads, head_dim] of `dtype`
+  const void* value = nullptr;         // [num_tokens, num_kv_heads, head_dim] of `dtype`
+  DType dtype = DType::kF32;           // kF32, kF16 or kBF16
+  const void* slot_mapping = nullptr;  // [num_tokens] of `slot_dtype`; < 0 = write nothing
+  DType slot_dtype = DType::kI64;      // kI32 or kI64
+  int64_t num_tokens = 0;
+};
+
+// One layer's cache as the CPU sees it.
+struct CacheRef {
+  uint8_t* data = nullptr;  // [num_blocks, block_bytes]
+  int64_t num_blocks = 0;
+};
+
+// One (token slot, head) decoded back to fp32.
+struct DequantizedSlot {
+  std::vector<float> key_rotated;  // [D] k_norm · c[idx] in the rotated space (FP8: = key)
+  std::vector<float> key;          // [D] rotated back: key_rotated · Π (FP8: decoded codes)
+  std::vector<float> value;        // [D] code · scale + zero
+};
+
+class Quantizer {
+ public:
+  // Validates every combination (see MakeBlockFormat; Hadamard rotations need a power-of-two D;
+  // the rotation's and codebook's sizes must match) and throws tqkv::Error naming what is wrong.
+  // `codebook` defaults to LloydMaxGaussian(head_dim, key bits). FP8 presets ignore both.
+  Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int block_size, Rotation rotation,
+            std::optional<Codebook> codebook = std::nullopt);
+
+  // Convenience: preset by name, built-in codebook, rotation of `kind` from `seed`.
+  static Quantizer Create(std::string_view preset, int head_dim, int num_kv_heads, int block_size,
+                          RotationKind kind = RotationKind::kHadamard, uint64_t seed = 0);
+
+  const Preset& preset() const { return *preset_; }
+  const BlockFormat& format() const { return format_; }
+  const Codebook& codebook() const { return codebook_; }  // empty for FP8 presets
+  const Rotation& rotation() const { return rotation_; }
+  bool uses_rotation() const { return !format_.fp8_keys; }
+
+  // CPU reference store. Validates everything first (dtypes, null pointers, every slot below
+  // num_blocks · block_size, no slot written twice) and throws tqkv::Error naming the token and
+  // the slot; nothing is written when any input is invalid.
+  void StoreCpu(const StoreInputs& inputs, CacheRef cache) const;
+
+  // Encodes one token-head (k, v: [D] fp32) into `block` at position `pos`, head `head`.
+  void EncodeSlot(const float* k, const float* v, uint8_t* block, int pos, int head) const;
+
+  // Decodes the (slot, head) written by the store. Throws tqkv::Error for an out-of-range slot.
+  DequantizedSlot Dequantize(const uint8_t* cache, int64_t num_blocks, int64_t slot,
+                             int head) const;
+
+  // q · Πᵀ for the query of a decode (identity for FP8 presets): q, out [D].
+  void RotateQuery(const float* q, float* out) const;
+
+ private:
+  const Preset* preset_;
+  BlockFormat format_;
+  Rotation rotation_;
+  Codebook codebook_;
+};
+
+// Element `i` of a float tensor of dtype kF32 / kF16 / kBF16, as fp32.
+float LoadAsFloat(const void* data, DType dtype, int64_t i);
+
+}  // namespace tqkv

@@ -1,0 +1,69 @@
+#include "tests/synthetic_kv.h"
+
+#include <cmath>
+
+namespace tqkv::testing {
+
+SyntheticKv::SyntheticKv(const SyntheticKvOptions& o) : options_(o), rng_(o.seed) {
+  const int d = o.head_dim;
+  channel_scale_.assign(size_t(o.num_kv_heads) * d, 1.0f);
+  channel_mean_.assign(size_t(o.num_kv_heads) * d, 0.0f);
+  head_scale_.resize(o.num_kv_heads);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::uniform_int_distribution<int> channel(0, d - 1);
+  for (int h = 0; h < o.num_kv_heads; ++h) {
+    head_scale_[h] = 0.5f + 1.5f * unit(rng_);
+    for (int i = 0; i < o.outlier_channels; ++i) {
+      const int c = channel(rng_);
+      channel_scale_[size_t(h) * d + c] = o.outlier_scale * (0.5f + unit(rng_));
+      channel_mean_[size_t(h) * d + c] = o.outlier_scale * (unit(rng_) - 0.5f);
+    }
+  }
+}
+
+void SyntheticKv::Rope(float* x, int64_t pos) const {
+  const int d = options_.head_dim;
+  for (int i = 0; i < d / 2; ++i) {  // pairs (i, i + d/2), as in Llama's rotate_half
+    const double freq = std::pow(double(options_.rope_base), -2.0 * i / d);
+    const double angle = double(pos) * freq;
+    const double c = std::cos(angle), s = std::sin(angle);
+    const double a = x[i], b = x[i + d / 2];
+    x[i] = static_cast<float>(a * c - b * s);
+    x[i + d / 2] = static_cast<float>(a * s + b * c);
+  }
+}
+
+void SyntheticKv::Generate(int64_t first_pos, int64_t count, std::vector<float>& keys,
+                           std::vector<float>& values) {
+  const int d = options_.head_dim;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    for (int h = 0; h < options_.num_kv_heads; ++h) {
+      const size_t k0 = keys.size();
+      for (int i = 0; i < d; ++i) {
+        const size_t c = size_t(h) * d + i;
+        keys.push_back(head_scale_[h] * (channel_mean_[c] + channel_scale_[c] * normal(rng_)));
+      }
+      Rope(keys.data() + k0, first_pos + t);
+      for (int i = 0; i < d; ++i) values.push_back(head_scale_[h] * normal(rng_));
+    }
+  }
+}
+
+void SyntheticKv::GenerateQuery(int64_t pos, std::vector<float>& queries) {
+  const int d = options_.head_dim;
+  const int group = options_.num_q_heads / options_.num_kv_heads;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int hq = 0; hq < options_.num_q_heads; ++hq) {
+    const int h = hq / group;
+    const size_t q0 = queries.size();
+    // Queries lean on the same large channels as the keys, so scores are far from uniform.
+    for (int i = 0; i < d; ++i) {
+      const size_t c = size_t(h) * d + i;
+      queries.push_back(channel_scale_[c] * normal(rng_) * 0.5f);
+    }
+    Rope(queries.data() + q0, pos);
+  }
+}
+
+}  // namespace tqkv::testing
