@@ -9,8 +9,7 @@
 
 namespace tqkv {
 
-BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads,
-                            int block_size) {
+BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size) {
   constexpr const char* kWhere = "MakeBlockFormat";
   if (std::find(std::begin(kHeadDims), std::end(kHeadDims), head_dim) == std::end(kHeadDims)) {
     throw InvalidArgument(kWhere, "head_dim", head_dim, "64, 128, 256");

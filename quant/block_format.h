@@ -28,13 +28,13 @@ struct BlockFormat {
   int key_bits = 0;
   int value_bits = 0;
 
-  int key_data_bytes = 0;  // D (FP8) or ceil(D * key_bits / 8)
-  int val_data_bytes = 0;  // ceil(D * value_bits / 8)
-  int num_meta = 0;        // fp16 fields per (token, head): 2 (FP8) or 3 (MSE)
-  int data_per_slot = 0;   // key_data_bytes + val_data_bytes
-  int slot_bytes = 0;      // data_per_slot + 2 * num_meta: bytes per token per head
-  int64_t meta_offset = 0; // block_size * H * data_per_slot
-  int64_t block_bytes = 0; // block_size * H * slot_bytes
+  int key_data_bytes = 0;   // D (FP8) or ceil(D * key_bits / 8)
+  int val_data_bytes = 0;   // ceil(D * value_bits / 8)
+  int num_meta = 0;         // fp16 fields per (token, head): 2 (FP8) or 3 (MSE)
+  int data_per_slot = 0;    // key_data_bytes + val_data_bytes
+  int slot_bytes = 0;       // data_per_slot + 2 * num_meta: bytes per token per head
+  int64_t meta_offset = 0;  // block_size * H * data_per_slot
+  int64_t block_bytes = 0;  // block_size * H * slot_bytes
 
   // Byte offset within a block of the key codes of token `pos` (0 <= pos < block_size), head h.
   TQKV_HOST_DEVICE int64_t KeyCodesOffset(int pos, int h) const {
@@ -53,9 +53,8 @@ struct BlockFormat {
   // Byte offset within a block of an fp16 metadata field of (token pos, head h).
   TQKV_HOST_DEVICE int64_t MetaOffset(MetaField field, int pos, int h) const {
     const int f = MetaFieldIndex(field);
-    return meta_offset +
-           2 * (static_cast<int64_t>(h) * num_meta * block_size +
-                static_cast<int64_t>(f) * block_size + pos);
+    return meta_offset + 2 * (static_cast<int64_t>(h) * num_meta * block_size +
+                              static_cast<int64_t>(f) * block_size + pos);
   }
   // Bytes of K and V per token per head for an uncompressed 16-bit cache (the bf16 baseline).
   TQKV_HOST_DEVICE int Bf16SlotBytes() const { return 4 * head_dim; }

@@ -99,8 +99,8 @@ TEST(BlockFormatTest, OffsetsMatchHandWrittenFormulasAndTileTheBlock) {
             }
           }
           for (int64_t b = 0; b < f.block_bytes; ++b) {
-            ASSERT_EQ(covered[b], 1) << preset.name << " D=" << d << " H=" << h_count
-                                     << " bs=" << bs << " byte " << b;
+            ASSERT_EQ(covered[b], 1)
+                << preset.name << " D=" << d << " H=" << h_count << " bs=" << bs << " byte " << b;
           }
         }
       }

@@ -87,8 +87,8 @@ Codebook CodebookFromCentroids(std::span<const float> centroids, int bits) {
   }
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(centroids[i]) || (i > 0 && !(centroids[i] > centroids[i - 1]))) {
-      throw InvalidArgument("CodebookFromCentroids", fmt::format("centroids[{}]", i),
-                            centroids[i], "finite and strictly increasing");
+      throw InvalidArgument("CodebookFromCentroids", fmt::format("centroids[{}]", i), centroids[i],
+                            "finite and strictly increasing");
     }
   }
   Codebook book;

@@ -71,7 +71,7 @@ TEST(CodebookTest, BucketizeIsUpperBoundWithTiesUpAndNanZero) {
   EXPECT_EQ(b.Bucketize(-1.0f), 0);
   EXPECT_EQ(b.Bucketize(b.midpoints[0]), 1);  // tie goes up
   EXPECT_EQ(b.Bucketize(std::nextafter(b.midpoints[0], -1.0f)), 0);
-  EXPECT_EQ(b.Bucketize(0.0f), 2);            // midpoints[1] == 0 exactly
+  EXPECT_EQ(b.Bucketize(0.0f), 2);  // midpoints[1] == 0 exactly
   EXPECT_EQ(b.Bucketize(-0.0f), 2);
   EXPECT_EQ(b.Bucketize(1.0f), 3);
   EXPECT_EQ(b.Bucketize(std::nanf("")), 0);

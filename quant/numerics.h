@@ -62,8 +62,9 @@ inline uint16_t FloatToBFloat16Bits(float f) {
   return static_cast<uint16_t>((x + rounding) >> 16);
 }
 
-// OCP FP8 E4M3FN: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities; NaN = S.1111.111.
-// Encoding rounds to nearest even and saturates to ±448 (like __NV_SATFINITE); NaN -> 0x7F.
+// OCP FP8 E4M3FN: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities; NaN =
+// S.1111.111. Encoding rounds to nearest even and saturates to ±448 (like __NV_SATFINITE); NaN ->
+// 0x7F.
 inline uint8_t FloatToE4M3(float f) {
   if (std::isnan(f)) return 0x7F;
   const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
@@ -72,9 +73,9 @@ inline uint8_t FloatToE4M3(float f) {
   if (a < 0.015625f) {  // below the smallest normal 2^-6: subnormals m * 2^-9, m = 0..8
     return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 is the smallest normal
   }
-  int e = std::ilogb(a);                                // 2^e <= a < 2^(e+1), e in [-6, 8]
-  const float m = std::ldexp(a, 3 - e) - 8.0f;          // exact: 3 mantissa bits of 24
-  int mant = static_cast<int>(std::nearbyint(m));       // 0..8, ties to even
+  int e = std::ilogb(a);                           // 2^e <= a < 2^(e+1), e in [-6, 8]
+  const float m = std::ldexp(a, 3 - e) - 8.0f;     // exact: 3 mantissa bits of 24
+  int mant = static_cast<int>(std::nearbyint(m));  // 0..8, ties to even
   if (mant == 8) {
     mant = 0;
     ++e;

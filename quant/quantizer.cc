@@ -24,10 +24,14 @@ int64_t LoadSlot(const void* data, DType dtype, int64_t i) {
 
 float LoadAsFloat(const void* data, DType dtype, int64_t i) {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF16: return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBF16: return BFloat16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    default: break;
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kF16:
+      return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16:
+      return BFloat16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    default:
+      break;
   }
   throw InvalidArgument("LoadAsFloat", "dtype", DTypeName(dtype), "F32, F16, BF16");
 }
@@ -57,8 +61,8 @@ Quantizer::Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int b
   }
 }
 
-Quantizer Quantizer::Create(std::string_view preset, int head_dim, int num_kv_heads,
-                            int block_size, RotationKind kind, uint64_t seed) {
+Quantizer Quantizer::Create(std::string_view preset, int head_dim, int num_kv_heads, int block_size,
+                            RotationKind kind, uint64_t seed) {
   const Preset& p = PresetByName(preset);
   // Validate the shape before building a rotation, so a bad head_dim is reported as such.
   MakeBlockFormat(p, head_dim, num_kv_heads, block_size);
@@ -112,7 +116,7 @@ void Quantizer::EncodeSlot(const float* k, const float* v, uint8_t* block, int p
                        : norm;
     if (std::isnan(stored)) stored = 0.0f;  // NaN keys: a zero norm, never NaN metadata
     StoreHalfBits(block + f.MetaOffset(MetaField::kKeyNorm, pos, head),
-              FloatToHalfBitsClamped(stored));
+                  FloatToHalfBitsClamped(stored));
   }
 
   // Values: uniform min/max over the finite range of fp16.
@@ -165,9 +169,9 @@ void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
     }
     const auto [it, inserted] = first_token.emplace(slot, t);
     if (!inserted) {
-      throw InvalidArgument(kWhere, fmt::format("slot_mapping[{}]", t), slot,
-                            fmt::format("a slot no other token writes (token {} writes it too)",
-                                        it->second));
+      throw InvalidArgument(
+          kWhere, fmt::format("slot_mapping[{}]", t), slot,
+          fmt::format("a slot no other token writes (token {} writes it too)", it->second));
     }
   }
 
@@ -212,22 +216,27 @@ DequantizedSlot Quantizer::Dequantize(const uint8_t* cache, int64_t num_blocks, 
     for (int i = 0; i < d; ++i) out.key[i] = E4M3ToFloat(key_codes[i]);
     out.key_rotated = out.key;
   } else {
-    const float norm = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kKeyNorm, pos, head)));
+    const float norm =
+        HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kKeyNorm, pos, head)));
     for (int j = 0; j < d; ++j) {
       out.key_rotated[j] = norm * codebook_.centroids[UnpackCode(key_codes, j, f.key_bits)];
     }
     // x = y · Π, i.e. x[i] = Σ_j y[j] · Πᵀ[i][j].
     for (int i = 0; i < d; ++i) {
       double acc = 0.0;
-      for (int j = 0; j < d; ++j) acc += double(out.key_rotated[j]) * rotation_.matrix[size_t(i) * d + j];
+      for (int j = 0; j < d; ++j)
+        acc += double(out.key_rotated[j]) * rotation_.matrix[size_t(i) * d + j];
       out.key[i] = static_cast<float>(acc);
     }
   }
-  const float scale = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, head)));
-  const float zero = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head)));
+  const float scale =
+      HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, head)));
+  const float zero =
+      HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head)));
   const uint8_t* value_codes = block + f.ValueCodesOffset(pos, head);
   for (int i = 0; i < d; ++i) {
-    out.value[i] = std::fma(static_cast<float>(UnpackCode(value_codes, i, f.value_bits)), scale, zero);
+    out.value[i] =
+        std::fma(static_cast<float>(UnpackCode(value_codes, i, f.value_bits)), scale, zero);
   }
   return out;
 }

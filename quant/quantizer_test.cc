@@ -268,8 +268,8 @@ TEST(QuantizerTest, NonFiniteInputsGiveFiniteMetadata) {
 }
 
 struct Accuracy {
-  double key_rel_mse = 0;    // E ||k − k̂||² / ||k||²
-  double value_rel_mse = 0;  // E ||v − v̂||² / ||v||²
+  double key_rel_mse = 0;          // E ||k − k̂||² / ||k||²
+  double value_rel_mse = 0;        // E ||v − v̂||² / ||v||²
   double worst_value_excess = -1;  // max of |v − v̂| − bound (must be <= 0)
 };
 
@@ -300,14 +300,15 @@ Accuracy MeasureRoundTrip(const Quantizer& q, int tokens) {
       const float vmin = *std::min_element(vt, vt + d), vmax = *std::max_element(vt, vt + d);
       const double scale = (vmax - vmin) / levels;
       // Half a step, plus what fp16 rounding of scale and zero can add (2^-11 relative each).
-      const double bound = 0.5 * scale * (1 + 1e-5) + levels * scale * 0x1.0p-11 +
-                           std::abs(vmin) * 0x1.0p-11 + 1e-6;
+      const double bound =
+          0.5 * scale * (1 + 1e-5) + levels * scale * 0x1.0p-11 + std::abs(vmin) * 0x1.0p-11 + 1e-6;
       for (int i = 0; i < d; ++i) {
         ke += (kt[i] - s.key[i]) * double(kt[i] - s.key[i]);
         kn += double(kt[i]) * kt[i];
         ve += (vt[i] - s.value[i]) * double(vt[i] - s.value[i]);
         vn += double(vt[i]) * vt[i];
-        acc.worst_value_excess = std::max(acc.worst_value_excess, std::abs(vt[i] - s.value[i]) - bound);
+        acc.worst_value_excess =
+            std::max(acc.worst_value_excess, std::abs(vt[i] - s.value[i]) - bound);
       }
       acc.key_rel_mse += ke / kn;
       acc.value_rel_mse += ve / vn;
@@ -367,7 +368,8 @@ TEST(QuantizerTest, DequantizedKeyIsTheRotatedCodebookVectorRotatedBack) {
 TEST(QuantizerTest, CallerRotationAndCentroidsAreUsedUnchanged) {
   const Preset& p = PresetByName("turboquant_4bit_nc");
   const Rotation haar = MakeRotation(RotationKind::kHaar, 64, 5);
-  const Quantizer built = Quantizer::Create("turboquant_4bit_nc", 64, 1, 16, RotationKind::kHaar, 5);
+  const Quantizer built =
+      Quantizer::Create("turboquant_4bit_nc", 64, 1, 16, RotationKind::kHaar, 5);
   const Quantizer custom(p, 64, 1, 16, RotationFromMatrix(haar.matrix, 64));
   std::vector<float> centroids = LloydMaxGaussian(64, 4).centroids;
   for (auto& c : centroids) c *= 1.3f;
@@ -391,8 +393,8 @@ TEST(QuantizerTest, CallerRotationAndCentroidsAreUsedUnchanged) {
   const DequantizedSlot s = custom_book.Dequantize(c.data(), 1, 2, 0);
   const float norm = HalfBitsToFloat(MetaBits(custom_book, c, MetaField::kKeyNorm, 2, 0));
   for (float x : s.key_rotated) {
-    EXPECT_TRUE(std::any_of(centroids.begin(), centroids.end(),
-                            [&](float cc) { return norm * cc == x; }));
+    EXPECT_TRUE(
+        std::any_of(centroids.begin(), centroids.end(), [&](float cc) { return norm * cc == x; }));
   }
 }
 

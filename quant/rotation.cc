@@ -63,16 +63,21 @@ std::vector<float> HaarMatrix(int d, uint64_t seed) {
 
 std::string_view RotationKindName(RotationKind kind) {
   switch (kind) {
-    case RotationKind::kHadamard: return "hadamard";
-    case RotationKind::kHadamardSigns: return "hadamard_signs";
-    case RotationKind::kHaar: return "haar";
-    case RotationKind::kCustom: return "custom";
+    case RotationKind::kHadamard:
+      return "hadamard";
+    case RotationKind::kHadamardSigns:
+      return "hadamard_signs";
+    case RotationKind::kHaar:
+      return "haar";
+    case RotationKind::kCustom:
+      return "custom";
   }
   return "?";
 }
 
 RotationKind ParseRotationKind(std::string_view name) {
-  for (RotationKind k : {RotationKind::kHadamard, RotationKind::kHadamardSigns, RotationKind::kHaar}) {
+  for (RotationKind k :
+       {RotationKind::kHadamard, RotationKind::kHadamardSigns, RotationKind::kHaar}) {
     if (RotationKindName(k) == name) return k;
   }
   throw InvalidArgument("ParseRotationKind", "rotation", fmt::format("\"{}\"", name),
@@ -91,8 +96,9 @@ Rotation MakeRotation(RotationKind kind, int head_dim, uint64_t seed) {
     case RotationKind::kHadamard:
     case RotationKind::kHadamardSigns: {
       if (!IsPowerOfTwo(d)) {
-        throw InvalidArgument("MakeRotation", "head_dim", d,
-                              fmt::format("a power of two for rotation {}", RotationKindName(kind)));
+        throw InvalidArgument(
+            "MakeRotation", "head_dim", d,
+            fmt::format("a power of two for rotation {}", RotationKindName(kind)));
       }
       std::vector<double> s(d, 1.0);
       if (kind == RotationKind::kHadamardSigns) {

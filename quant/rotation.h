@@ -17,7 +17,8 @@ enum class RotationKind {
   kCustom,         // supplied by the caller, used unchanged
 };
 
-std::string_view RotationKindName(RotationKind kind);  // "hadamard", "hadamard_signs", "haar", "custom"
+std::string_view RotationKindName(
+    RotationKind kind);  // "hadamard", "hadamard_signs", "haar", "custom"
 // Parses "hadamard", "hadamard_signs", "haar"; anything else throws tqkv::Error listing them.
 RotationKind ParseRotationKind(std::string_view name);
 
@@ -25,8 +26,9 @@ struct Rotation {
   RotationKind kind = RotationKind::kHadamard;
   uint64_t seed = 0;
   int head_dim = 0;
-  std::vector<float> matrix;  // Πᵀ [head_dim, head_dim] row-major: y[j] = Σ_i x[i] · matrix[i*D + j]
-  uint64_t id = 0;            // XXH3-64 of (head_dim, matrix bytes): identifies it in cache tags
+  std::vector<float>
+      matrix;       // Πᵀ [head_dim, head_dim] row-major: y[j] = Σ_i x[i] · matrix[i*D + j]
+  uint64_t id = 0;  // XXH3-64 of (head_dim, matrix bytes): identifies it in cache tags
 
   // The random signs of kHadamardSigns ([D] of ±1), empty for other kinds. A fused kernel that
   // applies the Walsh-Hadamard transform in place of the GEMM needs them.

@@ -15,8 +15,8 @@ template <typename S>
 struct StatusTraits;
 
 [[noreturn]] void ThrowApiError(const char* api, const char* expr, int code,
-                                const std::string& name, const std::string& text,
-                                const char* file, int line);
+                                const std::string& name, const std::string& text, const char* file,
+                                int line);
 
 template <typename S>
 inline void CheckApiStatus(S status, const char* expr, const char* file, int line) {

@@ -166,8 +166,8 @@ TEST(CudaRuntimeTest, CublasSgemmMatchesCpuProduct) {
   db.CopyFromHost(b, 0, stream.get());
   dc.FillBytes(0xFF, stream.get());  // NaN poison: every element must be written
   const float alpha = 1.0f, beta = 0.0f;
-  TQKV_CUBLAS_CHECK(cublasSgemm(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, db.data(),
-                                N, da.data(), K, &beta, dc.data(), N));
+  TQKV_CUBLAS_CHECK(cublasSgemm(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, db.data(), N,
+                                da.data(), K, &beta, dc.data(), N));
   std::vector<float> c(M * N);
   dc.CopyToHost(c, 0, stream.get());
   stream.Synchronize();

@@ -61,7 +61,8 @@ std::vector<DeviceInfo> QueryDevices() {
 
 void RequireCudaDevice(std::string_view what) {
   if (!CudaCompiledIn()) {
-    throw Error(fmt::format("{}: this build of tqkv has no CUDA support (built without nvcc)", what));
+    throw Error(
+        fmt::format("{}: this build of tqkv has no CUDA support (built without nvcc)", what));
   }
   if (CudaDeviceCount() == 0) {
     throw Error(fmt::format("{}: no CUDA device is available", what));

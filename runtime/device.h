@@ -28,10 +28,10 @@ int CudaDeviceCount();
 struct DeviceInfo {
   int ordinal = 0;
   std::string name;
-  int sm_count = 0;               // streaming multiprocessors
-  int64_t total_memory_bytes = 0; // global memory
+  int sm_count = 0;                // streaming multiprocessors
+  int64_t total_memory_bytes = 0;  // global memory
   int64_t l2_cache_bytes = 0;
-  int compute_major = 0;          // compute capability, e.g. 9.0 for Hopper
+  int compute_major = 0;  // compute capability, e.g. 9.0 for Hopper
   int compute_minor = 0;
   int64_t shared_memory_per_sm_bytes = 0;
 };

@@ -43,21 +43,21 @@ template <typename A, typename B>
 }  // namespace tqkv
 
 // Invariant checks: abort (never throw) with the expression, the operand values and the location.
-#define TQKV_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) [[unlikely]] {                                            \
+#define TQKV_CHECK(cond)                                                     \
+  do {                                                                       \
+    if (!(cond)) [[unlikely]] {                                              \
       ::tqkv::detail::CheckFailed(#cond, std::string(), __FILE__, __LINE__); \
-    }                                                                      \
+    }                                                                        \
   } while (0)
 
-#define TQKV_CHECK_OP_(op, a, b)                                                          \
-  do {                                                                                    \
-    const auto& tqkv_check_a_ = (a);                                                      \
-    const auto& tqkv_check_b_ = (b);                                                      \
-    if (!(tqkv_check_a_ op tqkv_check_b_)) [[unlikely]] {                                 \
-      ::tqkv::detail::CheckOpFailed(#a " " #op " " #b, tqkv_check_a_, tqkv_check_b_,      \
-                                    __FILE__, __LINE__);                                  \
-    }                                                                                     \
+#define TQKV_CHECK_OP_(op, a, b)                                                               \
+  do {                                                                                         \
+    const auto& tqkv_check_a_ = (a);                                                           \
+    const auto& tqkv_check_b_ = (b);                                                           \
+    if (!(tqkv_check_a_ op tqkv_check_b_)) [[unlikely]] {                                      \
+      ::tqkv::detail::CheckOpFailed(#a " " #op " " #b, tqkv_check_a_, tqkv_check_b_, __FILE__, \
+                                    __LINE__);                                                 \
+    }                                                                                          \
   } while (0)
 
 #define TQKV_CHECK_EQ(a, b) TQKV_CHECK_OP_(==, a, b)

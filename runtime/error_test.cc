@@ -28,7 +28,8 @@ TEST(ErrorTest, IsARuntimeError) {
 
 TEST(CheckDeathTest, CheckPrintsExpressionAndLocation) {
   const int blocks = 3;
-  EXPECT_DEATH(TQKV_CHECK(blocks == 4), AllOf(HasSubstr("blocks == 4"), HasSubstr("error_test.cc")));
+  EXPECT_DEATH(TQKV_CHECK(blocks == 4),
+               AllOf(HasSubstr("blocks == 4"), HasSubstr("error_test.cc")));
 }
 
 TEST(CheckDeathTest, CheckOpPrintsBothValues) {
@@ -73,9 +74,9 @@ TEST(ApiCheckTest, ThrowsErrorNamingCallStatusAndLocation) {
     TQKV_API_CHECK_(FakeStatus::kBroken);
     FAIL() << "no throw";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("Fake error 7"), HasSubstr("FAKE_BROKEN"),
-                                HasSubstr("it broke"), HasSubstr("FakeStatus::kBroken"),
-                                HasSubstr("error_test.cc")));
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("Fake error 7"), HasSubstr("FAKE_BROKEN"), HasSubstr("it broke"),
+                      HasSubstr("FakeStatus::kBroken"), HasSubstr("error_test.cc")));
   }
 }
 

@@ -31,9 +31,9 @@ void CheckElementRange(std::string_view op, int64_t count, int64_t offset, int64
     throw InvalidArgument(op, "offset", offset, fmt::format("0 to {} (buffer size)", size));
   }
   if (count < 0 || count > size - offset) {
-    throw InvalidArgument(op, "count", count,
-                          fmt::format("0 to {} (buffer of {} elements, offset {})", size - offset,
-                                      size, offset));
+    throw InvalidArgument(
+        op, "count", count,
+        fmt::format("0 to {} (buffer of {} elements, offset {})", size - offset, size, offset));
   }
 }
 
@@ -97,8 +97,8 @@ void DeviceAllocation::CopyFromHost(const void* src, int64_t num_bytes, int64_t 
 #if TQKV_HAVE_CUDA
   char* dst = static_cast<char*>(data_) + offset_bytes;
   if (stream != nullptr) {
-    TQKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(num_bytes),
-                                    cudaMemcpyHostToDevice, stream));
+    TQKV_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyHostToDevice, stream));
   } else {
     TQKV_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyHostToDevice));
   }
@@ -115,8 +115,8 @@ void DeviceAllocation::CopyToHost(void* dst, int64_t num_bytes, int64_t offset_b
 #if TQKV_HAVE_CUDA
   const char* src = static_cast<const char*>(data_) + offset_bytes;
   if (stream != nullptr) {
-    TQKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(num_bytes),
-                                    cudaMemcpyDeviceToHost, stream));
+    TQKV_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyDeviceToHost, stream));
   } else {
     TQKV_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyDeviceToHost));
   }

@@ -51,8 +51,8 @@ void Stream::Synchronize() const {
 Event::Event(bool timing) {
   RequireCudaDevice("Event");
 #if TQKV_HAVE_CUDA
-  TQKV_CUDA_CHECK(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault
-                                                           : cudaEventDisableTiming));
+  TQKV_CUDA_CHECK(
+      cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
 #else
   (void)timing;
 #endif

@@ -6,10 +6,10 @@
 #include "runtime/device.h"
 
 // Skips the current test (reported as skipped, not passed) when there is no CUDA device.
-#define TQKV_SKIP_WITHOUT_GPU()                                                              \
-  do {                                                                                       \
-    if (::tqkv::CudaDeviceCount() == 0) {                                                    \
-      GTEST_SKIP() << (::tqkv::CudaCompiledIn() ? "no CUDA device on this machine"           \
-                                                : "this build has no CUDA support");         \
-    }                                                                                        \
+#define TQKV_SKIP_WITHOUT_GPU()                                                      \
+  do {                                                                               \
+    if (::tqkv::CudaDeviceCount() == 0) {                                            \
+      GTEST_SKIP() << (::tqkv::CudaCompiledIn() ? "no CUDA device on this machine"   \
+                                                : "this build has no CUDA support"); \
+    }                                                                                \
   } while (0)

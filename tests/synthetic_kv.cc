@@ -54,14 +54,24 @@ void SyntheticKv::GenerateQuery(int64_t pos, std::vector<float>& queries) {
   const int d = options_.head_dim;
   const int group = options_.num_q_heads / options_.num_kv_heads;
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (int hq = 0; hq < options_.num_q_heads; ++hq) {
     const int h = hq / group;
+    // Queries lean on the keys' large channels (weight ∝ the channel's scale), scaled so that the
+    // logits q·k/√D have a standard deviation τ ∈ [1.5, 4], as attention logits of real models do:
+    // E[(q·k)²] = Σ_c q_c² E[k_c²] with E[k_c²] = head_scale² (mean_c² + scale_c²).
     const size_t q0 = queries.size();
-    // Queries lean on the same large channels as the keys, so scores are far from uniform.
+    double energy = 0.0;
     for (int i = 0; i < d; ++i) {
       const size_t c = size_t(h) * d + i;
-      queries.push_back(channel_scale_[c] * normal(rng_) * 0.5f);
+      const float q = channel_scale_[c] * normal(rng_);
+      queries.push_back(q);
+      energy += double(q) * q * head_scale_[h] * head_scale_[h] *
+                (channel_mean_[c] * channel_mean_[c] + channel_scale_[c] * channel_scale_[c]);
     }
+    const double tau = 1.5 + 2.5 * unit(rng_);
+    const double factor = tau * std::sqrt(double(d)) / std::sqrt(energy);
+    for (int i = 0; i < d; ++i) queries[q0 + i] = static_cast<float>(queries[q0 + i] * factor);
     Rope(queries.data() + q0, pos);
   }
 }

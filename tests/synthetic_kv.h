@@ -13,8 +13,8 @@ struct SyntheticKvOptions {
   int num_kv_heads = 8;
   int num_q_heads = 32;
   int head_dim = 128;
-  int outlier_channels = 4;      // per head: channels with large magnitude
-  float outlier_scale = 8.0f;    // their standard deviation relative to the rest
+  int outlier_channels = 4;    // per head: channels with large magnitude
+  float outlier_scale = 8.0f;  // their standard deviation relative to the rest
   float rope_base = 10000.0f;
   uint64_t seed = 1;
 };

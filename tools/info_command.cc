@@ -27,8 +27,8 @@ void PrintInfo() {
   }
 
   fmt::print("\nPresets: bytes per token per KV head (K + V + metadata), compression vs bf16\n");
-  fmt::print("{:<20} {:>6} {:>6} {:>13} {:>13} {:>13}\n", "preset", "K bits", "V bits",
-             "D=64", "D=128", "D=256");
+  fmt::print("{:<20} {:>6} {:>6} {:>13} {:>13} {:>13}\n", "preset", "K bits", "V bits", "D=64",
+             "D=128", "D=256");
   auto row = [](std::string_view name, std::string_view kbits, std::string_view vbits,
                 auto bytes_for) {
     std::string cells;

@@ -1,7 +1,7 @@
 // tqkv: command-line front end of the library (info, store, decode, bench, sim).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
 
@@ -16,8 +16,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", tqkv::kVersion);
   std::string log_level;
-  app.add_option("--log-level", log_level,
-                 "trace, debug, info, warn, error, critical, off (default: $TQKV_LOG_LEVEL or warn)");
+  app.add_option(
+      "--log-level", log_level,
+      "trace, debug, info, warn, error, critical, off (default: $TQKV_LOG_LEVEL or warn)");
   app.parse_complete_callback([&] {
     if (!log_level.empty()) tqkv::SetLogLevel(tqkv::ParseLogLevel(log_level, "--log-level"));
   });
