@@ -8,7 +8,7 @@ namespace tqkv {
 
 enum class DType { kF32, kF16, kBF16, kI32, kI64, kU8 };
 
-constexpr int DTypeSize(DType t) {
+constexpr int64_t DTypeSize(DType t) {
   switch (t) {
     case DType::kF32:
       return 4;
