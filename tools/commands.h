@@ -6,5 +6,7 @@
 namespace tqkv::cli {
 
 void AddInfoCommand(CLI::App& app);
+void AddStoreCommand(CLI::App& app);
+void AddDecodeCommand(CLI::App& app);
 
 }  // namespace tqkv::cli

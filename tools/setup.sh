@@ -4,7 +4,7 @@
 # (see bazel/cuda_configure.bzl).
 set -euo pipefail
 packages=(
-  bazel-bootstrap g++ ca-certificates
+  bazel-bootstrap g++ ca-certificates python3
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
 )

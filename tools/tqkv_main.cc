@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
     if (!log_level.empty()) tqkv::SetLogLevel(tqkv::ParseLogLevel(log_level, "--log-level"));
   });
   tqkv::cli::AddInfoCommand(app);
+  tqkv::cli::AddStoreCommand(app);
+  tqkv::cli::AddDecodeCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,90 @@
+// `tqkv decode`: decode attention over a compressed paged cache (CPU reference).
+#include <fmt/format.h>
+
+#include <optional>
+
+#include "attention/decode_cpu.h"
+#include "quant/quantizer.h"
+#include "runtime/error.h"
+#include "runtime/safetensors.h"
+#include "tools/cli_util.h"
+#include "tools/commands.h"
+
+namespace tqkv::cli {
+namespace {
+
+struct DecodeFlags {
+  QuantizerFlags quant;
+  std::string cache, in, out;
+  std::optional<float> scale;
+};
+
+void RunDecode(const DecodeFlags& flags) {
+  const SafetensorsFile cache_file = ReadSafetensors(flags.cache);
+  const Tensor& cache = cache_file.Require("cache", DType::kU8, 2);
+  const SafetensorsFile in = ReadSafetensors(flags.in);
+  const Tensor& query = RequireFloatTensor(in, "query", 3);
+  const Tensor& tables = in.Require("block_tables", DType::kI32, 2);
+  const Tensor& lens = in.Require("seq_lens", DType::kI32, 1);
+  const int64_t batch = query.shape[0];
+  RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'query'");
+  RequireDim(in, "seq_lens", lens, 0, batch, "B, the sequences of 'query'");
+  const int head_dim = static_cast<int>(query.shape[2]);
+
+  // The KV head count follows from the cache's block_bytes.
+  const Preset& preset = PresetByName(flags.quant.preset);
+  const int64_t per_head_block =
+      int64_t{MakeBlockFormat(preset, head_dim, 1, flags.quant.block_size).block_bytes};
+  const int64_t block_bytes = cache.shape[1];
+  if (block_bytes % per_head_block != 0) {
+    throw Error(fmt::format(
+        "{}: cache block_bytes {} is not a multiple of {} (one KV head of {} at D={}, block {}); "
+        "check --preset, --block-size and the query's head_dim",
+        cache_file.source_name, block_bytes, per_head_block, preset.name, head_dim,
+        flags.quant.block_size));
+  }
+  const int num_kv_heads = static_cast<int>(block_bytes / per_head_block);
+  const Quantizer q = MakeQuantizer(flags.quant, head_dim, num_kv_heads, in);
+
+  std::vector<float> query_f32(static_cast<size_t>(query.num_elements()));
+  for (size_t i = 0; i < query_f32.size(); ++i) {
+    query_f32[i] = LoadAsFloat(query.data.data(), query.dtype, static_cast<int64_t>(i));
+  }
+  DecodeInputs inputs;
+  inputs.query = query_f32.data();
+  inputs.num_seqs = static_cast<int>(batch);
+  inputs.num_q_heads = static_cast<int>(query.shape[1]);
+  inputs.block_tables = tables.values<int32_t>().data();
+  inputs.max_blocks_per_seq = static_cast<int>(tables.shape[1]);
+  inputs.seq_lens = lens.values<int32_t>().data();
+  inputs.scale = flags.scale;
+  std::vector<float> output(query_f32.size()), lse(static_cast<size_t>(batch * query.shape[1]));
+  DecodeCpu(q, cache.data.data(), cache.shape[0], inputs, {output.data(), lse.data()});
+
+  SafetensorsFile out;
+  out.source_name = flags.out;
+  out.tensors.emplace("output", Tensor::FromValues<float>(DType::kF32, query.shape, output));
+  out.tensors.emplace("lse",
+                      Tensor::FromValues<float>(DType::kF32, {batch, query.shape[1]}, lse));
+  WriteSafetensors(flags.out, out);
+}
+
+}  // namespace
+
+void AddDecodeCommand(CLI::App& app) {
+  auto flags = std::make_shared<DecodeFlags>();
+  auto* cmd = app.add_subcommand("decode",
+                                 "Decode attention of query [B, Hq, D] over a compressed cache (CPU)");
+  AddQuantizerFlags(*cmd, flags->quant, /*block_size_required=*/false);
+  cmd->add_option("--cache", flags->cache, "safetensors with 'cache' U8 [NB, block_bytes]")
+      ->required();
+  cmd->add_option("--in", flags->in, "safetensors with query, block_tables, seq_lens "
+                                     "[, rotation, centroids]")
+      ->required();
+  cmd->add_option("--out", flags->out, "safetensors to write: output F32 [B, Hq, D], lse F32 [B, Hq]")
+      ->required();
+  cmd->add_option("--scale", flags->scale, "softmax scale (default 1/sqrt(D))");
+  cmd->callback([flags] { RunDecode(*flags); });
+}
+
+}  // namespace tqkv::cli
