@@ -30,14 +30,15 @@ void Validate(const BlockFormat& f, int64_t num_blocks, const DecodeInputs& in,
     throw InvalidArgument(kWhere, "scale", *in.scale, "finite and > 0");
   }
   if (in.token_begin < 0 || in.token_end < in.token_begin) {
-    throw InvalidArgument(kWhere, "token range", fmt::format("[{}, {})", in.token_begin, in.token_end),
+    throw InvalidArgument(kWhere, "token range",
+                          fmt::format("[{}, {})", in.token_begin, in.token_end),
                           "0 <= token_begin <= token_end");
   }
   if (in.num_seqs == 0) return;
   if (in.query == nullptr || in.block_tables == nullptr || in.seq_lens == nullptr ||
       out.output == nullptr || out.lse == nullptr) {
-    throw Error(fmt::format("{}: query, block_tables, seq_lens, output and lse must not be null",
-                            kWhere));
+    throw Error(
+        fmt::format("{}: query, block_tables, seq_lens, output and lse must not be null", kWhere));
   }
   const int64_t max_len = int64_t{in.max_blocks_per_seq} * f.block_size;
   for (int b = 0; b < in.num_seqs; ++b) {
@@ -83,7 +84,8 @@ void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blo
       scores.assign(static_cast<size_t>(end - begin), 0.0);
       double max_score = -std::numeric_limits<double>::infinity();
       for (int32_t t = begin; t < end; ++t) {
-        const int32_t block_id = in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
+        const int32_t block_id =
+            in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
         const uint8_t* block = cache + int64_t{block_id} * f.block_bytes;
         const int pos = t % f.block_size;
         const uint8_t* codes = block + f.KeyCodesOffset(pos, h);
@@ -100,13 +102,16 @@ void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blo
       std::fill(acc.begin(), acc.end(), 0.0);
       double sum = 0.0;
       for (int32_t t = begin; t < end; ++t) {
-        const int32_t block_id = in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
+        const int32_t block_id =
+            in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
         const uint8_t* block = cache + int64_t{block_id} * f.block_bytes;
         const int pos = t % f.block_size;
         const double p = std::exp(scores[t - begin] - max_score);
         sum += p;
-        const float vs = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, h)));
-        const float vz = HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, h)));
+        const float vs =
+            HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueScale, pos, h)));
+        const float vz =
+            HalfBitsToFloat(LoadHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, h)));
         const uint8_t* codes = block + f.ValueCodesOffset(pos, h);
         for (int i = 0; i < d; ++i) {
           acc[i] += p * std::fma(static_cast<float>(UnpackCode(codes, i, f.value_bits)), vs, vz);
@@ -163,7 +168,8 @@ void ReferenceAttention(const float* q, const float* k, const float* v, int seq_
     for (int t = 0; t < seq_len; ++t) {
       const double p = std::exp(s[t] - m);
       sum += p;
-      for (int i = 0; i < head_dim; ++i) o[i] += p * v[(int64_t{t} * num_kv_heads + h) * head_dim + i];
+      for (int i = 0; i < head_dim; ++i)
+        o[i] += p * v[(int64_t{t} * num_kv_heads + h) * head_dim + i];
     }
     if (seq_len == 0) {
       lse[hq] = -std::numeric_limits<double>::infinity();

@@ -11,13 +11,13 @@
 namespace tqkv {
 
 struct DecodeInputs {
-  const float* query = nullptr;           // [num_seqs, num_q_heads, head_dim]
+  const float* query = nullptr;  // [num_seqs, num_q_heads, head_dim]
   int num_seqs = 0;
   int num_q_heads = 0;                    // a multiple of num_kv_heads (GQA)
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   int max_blocks_per_seq = 0;
-  const int32_t* seq_lens = nullptr;      // [num_seqs], 0 to max_blocks_per_seq · block_size
-  std::optional<float> scale;             // softmax scale; default 1/√D
+  const int32_t* seq_lens = nullptr;  // [num_seqs], 0 to max_blocks_per_seq · block_size
+  std::optional<float> scale;         // softmax scale; default 1/√D
   // Attend only to tokens [token_begin, min(token_end, seq_len)) of every sequence (a split of
   // split-KV); the default is the whole context.
   int32_t token_begin = 0;

@@ -9,78 +9,19 @@
 #include <random>
 
 #include "runtime/error.h"
-#include "tests/synthetic_kv.h"
+#include "tests/decode_scenario.h"
 
 namespace tqkv {
 namespace {
+
+using testing::Build;
+using testing::Scenario;
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                                     "turboquant_3bit_nc"};
-
-// A compressed cache holding `seq_lens` sequences of synthetic K/V in shuffled blocks, plus the
-// uncompressed K/V and a query per sequence.
-struct Scenario {
-  std::vector<int32_t> seq_lens;
-  std::vector<int32_t> block_tables;  // [B, max_blocks]
-  int max_blocks = 0;
-  int64_t num_blocks = 0;
-  std::vector<uint8_t> cache;
-  std::vector<std::vector<float>> keys, values;  // per sequence [L, Hk, D]
-  std::vector<float> queries;                    // [B, Hq, D]
-  int num_q_heads = 0;
-};
-
-Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_heads, uint64_t seed) {
-  const BlockFormat& f = q.format();
-  Scenario s;
-  s.seq_lens = seq_lens;
-  s.num_q_heads = num_q_heads;
-  std::mt19937_64 rng(seed);
-  for (int32_t len : seq_lens)
-    s.max_blocks = std::max(s.max_blocks, (len + f.block_size - 1) / f.block_size);
-  s.max_blocks += 1;  // one unused entry per row
-  int total = 0;
-  for (int32_t len : seq_lens) total += (len + f.block_size - 1) / f.block_size;
-  s.num_blocks = total + 3;  // spare blocks hold garbage that must never be read
-  std::vector<int32_t> ids(s.num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  s.cache.assign(s.num_blocks * f.block_bytes, 0xFF);  // fp16 0xFFFF is NaN: leaks would show
-  s.block_tables.assign(seq_lens.size() * s.max_blocks, -1);
-  testing::SyntheticKvOptions o;
-  o.num_kv_heads = f.num_kv_heads;
-  o.num_q_heads = num_q_heads;
-  o.head_dim = f.head_dim;
-  o.seed = seed;
-  testing::SyntheticKv gen(o);
-  int next = 0;
-  for (size_t b = 0; b < seq_lens.size(); ++b) {
-    const int32_t len = seq_lens[b];
-    for (int i = 0; i < (len + f.block_size - 1) / f.block_size; ++i) {
-      s.block_tables[b * s.max_blocks + i] = ids[next++];
-    }
-    std::vector<float> k, v;
-    gen.Generate(0, len, k, v);
-    std::vector<int64_t> slots(len);
-    for (int t = 0; t < len; ++t) {
-      slots[t] = int64_t{s.block_tables[b * s.max_blocks + t / f.block_size]} * f.block_size +
-                 t % f.block_size;
-    }
-    StoreInputs in;
-    in.key = k.data();
-    in.value = v.data();
-    in.slot_mapping = slots.data();
-    in.num_tokens = len;
-    q.StoreCpu(in, {s.cache.data(), s.num_blocks});
-    s.keys.push_back(std::move(k));
-    s.values.push_back(std::move(v));
-    gen.GenerateQuery(len, s.queries);
-  }
-  return s;
-}
 
 DecodeInputs Inputs(const Scenario& s) {
   DecodeInputs in;

@@ -8,20 +8,37 @@
 #include "runtime/error.h"
 
 namespace tqkv {
+namespace {
 
-BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size) {
-  constexpr const char* kWhere = "MakeBlockFormat";
+void ValidateShape(const char* where, int head_dim, int num_kv_heads, int block_size) {
   if (std::find(std::begin(kHeadDims), std::end(kHeadDims), head_dim) == std::end(kHeadDims)) {
-    throw InvalidArgument(kWhere, "head_dim", head_dim, "64, 128, 256");
+    throw InvalidArgument(where, "head_dim", head_dim, "64, 128, 256");
   }
   if (std::find(std::begin(kBlockSizes), std::end(kBlockSizes), block_size) ==
       std::end(kBlockSizes)) {
-    throw InvalidArgument(kWhere, "block_size", block_size, "16, 32, 64, 128");
+    throw InvalidArgument(where, "block_size", block_size, "16, 32, 64, 128");
   }
   if (num_kv_heads < 1 || num_kv_heads > kMaxKvHeads) {
-    throw InvalidArgument(kWhere, "num_kv_heads", num_kv_heads,
-                          fmt::format("1 to {}", kMaxKvHeads));
+    throw InvalidArgument(where, "num_kv_heads", num_kv_heads, fmt::format("1 to {}", kMaxKvHeads));
   }
+}
+
+}  // namespace
+
+Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size) {
+  ValidateShape("MakeBf16BlockFormat", head_dim, num_kv_heads, block_size);
+  Bf16BlockFormat f;
+  f.head_dim = head_dim;
+  f.num_kv_heads = num_kv_heads;
+  f.block_size = block_size;
+  f.value_offset = 2 * static_cast<int64_t>(block_size) * num_kv_heads * head_dim;
+  f.block_bytes = 2 * f.value_offset;
+  return f;
+}
+
+BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size) {
+  constexpr const char* kWhere = "MakeBlockFormat";
+  ValidateShape(kWhere, head_dim, num_kv_heads, block_size);
   const bool three_bit = preset.key_bits == 3 || preset.value_bits == 3;
   if (three_bit && head_dim % 8 != 0) {
     throw InvalidArgument(kWhere, "head_dim", head_dim,

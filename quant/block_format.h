@@ -60,6 +60,28 @@ struct BlockFormat {
   TQKV_HOST_DEVICE int Bf16SlotBytes() const { return 4 * head_dim; }
 };
 
+// An uncompressed 16-bit (bf16 or fp16) paged block, for layers an engine keeps uncompressed and as
+// the baseline: keys then values, each [block_size][H][D] 16-bit elements.
+//   key (pos, h)   : 2 * ((pos * H + h) * D)
+//   value (pos, h) : value_offset + 2 * ((pos * H + h) * D),  value_offset = 2 * block_size * H * D
+struct Bf16BlockFormat {
+  int head_dim = 0;
+  int num_kv_heads = 0;
+  int block_size = 0;
+  int64_t value_offset = 0;  // bytes
+  int64_t block_bytes = 0;   // 4 * block_size * H * D
+
+  TQKV_HOST_DEVICE int64_t KeyOffset(int pos, int h) const {
+    return 2 * ((static_cast<int64_t>(pos) * num_kv_heads + h) * head_dim);
+  }
+  TQKV_HOST_DEVICE int64_t ValueOffset(int pos, int h) const {
+    return value_offset + KeyOffset(pos, h);
+  }
+};
+
+// Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads).
+Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size);
+
 // Validates and computes a format. Throws tqkv::Error naming the argument and the allowed values:
 // head_dim in {64, 128, 256}; block_size in {16, 32, 64, 128}; num_kv_heads in [1, 256];
 // 3-bit codes need head_dim % 8 == 0.

@@ -127,3 +127,19 @@ TEST(BlockFormatTest, RejectsUnsupportedShapesWithClearMessages) {
 
 }  // namespace
 }  // namespace tqkv
+
+namespace tqkv {
+namespace {
+
+TEST(Bf16BlockFormatTest, KeysThenValuesTokenMajor) {
+  const Bf16BlockFormat f = MakeBf16BlockFormat(128, 8, 16);
+  EXPECT_EQ(f.block_bytes, 16 * 8 * 512);
+  EXPECT_EQ(f.value_offset, 16 * 8 * 256);
+  EXPECT_EQ(f.KeyOffset(5, 3), 2 * (5 * 8 + 3) * 128);
+  EXPECT_EQ(f.ValueOffset(5, 3), f.value_offset + 2 * (5 * 8 + 3) * 128);
+  EXPECT_THROW(MakeBf16BlockFormat(96, 8, 16), Error);
+  EXPECT_THROW(MakeBf16BlockFormat(128, 8, 8), Error);
+}
+
+}  // namespace
+}  // namespace tqkv

@@ -1,6 +1,8 @@
 // GPU tests of the runtime: skipped (not passed) without a device.
+#if TQKV_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#endif
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -8,7 +10,9 @@
 #include <random>
 #include <vector>
 
+#if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
+#endif
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -17,6 +21,8 @@
 
 namespace tqkv {
 namespace {
+
+#if TQKV_HAVE_CUDA
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -193,6 +199,12 @@ TEST(CudaRuntimeTest, CublasHandleMoves) {
   EXPECT_EQ(b.get(), h);
   EXPECT_EQ(a.get(), nullptr);  // NOLINT(bugprone-use-after-move)
 }
+
+#else
+
+TEST(CudaTest, NeedsCuda) { GTEST_SKIP() << "this build has no CUDA support"; }
+
+#endif  // TQKV_HAVE_CUDA
 
 }  // namespace
 }  // namespace tqkv

@@ -225,7 +225,6 @@ std::string ErrnoMessage(int error) { return std::generic_category().message(err
 
 }  // namespace
 
-
 DType ParseDType(std::string_view name) {
   const std::optional<DType> dtype = LookupDType(name);
   if (!dtype) throw InvalidArgument("ParseDType", "dtype", Quote(name), kAllowedDTypes);

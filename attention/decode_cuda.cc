@@ -1,0 +1,223 @@
+#include "attention/decode_cuda.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+
+#include "quant/numerics.h"
+#include "runtime/error.h"
+#include "runtime/memory.h"
+
+#if TQKV_HAVE_CUDA
+#include "attention/decode_launch.h"
+#include "runtime/cuda_check.h"
+#endif
+
+namespace tqkv {
+
+struct CudaDecoder::State {
+  bool bf16 = false;
+  BlockFormat format;  // compressed
+  Bf16BlockFormat bf16_format;
+  int key_kind = 0;  // decode_detail::KeyKind
+  bool rotate_query = false;
+  DeviceBuffer<float> rotation;  // Πᵀ [D, D]
+  uint16_t centroids[16] = {};
+  int sm_count = 0;
+};
+
+namespace {
+
+constexpr int64_t kAlign = 256;
+int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int DeviceSmCount() {
+  const auto devices = QueryDevices();
+  return devices.empty() ? 0 : devices.front().sm_count;
+}
+
+}  // namespace
+
+CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>()) {
+  RequireCudaDevice("CudaDecoder");
+  State& s = *state_;
+  s.format = q.format();
+  const int d = s.format.head_dim;
+  if (s.format.fp8_keys) {
+    s.key_kind = 2;
+  } else {
+    s.key_kind = s.format.key_bits == 4 ? 0 : 1;
+    s.rotate_query = true;
+    s.rotation = DeviceBuffer<float>(int64_t{d} * d);
+    s.rotation.CopyFromHost(q.rotation().matrix);
+    const auto& c = q.codebook().centroids;
+    for (size_t i = 0; i < c.size(); ++i) s.centroids[i] = FloatToHalfBits(c[i]);
+  }
+  s.sm_count = DeviceSmCount();
+}
+
+CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_unique<State>()) {
+  RequireCudaDevice("CudaDecoder");
+  state_->bf16 = true;
+  state_->bf16_format = format;
+  state_->key_kind = 3;
+  state_->sm_count = DeviceSmCount();
+}
+
+CudaDecoder::~CudaDecoder() = default;
+CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
+CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
+
+int CudaDecoder::head_dim() const {
+  return state_->bf16 ? state_->bf16_format.head_dim : state_->format.head_dim;
+}
+int CudaDecoder::num_kv_heads() const {
+  return state_->bf16 ? state_->bf16_format.num_kv_heads : state_->format.num_kv_heads;
+}
+int CudaDecoder::block_size() const {
+  return state_->bf16 ? state_->bf16_format.block_size : state_->format.block_size;
+}
+
+DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq) const {
+  constexpr const char* kWhere = "CudaDecoder::Plan";
+  const int hk = num_kv_heads();
+  if (num_seqs < 1 || num_seqs > 65535) {
+    throw InvalidArgument(kWhere, "num_seqs", num_seqs, "1 to 65535");
+  }
+  if (num_q_heads < hk || num_q_heads % hk != 0 || num_q_heads / hk > 16) {
+    throw InvalidArgument(
+        kWhere, "num_q_heads", num_q_heads,
+        fmt::format("a multiple of num_kv_heads = {} with a group of at most 16", hk));
+  }
+  if (max_blocks_per_seq < 1) {
+    throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
+  }
+  const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
+  // Enough CTAs to fill the device about twice (the kernel fits ~3-4 CTAs per SM), but never
+  // splits shorter than 256 tokens: each CTA builds its codebook table and merges four warps.
+  const int64_t base = int64_t{num_seqs} * hk;
+  const int64_t target_ctas = int64_t{std::max(state_->sm_count, 1)} * 8;
+  int64_t splits = std::max<int64_t>(1, (target_ctas + base - 1) / base);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_len / 256));
+  int64_t tps = (max_len + splits - 1) / splits;
+  tps = std::max<int64_t>(64, (tps + 63) / 64 * 64);
+  DecodePlan plan;
+  plan.num_seqs = num_seqs;
+  plan.num_q_heads = num_q_heads;
+  plan.max_blocks_per_seq = max_blocks_per_seq;
+  plan.tokens_per_split = static_cast<int>(tps);
+  plan.max_splits = static_cast<int>((max_len + tps - 1) / tps);
+  const int64_t rows = int64_t{num_seqs} * num_q_heads;
+  plan.workspace_bytes = AlignUp(2 * rows * head_dim() * 2) +
+                         AlignUp(rows * plan.max_splits * head_dim() * 4) +
+                         AlignUp(rows * plan.max_splits * 4);
+  return plan;
+}
+
+void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
+  constexpr const char* kWhere = "CudaDecoder::Run";
+  const State& s = *state_;
+  if (plan.num_seqs < 1 || plan.tokens_per_split < 64 || plan.max_splits < 1) {
+    throw Error(fmt::format("{}: the plan was not made by CudaDecoder::Plan", kWhere));
+  }
+  if (a.query_dtype != DType::kF32 && a.query_dtype != DType::kF16 &&
+      a.query_dtype != DType::kBF16) {
+    throw InvalidArgument(kWhere, "query_dtype", DTypeName(a.query_dtype), "F32, F16, BF16");
+  }
+  if (a.output_dtype != DType::kF32 && a.output_dtype != DType::kF16 &&
+      a.output_dtype != DType::kBF16) {
+    throw InvalidArgument(kWhere, "output_dtype", DTypeName(a.output_dtype), "F32, F16, BF16");
+  }
+  if (a.query == nullptr || a.cache == nullptr || a.block_tables == nullptr ||
+      a.seq_lens == nullptr || a.output == nullptr || a.lse == nullptr || a.workspace == nullptr) {
+    throw Error(
+        fmt::format("{}: query, cache, block_tables, seq_lens, output, lse and workspace "
+                    "must be device pointers, not null",
+                    kWhere));
+  }
+  if (a.workspace_bytes < plan.workspace_bytes) {
+    throw InvalidArgument(kWhere, "workspace_bytes", a.workspace_bytes,
+                          fmt::format(">= {} (DecodePlan::workspace_bytes)", plan.workspace_bytes));
+  }
+  if (a.num_blocks < 1) throw InvalidArgument(kWhere, "num_blocks", a.num_blocks, ">= 1");
+  if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
+    throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
+  }
+#if TQKV_HAVE_CUDA
+  using namespace decode_detail;
+  const int d = head_dim();
+  const int64_t rows = int64_t{plan.num_seqs} * plan.num_q_heads;
+  uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+  auto* qbuf = reinterpret_cast<uint16_t*>(ws);
+  auto* partial_out = reinterpret_cast<float*>(ws + AlignUp(2 * rows * d * 2));
+  auto* partial_lse = reinterpret_cast<float*>(ws + AlignUp(2 * rows * d * 2) +
+                                               AlignUp(rows * plan.max_splits * d * 4));
+  const int dtype_code = [](DType t) {
+    return t == DType::kF32 ? 0 : (t == DType::kF16 ? 1 : 2);
+  }(a.query_dtype);
+
+  QueryPrepParams qp;
+  qp.query = a.query;
+  qp.in_dtype = dtype_code;
+  qp.rotation = s.rotate_query ? s.rotation.data() : nullptr;
+  qp.out = qbuf;
+  qp.out_bf16 = s.bf16;
+  qp.rows = static_cast<int>(rows);
+  qp.head_dim = d;
+  TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
+
+  SplitParams sp;
+  sp.cache = a.cache;
+  sp.block_tables = a.block_tables;
+  sp.seq_lens = a.seq_lens;
+  sp.query = qbuf;
+  sp.partial_out = partial_out;
+  sp.partial_lse = partial_lse;
+  std::memcpy(sp.centroids, s.centroids, sizeof(sp.centroids));
+  sp.num_seqs = plan.num_seqs;
+  sp.num_q_heads = plan.num_q_heads;
+  sp.num_kv_heads = num_kv_heads();
+  sp.block_size = block_size();
+  sp.max_blocks_per_seq = plan.max_blocks_per_seq;
+  if (s.bf16) {
+    sp.block_bytes = s.bf16_format.block_bytes;
+    sp.meta_offset = s.bf16_format.value_offset;
+  } else {
+    sp.block_bytes = s.format.block_bytes;
+    sp.meta_offset = s.format.meta_offset;
+    sp.data_per_slot = s.format.data_per_slot;
+    sp.key_data_bytes = s.format.key_data_bytes;
+    sp.num_meta = s.format.num_meta;
+  }
+  sp.tokens_per_split = plan.tokens_per_split;
+  sp.max_splits = plan.max_splits;
+  const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  sp.score_scale = scale * static_cast<float>(std::numbers::log2e);
+  const int value_bits = s.bf16 ? 16 : s.format.value_bits;
+  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d,
+                                     plan.num_q_heads / num_kv_heads(), stream));
+
+  MergeParams mp;
+  mp.partial_out = partial_out;
+  mp.partial_lse = partial_lse;
+  mp.seq_lens = a.seq_lens;
+  mp.output = a.output;
+  mp.lse = a.lse;
+  mp.out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
+  mp.num_seqs = plan.num_seqs;
+  mp.num_q_heads = plan.num_q_heads;
+  mp.head_dim = d;
+  mp.tokens_per_split = plan.tokens_per_split;
+  mp.max_splits = plan.max_splits;
+  TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
+#else
+  (void)s;
+  (void)stream;
+  throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kWhere));
+#endif
+}
+
+}  // namespace tqkv

@@ -1,0 +1,77 @@
+// Decode attention on a CUDA device over a paged cache: TurboQuant SoA blocks (all four presets)
+// or uncompressed bf16 blocks (Bf16BlockFormat). Plan on the host, run on the device:
+//
+//   CudaDecoder decoder(quantizer);                         // once: uploads Πᵀ and the codebook
+//   DecodePlan plan = decoder.Plan(B, Hq, max_blocks);      // host only: split layout, workspace
+//   decoder.Run(plan, args, stream);                        // never allocates; graph-capturable
+//
+// Run launches three kernels on `stream`: q·Πᵀ for every query head (once per step, not per
+// tile), the split-KV attention kernel (one CTA per split × KV head × sequence, serving all query
+// heads of the group), and the log-sum-exp merge of the splits. See decode_kernels.cu.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "quant/block_format.h"
+#include "quant/quantizer.h"
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+
+namespace tqkv {
+
+// The split layout of one decode shape, fixed at plan time so the launch is the same every step.
+struct DecodePlan {
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int max_blocks_per_seq = 0;
+  int tokens_per_split = 0;  // a multiple of 64
+  int max_splits = 0;        // upper bound on the splits of any sequence
+  int64_t workspace_bytes = 0;
+};
+
+struct CudaDecodeArgs {
+  const void* query = nullptr;       // [num_seqs, num_q_heads, head_dim] device
+  DType query_dtype = DType::kBF16;  // F16, BF16 or F32
+  const uint8_t* cache = nullptr;    // [num_blocks, block_bytes] device
+  int64_t num_blocks = 0;
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq] device
+  const int32_t* seq_lens = nullptr;      // [num_seqs] device; each <= max_blocks · block_size
+  std::optional<float> scale;             // default 1/√D
+  void* output = nullptr;                 // [num_seqs, num_q_heads, head_dim] device
+  DType output_dtype = DType::kF32;       // F32, F16 or BF16
+  float* lse = nullptr;                   // [num_seqs, num_q_heads] device, natural log
+  void* workspace = nullptr;              // device, >= plan.workspace_bytes
+  int64_t workspace_bytes = 0;
+};
+
+class CudaDecoder {
+ public:
+  // For a compressed cache written by `quantizer` (its format, rotation and codebook).
+  explicit CudaDecoder(const Quantizer& quantizer);
+  // For an uncompressed bf16 cache.
+  explicit CudaDecoder(const Bf16BlockFormat& format);
+  ~CudaDecoder();
+  CudaDecoder(CudaDecoder&&) noexcept;
+  CudaDecoder& operator=(CudaDecoder&&) noexcept;
+
+  int head_dim() const;
+  int num_kv_heads() const;
+  int block_size() const;
+
+  // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
+  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535).
+  DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq) const;
+
+  // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
+  // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·
+  // block_size and block ids < num_blocks (as the CPU reference checks).
+  void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace tqkv

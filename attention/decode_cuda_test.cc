@@ -1,0 +1,355 @@
+// CUDA decode against the CPU reference on the same compressed cache (GPU-tagged; skipped without
+// a device). Fresh random inputs every run; outputs poisoned with NaN before each run; unused
+// cache bytes are 0xFF (NaN as fp16 / bf16) and must never leak into results.
+#if TQKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string_view>
+
+#include "attention/decode_cpu.h"
+#include "attention/decode_cuda.h"
+#include "quant/numerics.h"
+#if TQKV_HAVE_CUDA
+#include "runtime/cuda_check.h"
+#endif
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+#include "tests/decode_scenario.h"
+#include "tests/gpu_test_util.h"
+
+namespace tqkv {
+namespace {
+
+#if TQKV_HAVE_CUDA
+
+using testing::Build;
+using testing::Scenario;
+
+const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                    "turboquant_3bit_nc"};
+
+// Tolerances, derived from what the kernel rounds (the reference is fp64):
+//  - q·Πᵀ is carried as fp16 hi + lo parts (~2^-22), products and sums are fp32: scores are exact
+//    to fp32 for FP8 and bf16 keys, so their LSE is held to 1e-4 relative (measured ~1e-6);
+//  - the codebook is applied as fp16 (2^-12 relative rounding of each centroid, the same for every
+//    token), which shifts MSE scores by up to ~2^-12 of Σ|q·c| — measured up to 7e-4 of the LSE
+//    on these logits (std 1.5-4), so MSE presets are held to 1e-3;
+//  - p·scale enters the P·V product as fp16 (2^-12): the largest error of any output element,
+//    relative to the largest |element| of its row, measured up to 1.8e-3; held to 2.5e-3.
+constexpr double kOutTol = 2.5e-3;
+constexpr double kLseTolExact = 1e-4;
+constexpr double kLseTolCodebook = 1e-3;
+
+double LseTol(const char* preset) {
+  return std::string_view(preset) == "turboquant_k8v4" ? kLseTolExact : kLseTolCodebook;
+}
+
+struct Errors {
+  double out = 0, lse = 0;
+  int64_t bad = 0;  // NaN / inf / unwritten elements
+};
+
+struct DeviceScenario {
+  DeviceBuffer<uint8_t> cache;
+  DeviceBuffer<int32_t> tables, lens;
+  DeviceBuffer<float> query;
+};
+
+DeviceScenario Upload(const Scenario& s, const std::vector<uint8_t>& cache) {
+  DeviceScenario d;
+  d.cache = DeviceBuffer<uint8_t>(static_cast<int64_t>(cache.size()));
+  d.cache.CopyFromHost(cache);
+  d.tables = DeviceBuffer<int32_t>(static_cast<int64_t>(s.block_tables.size()));
+  d.tables.CopyFromHost(s.block_tables);
+  d.lens = DeviceBuffer<int32_t>(static_cast<int64_t>(s.seq_lens.size()));
+  d.lens.CopyFromHost(s.seq_lens);
+  d.query = DeviceBuffer<float>(static_cast<int64_t>(s.queries.size()));
+  d.query.CopyFromHost(s.queries);
+  return d;
+}
+
+// Runs the decoder with fp32 query and output and compares with (ref_out, ref_lse).
+Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const DeviceScenario& d,
+                     int64_t num_blocks, const std::vector<float>& ref_out,
+                     const std::vector<float>& ref_lse, int head_dim) {
+  const int num_seqs = static_cast<int>(s.seq_lens.size());
+  const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks);
+  DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+  DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
+      lse(static_cast<int64_t>(ref_lse.size()));
+  out.FillBytes(0xFF);  // NaN poison: every element must be written
+  lse.FillBytes(0xFF);
+  ws.FillBytes(0xFF);
+  CudaDecodeArgs a;
+  a.query = d.query.data();
+  a.query_dtype = DType::kF32;
+  a.cache = d.cache.data();
+  a.num_blocks = num_blocks;
+  a.block_tables = d.tables.data();
+  a.seq_lens = d.lens.data();
+  a.output = out.data();
+  a.output_dtype = DType::kF32;
+  a.lse = lse.data();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws.size_bytes();
+  decoder.Run(plan, a, nullptr);
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> o(ref_out.size()), l(ref_lse.size());
+  out.CopyToHost(o);
+  lse.CopyToHost(l);
+  Errors e;
+  for (size_t row = 0; row < ref_lse.size(); ++row) {
+    const float rl = ref_lse[row];
+    if (std::isinf(rl)) {
+      if (!(std::isinf(l[row]) && l[row] < 0)) ++e.bad;
+    } else if (!std::isfinite(l[row])) {
+      ++e.bad;
+    } else {
+      e.lse = std::max(e.lse, std::abs(double(l[row]) - rl) / std::max(1.0, std::abs(double(rl))));
+    }
+    double scale = 1e-30, worst = 0;
+    for (int i = 0; i < head_dim; ++i)
+      scale = std::max(scale, std::abs(double(ref_out[row * head_dim + i])));
+    for (int i = 0; i < head_dim; ++i) {
+      const float x = o[row * head_dim + i];
+      if (!std::isfinite(x)) {
+        ++e.bad;
+        continue;
+      }
+      worst = std::max(worst, std::abs(double(x) - ref_out[row * head_dim + i]));
+    }
+    if (std::isfinite(rl)) e.out = std::max(e.out, worst / scale);
+  }
+  return e;
+}
+
+Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
+                       std::vector<int32_t> lens) {
+  const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, 0);
+  const Scenario s = Build(q, lens, hk * group, std::random_device{}());
+  std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
+  DecodeInputs in;
+  in.query = s.queries.data();
+  in.num_seqs = static_cast<int>(s.seq_lens.size());
+  in.num_q_heads = s.num_q_heads;
+  in.block_tables = s.block_tables.data();
+  in.max_blocks_per_seq = s.max_blocks;
+  in.seq_lens = s.seq_lens.data();
+  DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+  const DeviceScenario dev = Upload(s, s.cache);
+  const CudaDecoder decoder(q);
+  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d);
+}
+
+std::vector<int32_t> EdgeLengths(int bs) { return {1, bs - 1, bs, bs + 1, 4097, 700}; }
+
+TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const int block_sizes[] = {16, 32, 64, 128};
+  int bs_index = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      for (int group : {1, 4, 8, 16}) {
+        const int bs = block_sizes[bs_index++ % 4];
+        const Errors e = CheckCompressed(preset, d, 2, group, bs, EdgeLengths(bs));
+        std::printf("%-20s D=%3d group=%2d bs=%3d: out err %.2e, lse err %.2e, bad %lld\n", preset,
+                    d, group, bs, e.out, e.lse, static_cast<long long>(e.bad));
+        EXPECT_EQ(e.bad, 0) << preset << " D=" << d << " group=" << group << " bs=" << bs;
+        EXPECT_LE(e.out, kOutTol) << preset << " D=" << d << " group=" << group << " bs=" << bs;
+        EXPECT_LE(e.lse, LseTol(preset))
+            << preset << " D=" << d << " group=" << group << " bs=" << bs;
+      }
+    }
+  }
+}
+
+TEST(CudaDecodeTest, EveryBlockSizeAtTheMainShape) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (const char* preset : kPresetNames) {
+    for (int bs : {16, 32, 64, 128}) {
+      const Errors e = CheckCompressed(preset, 128, 8, 4, bs, EdgeLengths(bs));
+      std::printf("%-20s D=128 Hk=8 group=4 bs=%3d: out err %.2e, lse err %.2e, bad %lld\n", preset,
+                  bs, e.out, e.lse, static_cast<long long>(e.bad));
+      EXPECT_EQ(e.bad, 0);
+      EXPECT_LE(e.out, kOutTol) << preset << " bs=" << bs;
+      EXPECT_LE(e.lse, LseTol(preset)) << preset << " bs=" << bs;
+    }
+  }
+}
+
+// The bf16 paged decode against fp64 attention over the bf16-rounded K/V and query.
+TEST(CudaDecodeTest, Bf16CacheMatchesAttention) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (int group : {1, 4, 16}) {
+      const int hk = 2, bs = d == 128 ? 16 : 64;
+      // Build the scenario with any preset for the K/V and tables; store them as bf16.
+      const Quantizer q = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+      Scenario s = Build(q, EdgeLengths(bs), hk * group, std::random_device{}());
+      const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs);
+      std::vector<uint8_t> cache(s.num_blocks * f.block_bytes, 0xFF);
+      const int hq = hk * group;
+      std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * hq);
+      for (auto& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+      for (size_t b = 0; b < s.seq_lens.size(); ++b) {
+        for (auto& x : s.keys[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+        for (auto& x : s.values[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+        for (int t = 0; t < s.seq_lens[b]; ++t) {
+          uint8_t* block =
+              cache.data() + int64_t{s.block_tables[b * s.max_blocks + t / bs]} * f.block_bytes;
+          for (int h = 0; h < hk; ++h) {
+            for (int i = 0; i < d; ++i) {
+              const uint16_t kb = FloatToBFloat16Bits(s.keys[b][(int64_t(t) * hk + h) * d + i]);
+              const uint16_t vb = FloatToBFloat16Bits(s.values[b][(int64_t(t) * hk + h) * d + i]);
+              std::memcpy(block + f.KeyOffset(t % bs, h) + 2 * i, &kb, 2);
+              std::memcpy(block + f.ValueOffset(t % bs, h) + 2 * i, &vb, 2);
+            }
+          }
+        }
+        std::vector<double> o(size_t(hq) * d), l(hq);
+        ReferenceAttention(s.queries.data() + b * hq * d, s.keys[b].data(), s.values[b].data(),
+                           s.seq_lens[b], hq, hk, d, 1.0 / std::sqrt(double(d)), o.data(),
+                           l.data());
+        for (int i = 0; i < hq * d; ++i) ref_out[b * hq * d + i] = static_cast<float>(o[i]);
+        for (int i = 0; i < hq; ++i) ref_lse[b * hq + i] = static_cast<float>(l[i]);
+      }
+      const DeviceScenario dev = Upload(s, cache);
+      const CudaDecoder decoder(f);
+      const Errors e = RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d);
+      std::printf("bf16 D=%3d group=%2d: out err %.2e, lse err %.2e, bad %lld\n", d, group, e.out,
+                  e.lse, static_cast<long long>(e.bad));
+      EXPECT_EQ(e.bad, 0);
+      // bf16 P (2^-8 relative) instead of fp16: a looser output bound.
+      EXPECT_LE(e.out, 8e-3) << "D=" << d << " group=" << group;
+      EXPECT_LE(e.lse, kLseTolExact) << "D=" << d << " group=" << group;
+    }
+  }
+}
+
+// fp16 / bf16 queries and outputs, a CUDA graph, and a mixed batch up to long contexts.
+TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
+  std::mt19937 rng(std::random_device{}());
+  std::vector<int32_t> lens = {1, 33000, 5, 2048, 131072 / 8};
+  const Scenario s = Build(q, lens, 32, rng());
+  std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * 32);
+  // The reference sees the query rounded to bf16, as the kernel does.
+  std::vector<float> qb(s.queries.size());
+  std::vector<uint16_t> qbits(s.queries.size());
+  for (size_t i = 0; i < qb.size(); ++i) {
+    qbits[i] = FloatToBFloat16Bits(s.queries[i]);
+    qb[i] = BFloat16BitsToFloat(qbits[i]);
+  }
+  DecodeInputs in;
+  in.query = qb.data();
+  in.num_seqs = static_cast<int>(lens.size());
+  in.num_q_heads = 32;
+  in.block_tables = s.block_tables.data();
+  in.max_blocks_per_seq = s.max_blocks;
+  in.seq_lens = s.seq_lens.data();
+  DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+  const DeviceScenario dev = Upload(s, s.cache);
+  DeviceBuffer<uint16_t> query(static_cast<int64_t>(qbits.size()));
+  query.CopyFromHost(qbits);
+  const CudaDecoder decoder(q);
+  const DecodePlan plan = decoder.Plan(static_cast<int>(lens.size()), 32, s.max_blocks);
+  DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+  DeviceBuffer<uint16_t> out(static_cast<int64_t>(ref_out.size()));
+  DeviceBuffer<float> lse(static_cast<int64_t>(ref_lse.size()));
+  Stream stream;
+  for (DType out_dtype : {DType::kBF16, DType::kF16}) {
+    out.FillBytes(0xFF, stream.get());
+    lse.FillBytes(0xFF, stream.get());
+    CudaDecodeArgs a;
+    a.query = query.data();
+    a.query_dtype = DType::kBF16;
+    a.cache = dev.cache.data();
+    a.num_blocks = s.num_blocks;
+    a.block_tables = dev.tables.data();
+    a.seq_lens = dev.lens.data();
+    a.output = out.data();
+    a.output_dtype = out_dtype;
+    a.lse = lse.data();
+    a.workspace = ws.data();
+    a.workspace_bytes = ws.size_bytes();
+    // Capture the whole Run into a graph and replay it twice.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+    decoder.Run(plan, a, stream.get());
+    TQKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    TQKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.Synchronize();
+    TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TQKV_CUDA_CHECK(cudaGraphDestroy(graph));
+    std::vector<uint16_t> o(ref_out.size());
+    std::vector<float> l(ref_lse.size());
+    out.CopyToHost(o);
+    lse.CopyToHost(l);
+    double worst_out = 0, worst_lse = 0;
+    for (size_t row = 0; row < l.size(); ++row) {
+      ASSERT_TRUE(std::isfinite(l[row]));
+      worst_lse = std::max(worst_lse, std::abs(double(l[row]) - ref_lse[row]) /
+                                          std::max(1.0, std::abs(double(ref_lse[row]))));
+      double scale = 1e-30;
+      for (int i = 0; i < 128; ++i)
+        scale = std::max(scale, std::abs(double(ref_out[row * 128 + i])));
+      for (int i = 0; i < 128; ++i) {
+        const float x = out_dtype == DType::kBF16 ? BFloat16BitsToFloat(o[row * 128 + i])
+                                                  : HalfBitsToFloat(o[row * 128 + i]);
+        ASSERT_TRUE(std::isfinite(x));
+        worst_out = std::max(worst_out, std::abs(double(x) - ref_out[row * 128 + i]) / scale);
+      }
+    }
+    std::printf("graph, %s output: out err %.2e, lse err %.2e\n", DTypeName(out_dtype).data(),
+                worst_out, worst_lse);
+    // The output's own rounding (bf16: 2^-9) adds to the kernel's error.
+    EXPECT_LE(worst_out, out_dtype == DType::kBF16 ? 6e-3 : 3e-3);
+    EXPECT_LE(worst_lse, kLseTolCodebook);
+  }
+}
+
+TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
+  const CudaDecoder decoder(q);
+  EXPECT_THROW(decoder.Plan(4, 12, 10), Error);      // not a multiple of 8
+  EXPECT_THROW(decoder.Plan(4, 8 * 17, 10), Error);  // group 17
+  EXPECT_THROW(decoder.Plan(0, 32, 10), Error);
+  const DecodePlan plan = decoder.Plan(4, 32, 10);
+  CudaDecodeArgs a;
+  EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
+  DeviceBuffer<uint8_t> small(16);
+  a.query = a.cache = small.data();
+  a.block_tables = a.seq_lens = reinterpret_cast<const int32_t*>(small.data());
+  a.output = small.data();
+  a.lse = reinterpret_cast<float*>(small.data());
+  a.workspace = small.data();
+  a.workspace_bytes = 16;
+  a.num_blocks = 1;
+  try {
+    decoder.Run(plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace_bytes = 16"));
+  }
+}
+
+#else
+
+TEST(CudaTest, NeedsCuda) { GTEST_SKIP() << "this build has no CUDA support"; }
+
+#endif  // TQKV_HAVE_CUDA
+
+}  // namespace
+}  // namespace tqkv

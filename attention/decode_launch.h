@@ -1,0 +1,77 @@
+// Device-side interface of the CUDA decode kernels (attention/decode_kernels.cu): plain parameter
+// structs and launch functions that return the launch status. Included by the kernel file and by
+// the host launcher (decode_cuda.cc) in CUDA builds only. No fmt, no exceptions here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tqkv::decode_detail {
+
+// How keys are stored; picks the kernel family.
+enum class KeyKind : int {
+  kMse4 = 0,  // 4-bit codebook indices + fp16 norm (turboquant_4bit_nc)
+  kMse3 = 1,  // 3-bit codebook indices + fp16 norm (turboquant_k3v4_nc, turboquant_3bit_nc)
+  kFp8 = 2,   // FP8 E4M3 per element (turboquant_k8v4)
+  kBf16 = 3,  // uncompressed bf16 K and V (the baseline layout of Bf16BlockFormat)
+};
+
+// Everything one decode launch needs. Pointers are device pointers.
+struct SplitParams {
+  const uint8_t* cache = nullptr;         // [num_blocks, block_bytes]
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens = nullptr;      // [num_seqs]
+  const uint16_t* query = nullptr;        // compressed: [2][num_seqs, num_q_heads, head_dim] fp16
+                                          // hi and lo parts of q·Πᵀ; bf16 cache: [num_seqs,
+                                          // num_q_heads, head_dim] bf16
+  float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
+  float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
+  uint16_t centroids[16] = {};            // fp16 bits of the key codebook (MSE keys)
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  int64_t block_bytes = 0;
+  int64_t meta_offset = 0;   // compressed: start of the fp16 metadata; bf16: value_offset
+  int data_per_slot = 0;     // compressed only
+  int key_data_bytes = 0;    // compressed only
+  int num_meta = 0;          // compressed only
+  int tokens_per_split = 0;  // a multiple of 64
+  int max_splits = 0;
+  float score_scale = 0.0f;  // softmax scale · log2(e)
+};
+
+struct MergeParams {
+  const float* partial_out = nullptr;  // [num_seqs, num_q_heads, max_splits, head_dim]
+  const float* partial_lse = nullptr;  // [num_seqs, num_q_heads, max_splits]
+  const int32_t* seq_lens = nullptr;   // [num_seqs]
+  void* output = nullptr;              // [num_seqs, num_q_heads, head_dim] in out_dtype
+  float* lse = nullptr;                // [num_seqs, num_q_heads]
+  int out_dtype = 0;                   // 0 fp32, 1 fp16, 2 bf16
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int head_dim = 0;
+  int tokens_per_split = 0;
+  int max_splits = 0;
+};
+
+struct QueryPrepParams {
+  const void* query = nullptr;      // [num_seqs, num_q_heads, head_dim] in in_dtype
+  int in_dtype = 0;                 // 0 fp32, 1 fp16, 2 bf16
+  const float* rotation = nullptr;  // Πᵀ [head_dim, head_dim] or nullptr (no rotation)
+  uint16_t* out = nullptr;          // fp16: [2][rows, head_dim] hi then lo parts; out_bf16:
+                                    // [rows, head_dim] bf16
+  bool out_bf16 = false;
+  int rows = 0;  // num_seqs * num_q_heads
+  int head_dim = 0;
+};
+
+// group = num_q_heads / num_kv_heads (1..16).
+cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
+                               int group, cudaStream_t stream);
+cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
+cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
+
+}  // namespace tqkv::decode_detail

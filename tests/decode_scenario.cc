@@ -1,0 +1,60 @@
+#include "tests/decode_scenario.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "tests/synthetic_kv.h"
+
+namespace tqkv::testing {
+
+Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_heads, uint64_t seed) {
+  const BlockFormat& f = q.format();
+  Scenario s;
+  s.seq_lens = seq_lens;
+  s.num_q_heads = num_q_heads;
+  std::mt19937_64 rng(seed);
+  for (int32_t len : seq_lens)
+    s.max_blocks = std::max(s.max_blocks, (len + f.block_size - 1) / f.block_size);
+  s.max_blocks += 1;  // one unused entry per row
+  int total = 0;
+  for (int32_t len : seq_lens) total += (len + f.block_size - 1) / f.block_size;
+  s.num_blocks = total + 3;  // spare blocks hold garbage that must never be read
+  std::vector<int32_t> ids(s.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  s.cache.assign(s.num_blocks * f.block_bytes, 0xFF);  // fp16 0xFFFF is NaN: leaks would show
+  s.block_tables.assign(seq_lens.size() * s.max_blocks, -1);
+  SyntheticKvOptions o;
+  o.num_kv_heads = f.num_kv_heads;
+  o.num_q_heads = num_q_heads;
+  o.head_dim = f.head_dim;
+  o.seed = seed;
+  SyntheticKv gen(o);
+  int next = 0;
+  for (size_t b = 0; b < seq_lens.size(); ++b) {
+    const int32_t len = seq_lens[b];
+    for (int i = 0; i < (len + f.block_size - 1) / f.block_size; ++i) {
+      s.block_tables[b * s.max_blocks + i] = ids[next++];
+    }
+    std::vector<float> k, v;
+    gen.Generate(0, len, k, v);
+    std::vector<int64_t> slots(len);
+    for (int t = 0; t < len; ++t) {
+      slots[t] = int64_t{s.block_tables[b * s.max_blocks + t / f.block_size]} * f.block_size +
+                 t % f.block_size;
+    }
+    StoreInputs in;
+    in.key = k.data();
+    in.value = v.data();
+    in.slot_mapping = slots.data();
+    in.num_tokens = len;
+    q.StoreCpu(in, {s.cache.data(), s.num_blocks});
+    s.keys.push_back(std::move(k));
+    s.values.push_back(std::move(v));
+    gen.GenerateQuery(len, s.queries);
+  }
+  return s;
+}
+
+}  // namespace tqkv::testing

@@ -1,0 +1,264 @@
+// Decode attention benchmark on the GPU, Llama-3-8B layer shape (Hq 32, Hk 8, D 128, block 16):
+// turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and the bf16 kernel for batch 1, 16,
+// 64, 256 x context 1k, 4k, 16k, 32k. Reports µs per call (query rotation + split kernel + merge),
+// the cache bytes read, GB/s and the fraction of the read ceiling measured in this run, and,
+// given --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA
+// decode on the same shapes with the ratio.
+//
+//   decode_bench [--quick] [--torch-json PATH] [--json OUT]
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/decode_cuda.h"
+#include "runtime/cuda_check.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+#include "tools/bench/bench_kernels.h"
+
+namespace tqkv::bench {
+namespace {
+
+constexpr int kHq = 32, kHk = 8, kD = 128, kBlock = 16;
+
+struct Ceilings {
+  double copy_gbs = 0, read_gbs = 0;
+};
+
+double MedianMs(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Ceilings MeasureCeilings(Stream& stream) {
+  const int64_t bytes = int64_t{4} << 30;
+  DeviceBuffer<uint8_t> a(bytes), b(bytes);
+  FillRandomBytes(a.data(), bytes, 1, stream.get());
+  DeviceBuffer<uint32_t> sink(4096);
+  sink.FillBytes(0, stream.get());
+  Event start, end;
+  std::vector<float> copy_ms, read_ms;
+  for (int i = 0; i < 6; ++i) {
+    start.Record(stream.get());
+    TQKV_CUDA_CHECK(
+        cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    end.Record(stream.get());
+    end.Synchronize();
+    if (i > 0) copy_ms.push_back(Event::ElapsedMs(start, end));
+    start.Record(stream.get());
+    ReadAll(a.data(), bytes, sink.data(), 4096, stream.get());
+    end.Record(stream.get());
+    end.Synchronize();
+    if (i > 0) read_ms.push_back(Event::ElapsedMs(start, end));
+  }
+  Ceilings c;
+  c.copy_gbs = 2.0 * bytes / (MedianMs(copy_ms) * 1e-3) / 1e9;
+  c.read_gbs = double(bytes) / (MedianMs(read_ms) * 1e-3) / 1e9;
+  return c;
+}
+
+struct Kind {
+  std::string name;        // preset or "bf16"
+  int64_t slot_bytes = 0;  // per token per KV head
+};
+
+struct Result {
+  std::string kind;
+  int batch = 0, context = 0;
+  double us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0;
+};
+
+std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
+                            const std::vector<int>& contexts, const Ceilings& ceil,
+                            Stream& stream) {
+  const bool bf16 = kind.name == "bf16";
+  std::optional<Quantizer> quantizer;
+  std::optional<CudaDecoder> decoder;
+  int64_t block_bytes;
+  if (bf16) {
+    const Bf16BlockFormat f = MakeBf16BlockFormat(kD, kHk, kBlock);
+    block_bytes = f.block_bytes;
+    decoder.emplace(f);
+  } else {
+    quantizer.emplace(Quantizer::Create(kind.name, kD, kHk, kBlock));
+    block_bytes = quantizer->format().block_bytes;
+    decoder.emplace(*quantizer);
+  }
+  // One pool sized for the largest shape and at least 1 GiB, so small shapes rotate among
+  // several block sets and are measured from HBM, not L2.
+  int64_t max_blocks = 0;
+  for (int b : batches) {
+    for (int c : contexts) max_blocks = std::max<int64_t>(max_blocks, int64_t{b} * c / kBlock);
+  }
+  const int64_t pool_blocks = std::max(max_blocks, (int64_t{1} << 30) / block_bytes);
+  DeviceBuffer<uint8_t> pool(pool_blocks * block_bytes);
+  if (bf16) {
+    FillRandomBf16(reinterpret_cast<uint16_t*>(pool.data()), pool.size_bytes() / 2, 7,
+                   stream.get());
+  } else {
+    const BlockFormat& f = quantizer->format();
+    FillRandomBytes(pool.data(), pool.size_bytes(), 7, stream.get());
+    FixCompressedCache(pool.data(), pool_blocks, f.block_bytes, f.meta_offset, kHk, f.num_meta,
+                       kBlock, f.key_data_bytes, f.data_per_slot, f.fp8_keys, stream.get());
+  }
+  TQKV_CUDA_CHECK(cudaGetLastError());
+
+  std::vector<Result> results;
+  std::mt19937 rng(3);
+  for (int batch : batches) {
+    for (int context : contexts) {
+      const int blocks_per_seq = context / kBlock;
+      const int64_t set_blocks = int64_t{batch} * blocks_per_seq;
+      const int sets = static_cast<int>(std::min<int64_t>(8, pool_blocks / set_blocks));
+      std::vector<int32_t> ids(pool_blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      std::vector<int32_t> tables(static_cast<size_t>(sets * set_blocks));
+      std::copy(ids.begin(), ids.begin() + tables.size(), tables.begin());
+      DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(tables.size()));
+      d_tables.CopyFromHost(tables);
+      std::vector<int32_t> lens(batch, context);
+      DeviceBuffer<int32_t> d_lens(batch);
+      d_lens.CopyFromHost(lens);
+      DeviceBuffer<uint16_t> query(int64_t{batch} * kHq * kD);
+      FillRandomBf16(query.data(), query.size(), 11, stream.get());
+      DeviceBuffer<uint16_t> out(int64_t{batch} * kHq * kD);
+      DeviceBuffer<float> lse(int64_t{batch} * kHq);
+      const DecodePlan plan = decoder->Plan(batch, kHq, blocks_per_seq);
+      DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+      CudaDecodeArgs a;
+      a.query = query.data();
+      a.query_dtype = DType::kBF16;
+      a.cache = pool.data();
+      a.num_blocks = pool_blocks;
+      a.seq_lens = d_lens.data();
+      a.output = out.data();
+      a.output_dtype = DType::kBF16;
+      a.lse = lse.data();
+      a.workspace = ws.data();
+      a.workspace_bytes = ws.size_bytes();
+      auto run = [&](int i) {
+        a.block_tables = d_tables.data() + (i % sets) * set_blocks;
+        decoder->Run(plan, a, stream.get());
+      };
+      for (int i = 0; i < 3; ++i) run(i);
+      Event start, end;
+      std::vector<float> ms;
+      const int reps = 10;
+      for (int r = 0; r < 7; ++r) {
+        start.Record(stream.get());
+        for (int i = 0; i < reps; ++i) run(r * reps + i);
+        end.Record(stream.get());
+        end.Synchronize();
+        ms.push_back(Event::ElapsedMs(start, end) / reps);
+      }
+      Result res;
+      res.kind = kind.name;
+      res.batch = batch;
+      res.context = context;
+      res.us = MedianMs(ms) * 1e3;
+      res.bytes = double(batch) * context * kHk * kind.slot_bytes;
+      res.gbs = res.bytes / (res.us * 1e-6) / 1e9;
+      res.frac = res.gbs / ceil.read_gbs;
+      results.push_back(res);
+      fmt::print(
+          "  {:<20} B={:<4} L={:<6} {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  {:5.1f}% of read "
+          "ceiling  (splits {} x {} tokens)\n",
+          kind.name, batch, context, res.us, res.bytes / 1e6, res.gbs, 100 * res.frac,
+          plan.max_splits, plan.tokens_per_split);
+      std::fflush(stdout);
+    }
+  }
+  return results;
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  std::string torch_json, json_out;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0)
+      quick = true;
+    else if (std::strcmp(argv[i], "--torch-json") == 0 && i + 1 < argc)
+      torch_json = argv[++i];
+    else if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc)
+      json_out = argv[++i];
+  }
+  RequireCudaDevice("decode_bench");
+  const auto dev = QueryDevices().front();
+  fmt::print("decode_bench on {} ({} SMs)\n", dev.name, dev.sm_count);
+  Stream stream;
+  const Ceilings ceil = MeasureCeilings(stream);
+  fmt::print("ceilings: copy {:.0f} GB/s (read+write), read-only {:.0f} GB/s\n", ceil.copy_gbs,
+             ceil.read_gbs);
+  std::vector<int> batches = {1, 16, 64, 256}, contexts = {1024, 4096, 16384, 32768};
+  if (quick) {
+    batches = {1, 64};
+    contexts = {4096, 32768};
+  }
+  std::vector<Kind> kinds;
+  for (const char* p : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
+    kinds.push_back({p, MakeBlockFormat(PresetByName(p), kD, 1, kBlock).slot_bytes});
+  }
+  kinds.push_back({"bf16", 4 * kD});
+  std::vector<Result> all;
+  for (const Kind& k : kinds) {
+    auto r = RunKind(k, batches, contexts, ceil, stream);
+    all.insert(all.end(), r.begin(), r.end());
+  }
+  std::map<std::string, double> torch;
+  if (!torch_json.empty()) {
+    std::ifstream in(torch_json);
+    if (in) {
+      const auto j = nlohmann::json::parse(in);
+      for (const auto& e : j["results"]) {
+        torch[fmt::format("{},{}", e["batch"].get<int>(), e["context"].get<int>())] = e["us"];
+      }
+    }
+  }
+  fmt::print(
+      "\n| kind | batch | context | µs | MB read | GB/s | % read ceiling | torch bf16 µs | "
+      "torch / ours |\n|---|---|---|---|---|---|---|---|---|\n");
+  nlohmann::json out = {{"device", dev.name},
+                        {"copy_gbs", ceil.copy_gbs},
+                        {"read_gbs", ceil.read_gbs},
+                        {"results", nlohmann::json::array()}};
+  for (Result& r : all) {
+    const auto it = torch.find(fmt::format("{},{}", r.batch, r.context));
+    r.torch_us = it == torch.end() ? 0 : it->second;
+    fmt::print("| {} | {} | {} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} |\n", r.kind, r.batch,
+               r.context, r.us, r.bytes / 1e6, r.gbs, 100 * r.frac,
+               r.torch_us > 0 ? fmt::format("{:.1f}", r.torch_us) : "-",
+               r.torch_us > 0 ? fmt::format("{:.2f}x", r.torch_us / r.us) : "-");
+    out["results"].push_back({{"kind", r.kind},
+                              {"batch", r.batch},
+                              {"context", r.context},
+                              {"us", r.us},
+                              {"bytes", r.bytes},
+                              {"gbs", r.gbs},
+                              {"fraction_of_read_ceiling", r.frac},
+                              {"torch_us", r.torch_us}});
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << out.dump(1) << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace tqkv::bench
+
+int main(int argc, char** argv) {
+  try {
+    return tqkv::bench::Main(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "decode_bench: error: {}\n", e.what());
+    return 1;
+  }
+}
