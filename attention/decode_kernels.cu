@@ -83,6 +83,19 @@ __device__ __forceinline__ uint32_t CodesToHalf2(uint32_t codes_at_0_and_16) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// (x & mask) | bits in one LOP3 (both constants in registers; with immediates it takes two).
+__device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t SubMagic(uint32_t biased) {
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased),
+                            __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 __device__ __forceinline__ float HalfBitsToFloat(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -192,6 +205,27 @@ struct CompressedValues {
   __device__ __forceinline__ static int D0(int g, int mt) {
     return kValueBits == 4 ? 2 * ((kD / 16) * g + mt) : (kD / 8) * g + 2 * mt;
   }
+
+  // 4-bit codes: m-tiles kMt and kMt+1 (kMt even) at once. One byte-permute gathers bytes kMt,
+  // kMt+1 of both tokens; low nibbles become the exact codes, high nibbles 16·code (masked in
+  // place, no shift), so rows g+8 (odd d) carry a factor 16 that is removed at the end
+  // (kOddRowScale).
+  static constexpr float kOddRowScale = kValueBits == 4 ? 1.0f / 16.0f : 1.0f;
+  template <int kMt>
+  __device__ __forceinline__ static void RowsPair(const uint32_t (&wa)[kValueWords],
+                                                  const uint32_t (&wb)[kValueWords],
+                                                  uint32_t (&rows)[2][2], uint32_t mask_lo,
+                                                  uint32_t mask_hi, uint32_t magic) {
+    static_assert(kValueBits == 4 && kMt % 2 == 0);
+    constexpr int j = kMt % 4;
+    const uint32_t x = __byte_perm(wa[kMt / 4], wb[kMt / 4],
+                                   j | ((j + 1) << 4) | ((4 + j) << 8) | ((5 + j) << 12));
+    const uint32_t y = x >> 8;
+    rows[0][0] = SubMagic(AndOr(x, mask_lo, magic));
+    rows[0][1] = SubMagic(AndOr(x, mask_hi, magic));
+    rows[1][0] = SubMagic(AndOr(y, mask_lo, magic));
+    rows[1][1] = SubMagic(AndOr(y, mask_hi, magic));
+  }
 };
 
 // The key codebook table: entry e (a pair of codes) of lane l at byte 256·e + 4·l, so a lookup
@@ -276,6 +310,7 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
+  static constexpr float kOddRowScale = 1.0f;
   static constexpr bool kBf16 = true;
   static constexpr bool kHasNorm = false;
   static constexpr int kKeyBytes = kD / 2;  // D/4 bf16 elements per thread
@@ -371,6 +406,10 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   }
   __syncthreads();
   const uint32_t lane_off = 4u * lane;
+  uint32_t kMaskLo, kMaskHi, kMagic;
+  asm("mov.b32 %0, 0x000F000F;\n" : "=r"(kMaskLo));
+  asm("mov.b32 %0, 0x00F000F0;\n" : "=r"(kMaskHi));
+  asm("mov.b32 %0, 0x64006400;\n" : "=r"(kMagic));
 
   float acc[kMTiles][kNTiles][4];
   float m[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
@@ -413,7 +452,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   };
   auto load = [&](int c, Chunk& ck) {
     const int t0 = begin + c * kChunk;
-    const int pos0 = t0 & (p.block_size - 1);
+    const uint32_t pos0 = t0 & (p.block_size - 1);
     const uint8_t* base =
         p.cache + static_cast<int64_t>(__ldg(table + (t0 >> block_shift))) * p.block_bytes;
     const uint8_t* at = base + pos0 * stride_token;
@@ -549,20 +588,35 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       }
     }
     // Oᵀ[d, head] += Vᵀ[d, token] · P'ᵀ[token, head].
-    StaticFor<kMTiles>([&](auto mt_c) {
-      constexpr int mt = decltype(mt_c)::value;
-      uint32_t a[4];
-      Traits::template Rows<mt>(cur.v[0], cur.v[1], a[0], a[1]);
-      Traits::template Rows<mt>(cur.v[2], cur.v[3], a[2], a[3]);
+    if constexpr (!Traits::kBf16 && kValueBits == 4) {
+      StaticFor<kMTiles / 2>([&](auto pair_c) {
+        constexpr int mt = 2 * decltype(pair_c)::value;
+        uint32_t r01[2][2], r89[2][2];  // [m-tile][row g / g+8]
+        Traits::template RowsPair<mt>(cur.v[0], cur.v[1], r01, kMaskLo, kMaskHi, kMagic);
+        Traits::template RowsPair<mt>(cur.v[2], cur.v[3], r89, kMaskLo, kMaskHi, kMagic);
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        if constexpr (Traits::kBf16) {
-          MmaBf16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
-        } else {
-          MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t a[4] = {r01[k][0], r01[k][1], r89[k][0], r89[k][1]};
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
         }
-      }
-    });
+      });
+    } else {
+      StaticFor<kMTiles>([&](auto mt_c) {
+        constexpr int mt = decltype(mt_c)::value;
+        uint32_t a[4];
+        Traits::template Rows<mt>(cur.v[0], cur.v[1], a[0], a[1]);
+        Traits::template Rows<mt>(cur.v[2], cur.v[3], a[2], a[3]);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          if constexpr (Traits::kBf16) {
+            MmaBf16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+          } else {
+            MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+          }
+        }
+      });
+    }
   };
 
   if constexpr (Traits::kBf16) {
@@ -645,7 +699,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
           for (int i = 0; i < 4; ++i) {
             const int head = 8 * nt + 2 * t + (i % 2);
             const int d = d0 + i / 2;
-            const float v = acc[mt][nt][i] * factor[nt][i % 2];
+            const float v =
+                acc[mt][nt][i] * factor[nt][i % 2] * (i < 2 ? 1.0f : Traits::kOddRowScale);
             float& dst = acc_s[head * kD + d];
             dst = (w == 0) ? v : dst + v;
           }

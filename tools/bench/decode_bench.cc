@@ -183,7 +183,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  std::string torch_json, json_out;
+  std::string torch_json, json_out, only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       quick = true;
@@ -191,6 +191,8 @@ int Main(int argc, char** argv) {
       torch_json = argv[++i];
     else if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc)
       json_out = argv[++i];
+    else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc)
+      only = argv[++i];
   }
   RequireCudaDevice("decode_bench");
   const auto dev = QueryDevices().front();
@@ -209,6 +211,13 @@ int Main(int argc, char** argv) {
     kinds.push_back({p, MakeBlockFormat(PresetByName(p), kD, 1, kBlock).slot_bytes});
   }
   kinds.push_back({"bf16", 4 * kD});
+  if (!only.empty()) {  // --only KIND:BATCH:CONTEXT, e.g. for a profiler run
+    const auto c1 = only.find(':'), c2 = only.rfind(':');
+    const std::string name = only.substr(0, c1);
+    std::erase_if(kinds, [&](const Kind& k) { return k.name != name; });
+    batches = {std::stoi(only.substr(c1 + 1, c2 - c1 - 1))};
+    contexts = {std::stoi(only.substr(c2 + 1))};
+  }
   std::vector<Result> all;
   for (const Kind& k : kinds) {
     auto r = RunKind(k, batches, contexts, ceil, stream);
