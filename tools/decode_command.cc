@@ -4,6 +4,8 @@
 #include <optional>
 
 #include "attention/decode_cpu.h"
+#include "attention/decode_cuda.h"
+#include "runtime/memory.h"
 #include "quant/quantizer.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
@@ -17,7 +19,44 @@ struct DecodeFlags {
   QuantizerFlags quant;
   std::string cache, in, out;
   std::optional<float> scale;
+  std::string device = "cpu";
 };
+
+// The same decode on the GPU (attention/decode_cuda.h); output F32, lse F32.
+void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query,
+                    const Tensor& tables, const Tensor& lens, std::optional<float> scale,
+                    std::vector<float>& output, std::vector<float>& lse) {
+  const int batch = static_cast<int>(query.shape[0]);
+  const int hq = static_cast<int>(query.shape[1]);
+  DeviceBuffer<uint8_t> d_cache(static_cast<int64_t>(cache.data.size()));
+  d_cache.CopyFromHost(cache.data);
+  DeviceBuffer<uint8_t> d_query(static_cast<int64_t>(query.data.size()));
+  d_query.CopyFromHost(query.data);
+  DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(tables.values<int32_t>().size()));
+  d_tables.CopyFromHost(tables.values<int32_t>());
+  DeviceBuffer<int32_t> d_lens(batch);
+  d_lens.CopyFromHost(lens.values<int32_t>());
+  const CudaDecoder decoder(q);
+  const DecodePlan plan = decoder.Plan(batch, hq, static_cast<int>(tables.shape[1]));
+  DeviceBuffer<uint8_t> workspace(plan.workspace_bytes);
+  DeviceBuffer<float> d_out(static_cast<int64_t>(output.size())), d_lse(static_cast<int64_t>(lse.size()));
+  CudaDecodeArgs a;
+  a.query = d_query.data();
+  a.query_dtype = query.dtype;
+  a.cache = d_cache.data();
+  a.num_blocks = cache.shape[0];
+  a.block_tables = d_tables.data();
+  a.seq_lens = d_lens.data();
+  a.scale = scale;
+  a.output = d_out.data();
+  a.output_dtype = DType::kF32;
+  a.lse = d_lse.data();
+  a.workspace = workspace.data();
+  a.workspace_bytes = workspace.size_bytes();
+  decoder.Run(plan, a, nullptr);
+  d_out.CopyToHost(output);  // synchronous on the default stream: waits for the decode
+  d_lse.CopyToHost(lse);
+}
 
 void RunDecode(const DecodeFlags& flags) {
   const SafetensorsFile cache_file = ReadSafetensors(flags.cache);
@@ -59,7 +98,16 @@ void RunDecode(const DecodeFlags& flags) {
   inputs.seq_lens = lens.values<int32_t>().data();
   inputs.scale = flags.scale;
   std::vector<float> output(query_f32.size()), lse(static_cast<size_t>(batch * query.shape[1]));
-  DecodeCpu(q, cache.data.data(), cache.shape[0], inputs, {output.data(), lse.data()});
+  // The CPU reference validates everything (seq_lens, block ids) on the host; the GPU path runs
+  // it first in checking-only form so that bad tables give the same clear error.
+  if (flags.device == "cuda") {
+    DecodeInputs check = inputs;
+    check.token_end = 0;  // validate, attend to nothing
+    DecodeCpu(q, cache.data.data(), cache.shape[0], check, {output.data(), lse.data()});
+    DecodeOnDevice(q, cache, query, tables, lens, flags.scale, output, lse);
+  } else {
+    DecodeCpu(q, cache.data.data(), cache.shape[0], inputs, {output.data(), lse.data()});
+  }
 
   SafetensorsFile out;
   out.source_name = flags.out;
@@ -74,7 +122,7 @@ void RunDecode(const DecodeFlags& flags) {
 void AddDecodeCommand(CLI::App& app) {
   auto flags = std::make_shared<DecodeFlags>();
   auto* cmd = app.add_subcommand("decode",
-                                 "Decode attention of query [B, Hq, D] over a compressed cache (CPU)");
+                                 "Decode attention of query [B, Hq, D] over a compressed cache (CPU or CUDA)");
   AddQuantizerFlags(*cmd, flags->quant, /*block_size_required=*/false);
   cmd->add_option("--cache", flags->cache, "safetensors with 'cache' U8 [NB, block_bytes]")
       ->required();
@@ -84,6 +132,8 @@ void AddDecodeCommand(CLI::App& app) {
   cmd->add_option("--out", flags->out, "safetensors to write: output F32 [B, Hq, D], lse F32 [B, Hq]")
       ->required();
   cmd->add_option("--scale", flags->scale, "softmax scale (default 1/sqrt(D))");
+  cmd->add_option("--device", flags->device, "cpu (reference, default) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->callback([flags] { RunDecode(*flags); });
 }
 
