@@ -1,0 +1,79 @@
+// An engine-shaped serving simulation over the real API (`tqkv sim`): requests arrive, share a
+// system prompt, are prefilled in chunks and decoded token by token, some fork (n > 1 sampling),
+// and a Schedule shortfall preempts the lowest-priority sequence, like an engine. Every step calls
+// the real KVCacheManager and, for every layer, the real store and decode on the chosen device.
+//
+// K/V are a deterministic function of (layer, position, the token ids up to it), so a shared
+// prefix has the same K/V in every request (prefix caching is exact) and a preempted sequence
+// recomputes the same bytes; "sampled" tokens are a function of (request, branch, position), so a
+// run's outputs do not depend on scheduling, prefix caching or preemption.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+
+namespace tqkv::sim {
+
+struct SimConfig {
+  int layers = 2;
+  int q_heads = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  std::string preset = "turboquant_4bit_nc";  // a preset name or "bf16"
+  int block_size = 16;
+  int64_t num_blocks = 0;     // 0: from kv_memory_gib, else sized so that preemption happens
+  double kv_memory_gib = 0;   // KV memory for all layers (alternative to num_blocks)
+  int requests = 24;
+  int prompt_len = 160;       // including the shared prefix
+  int shared_prefix = 96;     // system prompt shared by every request
+  int decode_len = 32;        // generated tokens per branch
+  int prefill_chunk = 256;    // prompt tokens per step, all sequences together
+  int max_running = 16;       // sequences in flight
+  double fork_fraction = 0.25;  // requests that fork one extra branch after their prompt
+  uint64_t seed = 1;
+  std::string device = "cpu";  // cpu or cuda
+  bool enable_prefix_caching = true;
+  bool check_invariants = false;  // CheckInvariants() after every step
+  bool progress = true;           // a progress line on stderr while running
+};
+
+struct SimReport {
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;       // prompt tokens of all admissions (re-admissions included)
+  int64_t prefill_tokens = 0;      // prompt tokens computed (stored), cached prefixes excluded
+  int64_t cached_tokens = 0;       // prompt tokens served from the prefix cache
+  int64_t decode_tokens = 0;       // generated tokens
+  int64_t preemptions = 0;
+  int64_t forks = 0;
+  int64_t cow_copies = 0;
+  int64_t finished_branches = 0;
+  int64_t num_blocks = 0;
+  int64_t capacity_tokens = 0;        // (num_blocks - 1) · block_size
+  int64_t bf16_capacity_tokens = 0;   // the same memory as bf16
+  int64_t kv_bytes_per_token = 0;     // all layers and KV heads
+  int64_t bf16_bytes_per_token = 0;
+  double prefix_hit_rate = 0;         // cached / prompt tokens looked up
+  double wall_s = 0;
+  double decode_tokens_per_s = 0;     // generated tokens / wall time
+  double manager_us_per_step = 0;     // Schedule + Commit + Fork + Free + AddSequence
+  double store_us_per_step = 0;       // all layers
+  double decode_us_per_step = 0;      // all layers
+  double cosine_mean = 0, cosine_worst = 1;  // decode output vs fp64 attention over raw K/V
+  double rel_error_mean = 0, rel_error_worst = 0;
+  int64_t accuracy_samples = 0;       // (query, head) pairs compared (layer 0)
+  // Decode outputs keyed by (request, branch, position, layer): a checksum of the output rows,
+  // for comparing runs (e.g. with and without prefix caching).
+  std::map<std::tuple<int, int, int, int>, double> output_checksums;
+};
+
+// Runs the simulation. Throws tqkv::Error for invalid configurations (naming the flag).
+SimReport RunSim(const SimConfig& config);
+
+// The report as the table `tqkv sim` prints, and as JSON.
+std::string FormatReport(const SimConfig& config, const SimReport& report);
+std::string ReportJson(const SimConfig& config, const SimReport& report);
+
+}  // namespace tqkv::sim

@@ -1,0 +1,65 @@
+// `tqkv sim`: the engine-shaped serving simulation (tools/sim.h).
+#include <fmt/format.h>
+
+#include <fstream>
+
+#include "runtime/error.h"
+#include "tools/commands.h"
+#include "tools/sim.h"
+
+namespace tqkv::cli {
+
+void AddSimCommand(CLI::App& app) {
+  auto config = std::make_shared<sim::SimConfig>();
+  auto json = std::make_shared<std::string>();
+  auto no_prefix = std::make_shared<bool>(false);
+  auto* cmd = app.add_subcommand(
+      "sim", "Serving simulation over the real block manager, store and decode (CPU or CUDA)");
+  cmd->add_option("--layers", config->layers, "transformer layers")->capture_default_str();
+  cmd->add_option("--q-heads", config->q_heads, "query heads")->capture_default_str();
+  cmd->add_option("--kv-heads", config->kv_heads, "KV heads (must divide --q-heads)")
+      ->capture_default_str();
+  cmd->add_option("--head-dim", config->head_dim, "64, 128, 256")->capture_default_str();
+  cmd->add_option("--preset", config->preset,
+                  "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc, "
+                  "or bf16")
+      ->capture_default_str();
+  cmd->add_option("--block-size", config->block_size, "16, 32, 64, 128")->capture_default_str();
+  cmd->add_option("--num-blocks", config->num_blocks,
+                  "cache blocks (default: sized so that preemption happens)");
+  cmd->add_option("--kv-memory", config->kv_memory_gib, "KV memory in GiB (instead of blocks)");
+  cmd->add_option("--requests", config->requests, "requests")->capture_default_str();
+  cmd->add_option("--prompt-len", config->prompt_len, "prompt tokens per request")
+      ->capture_default_str();
+  cmd->add_option("--shared-prefix", config->shared_prefix,
+                  "system-prompt tokens every request shares")
+      ->capture_default_str();
+  cmd->add_option("--decode-len", config->decode_len, "generated tokens per branch")
+      ->capture_default_str();
+  cmd->add_option("--prefill-chunk", config->prefill_chunk, "prompt tokens per step")
+      ->capture_default_str();
+  cmd->add_option("--max-running", config->max_running, "sequences in flight")
+      ->capture_default_str();
+  cmd->add_option("--fork-fraction", config->fork_fraction,
+                  "fraction of requests that fork a second branch (n = 2 sampling)")
+      ->capture_default_str();
+  cmd->add_option("--seed", config->seed, "seed of the workload and the activations")
+      ->capture_default_str();
+  cmd->add_option("--device", config->device, "cpu (default) or cuda")->capture_default_str();
+  cmd->add_flag("--no-prefix-caching", *no_prefix, "disable prefix caching");
+  cmd->add_flag("--check", config->check_invariants,
+                "check the block manager's invariants after every step");
+  cmd->add_option("--json", *json, "also write the report as JSON to this path");
+  cmd->callback([config, json, no_prefix] {
+    config->enable_prefix_caching = !*no_prefix;
+    const sim::SimReport report = sim::RunSim(*config);
+    fmt::print("{}", sim::FormatReport(*config, report));
+    if (!json->empty()) {
+      std::ofstream out(*json);
+      if (!out) throw Error(fmt::format("tqkv sim: cannot write --json {}", *json));
+      out << sim::ReportJson(*config, report);
+    }
+  });
+}
+
+}  // namespace tqkv::cli
