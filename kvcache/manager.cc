@@ -128,6 +128,15 @@ void KVCacheManager::PublishTrustedBlocks(Sequence& s) {
   s.num_cached_blocks = full;
 }
 
+int32_t KVCacheManager::FirstKeptBlock(const Sequence& s, int64_t start) const {
+  const int32_t window = options_.sliding_window;
+  if (window == 0) return 0;
+  // The window of the first query, but never past a position a Rewind may return to: positions
+  // from the last known token on may be drafts, and their rejection rewinds to them.
+  const int64_t anchor = std::min<int64_t>(start, static_cast<int64_t>(s.tokens.size()) - 1);
+  return static_cast<int32_t>(std::max<int64_t>(0, anchor - window + 1) / block_size_);
+}
+
 int32_t KVCacheManager::MatchPrefix(const Sequence& s) const {
   if (!options_.enable_prefix_caching) return 0;
   // At least one token must be computed: the model needs a query to produce the next token.
@@ -291,8 +300,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     p.hit_offset = static_cast<int32_t>(hit_blocks_.size());
     p.hit_blocks = MatchPrefix(s);
     p.start = static_cast<int64_t>(p.hit_blocks) * bs;
-    const int64_t first_needed = window > 0 ? std::max<int64_t>(0, p.start - window + 1) : 0;
-    const int32_t first_kept = static_cast<int32_t>(first_needed / bs);
+    const int32_t first_kept = FirstKeptBlock(s, p.start);
     for (int32_t j = 0; j < p.hit_blocks; ++j) {
       const int32_t b = pool_.FindCached(s.token_hashes[static_cast<size_t>(j)]);
       hit_blocks_.push_back(b);
@@ -324,8 +332,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     p.new_blocks = p.table_len - current;
     p.release_to = fresh ? 0 : s.num_released;
     if (window > 0) {
-      const int64_t first_needed = std::max<int64_t>(0, p.start - window + 1);
-      p.release_to = std::max<int32_t>(p.release_to, static_cast<int32_t>(first_needed / bs));
+      p.release_to = std::max<int32_t>(p.release_to, FirstKeptBlock(s, p.start));
       if (!fresh) {
         for (int32_t j = s.num_released; j < p.release_to; ++j) {
           const int32_t b = s.blocks[static_cast<size_t>(j)];
@@ -379,8 +386,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   for (Plan& p : plans_) {
     Sequence& s = *p.seq;
     if (!p.fresh) continue;
-    const int64_t first_needed = window > 0 ? std::max<int64_t>(0, p.start - window + 1) : 0;
-    const int32_t first_kept = static_cast<int32_t>(first_needed / bs);
+    const int32_t first_kept = FirstKeptBlock(s, p.start);
     if (options_.enable_prefix_caching) {
       prefix_query_tokens_ += static_cast<int64_t>(s.tokens.size());
       prefix_hit_tokens_ += p.start;
@@ -481,7 +487,8 @@ void KVCacheManager::Commit(SeqId id, std::span<const int32_t> token_ids) {
   Sequence& s = Live("Commit", id);
   const int64_t known = static_cast<int64_t>(s.tokens.size());
   const int64_t count = static_cast<int64_t>(token_ids.size());
-  if (known + count > s.num_scheduled + 1) {
+  // An empty commit is always allowed: a partial prefill produces no token.
+  if (count > 0 && known + count > s.num_scheduled + 1) {
     throw Error(fmt::format(
         "Commit: sequence {}: committing {} tokens would make {} known tokens, but only {} "
         "positions are scheduled (at most {} more tokens can be committed now)",
@@ -632,10 +639,19 @@ std::string KVCacheManager::FindInvariantViolation() const {
         return fmt::format("sequence {}: entry {} = block {} is {}", id, i, b,
                            BlockStateName(m.state));
       }
-      // A published block holds the KV of exactly the tokens its hash names, at this index.
-      if (m.hashed && (i >= s.token_hashes.size() || !(m.hash == s.token_hashes[i]))) {
+      // A trusted block that is published carries the hash of this sequence's tokens. (Past the
+      // trusted blocks a published block may hold KV of a sharer's accepted drafts that this
+      // sequence rejected: it is copied or unpublished before this sequence writes into it.)
+      if (m.hashed && i < static_cast<size_t>(s.num_cached_blocks) &&
+          !(m.hash == s.token_hashes[i])) {
         return fmt::format("sequence {}: entry {} = block {} carries a hash of other tokens", id,
                            i, b);
+      }
+      // Lookahead reservations are this sequence's alone and unpublished.
+      if (static_cast<int64_t>(i) >= CeilDiv(s.num_scheduled, bs) &&
+          (m.ref_count != 1 || m.hashed)) {
+        return fmt::format("sequence {}: reserved entry {} = block {} has ref {}{}", id, i, b,
+                           m.ref_count, m.hashed ? " and a hash" : "");
       }
       if (m.priority < s.priority) {
         return fmt::format("sequence {}: block {} has priority {} < the sequence's {}", id, b,

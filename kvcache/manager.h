@@ -55,7 +55,7 @@ struct KVCacheManagerOptions {
 
 struct SequenceOptions {
   // Cache salt / adapter id: sequences with different extra keys never share cached blocks.
-  std::string_view extra_key;
+  std::string_view extra_key = {};
   // Eviction priority of the blocks this sequence holds, kMinPriority..kMaxPriority: when a
   // cached block must be reclaimed, lower priorities go first.
   int priority = kDefaultPriority;
@@ -216,6 +216,8 @@ class KVCacheManager {
   SeqId IdOf(size_t slot) const;
   size_t NewSlot();
   int32_t MatchPrefix(const Sequence& s) const;  // cached leading blocks, capped
+  // Sliding window: entries below this are not needed by a step whose first query is at start.
+  int32_t FirstKeptBlock(const Sequence& s, int64_t start) const;
   void AppendTokens(Sequence& s, std::span<const int32_t> tokens);
   void PublishTrustedBlocks(Sequence& s);
   void ReleaseTail(Sequence& s, size_t keep);  // releases entries >= keep, last first
