@@ -68,6 +68,39 @@ const uint8_t* KVCache::layer_data(int layer) const {
   return host_layers_[static_cast<size_t>(layer)].get();
 }
 
+void KVCache::CheckBlock(std::string_view where, int layer, int32_t block, size_t size) const {
+  if (layer < 0 || layer >= num_layers_) {
+    throw InvalidArgument(where, "layer", layer, fmt::format("0 to {}", num_layers_ - 1));
+  }
+  if (block < 0 || block >= num_blocks_) {
+    throw InvalidArgument(where, "block", block, fmt::format("0 to {}", num_blocks_ - 1));
+  }
+  if (size != static_cast<size_t>(format_.block_bytes)) {
+    throw InvalidArgument(where, "bytes.size()", size,
+                          fmt::format("{} (block_bytes)", format_.block_bytes));
+  }
+}
+
+void KVCache::ReadBlock(int layer, int32_t block, std::span<uint8_t> bytes) const {
+  CheckBlock("KVCache::ReadBlock", layer, block, bytes.size());
+  if (device_ == CacheDevice::kCuda) {
+    device_layers_[static_cast<size_t>(layer)].CopyToHost(bytes, BlockOffset(block));
+  } else {
+    std::memcpy(bytes.data(), host_layers_[static_cast<size_t>(layer)].get() + BlockOffset(block),
+                bytes.size());
+  }
+}
+
+void KVCache::WriteBlock(int layer, int32_t block, std::span<const uint8_t> bytes) {
+  CheckBlock("KVCache::WriteBlock", layer, block, bytes.size());
+  if (device_ == CacheDevice::kCuda) {
+    device_layers_[static_cast<size_t>(layer)].CopyFromHost(bytes, BlockOffset(block));
+  } else {
+    std::memcpy(host_layers_[static_cast<size_t>(layer)].get() + BlockOffset(block), bytes.data(),
+                bytes.size());
+  }
+}
+
 void KVCache::ApplyCopies(std::span<const BlockCopy> copies, StreamHandle stream) {
   constexpr const char* kWhere = "KVCache::ApplyCopies";
   if (copies.empty()) return;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "kvcache/cache_format.h"
@@ -42,6 +43,11 @@ class KVCache {
   // or Bf16BlockFormat to this).
   int64_t BlockOffset(int32_t block) const { return int64_t{block} * format_.block_bytes; }
 
+  // Copies one whole block between host memory and the cache (bytes.size() == block_bytes()), for
+  // tests, debugging and swapping. Synchronous on kCuda.
+  void ReadBlock(int layer, int32_t block, std::span<uint8_t> bytes) const;
+  void WriteBlock(int layer, int32_t block, std::span<const uint8_t> bytes);
+
   // Copies whole blocks src -> dst in every layer (copy-on-write lists from StepBatch::copies()).
   // Validates every pair before copying anything: ids in 1..num_blocks-1 (never the null block),
   // src != dst, destinations distinct and never a source. On kCuda the copies are enqueued on
@@ -53,6 +59,7 @@ class KVCache {
     void operator()(uint8_t* p) const;
   };
   using HostBytes = std::unique_ptr<uint8_t, FreeDeleter>;
+  void CheckBlock(std::string_view where, int layer, int32_t block, size_t size) const;
 
   CacheFormat format_;
   CacheDevice device_;

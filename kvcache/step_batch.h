@@ -103,6 +103,8 @@ class StepBatch {
   }
   // Bytes reserved by the arena (grows to the largest step seen, never shrinks).
   int64_t arena_capacity_bytes() const { return arena_.size_bytes(); }
+  // Page-locked (a CUDA device was present when the arena was allocated): uploads can be async.
+  bool arena_pinned() const { return arena_.pinned(); }
 
  private:
   friend class KVCacheManager;
