@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 
@@ -46,6 +47,9 @@ FormatTag WithBlockSize(FormatTag tag, int32_t block_size) {
 KVCacheManager::KVCacheManager(const KVCacheManagerOptions& options)
     : options_(Validated(options)),
       block_size_(options.block_size),
+      shift_(std::has_single_bit(static_cast<uint32_t>(options.block_size))
+                 ? std::countr_zero(static_cast<uint32_t>(options.block_size))
+                 : -1),
       pool_(options.num_blocks, options.record_events),
       format_root_(HashFormatTag(WithBlockSize(options.format, options.block_size))),
       block_mark_(static_cast<size_t>(options.num_blocks), 0) {
@@ -114,7 +118,7 @@ void KVCacheManager::AppendTokens(Sequence& s, std::span<const int32_t> tokens) 
 void KVCacheManager::PublishTrustedBlocks(Sequence& s) {
   const int64_t trusted =
       std::min<int64_t>(s.num_scheduled, static_cast<int64_t>(s.tokens.size()) - 1);
-  const int32_t full = static_cast<int32_t>(trusted / block_size_);
+  const int32_t full = static_cast<int32_t>(BlockOf(trusted));
   if (full <= s.num_cached_blocks) return;
   if (options_.enable_prefix_caching) {
     for (int32_t i = s.num_cached_blocks; i < full; ++i) {
@@ -166,6 +170,7 @@ SeqId KVCacheManager::AddSequence(std::span<const int32_t> prompt_tokens,
   const size_t slot = NewSlot();
   Sequence& s = sequences_[slot];
   s.live = true;
+  s.tail_may_be_shared = false;
   s.priority = static_cast<uint8_t>(options.priority);
   s.num_scheduled = 0;
   s.num_cached_blocks = 0;
@@ -177,6 +182,7 @@ SeqId KVCacheManager::AddSequence(std::span<const int32_t> prompt_tokens,
 }
 
 void KVCacheManager::ReleaseTail(Sequence& s, size_t keep) {
+  if (s.blocks.size() > keep) ++s.table_epoch;
   while (s.blocks.size() > keep) {
     const int32_t b = s.blocks.back();
     if (b != kNullBlock) pool_.Release(b);
@@ -205,6 +211,7 @@ SeqId KVCacheManager::Fork(SeqId id) {
   const Sequence& parent = Live("Fork", id);
   Sequence& child = sequences_[slot];
   child.live = true;
+  child.tail_may_be_shared = true;
   child.priority = parent.priority;
   child.num_scheduled = parent.num_scheduled;
   child.num_cached_blocks = parent.num_cached_blocks;
@@ -212,11 +219,12 @@ SeqId KVCacheManager::Fork(SeqId id) {
   child.root = parent.root;
   child.tokens.assign(parent.tokens.begin(), parent.tokens.end());
   child.token_hashes.assign(parent.token_hashes.begin(), parent.token_hashes.end());
-  const size_t shared = static_cast<size_t>(CeilDiv(parent.num_scheduled, block_size_));
+  const size_t shared = static_cast<size_t>(BlocksFor(parent.num_scheduled));
   child.blocks.assign(parent.blocks.begin(), parent.blocks.begin() + static_cast<ptrdiff_t>(shared));
   for (const int32_t b : child.blocks) {
     if (b != kNullBlock) pool_.Acquire(b, child.priority);
   }
+  sequences_[static_cast<size_t>(id & 0xffffffff)].tail_may_be_shared = true;
   ++num_live_;
   return IdOf(slot);
 }
@@ -257,8 +265,13 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   // Phase 1 (no state change): validate every request.
   plans_.resize(requests.size());
   int64_t total_tokens = 0;
+  constexpr size_t kAhead = 8;  // prefetch distance, in requests
   for (size_t i = 0; i < requests.size(); ++i) {
     const StepRequest& r = requests[i];
+    if (i + kAhead < requests.size()) {
+      const uint64_t slot = static_cast<uint64_t>(requests[i + kAhead].seq) & 0xffffffffu;
+      if (slot < sequences_.size()) __builtin_prefetch(&sequences_[slot]);
+    }
     Sequence& s = Live(kWhere, r.seq);
     if (r.num_new_tokens < 0) {
       throw InvalidArgument(kWhere, fmt::format("requests[{}].num_new_tokens (sequence {})", i, r.seq),
@@ -328,7 +341,10 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
           fmt::format("at most {}", kMaxPositions));
     }
     const int32_t current = fresh ? p.hit_blocks : static_cast<int32_t>(s.blocks.size());
-    p.table_len = std::max<int32_t>(current, static_cast<int32_t>(CeilDiv(end, bs)));
+    // Phase 3 reads the table's last entries (slots, new row entries): start the cache miss now
+    // so that the 256 of a decode batch overlap instead of queueing.
+    if (current > 0) __builtin_prefetch(s.blocks.data() + current - 1);
+    p.table_len = std::max<int32_t>(current, static_cast<int32_t>(BlocksFor(end)));
     p.new_blocks = p.table_len - current;
     p.release_to = fresh ? 0 : s.num_released;
     if (window > 0) {
@@ -340,8 +356,10 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
         }
       }
     }
-    if (r.num_new_tokens + r.num_lookahead > 0 && p.start % bs != 0) {
-      const int32_t b = s.blocks[static_cast<size_t>(p.start / bs)];
+    // Copy-on-write: only a partially filled block can hold positions of others; fresh
+    // sequences start on a block boundary.
+    if (r.num_new_tokens + r.num_lookahead > 0 && s.tail_may_be_shared && OffsetOf(p.start) != 0) {
+      const int32_t b = s.blocks[static_cast<size_t>(BlockOf(p.start))];
       const bool shared = pool_.block(b).ref_count > 1 || block_mark_[b] == epoch_;
       p.cow = shared;
       p.unpublish = !shared && pool_.block(b).hashed;
@@ -406,6 +424,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   if (window > 0) {
     for (Plan& p : plans_) {
       Sequence& s = *p.seq;
+      if (p.release_to > s.num_released) ++s.table_epoch;
       for (int32_t j = s.num_released; j < p.release_to; ++j) {
         int32_t& entry = s.blocks[static_cast<size_t>(j)];
         if (entry != kNullBlock) pool_.Release(entry);
@@ -434,7 +453,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     const StepRequest& r = requests[i];
     batch.prefix_hit_tokens_[i] = p.fresh ? static_cast<int32_t>(p.start) : 0;
     if (p.cow || p.unpublish) {
-      int32_t& entry = s.blocks[static_cast<size_t>(p.start / bs)];
+      int32_t& entry = s.blocks[static_cast<size_t>(BlockOf(p.start))];
       // Sharers earlier in this batch may have copied away already: then it is ours alone.
       if (p.cow && pool_.block(entry).ref_count == 1) {
         p.cow = false;
@@ -445,35 +464,53 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
         batch.copies_.push_back(BlockCopy{entry, fresh_block});
         pool_.Release(entry);  // still held by the sequences that share it
         entry = fresh_block;
+        ++s.table_epoch;
         ++cow_copies_;
         ++blocks_allocated_;
       } else if (p.unpublish) {
         pool_.Unregister(entry);
       }
     }
+    // The block holding the next position is now ours alone: it was copied, unpublished, was
+    // exclusive already, or is newly allocated.
+    if (r.num_new_tokens + r.num_lookahead > 0) s.tail_may_be_shared = false;
     for (int32_t j = 0; j < p.new_blocks; ++j) s.blocks.push_back(pool_.Allocate(s.priority));
     blocks_allocated_ += p.new_blocks;
 
     // Slots, one block-sized run at a time.
     const int64_t end = p.start + r.num_new_tokens;
     for (int64_t pos = p.start; pos < end;) {
-      const int64_t offset = pos % bs;
+      const int64_t offset = OffsetOf(pos);
       const int64_t run = std::min<int64_t>(bs - offset, end - pos);
-      const int64_t base = int64_t{s.blocks[static_cast<size_t>(pos / bs)]} * bs + offset;
+      const int64_t base = int64_t{s.blocks[static_cast<size_t>(BlockOf(pos))]} * bs + offset;
       for (int64_t k = 0; k < run; ++k) slots[t++] = base + k;
       pos += run;
     }
     int32_t* row = tables + i * static_cast<size_t>(width);
-    std::memcpy(row, s.blocks.data(), s.blocks.size() * sizeof(int32_t));
-    std::fill(row + s.blocks.size(), row + width, kNullBlock);
+    StepBatch::RowState& written = batch.rows_[i];
+    const int32_t length = static_cast<int32_t>(s.blocks.size());
+    if (written.owner == this && written.seq == r.seq && written.table_epoch == s.table_epoch &&
+        written.length <= length) {
+      // Same sequence, table only appended to: the row holds the old entries and nulls after.
+      std::memcpy(row + written.length, s.blocks.data() + written.length,
+                  static_cast<size_t>(length - written.length) * sizeof(int32_t));
+    } else {
+      std::memcpy(row, s.blocks.data(), static_cast<size_t>(length) * sizeof(int32_t));
+      std::fill(row + length, row + width, kNullBlock);
+    }
+    written = StepBatch::RowState{this, r.seq, s.table_epoch, length};
     seq_lens[i] = static_cast<int32_t>(end);
     query_start[i + 1] = static_cast<int32_t>(t);
     s.num_scheduled = end;
   }
   std::fill(slots + t, slots + padded_tokens, int64_t{-1});
   for (int32_t i = static_cast<int32_t>(requests.size()); i < padded_requests; ++i) {
-    std::fill(tables + static_cast<size_t>(i) * width, tables + static_cast<size_t>(i + 1) * width,
-              kNullBlock);
+    StepBatch::RowState& written = batch.rows_[static_cast<size_t>(i)];
+    if (written.owner != this || written.seq != StepBatch::kPaddingRow) {
+      std::fill(tables + static_cast<size_t>(i) * width,
+                tables + static_cast<size_t>(i + 1) * width, kNullBlock);
+      written = StepBatch::RowState{this, StepBatch::kPaddingRow, 0, 0};
+    }
     seq_lens[i] = 0;
     query_start[i + 1] = static_cast<int32_t>(t);
   }
@@ -522,9 +559,10 @@ void KVCacheManager::Rewind(SeqId id, int64_t num_positions) {
     }
   }
   s.num_scheduled = target;
-  ReleaseTail(s, static_cast<size_t>(CeilDiv(target, block_size_)));
-  s.num_cached_blocks = std::min<int32_t>(s.num_cached_blocks,
-                                          static_cast<int32_t>(target / block_size_));
+  ReleaseTail(s, static_cast<size_t>(BlocksFor(target)));
+  s.num_cached_blocks = std::min<int32_t>(s.num_cached_blocks, static_cast<int32_t>(BlockOf(target)));
+  // The block now holding position `target` may be shared (Fork) or published.
+  s.tail_may_be_shared = true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -646,6 +684,12 @@ std::string KVCacheManager::FindInvariantViolation() const {
           !(m.hash == s.token_hashes[i])) {
         return fmt::format("sequence {}: entry {} = block {} carries a hash of other tokens", id,
                            i, b);
+      }
+      // The flag that lets Schedule skip the copy-on-write check must not lie.
+      if (!s.tail_may_be_shared && static_cast<int64_t>(i) == s.num_scheduled / bs &&
+          s.num_scheduled % bs != 0 && (m.ref_count != 1 || m.hashed)) {
+        return fmt::format("sequence {}: tail entry {} = block {} has ref {}{} but is not flagged",
+                           id, i, b, m.ref_count, m.hashed ? " and a hash" : "");
       }
       // Lookahead reservations are this sequence's alone and unpublished.
       if (static_cast<int64_t>(i) >= CeilDiv(s.num_scheduled, bs) &&

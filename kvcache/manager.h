@@ -184,19 +184,31 @@ class KVCacheManager {
   std::string DebugString() const;
 
  private:
-  struct Sequence {
+  // Two cache lines; the first holds everything a decode step reads (Schedule touches 256 of
+  // these per step, so each miss counts).
+  struct alignas(64) Sequence {
     uint32_t generation = 0;
     bool live = false;
+    // False guarantees that the block holding position num_scheduled (if any) is this sequence's
+    // alone and unpublished, so Schedule skips the copy-on-write check (a cache miss on the
+    // block's metadata). Set by Fork and Rewind, cleared once Schedule has prepared the block.
+    bool tail_may_be_shared = false;
     uint8_t priority = kDefaultPriority;
+    // Bumped whenever an entry of `blocks` changes or is removed (appends keep it): a StepBatch
+    // row written at the same epoch needs only the entries appended since.
+    uint32_t table_epoch = 0;
     uint32_t batch_mark = 0;            // == schedule epoch: already in the current batch
-    int64_t num_scheduled = 0;
     int32_t num_cached_blocks = 0;     // leading entries with trusted, published-or-duplicate KV
     int32_t num_released = 0;          // leading null entries (sliding window)
-    BlockHash root;                    // parent hash of block 0
+    int64_t num_scheduled = 0;
+    std::vector<int32_t> blocks;       // block table
+    // Second line: tokens and hashes (Commit, Lookup, a fresh sequence's first step).
     std::vector<int32_t> tokens;       // [num_tokens]
     std::vector<BlockHash> token_hashes;  // [num_tokens / block_size]
-    std::vector<int32_t> blocks;       // block table
+    BlockHash root;                    // parent hash of block 0
   };
+  static_assert(sizeof(Sequence) == 128);
+
   // Per-request scratch of Schedule, reused across steps.
   struct Plan {
     Sequence* seq = nullptr;
@@ -211,6 +223,14 @@ class KVCacheManager {
     bool unpublish = false;      // ... is ours alone but published: drop its hash
   };
 
+  // Block index and offset of a position: shifts for a power-of-two block size (the usual case);
+  // the per-request path does several, and a 64-bit division costs ~40 cycles.
+  int64_t BlockOf(int64_t pos) const { return shift_ >= 0 ? pos >> shift_ : pos / block_size_; }
+  int64_t OffsetOf(int64_t pos) const {
+    return shift_ >= 0 ? pos & (block_size_ - 1) : pos % block_size_;
+  }
+  int64_t BlocksFor(int64_t positions) const { return BlockOf(positions + block_size_ - 1); }
+
   Sequence& Live(std::string_view where, SeqId id);
   const Sequence& Live(std::string_view where, SeqId id) const;
   SeqId IdOf(size_t slot) const;
@@ -224,6 +244,7 @@ class KVCacheManager {
 
   KVCacheManagerOptions options_;
   int32_t block_size_;
+  int shift_;  // log2(block_size_), or -1 when it is not a power of two
   BlockPool pool_;
   BlockHash format_root_;
   std::vector<Sequence> sequences_;  // slots

@@ -171,7 +171,14 @@ class Harness {
     }
     const std::string before = m_.DebugString();
     const int32_t tokens_before = batch_.num_tokens();
-    const ScheduleResult result = m_.Schedule(reqs, batch_);
+    // Padding as a CUDA-graph engine asks for it, sometimes.
+    ScheduleOptions options;
+    if ((e >> 12) % 3 == 0) {
+      options.pad_tokens_to = (e >> 14) % 24;
+      options.pad_requests_to = (e >> 16) % 8;
+      options.block_table_width = (e >> 18) % 12;
+    }
+    const ScheduleResult result = m_.Schedule(reqs, batch_, options);
     const int64_t available = before_stats.blocks_free + before_stats.blocks_evictable;
     if (!config_.prefix_caching && config_.window == 0) {
       RC_ASSERT(result.admitted == (!never_fits && growth + cow_exact <= available));
@@ -248,6 +255,19 @@ class Harness {
     }
     RC_ASSERT(batch_.query_start_loc()[reqs.size()] == t);
     RC_ASSERT(batch_.num_tokens() == t);
+    RC_ASSERT(batch_.padded_num_tokens() == std::max<int64_t>(t, options.pad_tokens_to));
+    for (int32_t k = static_cast<int32_t>(t); k < batch_.padded_num_tokens(); ++k) {
+      RC_ASSERT(batch_.slot_mapping()[static_cast<size_t>(k)] == -1);
+    }
+    RC_ASSERT(batch_.padded_num_requests() ==
+              std::max<int32_t>(static_cast<int32_t>(reqs.size()), options.pad_requests_to));
+    RC_ASSERT(batch_.block_table_width() >= options.block_table_width);
+    for (int32_t row = static_cast<int32_t>(reqs.size()); row < batch_.padded_num_requests();
+         ++row) {
+      RC_ASSERT(batch_.seq_lens()[static_cast<size_t>(row)] == 0);
+      RC_ASSERT(batch_.query_start_loc()[static_cast<size_t>(row) + 1] == t);
+      for (int32_t entry : batch_.block_table(row)) RC_ASSERT(entry == kNullBlock);
+    }
     std::sort(written.begin(), written.end());
     RC_ASSERT(std::adjacent_find(written.begin(), written.end()) == written.end());
   }

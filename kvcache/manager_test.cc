@@ -185,8 +185,8 @@ TEST(ManagerTest, BatchIsInRequestOrderWithPadding) {
   EXPECT_THAT(Vec(b.query_start_loc()), ElementsAre(0, 2, 7, 7, 7));
   // The arena layout: 64-byte aligned sections in the documented order.
   const auto& l = b.layout();
-  EXPECT_EQ(l.slot_mapping, 0);
-  EXPECT_EQ(l.block_tables, 128);
+  EXPECT_EQ(l.block_tables, 0);     // 4 x 3 int32
+  EXPECT_EQ(l.slot_mapping, 64);    // 10 int64
   EXPECT_EQ(l.seq_lens, 192);
   EXPECT_EQ(l.query_start_loc, 256);
   EXPECT_EQ(l.total_bytes, 256 + 20);

@@ -45,17 +45,22 @@ struct BlockCopy {
 //
 // The four device-bound arrays live in one host buffer (pinned when a CUDA device is present), in
 // this order, each section starting at a 64-byte boundary:
+//   block_tables    [B_pad, W]   int32  row i: request i's block table, then the null block (0)
 //   slot_mapping    [T_pad]      int64  slot = block_id * block_size + position % block_size, in
 //                                       request order; -1 for padding
-//   block_tables    [B_pad, W]   int32  row i: request i's block table, then the null block (0)
 //   seq_lens        [B_pad]      int32  context length after this step (0 for padding rows)
 //   query_start_loc [B_pad + 1]  int32  prefix sums of the query lengths
 // so one copy of bytes() uploads a step (layout() gives the byte offsets).
+//
+// Block tables are the bulk of a step (256 sequences of 4k tokens: 256 KiB) and change little
+// between steps, so rows persist: when row i holds the same sequence as last step and that
+// sequence's table only grew, Schedule writes just the new entries. (Hence block_tables first:
+// its offset does not move when the token count changes.)
 class StepBatch {
  public:
   struct Layout {
-    int64_t slot_mapping = 0;  // byte offsets into bytes()
-    int64_t block_tables = 0;
+    int64_t block_tables = 0;  // byte offsets into bytes()
+    int64_t slot_mapping = 0;
     int64_t seq_lens = 0;
     int64_t query_start_loc = 0;
     int64_t total_bytes = 0;
@@ -117,11 +122,23 @@ class StepBatch {
   T* MutableSection(int64_t offset) {
     return reinterpret_cast<T*>(static_cast<std::byte*>(arena_.data()) + offset);
   }
-  // Sets the shapes and sizes the arena (reusing it when large enough). Contents are unspecified.
+  // What a block-table row holds from an earlier step.
+  struct RowState {
+    const void* owner = nullptr;  // the manager that wrote it
+    SeqId seq = kUnknownRow;
+    uint32_t table_epoch = 0;     // the sequence's table epoch when written
+    int32_t length = 0;           // entries written; the rest of the row is null
+  };
+  static constexpr SeqId kUnknownRow = -2;  // contents unknown: rewrite the whole row
+  static constexpr SeqId kPaddingRow = -1;  // all null
+
+  // Sets the shapes and sizes the arena (reusing it when large enough). Block-table rows keep
+  // their contents when the arena and the width stay; everything else is unspecified.
   void Reshape(int32_t num_requests, int32_t padded_requests, int32_t num_tokens,
                int32_t padded_tokens, int32_t width);
 
   HostAllocation arena_;
+  std::vector<RowState> rows_;  // [B_pad]
   Layout layout_;
   int32_t num_requests_ = 0;
   int32_t num_tokens_ = 0;
