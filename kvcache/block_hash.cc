@@ -62,7 +62,13 @@ BlockHash HashBlockTokens(const BlockHash& parent, std::span<const int32_t> toke
   std::memcpy(buffer, &parent.low, sizeof(uint64_t));
   std::memcpy(buffer + sizeof(uint64_t), &parent.high, sizeof(uint64_t));
   const size_t token_bytes = tokens.size() * sizeof(int32_t);
-  if (token_bytes != 0) std::memcpy(buffer + sizeof(BlockHash), tokens.data(), token_bytes);
+  // Fixed 16-byte moves: a variable-length memcpy of 64 bytes compiles to `rep movsq`, whose
+  // start-up cost was a third of the hash (perf, 32k-token AddSequence).
+  const auto* src = reinterpret_cast<const unsigned char*>(tokens.data());
+  unsigned char* dst = buffer + sizeof(BlockHash);
+  size_t i = 0;
+  for (; i + 16 <= token_bytes; i += 16) std::memcpy(dst + i, src + i, 16);
+  for (; i < token_bytes; i += 4) std::memcpy(dst + i, src + i, 4);
   return FromXxh(XXH3_128bits(buffer, sizeof(BlockHash) + token_bytes));
 }
 
