@@ -77,6 +77,7 @@ struct Bf16BlockFormat {
   TQKV_HOST_DEVICE int64_t ValueOffset(int pos, int h) const {
     return value_offset + KeyOffset(pos, h);
   }
+  TQKV_HOST_DEVICE int SlotBytes() const { return 4 * head_dim; }  // K + V of one token-head
 };
 
 // Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads).

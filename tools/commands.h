@@ -8,5 +8,6 @@ namespace tqkv::cli {
 void AddInfoCommand(CLI::App& app);
 void AddStoreCommand(CLI::App& app);
 void AddDecodeCommand(CLI::App& app);
+void AddSimCommand(CLI::App& app);
 
 }  // namespace tqkv::cli

@@ -1,6 +1,10 @@
 // `tqkv info`: version, CUDA support, devices, and the presets' sizes.
 #include <fmt/format.h>
 
+#include <memory>
+#include <string>
+
+#include "kvcache/cache_format.h"
 #include "quant/block_format.h"
 #include "quant/preset.h"
 #include "runtime/device.h"
@@ -48,9 +52,33 @@ void PrintInfo() {
 
 }  // namespace
 
+struct CapacityFlags {
+  double memory_gib = 0;
+  std::string preset = "turboquant_4bit_nc";
+  int layers = 32, kv_heads = 8, head_dim = 128, block_size = 16;
+};
+
 void AddInfoCommand(CLI::App& app) {
-  auto* cmd = app.add_subcommand("info", "Version, CUDA devices and preset sizes");
-  cmd->callback(PrintInfo);
+  auto flags = std::make_shared<CapacityFlags>();
+  auto* cmd = app.add_subcommand(
+      "info", "Version, CUDA devices and preset sizes; with --memory, what fits in that memory");
+  cmd->add_option("--memory", flags->memory_gib, "KV-cache memory in GiB: print blocks and tokens "
+                                                 "that fit, next to bf16");
+  cmd->add_option("--preset", flags->preset, "a preset or bf16")->capture_default_str();
+  cmd->add_option("--layers", flags->layers, "layers")->capture_default_str();
+  cmd->add_option("--kv-heads", flags->kv_heads, "KV heads")->capture_default_str();
+  cmd->add_option("--head-dim", flags->head_dim, "head dim")->capture_default_str();
+  cmd->add_option("--block-size", flags->block_size, "tokens per block")->capture_default_str();
+  cmd->callback([flags] {
+    std::string capacity;  // computed first: a bad flag is one error line, nothing else
+    if (flags->memory_gib > 0) {
+      capacity = FormatCapacityTable(ComputeCapacity(
+          static_cast<int64_t>(flags->memory_gib * double(int64_t{1} << 30)), flags->preset,
+          flags->layers, flags->kv_heads, flags->head_dim, flags->block_size));
+    }
+    PrintInfo();
+    if (!capacity.empty()) fmt::print("\n{}", capacity);
+  });
 }
 
 }  // namespace tqkv::cli

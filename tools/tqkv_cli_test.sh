@@ -19,6 +19,15 @@ check "k3v4_nc row" grep -Eq '^turboquant_k3v4_nc +3 +4 .* 118  4\.34x' <<<"$out
 check "3bit_nc row" grep -Eq '^turboquant_3bit_nc +3 +3 .* 102  5\.02x' <<<"$out"
 check "bf16 row" grep -Eq '^bf16 +16 +16 +256  1\.00x +512  1\.00x +1024  1\.00x' <<<"$out"
 
+out=$($TQKV info --memory 40 --preset turboquant_k3v4_nc --layers 32 --kv-heads 8 --head-dim 128 2>&1); rc=$?
+check "info --memory exits 0" test $rc -eq 0
+# 40 GiB / (32 layers * 8 heads * 118 B * 16 tokens per block) = 88,862 blocks; bf16: 20,480.
+check "info --memory: k3v4 blocks" grep -Eq '^turboquant_k3v4_nc +30,208 +483,328 +88,862 +1,421,776 +4.34x' <<<"$out"
+check "info --memory: bf16 blocks" grep -Eq '^bf16 +131,072 +2,097,152 +20,480 ' <<<"$out"
+out=$($TQKV info --memory 40 --preset nope 2>&1); rc=$?
+check "info --memory with a bad preset exits non-zero" test $rc -ne 0
+check "... with one line naming it" test "$(wc -l <<<"$out")" -eq 1
+
 $TQKV >/dev/null 2>&1; rc=$?
 check "no subcommand is an error" test $rc -ne 0
 out=$($TQKV frobnicate 2>&1); rc=$?

@@ -1,0 +1,156 @@
+// KVCache on the host (the CUDA path: kv_cache_cuda_test.cc).
+#include "kvcache/kv_cache.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "kvcache/manager.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+
+namespace tqkv {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<uint8_t> Pattern(int64_t n, uint8_t seed) {
+  std::vector<uint8_t> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed * 31 + i * 7);
+  return v;
+}
+
+TEST(KVCacheTest, SizesFollowTheFormat) {
+  const CacheFormat f = MakeCacheFormat("turboquant_4bit_nc", 128, 8, 16);
+  KVCache cache(f, 3, 10, CacheDevice::kCpu);
+  EXPECT_EQ(cache.num_layers(), 3);
+  EXPECT_EQ(cache.num_blocks(), 10);
+  EXPECT_EQ(cache.block_bytes(), 17152);
+  EXPECT_EQ(cache.layer_bytes(), 171520);
+  EXPECT_EQ(cache.total_bytes(), 3 * 171520);
+  EXPECT_EQ(cache.BlockOffset(4), 4 * 17152);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(cache.layer_data(0)) % 64, 0u);
+  EXPECT_NE(cache.layer_data(0), cache.layer_data(1));
+  const uint8_t* p = cache.layer_data(2);
+  for (int64_t i = 0; i < cache.layer_bytes(); ++i) ASSERT_EQ(p[i], 0);
+  EXPECT_THROW(cache.layer_data(3), Error);
+
+  KVCache bf16(MakeCacheFormat("bf16", 64, 2, 16), 1, 2, CacheDevice::kCpu);
+  EXPECT_EQ(bf16.block_bytes(), 16 * 2 * 2 * 64 * 2);
+}
+
+TEST(KVCacheTest, RejectsBadShapes) {
+  const CacheFormat f = MakeCacheFormat("bf16", 64, 2, 16);
+  EXPECT_THROW(KVCache(f, 0, 10, CacheDevice::kCpu), Error);
+  try {
+    KVCache cache(f, 1, 1, CacheDevice::kCpu);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("num_blocks = 1"));
+  }
+}
+
+TEST(KVCacheTest, CudaCacheNeedsADevice) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a device is present: kv_cache_cuda_test covers it";
+  EXPECT_THROW(KVCache(MakeCacheFormat("bf16", 64, 2, 16), 1, 4, CacheDevice::kCuda), Error);
+}
+
+TEST(KVCacheTest, ApplyCopiesCopiesWholeBlocksInEveryLayer) {
+  const CacheFormat f = MakeCacheFormat("turboquant_k3v4_nc", 64, 2, 16);
+  KVCache cache(f, 2, 8, CacheDevice::kCpu);
+  for (int l = 0; l < 2; ++l) {
+    for (int32_t b = 1; b < 8; ++b) {
+      cache.WriteBlock(l, b, Pattern(f.block_bytes, static_cast<uint8_t>(l * 16 + b)));
+    }
+  }
+  const BlockCopy copies[] = {{1, 5}, {3, 6}, {1, 7}};
+  cache.ApplyCopies(copies);
+  std::vector<uint8_t> got(static_cast<size_t>(f.block_bytes));
+  for (int l = 0; l < 2; ++l) {
+    const int32_t expect_source[8] = {0, 1, 2, 3, 4, 1, 3, 1};
+    for (int32_t b = 1; b < 8; ++b) {
+      cache.ReadBlock(l, b, got);
+      EXPECT_EQ(got, Pattern(f.block_bytes, static_cast<uint8_t>(l * 16 + expect_source[b])))
+          << "layer " << l << " block " << b;
+    }
+  }
+}
+
+TEST(KVCacheTest, InvalidCopyListsThrowBeforeCopyingAnything) {
+  const CacheFormat f = MakeCacheFormat("bf16", 64, 1, 16);
+  KVCache cache(f, 1, 6, CacheDevice::kCpu);
+  for (int32_t b = 1; b < 6; ++b) cache.WriteBlock(0, b, Pattern(f.block_bytes, b));
+  const std::vector<uint8_t> before(cache.layer_data(0), cache.layer_data(0) + cache.layer_bytes());
+  const std::vector<std::vector<BlockCopy>> bad = {
+      {{1, 2}, {0, 3}},  // the null block
+      {{1, 2}, {3, 6}},  // out of range
+      {{4, 4}},          // onto itself
+      {{1, 2}, {3, 2}},  // one destination twice
+      {{1, 2}, {2, 3}},  // a destination that is also a source
+  };
+  for (const auto& copies : bad) {
+    EXPECT_THROW(cache.ApplyCopies(copies), Error);
+    EXPECT_TRUE(std::equal(before.begin(), before.end(), cache.layer_data(0)));
+  }
+  std::vector<uint8_t> wrong_size(10);
+  EXPECT_THROW(cache.ReadBlock(0, 1, wrong_size), Error);
+  EXPECT_THROW(cache.WriteBlock(0, 6, Pattern(f.block_bytes, 0)), Error);
+}
+
+// The manager's copy-on-write, executed on a real (host) cache: a forked sequence's shared
+// partial block is copied before the writer's store, and both sequences then read their own KV.
+TEST(KVCacheTest, ManagerCopiesExecuteOnTheCache) {
+  constexpr int kBs = 16;
+  const CacheFormat f = MakeCacheFormat("bf16", 64, 1, kBs);
+  const Bf16BlockFormat& bf = f.bf16_format;
+  KVCacheManagerOptions o;
+  o.num_blocks = 8;
+  o.block_size = kBs;
+  o.format = MakeFormatTag(f, 0);
+  KVCacheManager m(o);
+  KVCache cache(f, 2, o.num_blocks, CacheDevice::kCpu);
+  // Tags every byte of a token's key and value (one head).
+  auto store = [&](const StepBatch& batch, uint8_t tag) {
+    cache.ApplyCopies(batch.copies());
+    for (int64_t slot : batch.slot_mapping()) {
+      if (slot < 0) continue;
+      for (int l = 0; l < 2; ++l) {
+        uint8_t* block = cache.layer_data(l) + slot / kBs * f.block_bytes;
+        const int pos = static_cast<int>(slot % kBs);
+        std::fill_n(block + bf.KeyOffset(pos, 0), 2 * bf.head_dim, static_cast<uint8_t>(tag + l));
+        std::fill_n(block + bf.ValueOffset(pos, 0), 2 * bf.head_dim, static_cast<uint8_t>(tag + l));
+      }
+    }
+  };
+  auto byte_at = [&](SeqId s, int64_t pos, int layer) {
+    const int32_t block = m.BlockTable(s)[static_cast<size_t>(pos / kBs)];
+    return cache.layer_data(layer)[block * f.block_bytes + bf.ValueOffset(pos % kBs, 0)];
+  };
+  std::vector<int32_t> prompt(kBs + 2);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  const SeqId parent = m.AddSequence(prompt);
+  StepBatch batch;
+  StepRequest r{parent, kBs + 2, 0};
+  ASSERT_TRUE(m.Schedule({&r, 1}, batch).admitted);
+  store(batch, 10);
+  m.Commit(parent, std::vector<int32_t>{7});
+  const SeqId child = m.Fork(parent);
+  m.Commit(child, {});
+  r = {child, 1, 0};
+  ASSERT_TRUE(m.Schedule({&r, 1}, batch).admitted);
+  ASSERT_EQ(batch.copies().size(), 1u);  // the shared, partially filled second block
+  store(batch, 50);
+  for (int l = 0; l < 2; ++l) {
+    for (int64_t pos = 0; pos < kBs + 2; ++pos) {
+      EXPECT_EQ(byte_at(parent, pos, l), 10 + l);
+      EXPECT_EQ(byte_at(child, pos, l), 10 + l);  // copied
+    }
+    EXPECT_EQ(byte_at(child, kBs + 2, l), 50 + l);
+    EXPECT_EQ(byte_at(parent, kBs + 2, l), 0);  // the parent's block was not written
+  }
+}
+
+}  // namespace
+}  // namespace tqkv
