@@ -1,0 +1,104 @@
+#include "tools/sim.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "runtime/error.h"
+
+namespace tqkv::sim {
+namespace {
+
+using ::testing::HasSubstr;
+
+SimConfig Small() {
+  SimConfig c;
+  c.layers = 2;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 64;
+  c.requests = 10;
+  c.prompt_len = 56;
+  c.shared_prefix = 40;
+  c.decode_len = 10;
+  c.prefill_chunk = 96;
+  c.max_running = 6;
+  c.fork_fraction = 0.5;
+  c.check_invariants = true;  // CheckInvariants() after every step
+  c.progress = false;
+  return c;
+}
+
+// The whole engine loop under memory pressure (preemption), forks (copy-on-write) and prefix
+// reuse; the manager's invariants hold after every step, and the outputs are exactly those of a
+// run without prefix caching (cached blocks hold the bytes a recomputation would write).
+TEST(SimTest, PrefixCachingChangesNothingButTheWork) {
+  SimConfig on = Small();
+  on.num_blocks = 1 + 3 * 5;  // room for about three sequences: forces preemption
+  const SimReport a = RunSim(on);
+  SimConfig off = on;
+  off.enable_prefix_caching = false;
+  const SimReport b = RunSim(off);
+
+  EXPECT_GT(a.preemptions, 0);
+  EXPECT_GT(a.forks, 0);
+  EXPECT_GT(a.cow_copies, 0);
+  EXPECT_GT(a.prefix_hit_rate, 0.2);
+  EXPECT_EQ(b.prefix_hit_rate, 0.0);
+  EXPECT_LT(a.prefill_tokens, b.prefill_tokens);
+  EXPECT_EQ(a.finished_branches, b.finished_branches);
+  EXPECT_EQ(a.finished_branches, on.requests + a.forks);
+  EXPECT_EQ(a.decode_tokens, b.decode_tokens);
+  ASSERT_FALSE(a.output_checksums.empty());
+  EXPECT_EQ(a.output_checksums, b.output_checksums);
+}
+
+TEST(SimTest, NumbersArePlausible) {
+  SimConfig c = Small();
+  const SimReport r = RunSim(c);
+  // 4bit_nc at D = 64: 70 bytes per token-head vs 256 for bf16.
+  EXPECT_EQ(r.kv_bytes_per_token, 70 * c.kv_heads * c.layers);
+  EXPECT_EQ(r.bf16_bytes_per_token, 256 * c.kv_heads * c.layers);
+  EXPECT_EQ(r.capacity_tokens, (r.num_blocks - 1) * c.block_size);
+  EXPECT_GT(r.accuracy_samples, 0);
+  // What the format allows (attention:decode_cpu_test): mean cosine ≈ 0.99 on such K/V.
+  EXPECT_GT(r.cosine_mean, 0.97);
+  EXPECT_LE(r.cosine_worst, r.cosine_mean);
+  EXPECT_GT(r.manager_us_per_step, 0.0);
+}
+
+TEST(SimTest, Bf16IsExactToBf16Rounding) {
+  SimConfig c = Small();
+  c.preset = "bf16";
+  const SimReport r = RunSim(c);
+  EXPECT_EQ(r.kv_bytes_per_token, r.bf16_bytes_per_token);
+  EXPECT_GT(r.cosine_mean, 0.9999);
+}
+
+TEST(SimTest, InvalidFlagsNameTheFlag) {
+  auto message = [](SimConfig c) -> std::string {
+    try {
+      RunSim(c);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  SimConfig c = Small();
+  c.preset = "turboquant_9bit";
+  EXPECT_THAT(message(c), HasSubstr("--preset turboquant_9bit"));
+  c = Small();
+  c.q_heads = 9;
+  EXPECT_THAT(message(c), HasSubstr("--q-heads = 9"));
+  c = Small();
+  c.num_blocks = 3;
+  EXPECT_THAT(message(c), HasSubstr("cannot hold one sequence"));
+  c = Small();
+  c.shared_prefix = 100;
+  EXPECT_THAT(message(c), HasSubstr("--shared-prefix = 100"));
+  c = Small();
+  c.device = "tpu";
+  EXPECT_THAT(message(c), HasSubstr("--device = tpu"));
+}
+
+}  // namespace
+}  // namespace tqkv::sim
