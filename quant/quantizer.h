@@ -11,9 +11,13 @@
 #include "quant/codebook.h"
 #include "quant/preset.h"
 #include "quant/rotation.h"
+#include "runtime/device.h"
 #include "runtime/dtype.h"
 
 namespace tqkv {
+
+class StoreDeviceState;  // quant/store_cuda.h
+struct DeviceWorkspace;  // quant/store_cuda.h
 
 // Keys and values of the tokens to store, and where each goes.
 struct StoreInputs {
@@ -60,6 +64,14 @@ class Quantizer {
   // num_blocks · block_size, no slot written twice) and throws tqkv::Error naming the token and
   // the slot; nothing is written when any input is invalid.
   void StoreCpu(const StoreInputs& inputs, CacheRef cache) const;
+
+  // The CUDA store of the same bytes (quant/store_cuda.h; defined in //quant:store_cuda): key,
+  // value and slot mapping of `inputs` and `layer_cache` in device memory, `state` built for this
+  // quantizer (its device tables), `workspace` of state.WorkspaceBytes(num_tokens) bytes. Runs on
+  // `stream` without allocating or synchronizing (CUDA-graph capturable). MSE indices may differ
+  // from StoreCpu by one where y lies within a few ulp of a midpoint (see quant/README.md).
+  void Store(const StoreInputs& inputs, CacheRef layer_cache, const StoreDeviceState& state,
+             DeviceWorkspace workspace, StreamHandle stream) const;
 
   // Encodes one token-head (k, v: [D] fp32) into `block` at position `pos`, head `head`.
   void EncodeSlot(const float* k, const float* v, uint8_t* block, int pos, int head) const;

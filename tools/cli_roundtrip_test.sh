@@ -54,6 +54,16 @@ expect_error "missing tensor" "no tensor named 'key'" \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "bad block size" 'block_size = 24' \
   $TQKV store --preset turboquant_4bit_nc --block-size 24 --num-blocks 10 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+expect_error "unknown --device" 'cpu, cuda' \
+  $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device tpu --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+if ! $TQKV info | grep -q '^CUDA devices: [1-9]'; then
+  # Without a device (CI) the CUDA store says so; with one, tools/bench/store_gpu_run.sh compares
+  # --device cuda with --device cpu.
+  expect_error "--device cuda without a device" 'CUDA' \
+    $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device cuda --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+fi
+expect_error "bad --rotation-path" 'auto, fwht, gemm' \
+  $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device cuda --rotation-path tensor --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "missing input file" 'nope.safetensors' \
   $TQKV decode --preset turboquant_4bit_nc --cache "$tmp/nope.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "cache of another preset" 'not a multiple' \

@@ -212,9 +212,9 @@ SimReport RunSim(const SimConfig& c) {
                                  c.layers, c.kv_heads, c.head_dim, c.block_size)
                      .format.num_blocks;
   } else if (num_blocks == 0) {
-    // Room for about 60 % of the running set's peak demand: enough pressure to preempt.
+    // Room for about 45 % of the running set's peak demand: enough pressure to preempt.
     num_blocks = 1 + std::max<int64_t>(2 * blocks_per_branch,
-                                       blocks_per_branch * std::min(c.requests, c.max_running) * 6 / 10);
+                                       blocks_per_branch * std::min(c.requests, c.max_running) * 45 / 100);
   }
   if (num_blocks - 1 < blocks_per_branch) {
     throw Error(fmt::format(
@@ -239,7 +239,7 @@ SimReport RunSim(const SimConfig& c) {
                   static_cast<int32_t>(num_blocks));
   const ActivationModel model(c);
 
-  // Requests: the shared system prompt, then tokens of their own; one arrives every other step.
+  // Requests: the shared system prompt, then tokens of their own.
   std::vector<int32_t> system_prompt(c.shared_prefix);
   for (int i = 0; i < c.shared_prefix; ++i) {
     system_prompt[i] = static_cast<int32_t>(Mix(c.seed * 7 + i) % kVocab);
@@ -276,8 +276,9 @@ SimReport RunSim(const SimConfig& c) {
 
   while (next_request < c.requests || !waiting.empty() || !running.empty()) {
     ++rep.steps;
-    // Arrivals.
-    if (next_request < c.requests && (rep.steps % 2 == 1 || running.empty())) {
+    // Arrivals: one or two requests per step (seeded).
+    for (int a = 1 + static_cast<int>(Mix(c.seed * 31 + rep.steps) % 2);
+         a > 0 && next_request < c.requests; --a) {
       waiting.push_back(make_request(next_request++));
     }
     // Admit waiting branches while there is room.

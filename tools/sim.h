@@ -27,7 +27,7 @@ struct SimConfig {
   int64_t num_blocks = 0;     // 0: from kv_memory_gib, else sized so that preemption happens
   double kv_memory_gib = 0;   // KV memory for all layers (alternative to num_blocks)
   int requests = 24;
-  int prompt_len = 160;       // including the shared prefix
+  int prompt_len = 150;       // including the shared prefix
   int shared_prefix = 96;     // system prompt shared by every request
   int decode_len = 32;        // generated tokens per branch
   int prefill_chunk = 256;    // prompt tokens per step, all sequences together

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   tqkv::cli::AddInfoCommand(app);
   tqkv::cli::AddStoreCommand(app);
   tqkv::cli::AddDecodeCommand(app);
+  tqkv::cli::AddSimCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

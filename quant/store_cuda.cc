@@ -1,0 +1,443 @@
+#include "quant/store_cuda.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "quant/numerics.h"
+#include "quant/store_launch.h"
+#include "runtime/error.h"
+#include "runtime/stream.h"
+
+#if TQKV_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "runtime/cuda_check.h"
+#endif
+
+namespace tqkv {
+namespace {
+
+constexpr const char* kWhere = "Quantizer::Store";
+constexpr int64_t kAlign = 256;
+// cuBLAS's own recommendation for Hopper; handed to it with cublasSetWorkspace so that it never
+// allocates during a call (graph capture).
+constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+constexpr int kThreadsPerCta = 256;  // store_kernels.cu
+
+int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+bool IsHadamardKind(RotationKind kind) {
+  return kind == RotationKind::kHadamard || kind == RotationKind::kHadamardSigns;
+}
+
+// Byte offsets of the GEMM path's buffers in the workspace.
+struct GemmLayout {
+  int64_t norms = 0, unit_keys = 0, y = 0, cublas = 0, total = 0;
+};
+
+GemmLayout MakeGemmLayout(const Quantizer& q, const StoreOptions& options, int64_t num_tokens) {
+  const BlockFormat& f = q.format();
+  const int64_t rows = num_tokens * f.num_kv_heads;
+  const int64_t unit_key_bytes = options.gemm_precision == GemmPrecision::kBf16 ? 2 : 4;
+  GemmLayout l;
+  l.norms = kAlign;  // after the status
+  l.unit_keys = l.norms + AlignUp(rows * 4);
+  l.y = l.unit_keys + AlignUp(rows * f.head_dim * unit_key_bytes);
+  l.cublas = l.y + AlignUp(rows * f.head_dim * 4);
+  l.total = l.cublas + kCublasWorkspaceBytes;
+  return l;
+}
+
+store::InputType ToInputType(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return store::InputType::kF16;
+    case DType::kBF16:
+      return store::InputType::kBF16;
+    default:
+      return store::InputType::kF32;
+  }
+}
+
+bool SameQuantizer(const Quantizer& a, const Quantizer& b) {
+  const BlockFormat &fa = a.format(), &fb = b.format();
+  return a.preset().name == b.preset().name && fa.head_dim == fb.head_dim &&
+         fa.num_kv_heads == fb.num_kv_heads && fa.block_size == fb.block_size &&
+         a.rotation().id == b.rotation().id && a.codebook().centroids == b.codebook().centroids;
+}
+
+bool Misaligned(const void* p, uintptr_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment != 0;
+}
+
+}  // namespace
+
+std::string_view StorePathName(StorePath path) {
+  switch (path) {
+    case StorePath::kFp8:
+      return "fp8";
+    case StorePath::kFwht:
+      return "fwht";
+    case StorePath::kGemm:
+      return "gemm";
+  }
+  return "?";
+}
+
+StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& options) {
+  if (!quantizer.uses_rotation()) return StorePath::kFp8;
+  const RotationKind kind = quantizer.rotation().kind;
+  switch (options.rotation_path) {
+    case StoreRotationPath::kAuto:
+      return IsHadamardKind(kind) ? StorePath::kFwht : StorePath::kGemm;
+    case StoreRotationPath::kFwht:
+      if (!IsHadamardKind(kind)) {
+        throw InvalidArgument(kWhere, "rotation path", "fwht",
+                              fmt::format("gemm or auto for rotation {} (the in-kernel transform "
+                                          "needs hadamard or hadamard_signs)",
+                                          RotationKindName(kind)));
+      }
+      return StorePath::kFwht;
+    case StoreRotationPath::kGemm:
+      return StorePath::kGemm;
+  }
+  return StorePath::kGemm;
+}
+
+int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
+                            int64_t num_tokens) {
+  if (num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", num_tokens, ">= 0");
+  if (ResolveStorePath(quantizer, options) != StorePath::kGemm) return kAlign;
+  return MakeGemmLayout(quantizer, options, num_tokens).total;
+}
+
+void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
+                            const StoreInputs& in, CacheRef cache, DeviceWorkspace workspace) {
+  const BlockFormat& f = quantizer.format();
+  if (in.num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", in.num_tokens, ">= 0");
+  if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
+    throw InvalidArgument(kWhere, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
+  }
+  if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
+    throw InvalidArgument(kWhere, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
+  }
+  if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
+  const StorePath path = ResolveStorePath(quantizer, options);
+  // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
+  const int64_t max_rows = std::min<int64_t>(
+      std::numeric_limits<int64_t>::max() / f.head_dim / 4,
+      static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
+          (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
+  const int64_t row_limit = path == StorePath::kGemm
+                                ? std::min<int64_t>(max_rows, std::numeric_limits<int32_t>::max())
+                                : max_rows;
+  if (in.num_tokens > row_limit / f.num_kv_heads) {
+    throw InvalidArgument(kWhere, "num_tokens", in.num_tokens,
+                          fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads,
+                                      f.num_kv_heads));
+  }
+  if (cache.num_blocks > std::numeric_limits<int64_t>::max() / f.block_bytes) {
+    throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, "a cache size that fits int64");
+  }
+  const int64_t needed = StoreWorkspaceBytes(quantizer, options, in.num_tokens);
+  if (workspace.size_bytes < needed) {
+    throw InvalidArgument(kWhere, "workspace size_bytes", workspace.size_bytes,
+                          fmt::format(">= {} (StoreWorkspaceBytes for {} tokens, path {})", needed,
+                                      in.num_tokens, StorePathName(path)));
+  }
+  if (workspace.data == nullptr || Misaligned(workspace.data, kAlign)) {
+    throw Error(fmt::format("{}: workspace must be non-null and {}-byte aligned", kWhere, kAlign));
+  }
+  if (in.num_tokens == 0) return;
+  if (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
+      (cache.data == nullptr && cache.num_blocks > 0)) {
+    throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
+  }
+  if (Misaligned(in.key, 16) || Misaligned(in.value, 16)) {
+    throw Error(fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
+                            "vectors)",
+                            kWhere));
+  }
+  if (Misaligned(in.slot_mapping, static_cast<uintptr_t>(DTypeSize(in.slot_dtype)))) {
+    throw Error(fmt::format("{}: slot_mapping must be aligned to its {}-byte elements", kWhere,
+                            DTypeSize(in.slot_dtype)));
+  }
+  if (Misaligned(cache.data, 16)) {
+    throw Error(fmt::format("{}: cache must be 16-byte aligned", kWhere));
+  }
+}
+
+namespace store {
+
+BucketLutTable BuildBucketLut(std::span<const float> m) {
+  BucketLutTable none;
+  const int n = static_cast<int>(m.size());
+  if (n < 1 || n >= kMaxCodebookSize) return none;
+  double min_gap = 1.0;  // one midpoint: any grid works
+  for (int j = 0; j + 1 < n; ++j) min_gap = std::min(min_gap, double(m[j + 1]) - double(m[j]));
+  for (float x : m) {
+    if (!std::isfinite(x)) return none;
+  }
+  if (!(min_gap > 0)) return none;
+  // Cells a quarter of the smallest gap wide, widened by a quarter cell on each side: no widened
+  // cell holds two midpoints. The grid starts two cells below the first midpoint and ends two
+  // past the last, and the outer cells extend to ±inf.
+  const double step = min_gap / 4, eps = step / 4, lo = double(m[0]) - 2 * step;
+  const double cells_d = std::ceil((double(m[n - 1]) - lo) / step) + 2;
+  if (!(cells_d <= kMaxLutCells)) return none;
+  const int cells = static_cast<int>(cells_d);
+  BucketLutTable t;
+  t.entries.resize(cells);
+  for (int u = 0; u < cells; ++u) {
+    const double lower = u == 0 ? -INFINITY : lo + u * step - eps;
+    const double upper = u == cells - 1 ? INFINITY : lo + (u + 1) * step + eps;
+    int below = 0, inside = 0;
+    for (float x : m) {
+      below += double(x) < lower;
+      inside += double(x) >= lower && double(x) <= upper;
+    }
+    if (inside > 1) return none;
+    t.entries[u].base_index = below;
+    t.entries[u].next_midpoint = below < n ? m[below] : std::numeric_limits<float>::quiet_NaN();
+  }
+  t.grid.inv_step = static_cast<float>(1.0 / step);
+  t.grid.bias = static_cast<float>(-lo / step - 0.5);
+  t.grid.max_cell = static_cast<float>(cells - 1);
+  t.grid.cells = cells;
+  // The device computes the cell in fp32 exactly as LutBucketize does here; check it against the
+  // definition around every midpoint and every cell edge before trusting the table.
+  auto reference = [&](float y) {
+    return static_cast<int>(std::upper_bound(m.begin(), m.end(), y) - m.begin());
+  };
+  auto check_around = [&](float y) {
+    for (int k = 0; k < 64; ++k) {
+      if (LutBucketize(y, t.entries.data(), t.grid) != reference(y)) return false;
+      y = std::nextafter(y, INFINITY);
+    }
+    return true;
+  };
+  for (int u = 0; u <= cells; ++u) {
+    float y = static_cast<float>(lo + u * step);
+    for (int k = 0; k < 32; ++k) y = std::nextafter(y, -INFINITY);
+    if (!check_around(y)) return none;
+  }
+  for (float x : m) {
+    float y = x;
+    for (int k = 0; k < 32; ++k) y = std::nextafter(y, -INFINITY);
+    if (!check_around(y)) return none;
+  }
+  return t;
+}
+
+}  // namespace store
+
+// ---------------------------------------------------------------------------------------------
+// StoreDeviceState
+
+StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOptions& options)
+    : quantizer_(quantizer), options_(options), path_(ResolveStorePath(quantizer, options)) {
+  RequireCudaDevice("StoreDeviceState");
+  if (path_ == StorePath::kFp8) return;
+  const BlockFormat& f = quantizer_.format();
+  const Codebook& book = quantizer_.codebook();
+
+  auto tables = std::make_unique<store::DeviceTables>();
+  std::memset(tables.get(), 0, sizeof(store::DeviceTables));
+  const store::BucketLutTable lut = store::BuildBucketLut(book.midpoints);
+  std::copy(lut.entries.begin(), lut.entries.end(), tables->lut);
+  lut_cells_ = lut.grid.cells;
+  lut_inv_step_ = lut.grid.inv_step;
+  lut_bias_ = lut.grid.bias;
+  for (int i = 0; i < store::kMaxCodebookSize; ++i) {
+    const double c = i < book.size() ? double(book.centroids[i]) : 0.0;
+    tables->centroid_sq[i] = c * c;
+    tables->midpoints[i] = i < static_cast<int>(book.midpoints.size())
+                               ? book.midpoints[i]
+                               : std::numeric_limits<float>::quiet_NaN();
+  }
+  const std::vector<float>& signs = quantizer_.rotation().signs;
+  for (size_t i = 0; i < signs.size(); ++i) {
+    if (signs[i] < 0) tables->sign_bits[i / 32] |= 1u << (i % 32);
+  }
+  tables_ = DeviceAllocation(sizeof(store::DeviceTables));
+  tables_.CopyFromHost(tables.get(), sizeof(store::DeviceTables), 0, nullptr);
+
+  if (path_ == StorePath::kGemm) {
+    const std::vector<float>& pit = quantizer_.rotation().matrix;
+    if (options_.gemm_precision == GemmPrecision::kBf16) {
+      std::vector<uint16_t> bf(pit.size());
+      for (size_t i = 0; i < pit.size(); ++i) bf[i] = FloatToBFloat16Bits(pit[i]);
+      rotation_ = DeviceAllocation(static_cast<int64_t>(bf.size() * 2));
+      rotation_.CopyFromHost(bf.data(), rotation_.size_bytes(), 0, nullptr);
+    } else {
+      rotation_ = DeviceAllocation(static_cast<int64_t>(pit.size() * 4));
+      rotation_.CopyFromHost(pit.data(), rotation_.size_bytes(), 0, nullptr);
+    }
+    blas_ = std::make_unique<CublasHandle>();
+#if TQKV_HAVE_CUDA
+    TQKV_CUBLAS_CHECK(cublasSetMathMode(blas_->get(), options_.gemm_precision == GemmPrecision::kFp32
+                                                          ? CUBLAS_PEDANTIC_MATH
+                                                          : CUBLAS_DEFAULT_MATH));
+#endif
+  }
+  (void)f;
+}
+
+StoreDeviceState::~StoreDeviceState() = default;
+
+void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorkspace workspace,
+                             StreamHandle stream) const {
+  ValidateStoreArguments(quantizer_, options_, in, cache, workspace);
+#if TQKV_HAVE_CUDA
+  const BlockFormat& f = quantizer_.format();
+  auto* const ws = static_cast<uint8_t*>(workspace.data);
+  auto* const status = reinterpret_cast<store::DeviceStatus*>(ws);
+  if (options_.validate_slots) {
+    TQKV_CUDA_CHECK(cudaMemsetAsync(status, 0, sizeof(store::DeviceStatus), stream));
+  }
+  if (in.num_tokens == 0) return;
+
+  store::StoreParams p;
+  p.key = in.key;
+  p.value = in.value;
+  p.input = ToInputType(in.dtype);
+  p.slot_mapping = in.slot_mapping;
+  p.slots_are_i64 = in.slot_dtype == DType::kI64;
+  p.num_tokens = in.num_tokens;
+  p.cache = cache.data;
+  p.num_slots = cache.num_blocks * f.block_size;
+  p.format = f;
+  p.norm_correction = quantizer_.preset().norm_correction;
+  p.tables = static_cast<const store::DeviceTables*>(tables_.data());
+  p.lut.inv_step = lut_inv_step_;
+  p.lut.bias = lut_bias_;
+  p.lut.max_cell = static_cast<float>(lut_cells_ - 1);
+  p.lut.cells = lut_cells_;
+  p.status = options_.validate_slots ? status : nullptr;
+
+  if (path_ == StorePath::kFwht) {
+    p.key_source = store::KeySource::kFwht;
+    p.use_signs = quantizer_.rotation().kind == RotationKind::kHadamardSigns;
+    p.fwht_scale = quantizer_.rotation().matrix[0] < 0 ? -quantizer_.rotation().matrix[0]
+                                                       : quantizer_.rotation().matrix[0];
+  } else if (path_ == StorePath::kGemm) {
+    const GemmLayout l = MakeGemmLayout(quantizer_, options_, in.num_tokens);
+    const int64_t rows = in.num_tokens * f.num_kv_heads;
+    const bool bf16 = options_.gemm_precision == GemmPrecision::kBf16;
+    store::NormalizeParams np;
+    np.key = in.key;
+    np.input = p.input;
+    np.rows = rows;
+    np.head_dim = f.head_dim;
+    np.unit_keys = ws + l.unit_keys;
+    np.unit_keys_bf16 = bf16;
+    np.norms = reinterpret_cast<float*>(ws + l.norms);
+    TQKV_CHECK(store::LaunchNormalize(np, stream));
+    TQKV_CHECK_LAUNCH("NormalizeKernel");
+
+    // Row-major y[rows, D] = x̂[rows, D] · Πᵀ[D, D]: column-major yᵀ = Πᵀᵀ · x̂ᵀ, i.e. the GEMM
+    // with m = D, n = rows, k = D and A = Πᵀ, B = x̂ as stored.
+    cublasHandle_t h = blas_->get();
+    blas_->SetStream(stream);  // resets cuBLAS to its own workspace pool: set ours after it
+    TQKV_CUBLAS_CHECK(cublasSetWorkspace(h, ws + l.cublas, kCublasWorkspaceBytes));
+    const int d = f.head_dim, n = static_cast<int>(rows);
+    const float one = 1.0f, zero = 0.0f;
+    float* y = reinterpret_cast<float*>(ws + l.y);
+    switch (options_.gemm_precision) {
+      case GemmPrecision::kFp32:
+        TQKV_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
+                                      static_cast<const float*>(rotation_.data()), d,
+                                      static_cast<const float*>(np.unit_keys), d, &zero, y, d));
+        break;
+      case GemmPrecision::kTf32:
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
+                                       rotation_.data(), CUDA_R_32F, d, np.unit_keys, CUDA_R_32F,
+                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
+                                       CUBLAS_GEMM_DEFAULT));
+        break;
+      case GemmPrecision::kBf16:
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
+                                       rotation_.data(), CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF,
+                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+        break;
+    }
+    p.key_source = store::KeySource::kLoadY;
+    p.y = y;
+    p.norms = np.norms;
+  }
+  TQKV_CHECK(store::LaunchStore(p, stream));
+  TQKV_CHECK_LAUNCH("StoreKernel");
+#else
+  (void)stream;
+  RequireCudaDevice(kWhere);
+#endif
+}
+
+StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreInputs& in,
+                                         StreamHandle stream) const {
+  StoreStatus out;
+  if (!options_.validate_slots) return out;
+#if TQKV_HAVE_CUDA
+  store::DeviceStatus s{};
+  TQKV_CUDA_CHECK(cudaMemcpyAsync(&s, workspace.data, sizeof(s), cudaMemcpyDeviceToHost, stream));
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  out.num_bad_tokens = static_cast<int64_t>(s.num_bad_tokens);
+  if (s.inverted_first_bad_token != 0) {
+    out.first_bad_token = static_cast<int64_t>(~s.inverted_first_bad_token);
+    const int64_t size = DTypeSize(in.slot_dtype);
+    int64_t slot64 = 0;
+    int32_t slot32 = 0;
+    void* dst = size == 8 ? static_cast<void*>(&slot64) : static_cast<void*>(&slot32);
+    TQKV_CUDA_CHECK(cudaMemcpy(dst,
+                               static_cast<const uint8_t*>(in.slot_mapping) +
+                                   out.first_bad_token * size,
+                               static_cast<size_t>(size), cudaMemcpyDeviceToHost));
+    out.first_bad_slot = size == 8 ? slot64 : slot32;
+  }
+#else
+  (void)workspace;
+  (void)in;
+  (void)stream;
+#endif
+  return out;
+}
+
+void StoreDeviceState::CheckStatus(DeviceWorkspace workspace, const StoreInputs& inputs,
+                                   CacheRef cache, StreamHandle stream) const {
+  const StoreStatus s = ReadStatus(workspace, inputs, stream);
+  if (s.ok()) return;
+  const BlockFormat& f = quantizer_.format();
+  throw InvalidArgument(
+      kWhere, fmt::format("slot_mapping[{}]", s.first_bad_token), s.first_bad_slot,
+      fmt::format("negative (skip) or 0 to {} ({} blocks x {} tokens); {} token(s) had a slot "
+                  "out of range and were not written",
+                  cache.num_blocks * f.block_size - 1, cache.num_blocks, f.block_size,
+                  s.num_bad_tokens));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantizer::Store (declared in quantizer.h; the CPU reference stays in quantizer.cc)
+
+void Quantizer::Store(const StoreInputs& inputs, CacheRef layer_cache,
+                      const StoreDeviceState& state, DeviceWorkspace workspace,
+                      StreamHandle stream) const {
+  if (!SameQuantizer(*this, state.quantizer())) {
+    throw Error(fmt::format(
+        "{}: the StoreDeviceState was built for another quantizer ({}, D={}, H={}, block {}, "
+        "rotation id {:016x}); this one is {}, D={}, H={}, block {}, rotation id {:016x}",
+        kWhere, state.quantizer().preset().name, state.quantizer().format().head_dim,
+        state.quantizer().format().num_kv_heads, state.quantizer().format().block_size,
+        state.quantizer().rotation().id, preset().name, format().head_dim, format().num_kv_heads,
+        format().block_size, rotation().id));
+  }
+  state.Store(inputs, layer_cache, workspace, stream);
+}
+
+}  // namespace tqkv

@@ -1,0 +1,157 @@
+// The CUDA store: Quantizer::StoreCpu's bytes, written by the GPU into a layer's paged cache.
+//
+//   StoreDeviceState state(quantizer);                    // once: device tables, cuBLAS handle
+//   DeviceAllocation ws(state.WorkspaceBytes(max_tokens));  // once: the caller owns all scratch
+//   quantizer.Store(inputs, cache, state, {ws.data(), ws.size_bytes()}, stream);  // every step
+//
+// Paths (StorePath):
+//  - kFp8  (turboquant_k8v4): one kernel, E4M3 keys and quantized values.
+//  - kFwht (MSE presets, `hadamard` / `hadamard_signs`, the default there): one kernel that rotates
+//    each key in registers by a fast Walsh–Hadamard transform; no GEMM, no y in memory.
+//  - kGemm (MSE presets, any Πᵀ): a normalize kernel writes x̂ = k / (‖k‖ + 1e-8), cuBLAS computes
+//    y = x̂ · Πᵀ (fp32 SGEMM, CUBLAS_PEDANTIC_MATH: no TF32), then the store kernel bucketizes y.
+//    GemmPrecision::kTf32 / kBf16 are faster opt-ins that flip more indices (tools/bench/NOTES.md).
+// All paths produce the bytes of StoreCpu, except that an MSE index may be one off where y lies
+// within a few ulp of a midpoint (the reference rotates in fp64, these paths in fp32); the norm
+// correction then follows the stored indices. quant/README.md lists the shared numeric choices.
+//
+// Every call works on the caller's stream, allocates nothing and synchronizes with nothing, so a
+// whole Store (memset of the status, kernels, cuBLAS) can be captured in a CUDA graph. A state
+// serves every layer of its quantizer, but one host thread at a time (it holds a cuBLAS handle).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "quant/quantizer.h"
+#include "quant/store_device.h"
+#include "runtime/device.h"
+#include "runtime/memory.h"
+
+namespace tqkv {
+
+class CublasHandle;
+
+enum class StoreRotationPath {
+  kAuto,  // kFwht for `hadamard` and `hadamard_signs`, kGemm for any other rotation
+  kFwht,  // error unless the rotation is a Hadamard kind
+  kGemm,  // cuBLAS, any rotation
+};
+
+enum class GemmPrecision {
+  kFp32,  // SGEMM with CUBLAS_PEDANTIC_MATH (true fp32 products and sums)
+  kTf32,  // TF32 tensor cores (10-bit mantissa products): more index flips
+  kBf16,  // bf16 x̂ and Πᵀ, fp32 accumulation: even more index flips
+};
+
+enum class StorePath { kFp8, kFwht, kGemm };
+
+std::string_view StorePathName(StorePath path);  // "fp8", "fwht", "gemm"
+
+#ifdef NDEBUG
+inline constexpr bool kValidateSlotsByDefault = false;
+#else
+inline constexpr bool kValidateSlotsByDefault = true;
+#endif
+
+struct StoreOptions {
+  StoreRotationPath rotation_path = StoreRotationPath::kAuto;
+  GemmPrecision gemm_precision = GemmPrecision::kFp32;
+  // Slots at or above num_blocks · block_size are never written. With validation on, the store
+  // also counts them and records the first such token in the workspace (ReadStatus); this costs
+  // one memset per call.
+  bool validate_slots = kValidateSlotsByDefault;
+};
+
+// Caller-owned device scratch of at least StoreWorkspaceBytes(...) bytes, 256-byte aligned.
+struct DeviceWorkspace {
+  void* data = nullptr;
+  int64_t size_bytes = 0;
+};
+
+// What a store with validate_slots found.
+struct StoreStatus {
+  int64_t num_bad_tokens = 0;    // tokens whose slot was >= num_blocks · block_size (not written)
+  int64_t first_bad_token = -1;  // the smallest such token, -1 if none
+  int64_t first_bad_slot = 0;    // its slot
+  bool ok() const { return num_bad_tokens == 0; }
+};
+
+// The path a store of `quantizer` with `options` takes. Throws tqkv::Error for kFwht with a
+// rotation that is not a Hadamard kind.
+StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& options);
+
+// Bytes of workspace a store of up to `num_tokens` tokens needs: 256 for the FP8 and FWHT paths;
+// the GEMM path adds x̂, y and norms for every row and cuBLAS's workspace.
+int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
+                            int64_t num_tokens);
+
+// Everything the launcher checks on the host before launching (no device needed): dtypes, null
+// pointers, alignment (key/value 16 bytes, slot mapping its element size, cache 16 bytes,
+// workspace 256 bytes), workspace size, sizes. Throws tqkv::Error naming the argument. Slot values
+// live on the device and are checked there (StoreOptions::validate_slots).
+void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
+                            const StoreInputs& inputs, CacheRef cache, DeviceWorkspace workspace);
+
+// Device copies of one quantizer's tables (bucketize lookup table, centroids², midpoints, signs,
+// Πᵀ for the GEMM path) and, for the GEMM path, a cuBLAS handle: built once, used by every store.
+class StoreDeviceState {
+ public:
+  // Uploads the tables (synchronously) and creates the cuBLAS handle. Throws tqkv::Error without a
+  // CUDA device, and as ResolveStorePath does.
+  explicit StoreDeviceState(const Quantizer& quantizer, const StoreOptions& options = {});
+  ~StoreDeviceState();
+  StoreDeviceState(const StoreDeviceState&) = delete;
+  StoreDeviceState& operator=(const StoreDeviceState&) = delete;
+
+  const Quantizer& quantizer() const { return quantizer_; }
+  const StoreOptions& options() const { return options_; }
+  StorePath path() const { return path_; }
+  // True when bucketizing uses the lookup table (always for the built-in codebooks); false means
+  // a caller's codebook with midpoints too close for it, bucketized by binary search instead.
+  bool uses_lookup_table() const { return lut_cells_ > 0; }
+
+  int64_t WorkspaceBytes(int64_t num_tokens) const {
+    return StoreWorkspaceBytes(quantizer_, options_, num_tokens);
+  }
+
+  // Stores `inputs` (key, value, slot mapping in device memory) into `cache` (device memory) on
+  // `stream`. Validates the arguments first (ValidateStoreArguments) and throws tqkv::Error,
+  // launching nothing, when one is invalid. Asynchronous; graph-capturable.
+  void Store(const StoreInputs& inputs, CacheRef cache, DeviceWorkspace workspace,
+             StreamHandle stream) const;
+
+  // The slot check of the last Store that used `workspace` (validate_slots only; otherwise
+  // ok()). Synchronizes `stream`. `inputs` must be that store's (to read the offending slot).
+  StoreStatus ReadStatus(DeviceWorkspace workspace, const StoreInputs& inputs,
+                         StreamHandle stream) const;
+  // ReadStatus, then throws tqkv::Error naming the first offending token and slot if any.
+  void CheckStatus(DeviceWorkspace workspace, const StoreInputs& inputs, CacheRef cache,
+                   StreamHandle stream) const;
+
+ private:
+  Quantizer quantizer_;
+  StoreOptions options_;
+  StorePath path_;
+  int lut_cells_ = 0;
+  float lut_inv_step_ = 0, lut_bias_ = 0;
+  DeviceAllocation tables_;       // store::DeviceTables
+  DeviceAllocation rotation_;     // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
+  std::unique_ptr<CublasHandle> blas_;
+};
+
+namespace store {
+
+// The bucketize lookup table of quant/store_device.h for increasing `midpoints`: entries and grid.
+// cells == 0 when the midpoints are too close together for kMaxLutCells cells.
+struct BucketLutTable {
+  std::vector<LutEntry> entries;
+  BucketLut grid;
+};
+BucketLutTable BuildBucketLut(std::span<const float> midpoints);
+
+}  // namespace store
+}  // namespace tqkv

@@ -1,0 +1,148 @@
+// Scalar and bit helpers of the CUDA store kernels, written once for host and device so that the
+// CPU tests check them against the reference (quant/packing.h, Codebook::Bucketize) bit for bit.
+// Included by kernel files: no fmt, no spdlog, no exceptions.
+//
+// Work split of every store kernel: one (token, head) row is handled by D / 16 consecutive lanes
+// ("a lane group"), lane q of the group owning elements [16q, 16q + 16).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "runtime/host_device.h"
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+#if defined(__CUDACC__)
+#define TQKV_UNROLL _Pragma("unroll")
+#else
+#define TQKV_UNROLL
+#endif
+
+namespace tqkv::store {
+
+inline constexpr int kLaneElems = 16;        // elements of one row a lane owns
+inline constexpr int kMaxLutCells = 1024;    // bucketize lookup table limit (8 KiB of smem)
+inline constexpr int kMaxCodebookSize = 16;  // 4-bit codes
+
+// 16 codes (each < 16) → 64 bits, code i at bits [4i, 4i + 4): the little-endian bytes are the
+// 4-bit packing of TURBOQUANT.md (low nibble = even element).
+TQKV_HOST_DEVICE inline uint64_t Pack16x4(const uint32_t (&c)[kLaneElems]) {
+  uint32_t lo = 0, hi = 0;
+TQKV_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    lo |= c[i] << (4 * i);
+    hi |= c[i + 8] << (4 * i);
+  }
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+}
+
+// 16 codes (each < 8) → 48 bits, code i at bits [3i, 3i + 3): the 3-bit bit stream.
+TQKV_HOST_DEVICE inline uint64_t Pack16x3(const uint32_t (&c)[kLaneElems]) {
+  uint32_t lo = 0, hi = 0;
+TQKV_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    lo |= c[i] << (3 * i);
+    hi |= c[i + 8] << (3 * i);
+  }
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 24);
+}
+
+// A 3-bit row is written as 8-byte words: four lanes (48 bits each) make three words. Lane r
+// (r = 0, 1, 2 within its four) writes word r from its own 48 bits and those of lane r + 1.
+TQKV_HOST_DEVICE inline uint64_t Join3BitWord(uint64_t own, uint64_t next, int r) {
+  return (own >> (16 * r)) | (next << (48 - 16 * r));
+}
+
+TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_int(f);
+#else
+  int32_t i;
+  std::memcpy(&i, &f, sizeof(i));
+  return i;
+#endif
+}
+
+// Bucketize by lookup: a uniform grid over the midpoints, fine enough that no cell (widened by a
+// quarter cell on each side) holds more than one midpoint. For y in cell u the index is
+// base_index + (y >= next_midpoint) exactly; the quarter-cell margins absorb the rounding of the
+// cell computation. `next_midpoint` is NaN where no midpoint follows (the comparison is false).
+struct LutEntry {
+  float next_midpoint;
+  int32_t base_index;
+};
+
+struct BucketLut {
+  float inv_step = 0;  // 1 / cell width
+  float bias = 0;      // -(grid start) / step - 0.5: t = y · inv_step + bias, cell = round(t)
+  float max_cell = 0;  // cells - 1
+  int cells = 0;       // 0: no table (midpoints too close for kMaxLutCells): binary search
+};
+
+// Number of midpoints m with m <= y (NaN → 0), as Codebook::Bucketize; `lut` has lut_params.cells
+// entries.
+TQKV_HOST_DEVICE inline int LutBucketize(float y, const LutEntry* lut, const BucketLut& p) {
+#if defined(__CUDA_ARCH__)
+  const float t = fminf(fmaxf(fmaf(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+#else
+  const float t = std::fmin(std::fmax(std::fma(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+#endif
+  // Adding 1.5 · 2^23 leaves round(t) in the low mantissa bits (t is in [0, 1024)).
+  const int cell = FloatBits(t + 12582912.0f) - 0x4B400000;
+  const LutEntry e = lut[cell];
+  return e.base_index + (y >= e.next_midpoint ? 1 : 0);
+}
+
+// The same by binary search over `num_midpoints` (= 2^bits - 1) increasing midpoints.
+TQKV_HOST_DEVICE inline int SearchBucketize(float y, const float* midpoints, int bits) {
+  int idx = 0;
+  for (int half = 1 << (bits - 1); half > 0; half >>= 1) {
+    if (y >= midpoints[idx + half - 1]) idx += half;
+  }
+  return idx;
+}
+
+#if defined(__CUDACC__)
+// Device-only arithmetic of the value quantizer (used by store_kernels.cu and checked against
+// __fdiv_rn by store_cuda_test).
+
+// The reciprocal the fast path of IEEE fp32 division (__fdiv_rn) computes: MUFU.RCP and one
+// Newton step. Hoisted out of a row's divisions, which share their divisor.
+__device__ __forceinline__ float DivisionReciprocal(float b) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(b));
+  return __fmaf_rn(r0, __fmaf_rn(-b, r0, 1.0f), r0);
+}
+
+// a / b by the three FMAs of __fdiv_rn's fast path (r = DivisionReciprocal(b)): bit-identical to
+// __fdiv_rn wherever that path needs no fix-up, i.e. for normal a, b and a quotient far from
+// overflow and underflow. The value quantizer needs the exact quotient only where it decides a
+// code (quotient in [0.5, levels], a and b normal); elsewhere any close value gives the same code.
+__device__ __forceinline__ float DivideFast(float a, float b, float r) {
+  const float q0 = __fmul_rn(a, r);
+  return __fmaf_rn(r, __fmaf_rn(-b, q0, a), q0);
+}
+
+// min that propagates NaN (fminf returns the other operand).
+__device__ __forceinline__ float MinPropagateNan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The code of one value: floor((v - vmin) / scale + 0.5) clamped to [0, levels], as
+// Quantizer::EncodeSlot computes it in IEEE fp32 (r = DivisionReciprocal(scale), scale normal).
+// a = v - vmin is >= 0 or NaN. Capping a at 2^40 (any a that large gives `levels`) keeps the
+// quotient finite, so +inf gives `levels` as in the reference; NaN stays NaN and converts to 0, as
+// do negative quotients (v = -inf).
+__device__ __forceinline__ uint32_t ValueCode(float v, float vmin, float scale, float r,
+                                              uint32_t levels) {
+  const float a = MinPropagateNan(__fsub_rn(v, vmin), 0x1p40f);
+  return min(__float2uint_rd(__fadd_rn(DivideFast(a, scale, r), 0.5f)), levels);
+}
+#endif  // __CUDACC__
+
+}  // namespace tqkv::store

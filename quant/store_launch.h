@@ -1,0 +1,77 @@
+// Kernel-facing side of the CUDA store: the parameter structs and the launch functions that
+// store_kernels.cu defines. The public API is quant/store_cuda.h; only store_cuda.cc (and tests of
+// the launch layer) include this. Included by kernel files: no fmt, no spdlog, no exceptions.
+#pragma once
+
+#include <cstdint>
+
+#include "quant/block_format.h"
+#include "quant/store_device.h"
+#include "runtime/device.h"
+
+namespace tqkv::store {
+
+enum class InputType { kF32, kF16, kBF16 };
+
+// Where the rotated unit key y = x̂ · Πᵀ of an MSE preset comes from.
+enum class KeySource {
+  kFwht,    // computed in the kernel from the key: y = FWHT(x̂ ⊙ s) / √D (Hadamard kinds)
+  kLoadY,   // read from a [rows, D] fp32 buffer the GEMM wrote, with the norms of kNormalize
+};
+
+// Device tables of one quantizer, uploaded once (StoreDeviceState).
+struct DeviceTables {
+  LutEntry lut[kMaxLutCells];
+  double centroid_sq[kMaxCodebookSize];  // c[i]² (exact in fp64)
+  float midpoints[kMaxCodebookSize];     // for the binary-search fallback
+  uint32_t sign_bits[8];                 // hadamard_signs: bit i set where s[i] = -1 (D <= 256)
+};
+
+// Status of a store with slot validation on. Reset (zeroed) by the launcher before the kernels.
+struct DeviceStatus {
+  unsigned long long inverted_first_bad_token;  // ~token of the smallest bad token (0: none)
+  unsigned long long num_bad_tokens;
+};
+
+struct StoreParams {
+  const void* key = nullptr;    // [num_tokens, H, D] of `input` (FWHT and FP8 paths)
+  const void* value = nullptr;  // [num_tokens, H, D] of `input`
+  InputType input = InputType::kF32;
+  const void* slot_mapping = nullptr;  // [num_tokens] int32 or int64; < 0 = write nothing
+  bool slots_are_i64 = true;
+  int64_t num_tokens = 0;
+
+  uint8_t* cache = nullptr;  // [num_blocks, block_bytes]
+  int64_t num_slots = 0;     // num_blocks · block_size: slots at or above are never written
+  BlockFormat format;
+
+  // MSE presets.
+  KeySource key_source = KeySource::kFwht;
+  bool norm_correction = true;
+  const float* y = nullptr;      // kLoadY: [num_tokens · H, D] fp32
+  const float* norms = nullptr;  // kLoadY: [num_tokens · H] fp32 key norms
+  const DeviceTables* tables = nullptr;
+  BucketLut lut;
+  bool use_signs = false;  // kFwht: multiply by hadamard_signs' s before the transform
+  float fwht_scale = 0;    // kFwht: fp32(1/√D), the magnitude of every entry of Πᵀ
+
+  DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
+};
+
+// x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.
+struct NormalizeParams {
+  const void* key = nullptr;  // [rows, D] of `input`
+  InputType input = InputType::kF32;
+  int64_t rows = 0;
+  int head_dim = 0;
+  void* unit_keys = nullptr;  // [rows, D] fp32, or bf16 when unit_keys_bf16
+  bool unit_keys_bf16 = false;
+  float* norms = nullptr;  // [rows]
+};
+
+// Each returns false (launching nothing) for a combination the kernels do not instantiate; the
+// caller checks the launch with TQKV_CHECK_LAUNCH.
+bool LaunchStore(const StoreParams& params, StreamHandle stream);
+bool LaunchNormalize(const NormalizeParams& params, StreamHandle stream);
+
+}  // namespace tqkv::store
