@@ -555,6 +555,14 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
       {"rel_error_worst", r.rel_error_worst},
       {"accuracy_samples", r.accuracy_samples},
       {"wall_s", r.wall_s}};
+  // Checksums of every decode output row (request, branch, position, layer, checksum): two runs
+  // (devices, prefix caching on and off) can be compared entry by entry.
+  nlohmann::json outputs = nlohmann::json::array();
+  for (const auto& [key, checksum] : r.output_checksums) {
+    const auto& [request, branch, position, layer] = key;
+    outputs.push_back({request, branch, position, layer, checksum});
+  }
+  j["output_checksums"] = std::move(outputs);
   return j.dump(1) + "\n";
 }
 
