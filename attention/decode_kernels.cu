@@ -75,13 +75,6 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   return out;
 }
 
-// half2(1024 + lo, 1024 + hi) - 1024 for two small integer codes placed at bits 0 and 16.
-__device__ __forceinline__ uint32_t CodesToHalf2(uint32_t codes_at_0_and_16) {
-  const uint32_t biased = codes_at_0_and_16 | 0x64006400u;
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased),
-                            __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 // (x & mask) | bits in one LOP3 (both constants in registers; with immediates it takes two).
 __device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
@@ -90,24 +83,21 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bi
   return r;
 }
 
+// half2(1024 + a, 1024 + b) - 1024 = half2(a, b), exact for the small integers a, b that sit in
+// the mantissa bits of `biased` (fp16 0x6400 = 1024, whose mantissa unit is 1).
 __device__ __forceinline__ uint32_t SubMagic(uint32_t biased) {
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased),
                             __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// Two small integer codes placed at bits 0 and 16, as half2.
+__device__ __forceinline__ uint32_t CodesToHalf2(uint32_t codes_at_0_and_16) {
+  return SubMagic(codes_at_0_and_16 | 0x64006400u);
+}
+
 __device__ __forceinline__ float HalfBitsToFloat(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
-}
-
-__device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-__device__ __forceinline__ uint32_t PackBf162(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // Loads N bytes (a multiple of 2) from `src` into words, using the widest access that the
@@ -181,25 +171,17 @@ struct CompressedValues {
   static constexpr int kValueAlign =
       kValueBits == 4 ? kValueBytes : (kD == 256 ? 4 : (kD == 128 ? 2 : 1));
 
-  // Value codes of m-tile mt for tokens (ta, tb): a half2 for row g (d0) and for row g+8 (d0+1).
+  // 3-bit codes of m-tile mt for tokens (ta, tb): a half2 for row g (d0) and for row g+8 (d0+1).
+  // (4-bit codes go through RowsPair.)
   template <int kMt>
   __device__ __forceinline__ static void Rows(const uint32_t (&wa)[kValueWords],
                                               const uint32_t (&wb)[kValueWords], uint32_t& row_g,
                                               uint32_t& row_g8) {
-    if constexpr (kValueBits == 4) {
-      constexpr int kByte = kMt;
-      // Byte kByte of wa into byte 0 and of wb into byte 2 (bytes 1 and 3 are masked off).
-      const uint32_t y = __byte_perm(
-          wa[kByte / 4], wb[kByte / 4],
-          (kByte % 4) | ((kByte % 4) << 4) | ((4 + kByte % 4) << 8) | ((4 + kByte % 4) << 12));
-      row_g = CodesToHalf2(y & 0x000F000Fu);
-      row_g8 = CodesToHalf2((y >> 4) & 0x000F000Fu);
-    } else {
-      const uint32_t ca0 = Bits<6 * kMt, 3>(wa), ca1 = Bits<6 * kMt + 3, 3>(wa);
-      const uint32_t cb0 = Bits<6 * kMt, 3>(wb), cb1 = Bits<6 * kMt + 3, 3>(wb);
-      row_g = CodesToHalf2(ca0 | (cb0 << 16));
-      row_g8 = CodesToHalf2(ca1 | (cb1 << 16));
-    }
+    static_assert(kValueBits == 3);
+    const uint32_t ca0 = Bits<6 * kMt, 3>(wa), ca1 = Bits<6 * kMt + 3, 3>(wa);
+    const uint32_t cb0 = Bits<6 * kMt, 3>(wb), cb1 = Bits<6 * kMt + 3, 3>(wb);
+    row_g = CodesToHalf2(ca0 | (cb0 << 16));
+    row_g8 = CodesToHalf2(ca1 | (cb1 << 16));
   }
 
   __device__ __forceinline__ static int D0(int g, int mt) {
