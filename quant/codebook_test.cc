@@ -50,7 +50,9 @@ TEST(CodebookTest, SymmetricSortedWithFp32Midpoints) {
       ASSERT_EQ(b.midpoints.size(), size_t(n - 1));
       for (int i = 0; i < n; ++i) {
         EXPECT_EQ(b.centroids[i], -b.centroids[n - 1 - i]) << d << " " << bits << " " << i;
-        if (i > 0) EXPECT_LT(b.centroids[i - 1], b.centroids[i]);
+        if (i > 0) {
+          EXPECT_LT(b.centroids[i - 1], b.centroids[i]);
+        }
       }
       for (int j = 0; j + 1 < n; ++j) {
         EXPECT_EQ(b.midpoints[j], (b.centroids[j] + b.centroids[j + 1]) / 2.0f);

@@ -130,8 +130,9 @@ TEST(E4M3Test, MatchesBruteForceNearest) {
     }
     const uint8_t got = FloatToE4M3(x);
     ASSERT_EQ(std::abs(double(E4M3ToFloat(got)) - x), best_err) << x;
-    if (std::abs(x) < 448.0f)
+    if (std::abs(x) < 448.0f) {
       ASSERT_EQ(E4M3ToFloat(got), E4M3ToFloat(static_cast<uint8_t>(best))) << x;
+    }
   }
 }
 
