@@ -101,6 +101,9 @@ void DeviceAllocation::CopyFromHost(const void* src, int64_t num_bytes, int64_t 
         cudaMemcpyAsync(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyHostToDevice, stream));
   } else {
     TQKV_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(num_bytes), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before the DMA to the device has finished; a
+    // kernel on a non-blocking stream could then read stale bytes. "Synchronous" means done.
+    TQKV_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   }
 #else
   (void)src;

@@ -37,7 +37,8 @@ class DeviceAllocation {
   int64_t size_bytes() const { return size_bytes_; }
 
   // Copies num_bytes between host memory and [offset_bytes, offset_bytes + num_bytes) of this
-  // allocation. With a stream the copy is asynchronous on it; with nullptr it is synchronous.
+  // allocation. With a stream the copy is asynchronous on it; with nullptr it is synchronous: the
+  // bytes are in place when the call returns, for kernels on any stream.
   void CopyFromHost(const void* src, int64_t num_bytes, int64_t offset_bytes, StreamHandle stream);
   void CopyToHost(void* dst, int64_t num_bytes, int64_t offset_bytes, StreamHandle stream) const;
   // Sets every byte to `value` (asynchronous on `stream` when given).
