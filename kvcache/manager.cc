@@ -287,6 +287,9 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
                               kWhere, r.seq, i));
     }
     s.batch_mark = epoch_;
+    // Phase 3 reads the table's last entries (slots, new row entries): start that cache miss now,
+    // so the misses of a 256-request batch overlap instead of queueing.
+    if (!s.blocks.empty()) __builtin_prefetch(&s.blocks.back());
     total_tokens += r.num_new_tokens;
     plans_[i] = Plan{};
     plans_[i].seq = &s;
@@ -341,9 +344,6 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
           fmt::format("at most {}", kMaxPositions));
     }
     const int32_t current = fresh ? p.hit_blocks : static_cast<int32_t>(s.blocks.size());
-    // Phase 3 reads the table's last entries (slots, new row entries): start the cache miss now
-    // so that the 256 of a decode batch overlap instead of queueing.
-    if (current > 0) __builtin_prefetch(s.blocks.data() + current - 1);
     p.table_len = std::max<int32_t>(current, static_cast<int32_t>(BlocksFor(end)));
     p.new_blocks = p.table_len - current;
     p.release_to = fresh ? 0 : s.num_released;
