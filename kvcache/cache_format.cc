@@ -27,8 +27,7 @@ Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_si
   return f;
 }
 
-CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads,
-                            int block_size) {
+CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads, int block_size) {
   CacheFormat f;
   f.name = std::string(name);
   f.head_dim = head_dim;

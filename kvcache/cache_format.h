@@ -18,9 +18,9 @@ namespace tqkv {
 // The bf16 baseline block: [block_size, H, 2 (K then V), D] bf16, i.e. token-major like the SoA
 // data region, with a token-head's K and V adjacent (4 * D bytes per token per head).
 struct Bf16BlockFormat {
-  int head_dim = 0;      // D
-  int num_kv_heads = 0;  // H
-  int block_size = 0;    // tokens per block
+  int head_dim = 0;         // D
+  int num_kv_heads = 0;     // H
+  int block_size = 0;       // tokens per block
   int64_t block_bytes = 0;  // block_size * H * 2 * D * 2
 
   TQKV_HOST_DEVICE int64_t KeyOffset(int pos, int h) const {
@@ -39,9 +39,9 @@ Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_si
 inline constexpr std::string_view kBf16FormatName = "bf16";
 
 struct CacheFormat {
-  std::string name;        // a preset name or "bf16"
-  bool bf16 = false;       // which of the two below is valid
-  BlockFormat turboquant;  // !bf16
+  std::string name;             // a preset name or "bf16"
+  bool bf16 = false;            // which of the two below is valid
+  BlockFormat turboquant;       // !bf16
   Bf16BlockFormat bf16_format;  // bf16
   int head_dim = 0;
   int num_kv_heads = 0;
@@ -52,8 +52,7 @@ struct CacheFormat {
 
 // `name` is "bf16" or a TurboQuant preset; anything else throws tqkv::Error listing them. The
 // sizes are validated by MakeBlockFormat / MakeBf16BlockFormat.
-CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads,
-                            int block_size);
+CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads, int block_size);
 
 // The prefix-cache format tag of a cache format (rotation_id: the rotation's kind and seed as
 // the engine identifies them; 0 for bf16 and FP8 keys).

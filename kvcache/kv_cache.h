@@ -66,8 +66,8 @@ class KVCache {
   int num_layers_ = 0;
   int32_t num_blocks_ = 0;
   int64_t layer_bytes_ = 0;
-  std::vector<HostBytes> host_layers_;                 // kCpu: [num_layers]
-  std::vector<DeviceBuffer<uint8_t>> device_layers_;   // kCuda: [num_layers]
+  std::vector<HostBytes> host_layers_;                // kCpu: [num_layers]
+  std::vector<DeviceBuffer<uint8_t>> device_layers_;  // kCuda: [num_layers]
 };
 
 }  // namespace tqkv

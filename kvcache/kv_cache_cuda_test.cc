@@ -67,9 +67,9 @@ TEST(KVCacheCudaTest, StepBatchUploadsInOneCopy) {
     reqs.push_back({m.AddSequence(std::vector<int32_t>(20 + i, i)), 20 + i, 0});
   }
   StepBatch batch;
-  ASSERT_TRUE(m.Schedule(reqs, batch, {.pad_tokens_to = 256, .pad_requests_to = 16,
-                                       .block_table_width = 4})
-                  .admitted);
+  ASSERT_TRUE(
+      m.Schedule(reqs, batch, {.pad_tokens_to = 256, .pad_requests_to = 16, .block_table_width = 4})
+          .admitted);
   EXPECT_TRUE(batch.arena_pinned());
   DeviceBuffer<uint8_t> device(batch.layout().total_bytes);
   Stream stream;
