@@ -70,4 +70,11 @@ class KVCache {
   std::vector<DeviceBuffer<uint8_t>> device_layers_;  // kCuda: [num_layers]
 };
 
+// Uploads a step: copies batch.bytes() (block tables, slot mapping, lengths; offsets in
+// batch.layout()) into `device` with one asynchronous copy on `stream` (nullptr: synchronous).
+// `device` grows when too small (size it once for the largest padded step when capturing CUDA
+// graphs). The batch's host buffer must not be rescheduled until the copy has completed: wait on
+// the stream before the next Schedule, or alternate two StepBatch objects.
+void UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device, StreamHandle stream);
+
 }  // namespace tqkv

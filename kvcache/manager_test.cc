@@ -507,6 +507,31 @@ TEST(ManagerTest, RewindIntoAPublishedBlockUnpublishesItOnTheNextWrite) {
   EXPECT_TRUE(b.copies().empty());  // ours alone: no copy needed
 }
 
+// A rewound sequence about to rewrite a published block while a new sequence in the same batch
+// takes that block as a prefix hit: the writer must copy, not unpublish, in either order.
+TEST(ManagerTest, WriterCopiesABlockThatAHitInTheSameBatchTakes) {
+  for (bool writer_first : {true, false}) {
+    KVCacheManager m(Options(16));
+    const SeqId a = m.AddSequence(Range(0, 8));
+    StepBatch b;
+    Step(m, b, a, 8);
+    m.Commit(a, std::vector<int32_t>{8});
+    m.Rewind(a, 2);  // positions 6, 7 of (published) block 1 will be rewritten
+    const int32_t block1 = m.BlockTable(a)[1];
+    const SeqId c = m.AddSequence(Range(0, 9));
+    ASSERT_EQ(m.Lookup(c).num_blocks, 2);
+    std::vector<StepRequest> reqs = {{a, 2, 0}, {c, 1, 0}};
+    if (!writer_first) std::swap(reqs[0], reqs[1]);
+    ASSERT_TRUE(m.Schedule(reqs, b).admitted);
+    ASSERT_EQ(b.copies().size(), 1u) << writer_first;
+    EXPECT_EQ(b.copies()[0].src, block1);
+    EXPECT_EQ(m.BlockTable(a)[1], b.copies()[0].dst);
+    EXPECT_EQ(m.BlockTable(c)[1], block1);
+    EXPECT_TRUE(m.pool().block(block1).hashed);
+    m.CheckInvariants();
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fork and copy-on-write
 
