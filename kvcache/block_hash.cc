@@ -25,7 +25,9 @@ void AppendBytes(std::string& out, const void* p, size_t n) {
 
 }  // namespace
 
-std::string ToHex(const BlockHash& hash) { return fmt::format("{:016x}{:016x}", hash.high, hash.low); }
+std::string ToHex(const BlockHash& hash) {
+  return fmt::format("{:016x}{:016x}", hash.high, hash.low);
+}
 
 BlockHash HashFormatTag(const FormatTag& tag) {
   // A versioned domain string, then every field at a fixed width, so no two tags serialize alike.

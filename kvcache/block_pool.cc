@@ -103,8 +103,7 @@ void BlockPool::Unlink(int list, int32_t id) {
   --l.size;
 }
 
-void BlockPool::Emit(KVEventType type, int32_t id, const BlockHash& hash,
-                     const BlockHash& parent) {
+void BlockPool::Emit(KVEventType type, int32_t id, const BlockHash& hash, const BlockHash& parent) {
   if (record_events_) events_.push_back(KVEvent{type, hash, parent, id});
 }
 
@@ -232,7 +231,8 @@ std::string BlockPool::FindInvariantViolation(std::span<const int32_t> ref_count
       if (on_list[id] >= 0) return fmt::format("block {} is on two lists (or a cycle)", id);
       on_list[id] = static_cast<int8_t>(list);
       const BlockMeta& b = blocks_[id];
-      if (b.prev != prev) return fmt::format("block {}: prev {} but walked from {}", id, b.prev, prev);
+      if (b.prev != prev)
+        return fmt::format("block {}: prev {} but walked from {}", id, b.prev, prev);
       if (b.ref_count != 0) return fmt::format("listed block {} has ref {}", id, b.ref_count);
       if (list == kFreeList) {
         if (b.state != BlockState::kFree || b.hashed) {
@@ -240,13 +240,14 @@ std::string BlockPool::FindInvariantViolation(std::span<const int32_t> ref_count
                              b.hashed ? " (hashed)" : "");
         }
       } else if (b.state != BlockState::kEvictable || !b.hashed || b.priority != list) {
-        return fmt::format("block {} on evictable list {} is {} (priority {}, hashed {})", id,
-                           list, BlockStateName(b.state), b.priority, b.hashed);
+        return fmt::format("block {} on evictable list {} is {} (priority {}, hashed {})", id, list,
+                           BlockStateName(b.state), b.priority, b.hashed);
       }
       prev = id;
       if (++count > n) return fmt::format("list {} has a cycle", list);
     }
-    if (l.tail != prev) return fmt::format("list {}: tail {} but last walked {}", list, l.tail, prev);
+    if (l.tail != prev)
+      return fmt::format("list {}: tail {} but last walked {}", list, l.tail, prev);
     if (count != l.size) return fmt::format("list {}: size {} but {} walked", list, l.size, count);
     if (list < kFreeList && ((nonempty_evictable_ >> list) & 1u) != (count > 0 ? 1u : 0u)) {
       return fmt::format("nonempty bit of evictable list {} is wrong", list);
@@ -296,7 +297,8 @@ std::string BlockPool::FindInvariantViolation(std::span<const int32_t> ref_count
   if (!table_error.empty()) return table_error;
   std::string mismatch;
   table_.ForEach([&](const BlockHash& h, int32_t id) {
-    if (mismatch.empty() && (id <= 0 || id >= n || !blocks_[id].hashed || !(blocks_[id].hash == h))) {
+    if (mismatch.empty() &&
+        (id <= 0 || id >= n || !blocks_[id].hashed || !(blocks_[id].hash == h))) {
       mismatch = fmt::format("table maps {} to block {}, which does not carry it", ToHex(h), id);
     }
   });

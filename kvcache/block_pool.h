@@ -56,13 +56,13 @@ struct KVEvent {
 };
 
 struct BlockMeta {
-  BlockHash hash;          // valid when `hashed`
-  int32_t ref_count = 0;   // block-table entries of live sequences that point here
-  int32_t prev = -1;       // intrusive links of the free list or an evictable list; -1: none
+  BlockHash hash;         // valid when `hashed`
+  int32_t ref_count = 0;  // block-table entries of live sequences that point here
+  int32_t prev = -1;      // intrusive links of the free list or an evictable list; -1: none
   int32_t next = -1;
   BlockState state = BlockState::kFree;
-  uint8_t priority = 0;    // max priority of its holders since it last entered "in use"
-  bool hashed = false;     // registered in the hash table under `hash`
+  uint8_t priority = 0;  // max priority of its holders since it last entered "in use"
+  bool hashed = false;   // registered in the hash table under `hash`
 };
 
 class BlockPool {

@@ -20,9 +20,9 @@ namespace tqkv {
 inline constexpr std::string_view kBf16FormatName = "bf16";
 
 struct CacheFormat {
-  std::string name;        // a preset name or "bf16"
-  bool bf16 = false;       // which of the two below is valid
-  BlockFormat turboquant;  // !bf16
+  std::string name;             // a preset name or "bf16"
+  bool bf16 = false;            // which of the two below is valid
+  BlockFormat turboquant;       // !bf16
   Bf16BlockFormat bf16_format;  // bf16
   int head_dim = 0;
   int num_kv_heads = 0;
@@ -33,8 +33,7 @@ struct CacheFormat {
 
 // `name` is "bf16" or a TurboQuant preset; anything else throws tqkv::Error listing them. The
 // sizes are validated by MakeBlockFormat / MakeBf16BlockFormat.
-CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads,
-                            int block_size);
+CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads, int block_size);
 
 // The prefix-cache format tag of a cache format (rotation_id: the rotation's kind and seed as
 // the engine identifies them; 0 for bf16 and FP8 keys).

@@ -87,8 +87,7 @@ TEST(CacheFormatTest, FormatTagNamesFormatAndRotation) {
 //   4bit_nc: 16 * 8 * 134 = 17152 B per layer-block, 548864 B per block id
 //         -> floor(85899345920 / 548864) = 156503 blocks, 156502 * 16 = 2504032 tokens
 TEST(CapacityTest, Llama8bIn80GiB) {
-  const CapacityReport r =
-      ComputeCapacity(int64_t{80} << 30, "turboquant_4bit_nc", 32, 8, 128, 16);
+  const CapacityReport r = ComputeCapacity(int64_t{80} << 30, "turboquant_4bit_nc", 32, 8, 128, 16);
   EXPECT_EQ(r.bf16.block_bytes, 65536);
   EXPECT_EQ(r.bf16.bytes_per_block, 2 << 20);
   EXPECT_EQ(r.bf16.bytes_per_token, 131072);
@@ -119,8 +118,8 @@ TEST(CapacityTest, RejectsBadArguments) {
 }
 
 TEST(CapacityTest, TableShowsBothRows) {
-  const std::string table = FormatCapacityTable(
-      ComputeCapacity(int64_t{80} << 30, "turboquant_4bit_nc", 32, 8, 128, 16));
+  const std::string table =
+      FormatCapacityTable(ComputeCapacity(int64_t{80} << 30, "turboquant_4bit_nc", 32, 8, 128, 16));
   EXPECT_THAT(table, HasSubstr("KV cache capacity in 80.00 GiB: 32 layers, 8 KV heads, "
                                "head_dim 128, block size 16\n"));
   EXPECT_THAT(table, HasSubstr("vs bf16"));

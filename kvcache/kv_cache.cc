@@ -20,8 +20,7 @@ namespace tqkv {
 
 void KVCache::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 
-KVCache::KVCache(const CacheFormat& format, int num_layers, int32_t num_blocks,
-                 CacheDevice device)
+KVCache::KVCache(const CacheFormat& format, int num_layers, int32_t num_blocks, CacheDevice device)
     : format_(format), device_(device), num_layers_(num_layers), num_blocks_(num_blocks) {
   constexpr const char* kWhere = "KVCache";
   if (num_layers < 1) throw InvalidArgument(kWhere, "num_layers", num_layers, ">= 1");
@@ -30,9 +29,9 @@ KVCache::KVCache(const CacheFormat& format, int num_layers, int32_t num_blocks,
                           ">= 2 (block 0 is the reserved null block)");
   }
   if (format.block_bytes < 1 || format.block_bytes > (int64_t{1} << 62) / num_blocks) {
-    throw InvalidArgument(kWhere, "format.block_bytes", format.block_bytes,
-                          fmt::format("1 to {} for {} blocks", (int64_t{1} << 62) / num_blocks,
-                                      num_blocks));
+    throw InvalidArgument(
+        kWhere, "format.block_bytes", format.block_bytes,
+        fmt::format("1 to {} for {} blocks", (int64_t{1} << 62) / num_blocks, num_blocks));
   }
   layer_bytes_ = int64_t{num_blocks} * format.block_bytes;
   if (device == CacheDevice::kCuda) {
@@ -160,6 +159,15 @@ void KVCache::ApplyCopies(std::span<const BlockCopy> copies, StreamHandle stream
   (void)stream;
   TQKV_CHECK(false);  // the constructor rejects kCuda without CUDA
 #endif
+}
+
+void UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device, StreamHandle stream) {
+  const std::span<const std::byte> bytes = batch.bytes();
+  if (device.size() < static_cast<int64_t>(bytes.size())) {
+    device = DeviceBuffer<uint8_t>(
+        std::max<int64_t>(static_cast<int64_t>(bytes.size()), 2 * device.size()));
+  }
+  device.CopyFromHost({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, 0, stream);
 }
 
 }  // namespace tqkv

@@ -66,8 +66,15 @@ class KVCache {
   int num_layers_ = 0;
   int32_t num_blocks_ = 0;
   int64_t layer_bytes_ = 0;
-  std::vector<HostBytes> host_layers_;                 // kCpu: [num_layers]
-  std::vector<DeviceBuffer<uint8_t>> device_layers_;   // kCuda: [num_layers]
+  std::vector<HostBytes> host_layers_;                // kCpu: [num_layers]
+  std::vector<DeviceBuffer<uint8_t>> device_layers_;  // kCuda: [num_layers]
 };
+
+// Uploads a step: copies batch.bytes() (block tables, slot mapping, lengths; offsets in
+// batch.layout()) into `device` with one asynchronous copy on `stream` (nullptr: synchronous).
+// `device` grows when too small (size it once for the largest padded step when capturing CUDA
+// graphs). The batch's host buffer must not be rescheduled until the copy has completed: wait on
+// the stream before the next Schedule, or alternate two StepBatch objects.
+void UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device, StreamHandle stream);
 
 }  // namespace tqkv

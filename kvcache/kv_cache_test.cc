@@ -57,6 +57,19 @@ TEST(KVCacheTest, CudaCacheNeedsADevice) {
   EXPECT_THROW(KVCache(MakeCacheFormat("bf16", 64, 2, 16), 1, 4, CacheDevice::kCuda), Error);
 }
 
+TEST(KVCacheTest, UploadNeedsADevice) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a device is present: kv_cache_cuda_test covers it";
+  KVCacheManagerOptions o;
+  o.num_blocks = 8;
+  KVCacheManager m(o);
+  StepBatch batch;
+  const StepRequest r{m.AddSequence(std::vector<int32_t>{1, 2, 3}), 3, 0};
+  ASSERT_TRUE(m.Schedule({&r, 1}, batch).admitted);
+  EXPECT_FALSE(batch.arena_pinned());
+  DeviceBuffer<uint8_t> device;
+  EXPECT_THROW(UploadStepBatch(batch, device, nullptr), Error);
+}
+
 TEST(KVCacheTest, ApplyCopiesCopiesWholeBlocksInEveryLayer) {
   const CacheFormat f = MakeCacheFormat("turboquant_k3v4_nc", 64, 2, 16);
   KVCache cache(f, 2, 8, CacheDevice::kCpu);

@@ -25,7 +25,8 @@ const KVCacheManagerOptions& Validated(const KVCacheManagerOptions& o) {
                           ">= 2 (block 0 is the reserved null block; at least one usable block)");
   }
   if (o.block_size < 1 || o.block_size > kMaxBlockSize) {
-    throw InvalidArgument(kWhere, "block_size", o.block_size, fmt::format("1 to {}", kMaxBlockSize));
+    throw InvalidArgument(kWhere, "block_size", o.block_size,
+                          fmt::format("1 to {}", kMaxBlockSize));
   }
   if (o.format.block_size != 0 && o.format.block_size != o.block_size) {
     throw InvalidArgument(kWhere, "format.block_size", o.format.block_size,
@@ -206,7 +207,7 @@ void KVCacheManager::Free(SeqId id) {
 }
 
 SeqId KVCacheManager::Fork(SeqId id) {
-  Live("Fork", id);  // validate before taking a slot
+  Live("Fork", id);               // validate before taking a slot
   const size_t slot = NewSlot();  // may move sequences_
   const Sequence& parent = Live("Fork", id);
   Sequence& child = sequences_[slot];
@@ -220,7 +221,8 @@ SeqId KVCacheManager::Fork(SeqId id) {
   child.tokens.assign(parent.tokens.begin(), parent.tokens.end());
   child.token_hashes.assign(parent.token_hashes.begin(), parent.token_hashes.end());
   const size_t shared = static_cast<size_t>(BlocksFor(parent.num_scheduled));
-  child.blocks.assign(parent.blocks.begin(), parent.blocks.begin() + static_cast<ptrdiff_t>(shared));
+  child.blocks.assign(parent.blocks.begin(),
+                      parent.blocks.begin() + static_cast<ptrdiff_t>(shared));
   for (const int32_t b : child.blocks) {
     if (b != kNullBlock) pool_.Acquire(b, child.priority);
   }
@@ -274,19 +276,25 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     }
     Sequence& s = Live(kWhere, r.seq);
     if (r.num_new_tokens < 0) {
-      throw InvalidArgument(kWhere, fmt::format("requests[{}].num_new_tokens (sequence {})", i, r.seq),
+      throw InvalidArgument(kWhere,
+                            fmt::format("requests[{}].num_new_tokens (sequence {})", i, r.seq),
                             r.num_new_tokens, ">= 0");
     }
     if (r.num_lookahead < 0) {
-      throw InvalidArgument(kWhere, fmt::format("requests[{}].num_lookahead (sequence {})", i, r.seq),
+      throw InvalidArgument(kWhere,
+                            fmt::format("requests[{}].num_lookahead (sequence {})", i, r.seq),
                             r.num_lookahead, ">= 0");
     }
     if (s.batch_mark == epoch_) {
-      throw Error(fmt::format("{}: sequence {} appears more than once in the batch (again at "
-                              "requests[{}])",
-                              kWhere, r.seq, i));
+      throw Error(
+          fmt::format("{}: sequence {} appears more than once in the batch (again at "
+                      "requests[{}])",
+                      kWhere, r.seq, i));
     }
     s.batch_mark = epoch_;
+    // Phase 3 reads the table's last entries (slots, new row entries): start that cache miss now,
+    // so the misses of a 256-request batch overlap instead of queueing.
+    if (!s.blocks.empty()) __builtin_prefetch(&s.blocks.back());
     total_tokens += r.num_new_tokens;
     plans_[i] = Plan{};
     plans_[i].seq = &s;
@@ -336,14 +344,11 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     const bool fresh = p.fresh;
     const int64_t end = p.start + r.num_new_tokens + r.num_lookahead;
     if (end > kMaxPositions) {
-      throw InvalidArgument(
-          kWhere, fmt::format("end position of requests[{}] (sequence {})", i, r.seq), end,
-          fmt::format("at most {}", kMaxPositions));
+      throw InvalidArgument(kWhere,
+                            fmt::format("end position of requests[{}] (sequence {})", i, r.seq),
+                            end, fmt::format("at most {}", kMaxPositions));
     }
     const int32_t current = fresh ? p.hit_blocks : static_cast<int32_t>(s.blocks.size());
-    // Phase 3 reads the table's last entries (slots, new row entries): start the cache miss now
-    // so that the 256 of a decode batch overlap instead of queueing.
-    if (current > 0) __builtin_prefetch(s.blocks.data() + current - 1);
     p.table_len = std::max<int32_t>(current, static_cast<int32_t>(BlocksFor(end)));
     p.new_blocks = p.table_len - current;
     p.release_to = fresh ? 0 : s.num_released;
@@ -434,10 +439,10 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     }
   }
 
-  int32_t padded_requests = std::max<int32_t>(static_cast<int32_t>(requests.size()),
-                                              options.pad_requests_to);
-  int32_t padded_tokens = std::max<int32_t>(static_cast<int32_t>(total_tokens),
-                                            options.pad_tokens_to);
+  int32_t padded_requests =
+      std::max<int32_t>(static_cast<int32_t>(requests.size()), options.pad_requests_to);
+  int32_t padded_tokens =
+      std::max<int32_t>(static_cast<int32_t>(total_tokens), options.pad_tokens_to);
   batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
                 static_cast<int32_t>(total_tokens), padded_tokens, width);
   int64_t* slots = batch.MutableSection<int64_t>(batch.layout_.slot_mapping);
@@ -539,15 +544,15 @@ void KVCacheManager::Commit(SeqId id, std::span<const int32_t> token_ids) {
 void KVCacheManager::Rewind(SeqId id, int64_t num_positions) {
   Sequence& s = Live("Rewind", id);
   if (num_positions < 0 || num_positions > s.num_scheduled) {
-    throw Error(fmt::format("Rewind: sequence {}: cannot rewind {} positions; {} are scheduled "
-                            "(allowed: 0 to {})",
-                            id, num_positions, s.num_scheduled, s.num_scheduled));
+    throw Error(
+        fmt::format("Rewind: sequence {}: cannot rewind {} positions; {} are scheduled "
+                    "(allowed: 0 to {})",
+                    id, num_positions, s.num_scheduled, s.num_scheduled));
   }
   const int64_t target = s.num_scheduled - num_positions;
   if (s.num_released > 0) {
     // The next query (at `target`) reads from target - window + 1, which must not be released.
-    const int64_t lowest =
-        int64_t{s.num_released} * block_size_ + options_.sliding_window - 1;
+    const int64_t lowest = int64_t{s.num_released} * block_size_ + options_.sliding_window - 1;
     if (target < lowest) {
       throw Error(fmt::format(
           "Rewind: sequence {}: rewinding {} of {} positions would need positions from {}, but "
@@ -560,7 +565,8 @@ void KVCacheManager::Rewind(SeqId id, int64_t num_positions) {
   }
   s.num_scheduled = target;
   ReleaseTail(s, static_cast<size_t>(BlocksFor(target)));
-  s.num_cached_blocks = std::min<int32_t>(s.num_cached_blocks, static_cast<int32_t>(BlockOf(target)));
+  s.num_cached_blocks =
+      std::min<int32_t>(s.num_cached_blocks, static_cast<int32_t>(BlockOf(target)));
   // The block now holding position `target` may be shared (Fork) or published.
   s.tail_may_be_shared = true;
 }
@@ -682,8 +688,8 @@ std::string KVCacheManager::FindInvariantViolation() const {
       // sequence rejected: it is copied or unpublished before this sequence writes into it.)
       if (m.hashed && i < static_cast<size_t>(s.num_cached_blocks) &&
           !(m.hash == s.token_hashes[i])) {
-        return fmt::format("sequence {}: entry {} = block {} carries a hash of other tokens", id,
-                           i, b);
+        return fmt::format("sequence {}: entry {} = block {} carries a hash of other tokens", id, i,
+                           b);
       }
       // The flag that lets Schedule skip the copy-on-write check must not lie.
       if (!s.tail_may_be_shared && static_cast<int64_t>(i) == s.num_scheduled / bs &&
@@ -724,9 +730,9 @@ void KVCacheManager::CheckInvariants() const {
 }
 
 std::string KVCacheManager::DebugString() const {
-  std::string out = fmt::format("pool: {} blocks, {} free, {} evictable, {} cached\n",
-                                pool_.num_blocks(), pool_.num_free(), pool_.num_evictable(),
-                                pool_.num_cached());
+  std::string out =
+      fmt::format("pool: {} blocks, {} free, {} evictable, {} cached\n", pool_.num_blocks(),
+                  pool_.num_free(), pool_.num_evictable(), pool_.num_cached());
   for (int32_t b = 0; b < pool_.num_blocks(); ++b) {
     const BlockMeta& m = pool_.block(b);
     out += fmt::format("  block {}: {} ref {} prio {} prev {} next {}{}\n", b,

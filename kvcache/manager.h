@@ -67,10 +67,10 @@ struct PrefixMatch {
 };
 
 struct SequenceInfo {
-  int64_t num_tokens = 0;       // known token ids: prompt + committed
-  int64_t num_scheduled = 0;    // positions with slots
-  int32_t num_cached_blocks = 0;  // leading blocks with trusted KV (published to the cache)
-  int32_t num_table_entries = 0;  // block-table length, lookahead reservations included
+  int64_t num_tokens = 0;           // known token ids: prompt + committed
+  int64_t num_scheduled = 0;        // positions with slots
+  int32_t num_cached_blocks = 0;    // leading blocks with trusted KV (published to the cache)
+  int32_t num_table_entries = 0;    // block-table length, lookahead reservations included
   int32_t num_released_blocks = 0;  // leading entries released by the sliding window (null)
   int priority = kDefaultPriority;
 };
@@ -108,12 +108,12 @@ struct KVCacheStats {
   // caching on): its known tokens are "queried", the cached prefix it reuses is "hit".
   int64_t prefix_query_tokens = 0;
   int64_t prefix_hit_tokens = 0;
-  int64_t prefix_miss_tokens = 0;  // query - hit
-  int64_t evictions = 0;           // cached blocks reclaimed to satisfy allocations (cumulative)
-  int64_t cow_copies = 0;          // copy-on-write copies emitted (cumulative)
-  int64_t blocks_allocated = 0;    // blocks handed out by Schedule (cumulative, copies included)
-  int64_t schedule_calls = 0;      // Schedule calls that returned (admitted or not)
-  int64_t schedule_rejections = 0; // Schedule calls that admitted nothing
+  int64_t prefix_miss_tokens = 0;   // query - hit
+  int64_t evictions = 0;            // cached blocks reclaimed to satisfy allocations (cumulative)
+  int64_t cow_copies = 0;           // copy-on-write copies emitted (cumulative)
+  int64_t blocks_allocated = 0;     // blocks handed out by Schedule (cumulative, copies included)
+  int64_t schedule_calls = 0;       // Schedule calls that returned (admitted or not)
+  int64_t schedule_rejections = 0;  // Schedule calls that admitted nothing
 };
 
 class KVCacheManager {
@@ -197,30 +197,30 @@ class KVCacheManager {
     // Bumped whenever an entry of `blocks` changes or is removed (appends keep it): a StepBatch
     // row written at the same epoch needs only the entries appended since.
     uint32_t table_epoch = 0;
-    uint32_t batch_mark = 0;            // == schedule epoch: already in the current batch
-    int32_t num_cached_blocks = 0;     // leading entries with trusted, published-or-duplicate KV
-    int32_t num_released = 0;          // leading null entries (sliding window)
+    uint32_t batch_mark = 0;        // == schedule epoch: already in the current batch
+    int32_t num_cached_blocks = 0;  // leading entries with trusted, published-or-duplicate KV
+    int32_t num_released = 0;       // leading null entries (sliding window)
     int64_t num_scheduled = 0;
-    std::vector<int32_t> blocks;       // block table
+    std::vector<int32_t> blocks;  // block table
     // Second line: tokens and hashes (Commit, Lookup, a fresh sequence's first step).
-    std::vector<int32_t> tokens;       // [num_tokens]
+    std::vector<int32_t> tokens;          // [num_tokens]
     std::vector<BlockHash> token_hashes;  // [num_tokens / block_size]
-    BlockHash root;                    // parent hash of block 0
+    BlockHash root;                       // parent hash of block 0
   };
   static_assert(sizeof(Sequence) == 128);
 
   // Per-request scratch of Schedule, reused across steps.
   struct Plan {
     Sequence* seq = nullptr;
-    int64_t start = 0;           // first written position
-    int32_t hit_offset = 0;      // into hit_blocks_
-    int32_t hit_blocks = 0;      // prefix-cache blocks taken (sequences with nothing scheduled)
-    int32_t release_to = 0;      // window: entries below this are null after the step
-    int32_t table_len = 0;       // entries after the step
-    int32_t new_blocks = 0;      // allocations, copy-on-write excluded
-    bool fresh = false;          // nothing scheduled, no reservation: takes its cached prefix
-    bool cow = false;            // the block at start / block_size is shared: copy it
-    bool unpublish = false;      // ... is ours alone but published: drop its hash
+    int64_t start = 0;       // first written position
+    int32_t hit_offset = 0;  // into hit_blocks_
+    int32_t hit_blocks = 0;  // prefix-cache blocks taken (sequences with nothing scheduled)
+    int32_t release_to = 0;  // window: entries below this are null after the step
+    int32_t table_len = 0;   // entries after the step
+    int32_t new_blocks = 0;  // allocations, copy-on-write excluded
+    bool fresh = false;      // nothing scheduled, no reservation: takes its cached prefix
+    bool cow = false;        // the block at start / block_size is shared: copy it
+    bool unpublish = false;  // ... is ours alone but published: drop its hash
   };
 
   // Block index and offset of a position: shifts for a power-of-two block size (the usual case);

@@ -78,8 +78,8 @@ TEST(ManagerTest, ZeroBlockPoolThrows) {
       KVCacheManager m(Options(n));
       FAIL();
     } catch (const Error& e) {
-      EXPECT_THAT(e.what(), AllOf(HasSubstr(fmt::format("num_blocks = {}", n)),
-                                  HasSubstr("null block")));
+      EXPECT_THAT(e.what(),
+                  AllOf(HasSubstr(fmt::format("num_blocks = {}", n)), HasSubstr("null block")));
     }
   }
 }
@@ -185,8 +185,8 @@ TEST(ManagerTest, BatchIsInRequestOrderWithPadding) {
   EXPECT_THAT(Vec(b.query_start_loc()), ElementsAre(0, 2, 7, 7, 7));
   // The arena layout: 64-byte aligned sections in the documented order.
   const auto& l = b.layout();
-  EXPECT_EQ(l.block_tables, 0);     // 4 x 3 int32
-  EXPECT_EQ(l.slot_mapping, 64);    // 10 int64
+  EXPECT_EQ(l.block_tables, 0);   // 4 x 3 int32
+  EXPECT_EQ(l.slot_mapping, 64);  // 10 int64
   EXPECT_EQ(l.seq_lens, 192);
   EXPECT_EQ(l.query_start_loc, 256);
   EXPECT_EQ(l.total_bytes, 256 + 20);
@@ -198,9 +198,9 @@ TEST(ManagerTest, WidthAndPaddingAreMinimums) {
   const SeqId a = m.AddSequence(Range(0, 9));
   StepBatch b;
   const StepRequest r{a, 9, 0};
-  ASSERT_TRUE(m.Schedule({&r, 1}, b, {.pad_tokens_to = 4, .pad_requests_to = 0,
-                                        .block_table_width = 1})
-                  .admitted);
+  ASSERT_TRUE(
+      m.Schedule({&r, 1}, b, {.pad_tokens_to = 4, .pad_requests_to = 0, .block_table_width = 1})
+          .admitted);
   EXPECT_EQ(b.block_table_width(), 3);
   EXPECT_EQ(b.padded_num_tokens(), 9);
 }
@@ -216,8 +216,7 @@ TEST(ManagerTest, ScheduleRejectsBadRequestsWithoutChangingState) {
   };
   ExpectErrorAndUnchanged(m, schedule({{a, 5, 0}, {freed, 1, 0}}),
                           {"Schedule", fmt::format("sequence {} was freed", freed)});
-  ExpectErrorAndUnchanged(m, schedule({{a, 5, 0}, {SeqId{999}, 1, 0}}),
-                          {"unknown sequence 999"});
+  ExpectErrorAndUnchanged(m, schedule({{a, 5, 0}, {SeqId{999}, 1, 0}}), {"unknown sequence 999"});
   ExpectErrorAndUnchanged(m, schedule({{a, 5, 0}, {a, 1, 0}}),
                           {fmt::format("sequence {} appears more than once", a)});
   ExpectErrorAndUnchanged(m, schedule({{a, -1, 0}}), {"num_new_tokens", "= -1"});
@@ -419,16 +418,18 @@ TEST(ManagerTest, CommittingMoreThanScheduledThrowsAndChangesNothing) {
   KVCacheManager m(Options(8));
   const SeqId s = m.AddSequence(Range(0, 6));
   ExpectErrorAndUnchanged(m, [&] { m.Commit(s, std::vector<int32_t>{1}); },
-                          {fmt::format("sequence {}", s), "committing 1 tokens",
-                           "7 known tokens", "only 0 positions are scheduled"});
+                          {fmt::format("sequence {}", s), "committing 1 tokens", "7 known tokens",
+                           "only 0 positions are scheduled"});
   StepBatch b;
   Step(m, b, s, 6);
-  ExpectErrorAndUnchanged(m, [&] { m.Commit(s, std::vector<int32_t>{1, 2}); },
-                          {"committing 2 tokens", "8 known tokens", "only 6 positions",
-                           "at most 1 more"});
+  ExpectErrorAndUnchanged(
+      m,
+      [&] {
+        m.Commit(s, std::vector<int32_t>{1, 2});
+      },
+      {"committing 2 tokens", "8 known tokens", "only 6 positions", "at most 1 more"});
   m.Commit(s, std::vector<int32_t>{1});
-  ExpectErrorAndUnchanged(m, [&] { m.Commit(s, std::vector<int32_t>{2}); },
-                          {"at most 0 more"});
+  ExpectErrorAndUnchanged(m, [&] { m.Commit(s, std::vector<int32_t>{2}); }, {"at most 0 more"});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,9 +482,9 @@ TEST(ManagerTest, RewindingPastTheStartThrowsAndChangesNothing) {
   const SeqId s = m.AddSequence(Range(0, 5));
   StepBatch b;
   Step(m, b, s, 5);
-  ExpectErrorAndUnchanged(m, [&] { m.Rewind(s, 6); },
-                          {fmt::format("sequence {}", s), "cannot rewind 6 positions",
-                           "5 are scheduled"});
+  ExpectErrorAndUnchanged(
+      m, [&] { m.Rewind(s, 6); },
+      {fmt::format("sequence {}", s), "cannot rewind 6 positions", "5 are scheduled"});
   ExpectErrorAndUnchanged(m, [&] { m.Rewind(s, -1); }, {"cannot rewind -1"});
 }
 
@@ -504,6 +505,31 @@ TEST(ManagerTest, RewindIntoAPublishedBlockUnpublishesItOnTheNextWrite) {
   EXPECT_EQ(events[0].type, KVEventType::kBlockRemoved);
   EXPECT_EQ(events[0].block_id, block1);
   EXPECT_TRUE(b.copies().empty());  // ours alone: no copy needed
+}
+
+// A rewound sequence about to rewrite a published block while a new sequence in the same batch
+// takes that block as a prefix hit: the writer must copy, not unpublish, in either order.
+TEST(ManagerTest, WriterCopiesABlockThatAHitInTheSameBatchTakes) {
+  for (bool writer_first : {true, false}) {
+    KVCacheManager m(Options(16));
+    const SeqId a = m.AddSequence(Range(0, 8));
+    StepBatch b;
+    Step(m, b, a, 8);
+    m.Commit(a, std::vector<int32_t>{8});
+    m.Rewind(a, 2);  // positions 6, 7 of (published) block 1 will be rewritten
+    const int32_t block1 = m.BlockTable(a)[1];
+    const SeqId c = m.AddSequence(Range(0, 9));
+    ASSERT_EQ(m.Lookup(c).num_blocks, 2);
+    std::vector<StepRequest> reqs = {{a, 2, 0}, {c, 1, 0}};
+    if (!writer_first) std::swap(reqs[0], reqs[1]);
+    ASSERT_TRUE(m.Schedule(reqs, b).admitted);
+    ASSERT_EQ(b.copies().size(), 1u) << writer_first;
+    EXPECT_EQ(b.copies()[0].src, block1);
+    EXPECT_EQ(m.BlockTable(a)[1], b.copies()[0].dst);
+    EXPECT_EQ(m.BlockTable(c)[1], block1);
+    EXPECT_TRUE(m.pool().block(block1).hashed);
+    m.CheckInvariants();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -665,8 +691,8 @@ TEST(ManagerTest, HitBlocksArePinnedBeforeAnythingIsEvicted) {
   StepBatch b;
   Step(m, b, a, 9);
   m.Commit(a, std::vector<int32_t>{1});
-  m.Free(a);  // 2 evictable (full blocks), 2 free
-  const SeqId c = m.AddSequence(prompt);   // hits 2, needs 1
+  m.Free(a);                                    // 2 evictable (full blocks), 2 free
+  const SeqId c = m.AddSequence(prompt);        // hits 2, needs 1
   const SeqId d = m.AddSequence(Range(50, 8));  // needs 2
   ASSERT_EQ(m.Lookup(c).num_blocks, 2);
   const StepRequest reqs[] = {{c, 1, 0}, {d, 8, 0}};

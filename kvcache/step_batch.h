@@ -126,8 +126,8 @@ class StepBatch {
   struct RowState {
     const void* owner = nullptr;  // the manager that wrote it
     SeqId seq = kUnknownRow;
-    uint32_t table_epoch = 0;     // the sequence's table epoch when written
-    int32_t length = 0;           // entries written; the rest of the row is null
+    uint32_t table_epoch = 0;  // the sequence's table epoch when written
+    int32_t length = 0;        // entries written; the rest of the row is null
   };
   static constexpr SeqId kUnknownRow = -2;  // contents unknown: rewrite the whole row
   static constexpr SeqId kPaddingRow = -1;  // all null

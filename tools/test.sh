@@ -45,7 +45,7 @@ testlogs=$(bazel info bazel-testlogs "$@" 2>/dev/null)
 # Second pass: the block manager under AddressSanitizer + LeakSanitizer (.bazelrc --config=asan,
 # a dbg build). Fewer rapidcheck cases there: each runs ~15x slower than in the opt build.
 asan_log=$(mktemp)
-bazel test //kvcache/... --config=asan --test_env=RC_PARAMS=max_success=40 --keep_going \
+bazel test //kvcache/... --config=asan --test_env=RC_PARAMS=max_success=80 --keep_going \
   --test_summary=short "$@" 2>&1 | tee "$asan_log"
 asan_rc=${PIPESTATUS[0]}
 asan_testlogs=$(bazel info bazel-testlogs --config=asan "$@" 2>/dev/null)

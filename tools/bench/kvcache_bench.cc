@@ -2,7 +2,6 @@
 // lookup of a 32k-token prompt, Fork/Free. Targets on the 2-core dev machine: <= 20 us per
 // 256-sequence decode step, <= 100 us per 32k-token lookup (PERFORMANCE.md; NOTES.md has runs).
 #include <benchmark/benchmark.h>
-
 #include <time.h>
 
 #include <numeric>
@@ -56,7 +55,8 @@ class DecodeScenario {
       Start(i);
     }
     reqs_.resize(kSeqs);
-    for (int i = 0; i < kSeqs; ++i) reqs_[static_cast<size_t>(i)] = {seqs_[static_cast<size_t>(i)], 1, 0};
+    for (int i = 0; i < kSeqs; ++i)
+      reqs_[static_cast<size_t>(i)] = {seqs_[static_cast<size_t>(i)], 1, 0};
   }
 
   // One timed Schedule; returns its seconds. Commits and replacements are not timed.
@@ -100,8 +100,9 @@ class DecodeScenario {
   void Start(int i) {
     const size_t k = static_cast<size_t>(i);
     seqs_[k] = m_.AddSequence(prompts_[k]);
-    const StepRequest prefill{seqs_[k], static_cast<int32_t>(prompts_[k].size()) -
-                                            static_cast<int32_t>(m_.Lookup(seqs_[k]).num_tokens),
+    const StepRequest prefill{seqs_[k],
+                              static_cast<int32_t>(prompts_[k].size()) -
+                                  static_cast<int32_t>(m_.Lookup(seqs_[k]).num_tokens),
                               0};
     StepBatch b;
     if (!m_.Schedule({&prefill, 1}, b).admitted) std::abort();
@@ -112,8 +113,8 @@ class DecodeScenario {
   void Replace() {
     for (int i = 0; i < kSeqs; ++i) {
       const size_t k = static_cast<size_t>(i);
-      const int64_t decoded = m_.GetSequenceInfo(seqs_[k]).num_tokens - 1 -
-                              static_cast<int64_t>(prompts_[k].size());
+      const int64_t decoded =
+          m_.GetSequenceInfo(seqs_[k]).num_tokens - 1 - static_cast<int64_t>(prompts_[k].size());
       if (decoded >= 256 + kBlockSize * (i % 17)) {
         m_.Free(seqs_[k]);
         Start(i);
@@ -150,7 +151,11 @@ void BM_ScheduleDecode256(benchmark::State& state) {
   state.counters["new_blocks/step"] = s.crossings_per_step();
   state.counters["table_width"] = s.width();
 }
-BENCHMARK(BM_ScheduleDecode256)->Arg(1024)->Arg(4096)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ScheduleDecode256)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // Schedule + 256 Commits (block hashing included): everything the manager does per decode step.
 void BM_DecodeStep256(benchmark::State& state) {
