@@ -112,7 +112,7 @@ class StoreDeviceState {
   StorePath path() const { return path_; }
   // True when bucketizing uses the lookup table (always for the built-in codebooks); false means
   // a caller's codebook with midpoints too close for it, bucketized by binary search instead.
-  bool uses_lookup_table() const { return lut_cells_ > 0; }
+  bool uses_lookup_table() const { return lut_.cells > 0; }
 
   int64_t WorkspaceBytes(int64_t num_tokens) const {
     return StoreWorkspaceBytes(quantizer_, options_, num_tokens);
@@ -136,8 +136,7 @@ class StoreDeviceState {
   Quantizer quantizer_;
   StoreOptions options_;
   StorePath path_;
-  int lut_cells_ = 0;
-  float lut_inv_step_ = 0, lut_bias_ = 0;
+  store::BucketLut lut_;
   DeviceAllocation tables_;       // store::DeviceTables
   DeviceAllocation rotation_;     // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
   std::unique_ptr<CublasHandle> blas_;

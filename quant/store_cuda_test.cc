@@ -761,30 +761,38 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
   const int n = static_cast<int>(v.size());
   for (uint32_t levels : {7u, 15u}) {
     DeviceBuffer<float> dv(n), dmin(n), ds(n);
-    DeviceBuffer<uint32_t> fast(n), exact(n);
+    DeviceBuffer<uint32_t> fast(n), in_range(n), exact(n);
     dv.CopyFromHost(v);
     dmin.CopyFromHost(vmin);
     ds.CopyFromHost(scale);
     store::testing::LaunchValueCodes(dv.data(), dmin.data(), ds.data(), n, levels, fast.data(),
-                                     exact.data(), nullptr);
+                                     in_range.data(), exact.data(), nullptr);
     TQKV_CHECK_LAUNCH("ValueCodesKernel");
-    std::vector<uint32_t> f(n), e(n);
+    std::vector<uint32_t> f(n), g(n), e(n);
     fast.CopyToHost(f);
+    in_range.CopyToHost(g);
     exact.CopyToHost(e);
-    int64_t mismatches = 0;
+    int64_t mismatches = 0, in_range_checked = 0;
     for (int i = 0; i < n; ++i) {
       // The CPU reference's expression, for the record.
       const float t = std::floor((v[i] - vmin[i]) / scale[i] + 0.5f);
       const uint32_t cpu =
           t >= 0.0f ? static_cast<uint32_t>(std::min(t, static_cast<float>(levels))) : 0u;
-      if (f[i] != e[i] || e[i] != cpu) {
+      // ValueCodeInRange serves rows whose values lie in [vmin, vmax], vmax - vmin = levels·scale
+      // up to the rounding of scale (and NaN).
+      const bool in_row = std::isnan(v[i]) ||
+                          (v[i] >= vmin[i] && double(v[i]) - vmin[i] <= levels * double(scale[i]));
+      in_range_checked += in_row;
+      if (f[i] != e[i] || e[i] != cpu || (in_row && g[i] != e[i])) {
         if (mismatches++ < 10) {
           ADD_FAILURE() << "v " << v[i] << " vmin " << vmin[i] << " scale " << scale[i]
-                        << ": fast " << f[i] << ", __fdiv_rn " << e[i] << ", CPU " << cpu;
+                        << ": fast " << f[i] << ", in-range " << g[i] << ", __fdiv_rn " << e[i]
+                        << ", CPU " << cpu;
         }
       }
     }
     EXPECT_EQ(mismatches, 0) << "levels " << levels;
+    EXPECT_GT(in_range_checked, n / 2);
   }
 }
 

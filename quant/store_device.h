@@ -50,6 +50,23 @@ TQKV_UNROLL
   return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 24);
 }
 
+// Builds the same 64-bit word code by code: code i (< 2^bits) of a lane at bits [bits·i, ...).
+// Two 32-bit halves (codes 0-7 and 8-15), so each step is one shift-add.
+template <int kBits>
+struct PackedCodes {
+  uint32_t lo = 0, hi = 0;
+  TQKV_HOST_DEVICE void Add(int i, uint32_t code) {
+    if (i < 8) {
+      lo += code << (kBits * i);
+    } else {
+      hi += code << (kBits * (i - 8));
+    }
+  }
+  TQKV_HOST_DEVICE uint64_t Word() const {
+    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << (8 * kBits));
+  }
+};
+
 // A 3-bit row is written as 8-byte words: four lanes (48 bits each) make three words. Lane r
 // (r = 0, 1, 2 within its four) writes word r from its own 48 bits and those of lane r + 1.
 TQKV_HOST_DEVICE inline uint64_t Join3BitWord(uint64_t own, uint64_t next, int r) {
@@ -66,32 +83,39 @@ TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {
 #endif
 }
 
-// Bucketize by lookup: a uniform grid over the midpoints, fine enough that no cell (widened by a
-// quarter cell on each side) holds more than one midpoint. For y in cell u the index is
-// base_index + (y >= next_midpoint) exactly; the quarter-cell margins absorb the rounding of the
-// cell computation. `next_midpoint` is NaN where no midpoint follows (the comparison is false).
+// Bucketize by lookup. A uniform grid covers |y| <= kLutRange (every finite y of a unit key
+// rotated by a (near-)orthogonal Πᵀ: |y| <= 1 + rounding) and is fine enough that no cell, widened
+// by a quarter cell on each side, holds more than one midpoint. For y in cell u the index is then
+// base_index + (y >= next_midpoint) exactly; the widening absorbs the rounding of the cell
+// computation. `next_midpoint` is NaN where no midpoint follows (the comparison is false).
+inline constexpr float kLutRange = 1.5f;
+
 struct LutEntry {
   float next_midpoint;
   int32_t base_index;
 };
 
 struct BucketLut {
-  float inv_step = 0;  // 1 / cell width
-  float bias = 0;      // -(grid start) / step - 0.5: t = y · inv_step + bias, cell = round(t)
-  float max_cell = 0;  // cells - 1
-  int cells = 0;       // 0: no table (midpoints too close for kMaxLutCells): binary search
+  float inv_step = 0;    // 1 / cell width (the cell edges are defined with this fp32 value)
+  float magic_bias = 0;  // 1.5 · 2^23 + K: fma(y, inv_step, magic_bias) = 1.5 · 2^23 + round(u)
+  int cells = 0;         // 0: no table (midpoints too close for kMaxLutCells): binary search
 };
 
-// Number of midpoints m with m <= y (NaN → 0), as Codebook::Bucketize; `lut` has lut_params.cells
-// entries.
+// Number of midpoints m with m <= y, as Codebook::Bucketize, for |y| <= kLutRange (not NaN); `lut`
+// has p.cells entries. One FMA gives the cell in the low mantissa bits (the sum lies in
+// [2^23, 2^24), where the ulp is 1); the unsigned min only keeps a y outside the range (which the
+// kernels never pass) inside the table.
 TQKV_HOST_DEVICE inline int LutBucketize(float y, const LutEntry* lut, const BucketLut& p) {
 #if defined(__CUDA_ARCH__)
-  const float t = fminf(fmaxf(fmaf(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+  const float t = __fmaf_rn(y, p.inv_step, p.magic_bias);
+  const uint32_t cell = min(static_cast<uint32_t>(FloatBits(t) - 0x4B400000),
+                            static_cast<uint32_t>(p.cells - 1));
 #else
-  const float t = std::fmin(std::fmax(std::fma(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+  const float t = std::fma(y, p.inv_step, p.magic_bias);
+  const uint32_t raw = static_cast<uint32_t>(FloatBits(t) - 0x4B400000);
+  const uint32_t cell = raw < static_cast<uint32_t>(p.cells - 1) ? raw
+                                                                 : static_cast<uint32_t>(p.cells - 1);
 #endif
-  // Adding 1.5 · 2^23 leaves round(t) in the low mantissa bits (t is in [0, 1024)).
-  const int cell = FloatBits(t + 12582912.0f) - 0x4B400000;
   const LutEntry e = lut[cell];
   return e.base_index + (y >= e.next_midpoint ? 1 : 0);
 }
@@ -131,6 +155,12 @@ __device__ __forceinline__ float MinPropagateNan(float a, float b) {
   float r;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+}
+
+// The same for a value of a row whose values all lie in [-65504, 65504] (or are NaN): then
+// 0 <= v - vmin <= vmax - vmin, so the code cannot pass `levels` and no cap is needed.
+__device__ __forceinline__ uint32_t ValueCodeInRange(float v, float vmin, float scale, float r) {
+  return __float2uint_rd(__fadd_rn(DivideFast(__fsub_rn(v, vmin), scale, r), 0.5f));
 }
 
 // The code of one value: floor((v - vmin) / scale + 0.5) clamped to [0, levels], as

@@ -23,6 +23,10 @@ enum class KeySource {
 struct DeviceTables {
   LutEntry lut[kMaxLutCells];
   double centroid_sq[kMaxCodebookSize];  // c[i]² (exact in fp64)
+  // c[a]² + c[b]² for the two codes of one byte (4-bit: 256 entries) or of one 6-bit field (3-bit:
+  // 64 entries) of the packed codes, in fp64: the norm correction sums a lane's 16 codes in 8
+  // lookups.
+  double pair_sq[256];
   float midpoints[kMaxCodebookSize];     // for the binary-search fallback
   uint32_t sign_bits[8];                 // hadamard_signs: bit i set where s[i] = -1 (D <= 256)
 };
