@@ -323,21 +323,46 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
 int Main(int argc, char** argv) {
   std::string out_dir = std::getenv("LOG_DIR") ? std::getenv("LOG_DIR") : ".";
   std::string seed_dir = "/tmp/store_bench";
-  bool quick = false;
+  bool quick = false, profile = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) {
+    if (a == "--profile") {
+      profile = true;
+    } else if (a == "--out" && i + 1 < argc) {
       out_dir = argv[++i];
     } else if (a == "--seed-dir" && i + 1 < argc) {
       seed_dir = argv[++i];
     } else if (a == "--quick") {
       quick = true;
     } else {
-      std::fprintf(stderr, "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]\n");
+      std::fprintf(stderr,
+                   "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick] [--profile]\n");
       return 2;
     }
   }
   RequireCudaDevice("store_bench");
+  if (profile) {
+    // For a profiler (ncu): each path once at N = 65,536, nothing else.
+    Stream stream;
+    const DeviceInfo dev = QueryDevices().at(0);
+    const Shape s(65536, dev.l2_cache_bytes, 7, stream.get());
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
+      for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kGemm}) {
+        const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
+        if (!q.uses_rotation() && path == StoreRotationPath::kGemm) continue;
+        StoreOptions o;
+        o.rotation_path = path;
+        o.validate_slots = false;
+        const StoreDeviceState state(q, o);
+        DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+        DeviceAllocation ws(state.WorkspaceBytes(s.n));
+        state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                    {ws.data(), ws.size_bytes()}, stream.get());
+        stream.Synchronize();
+      }
+    }
+    return 0;
+  }
   std::filesystem::create_directories(out_dir);
   std::filesystem::create_directories(seed_dir);
   const DeviceInfo dev = QueryDevices().at(0);
