@@ -301,6 +301,11 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
                                                           : CUBLAS_DEFAULT_MATH));
 #endif
   }
+#if TQKV_HAVE_CUDA
+  // The uploads above are synchronous copies from pageable memory on the legacy stream, which may
+  // return before the data lands; a store on a non-blocking stream is not ordered after them.
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
 }
 
 StoreDeviceState::~StoreDeviceState() = default;
@@ -331,6 +336,7 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
   p.tables = static_cast<const store::DeviceTables*>(tables_.data());
   p.lut = lut_;
   p.status = options_.validate_slots ? status : nullptr;
+  p.variant = options_.kernel_variant;
 
   if (path_ == StorePath::kFwht) {
     p.key_source = store::KeySource::kFwht;
@@ -361,10 +367,11 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     const float one = 1.0f, zero = 0.0f;
     float* y = reinterpret_cast<float*>(ws + l.y);
     switch (options_.gemm_precision) {
-      case GemmPrecision::kFp32:
-        TQKV_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                      static_cast<const float*>(rotation_.data()), d,
-                                      static_cast<const float*>(np.unit_keys), d, &zero, y, d));
+      case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
+                                       rotation_.data(), CUDA_R_32F, d, np.unit_keys, CUDA_R_32F,
+                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
+                                       CUBLAS_GEMM_DEFAULT));
         break;
       case GemmPrecision::kTf32:
         TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,

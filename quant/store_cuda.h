@@ -64,6 +64,9 @@ struct StoreOptions {
   // also counts them and records the first such token in the workspace (ReadStatus); this costs
   // one memset per call.
   bool validate_slots = kValidateSlotsByDefault;
+  // Benchmarks only (tools/bench/store_bench): alternative builds of the MSE store kernel for
+  // D = 128 and bf16 inputs, to compare in one run; 0 everywhere else. See tools/bench/NOTES.md.
+  int kernel_variant = 0;
 };
 
 // Caller-owned device scratch of at least StoreWorkspaceBytes(...) bytes, 256-byte aligned.

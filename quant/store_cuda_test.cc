@@ -219,6 +219,7 @@ struct DeviceCall {
     Upload(in);
     const std::vector<uint8_t> poison = PoisonedCache(cache_bytes + kGuardBytes);
     cache.CopyFromHost(poison.data(), cache.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     inputs.key = key.data();
     inputs.value = value.data();
     inputs.dtype = c.dtype;
@@ -228,10 +229,13 @@ struct DeviceCall {
     cache_ref = {static_cast<uint8_t*>(cache.data()), in.num_blocks};
     ws = {workspace.data(), workspace.size_bytes()};
   }
+  // Synchronous copies from pageable memory may return before the data lands, and the stores
+  // run on non-blocking streams (not ordered after the legacy stream): wait for the device.
   void Upload(const HostInputs& in) {
     key.CopyFromHost(in.key.data(), key.size_bytes(), 0, nullptr);
     value.CopyFromHost(in.value.data(), value.size_bytes(), 0, nullptr);
     slots.CopyFromHost(in.slot_bytes.data(), slots.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::vector<uint8_t> Download() const {
     std::vector<uint8_t> out(cache.size_bytes());
@@ -378,6 +382,16 @@ Diff Compare(const Quantizer& q, const HostInputs& in, const Case& c,
                          LoadHalfBits(&gpu[norm_at]), want, row_flips));
       }
     }
+  }
+  if (diff.bad_bytes > 0) {  // say whether the GPU left the row unwritten or wrote other bytes
+    int64_t owned_bytes = 0, still_poison = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (!owned[i]) continue;
+      ++owned_bytes;
+      still_poison += gpu[i] == Poison(static_cast<int64_t>(i)) && ref[i] != gpu[i];
+    }
+    ADD_FAILURE() << c.Name() << ": " << diff.bad_bytes << " bad fields/bytes; " << still_poison
+                  << " of " << owned_bytes << " written bytes are still poison on the GPU";
   }
   for (size_t i = 0; i < ref.size(); ++i) {
     if (owned[i]) continue;

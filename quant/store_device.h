@@ -2,8 +2,11 @@
 // CPU tests check them against the reference (quant/packing.h, Codebook::Bucketize) bit for bit.
 // Included by kernel files: no fmt, no spdlog, no exceptions.
 //
-// Work split of every store kernel: one (token, head) row is handled by D / 16 consecutive lanes
-// ("a lane group"), lane q of the group owning elements [16q, 16q + 16).
+// Work split of every store kernel: one (token, head) row is handled by G = D / 16 consecutive
+// lanes ("a lane group"); lane q of the group holds 16 elements in registers e = 0..15: chunk q
+// (elements [8q, 8q + 8)) and chunk q + G (LaneElement). So each 16-byte load of a 16-bit input and
+// each 4-byte code store of one warp instruction covers consecutive bytes across the lanes of a
+// row (coalesced), and a row's FWHT still has 4 in-register and log2(G) cross-lane stages.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +29,11 @@ namespace tqkv::store {
 inline constexpr int kLaneElems = 16;        // elements of one row a lane owns
 inline constexpr int kMaxLutCells = 1024;    // bucketize lookup table limit (8 KiB of smem)
 inline constexpr int kMaxCodebookSize = 16;  // 4-bit codes
+
+// The row element held in register e (0..15) of lane q (0..lanes-1).
+TQKV_HOST_DEVICE constexpr int LaneElement(int q, int e, int lanes) {
+  return 8 * (q + (e / 8) * lanes) + e % 8;
+}
 
 // 16 codes (each < 16) → 64 bits, code i at bits [4i, 4i + 4): the little-endian bytes are the
 // 4-bit packing of TURBOQUANT.md (low nibble = even element).
@@ -67,10 +75,10 @@ struct PackedCodes {
   }
 };
 
-// A 3-bit row is written as 8-byte words: four lanes (48 bits each) make three words. Lane r
-// (r = 0, 1, 2 within its four) writes word r from its own 48 bits and those of lane r + 1.
-TQKV_HOST_DEVICE inline uint64_t Join3BitWord(uint64_t own, uint64_t next, int r) {
-  return (own >> (16 * r)) | (next << (48 - 16 * r));
+// 3-bit codes are written as 4-byte words: the 24-bit chunks of four lanes make three words.
+// Lane r (r = 0, 1, 2 within its four) writes word r from its own chunk and that of lane r + 1.
+TQKV_HOST_DEVICE inline uint32_t Join3Bit32(uint32_t own, uint32_t next, int r) {
+  return (own >> (8 * r)) | (next << (24 - 8 * r));
 }
 
 TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {

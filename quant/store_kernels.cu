@@ -43,15 +43,20 @@ __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
-// Elements [elem, elem + 16) of a tensor of type T (16-byte aligned); zeros when !valid.
-template <InputType T>
-__device__ __forceinline__ void LoadRaw(const void* base, int64_t elem, bool valid,
+// The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
+// tensor of type T (16-byte aligned); zeros when !valid. 16-bit inputs: one 16-byte load per
+// chunk, consecutive across the lanes; fp32: two per chunk.
+template <InputType T, int G>
+__device__ __forceinline__ void LoadRaw(const void* base, int64_t row_elem, int q, bool valid,
                                         RawRow<T>& r) {
-  const uint8_t* p =
-      static_cast<const uint8_t*>(base) + elem * (T == InputType::kF32 ? 4 : 2);
+  constexpr int kSize = T == InputType::kF32 ? 4 : 2;
+  const uint8_t* row = static_cast<const uint8_t*>(base) + row_elem * kSize;
 #pragma unroll
   for (int j = 0; j < RawRow<T>::kWords; ++j) {
-    r.w[j] = valid ? LoadStreaming(p + 16 * j) : make_uint4(0, 0, 0, 0);
+    const int chunk = T == InputType::kF32 ? j / 2 : j;
+    const int half = T == InputType::kF32 ? j % 2 : 0;
+    r.w[j] = valid ? LoadStreaming(row + 8 * (q + chunk * G) * kSize + 16 * half)
+                   : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -193,18 +198,26 @@ __device__ __forceinline__ void Fwht(float (&x)[kLaneElems], int q) {
   }
 }
 
-// Writes a lane's 16 packed `bits`-bit codes into the row's code region at `dst` (8-aligned):
-// 4-bit: one 8-byte word per lane; 3-bit: three words per four lanes.
-template <int kBits>
-__device__ __forceinline__ void StoreCodes(uint64_t own, int q, bool active, uint8_t* dst) {
+// Writes a lane's 16 packed `bits`-bit codes (two chunks of 8) into the row's code region at
+// `dst` (8-aligned): 4-bit: one 4-byte word per chunk; 3-bit: three words per four chunks. The
+// lanes of a row write consecutive words.
+template <int kBits, int G>
+__device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, bool active,
+                                           uint8_t* dst) {
+  uint32_t* const words = reinterpret_cast<uint32_t*>(dst);
   if constexpr (kBits == 4) {
-    if (active) reinterpret_cast<uint64_t*>(dst)[q] = own;
+    if (active) {
+      words[q] = c.lo;
+      words[q + G] = c.hi;
+    }
   } else {
     static_assert(kBits == 3);
-    const uint64_t next = __shfl_down_sync(kFullMask, own, 1);
+    const uint32_t next_lo = __shfl_down_sync(kFullMask, c.lo, 1);
+    const uint32_t next_hi = __shfl_down_sync(kFullMask, c.hi, 1);
     const int r = q & 3;
     if (active && r < 3) {
-      reinterpret_cast<uint64_t*>(dst)[3 * (q >> 2) + r] = Join3BitWord(own, next, r);
+      words[3 * (q >> 2) + r] = Join3Bit32(c.lo, next_lo, r);
+      words[3 * ((q + G) >> 2) + r] = Join3Bit32(c.hi, next_hi, r);
     }
   }
 }
@@ -258,8 +271,18 @@ struct KeyInput {
   using Raw = RawRow<kType>;
 };
 
-template <int D, int KB, int VB, InputType T, KeySource S>
-__global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
+// Minimum CTAs per SM the kernel is compiled for (register budget): the MSE kernels need 80
+// registers for three CTAs (24 warps) per SM, which hides their dependency chains (shuffles,
+// lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound. Variants 1 and
+// 2 (D = 128, bf16 inputs only) exist for tools/bench/store_bench: 1 = the previous kernel (two
+// rows in flight per thread, ping-pong, no bound), 2 = four CTAs (64 registers, small spills).
+constexpr int MinCtasPerSm(int key_bits, int variant) {
+  return variant == 2 ? 4 : (variant == 1 || key_bits == 8) ? 1 : 3;
+}
+
+template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
+__global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
+    StoreKernel(const StoreParams p) {
   constexpr int G = D / kLaneElems;    // lanes per row
   constexpr int kRows = kThreads / G;  // rows per CTA and iteration
   constexpr bool kFp8 = KB == 8;
@@ -290,7 +313,11 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
   }
   uint32_t sign_bits = 0;
   if constexpr (S == KeySource::kFwht && !kFp8) {
-    if (p.use_signs) sign_bits = __ldg(p.tables->sign_bits + q / 2) >> (16 * (q & 1));
+    if (p.use_signs) {  // bit e = the sign of element LaneElement(q, e, G)
+      const int j0 = 8 * q, j1 = 8 * (q + G);
+      sign_bits = ((__ldg(p.tables->sign_bits + j0 / 32) >> (j0 % 32)) & 0xFFu) |
+                  (((__ldg(p.tables->sign_bits + j1 / 32) >> (j1 % 32)) & 0xFFu) << 8);
+    }
   }
   const int block_shift = __ffs(f.block_size) - 1;  // block sizes are powers of two
 
@@ -304,16 +331,16 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
   auto load = [&](int64_t token, int head, Loaded& n) {
     const bool in_range = token < p.num_tokens;
     const int64_t row = token * num_heads + head;
-    const int64_t elem = row * D + q * kLaneElems;
+    const int64_t row_elem = row * D;
     n.slot = in_range ? LoadSlot(p, token) : -1;
     if constexpr (kLoadY) {
-      LoadRaw<KT>(p.y, elem, in_range, n.k);
+      LoadRaw<KT, G>(p.y, row_elem, q, in_range, n.k);
       n.norm = in_range ? __ldg(p.norms + row) : 0.0f;
     } else {
-      LoadRaw<KT>(p.key, elem, in_range, n.k);
+      LoadRaw<KT, G>(p.key, row_elem, q, in_range, n.k);
       n.norm = 0.0f;
     }
-    LoadRaw<T>(p.value, elem, in_range, n.v);
+    LoadRaw<T, G>(p.value, row_elem, q, in_range, n.v);
   };
 
   // Quantizes and writes one row.
@@ -345,9 +372,9 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
         packed[j] = lo | (hi << 16);
       }
       if (active) {
-        uint64_t* dst = reinterpret_cast<uint64_t*>(key_dst) + 2 * q;
-        dst[0] = packed[0] | (static_cast<uint64_t>(packed[1]) << 32);
-        dst[1] = packed[2] | (static_cast<uint64_t>(packed[3]) << 32);
+        uint64_t* dst = reinterpret_cast<uint64_t*>(key_dst);  // chunks q and q + G
+        dst[q] = packed[0] | (static_cast<uint64_t>(packed[1]) << 32);
+        dst[q + G] = packed[2] | (static_cast<uint64_t>(packed[3]) << 32);
       }
     } else {
       float norm = in.norm;
@@ -386,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
         for (int i = 0; i < kLaneElems; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
       }
       const double csum = GroupSum<G>(CodeSquareSum<KB>(codes, pair_sq_s));
-      StoreCodes<KB>(codes.Word(), q, active, key_dst);
+      StoreCodes<KB, G>(codes, q, active, key_dst);
       float stored =
           p.norm_correction ? static_cast<float>(double(norm) / sqrt(csum + 1e-16)) : norm;
       if (isnan(stored)) stored = 0.0f;  // NaN keys: a zero norm, never NaN metadata
@@ -398,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
     uint16_t scale_bits, zero_bits;
     PackedCodes<VB> vcodes;
     QuantizeValues<G, VB>(v, vmin, vmax, vcodes, scale_bits, zero_bits);
-    StoreCodes<VB>(vcodes.Word(), q, active, key_dst + f.key_data_bytes);
+    StoreCodes<VB, G>(vcodes, q, active, key_dst + f.key_data_bytes);
 
     // Metadata: lane q of the row writes field q (fp16 arrays [H][fields][block_size]).
     constexpr int kMeta = kFp8 ? 2 : 3;
@@ -412,8 +439,8 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
   };
 
   // Rows advance by `stride` per iteration; (token, head) is carried along, so the kernel divides
-  // by the head count only here. Two rows' inputs are in registers at a time (ping-pong, no
-  // copies). The loop runs over chunks (uniform in the CTA), so the shuffles stay convergent.
+  // by the head count only here. The loop runs over chunks (uniform in the CTA), so the shuffles
+  // stay convergent.
   const int64_t num_chunks = (rows + kRows - 1) / kRows;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRows + tid / G;
   int64_t token = first_row / num_heads;
@@ -428,20 +455,32 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
       ++t;
     }
   };
-  Loaded a, b;
-  load(token, head, a);
-  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += 2 * int64_t{gridDim.x}) {
-    int64_t token_b = token;
-    int head_b = head;
-    advance(token_b, head_b);
-    load(token_b, head_b, b);
-    process(a, token, head);
-    if (chunk + gridDim.x >= num_chunks) break;
-    token = token_b;
-    head = head_b;
-    advance(token, head);
+  if constexpr (kVariant == 1) {
+    // Two rows' inputs in registers at a time (ping-pong): the next row's loads overlap this
+    // row's arithmetic within the thread.
+    Loaded a, b;
     load(token, head, a);
-    process(b, token_b, head_b);
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += 2 * int64_t{gridDim.x}) {
+      int64_t token_b = token;
+      int head_b = head;
+      advance(token_b, head_b);
+      load(token_b, head_b, b);
+      process(a, token, head);
+      if (chunk + gridDim.x >= num_chunks) break;
+      token = token_b;
+      head = head_b;
+      advance(token, head);
+      load(token, head, a);
+      process(b, token_b, head_b);
+    }
+  } else {
+    // Loads at the top of each iteration; other warps (three or more CTAs per SM) cover them.
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+      Loaded a;
+      load(token, head, a);
+      process(a, token, head);
+      advance(token, head);
+    }
   }
 }
 
@@ -455,9 +494,8 @@ __global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParam
   const int q = threadIdx.x % G;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / G;
   const bool valid = row < p.rows;
-  const int64_t elem = row * D + q * kLaneElems;
   RawRow<T> raw;
-  LoadRaw<T>(p.key, elem, valid, raw);
+  LoadRaw<T, G>(p.key, row * D, q, valid, raw);
   float k[kLaneElems];
   ToFloat<T>(raw, k);
   const float norm = RowNorm<G>(k);
@@ -466,21 +504,23 @@ __global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParam
   for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
   if (!valid) return;
   if (q == 0) p.norms[row] = norm;
-  if constexpr (kBf16Out) {
-    uint32_t w[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(k[2 * j], k[2 * j + 1]);
-      memcpy(&w[j], &b, sizeof(uint32_t));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.unit_keys) + elem);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  } else {
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.unit_keys) + elem);
+  for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the same layout as the key (LaneElement)
+    const float* x = k + 8 * chunk;
+    const int64_t at = row * D + 8 * (q + chunk * G);
+    if constexpr (kBf16Out) {
+      uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      dst[j] = make_float4(k[4 * j], k[4 * j + 1], k[4 * j + 2], k[4 * j + 3]);
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+        memcpy(&w[j], &b, sizeof(uint32_t));
+      }
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.unit_keys) + at) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.unit_keys) + at);
+      dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+      dst[1] = make_float4(x[4], x[5], x[6], x[7]);
     }
   }
 }
@@ -488,36 +528,51 @@ __global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParam
 // ---------------------------------------------------------------------------------------------
 // Dispatch: head_dim, then bits, then input type, then key source, each in one switch.
 
-// CTAs of `kernel` that fit on the device at once (cached per kernel; the device is the current
-// one at first use).
-template <typename Kernel>
-int ResidentCtas(Kernel kernel) {
-  static const int ctas = [&] {
+// CTAs of `Kernel` that fit on the device at once (one cache per kernel; the device is the
+// current one at first use).
+template <auto Kernel>
+int ResidentCtas() {
+  static const int ctas = [] {
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0);
     return std::max(1, sms * per_sm);
   }();
   return ctas;
 }
 
-template <typename Kernel>
-void LaunchPersistent(Kernel kernel, const StoreParams& p, int64_t chunks, StreamHandle stream) {
-  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas(kernel)));
-  kernel<<<grid, kThreads, 0, stream>>>(p);
+template <auto Kernel>
+void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>()));
+  Kernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
+template <int D, int KB, int VB, InputType T, int kVariant>
+void LaunchStoreVariant(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+  if constexpr (KB == 8) {
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
+  } else if (p.key_source == KeySource::kFwht) {
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
+  } else {
+    // y is fp32 whatever the input type; only the values are read as T.
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kLoadY, kVariant>>(p, chunks, stream);
+  }
 }
 
 template <int D, int KB, int VB, InputType T>
 bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream) {
-  if constexpr (KB == 8) {
-    LaunchPersistent(StoreKernel<D, KB, VB, T, KeySource::kFwht>, p, chunks, stream);
-  } else if (p.key_source == KeySource::kFwht) {
-    LaunchPersistent(StoreKernel<D, KB, VB, T, KeySource::kFwht>, p, chunks, stream);
-  } else {
-    // y is fp32 whatever the input type; only the values are read as T.
-    LaunchPersistent(StoreKernel<D, KB, VB, T, KeySource::kLoadY>, p, chunks, stream);
+  if constexpr (D == 128 && T == InputType::kBF16 && KB != 8) {  // benchmark variants
+    if (p.variant == 1) {
+      LaunchStoreVariant<D, KB, VB, T, 1>(p, chunks, stream);
+      return true;
+    }
+    if (p.variant == 2) {
+      LaunchStoreVariant<D, KB, VB, T, 2>(p, chunks, stream);
+      return true;
+    }
   }
+  LaunchStoreVariant<D, KB, VB, T, 0>(p, chunks, stream);
   return true;
 }
 

@@ -60,6 +60,7 @@ struct StoreParams {
   float fwht_scale = 0;    // kFwht: fp32(1/√D), the magnitude of every entry of Πᵀ
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
+  int variant = 0;  // StoreOptions::kernel_variant (benchmarks only)
 };
 
 // x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.

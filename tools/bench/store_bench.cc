@@ -156,6 +156,9 @@ struct Shape {
     }
     slots = DeviceBuffer<int64_t>(n);
     slots.CopyFromHost(host_slots);
+    // Pageable synchronous copies may return before the data lands; stores run on a
+    // non-blocking stream.
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
   const void* Key(int i) const {
     return static_cast<const uint8_t*>(key.data()) + (i % sets) * n * kHeads * kHeadDim * 2;
@@ -289,6 +292,7 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
     const StoreDeviceState state(q, o);
     DeviceAllocation cache(s.num_blocks * f.block_bytes);
     cache.CopyFromHost(init.data(), cache.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     DeviceAllocation ws(state.WorkspaceBytes(s.n));
     state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
                 {ws.data(), ws.size_bytes()}, stream);
@@ -342,24 +346,31 @@ int Main(int argc, char** argv) {
   }
   RequireCudaDevice("store_bench");
   if (profile) {
-    // For a profiler (ncu): each path once at N = 65,536, nothing else.
+    // For a profiler (ncu): each path (and the FWHT kernel's variants) once at N = 65,536.
     Stream stream;
     const DeviceInfo dev = QueryDevices().at(0);
     const Shape s(65536, dev.l2_cache_bytes, 7, stream.get());
-    for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
-      for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kGemm}) {
-        const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
-        if (!q.uses_rotation() && path == StoreRotationPath::kGemm) continue;
-        StoreOptions o;
-        o.rotation_path = path;
-        o.validate_slots = false;
-        const StoreDeviceState state(q, o);
-        DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
-        DeviceAllocation ws(state.WorkspaceBytes(s.n));
-        state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                    {ws.data(), ws.size_bytes()}, stream.get());
-        stream.Synchronize();
-      }
+    struct Config {
+      const char* preset;
+      StoreRotationPath path;
+      int variant;
+    };
+    for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
+                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
+      const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
+      StoreOptions o;
+      o.rotation_path = c.path;
+      o.validate_slots = false;
+      o.kernel_variant = c.variant;
+      const StoreDeviceState state(q, o);
+      DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+      DeviceAllocation ws(state.WorkspaceBytes(s.n));
+      state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                  {ws.data(), ws.size_bytes()}, stream.get());
+      stream.Synchronize();
     }
     return 0;
   }
@@ -425,6 +436,56 @@ int Main(int argc, char** argv) {
                                {"min_bytes", r.min_bytes},
                                {"gbps", r.min_bytes / r.us / 1e3},
                                {"frac_copy", r.min_bytes / r.us / 1e3 / ceil.copy_gbps}});
+  }
+
+  // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (three
+  // CTAs per SM), 1 = two rows per thread in flight (ping-pong), 2 = four CTAs per SM. Same bytes.
+  for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
+    if (quick && n != 65536) continue;
+    const Shape s(n, dev.l2_cache_bytes, 500 + n, stream.get());
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_3bit_nc"}) {
+      const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
+      for (StoreRotationPath path : {StoreRotationPath::kFwht, StoreRotationPath::kGemm}) {
+        std::vector<uint8_t> first;
+        for (int variant : {0, 1, 2}) {
+          StoreOptions o;
+          o.rotation_path = path;
+          o.validate_slots = false;
+          o.kernel_variant = variant;
+          const StoreDeviceState state(q, o);
+          DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+          cache.FillBytes(0, stream.get());
+          DeviceAllocation ws(state.WorkspaceBytes(n));
+          auto call = [&](int i) {
+            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                        {ws.data(), ws.size_bytes()}, stream.get());
+          };
+          const double us = TimeUs(call, stream.get());
+          // Same inputs (set 0) into a cleared cache: the variants must agree byte for byte.
+          cache.FillBytes(0, stream.get());
+          call(0);
+          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+          const std::vector<uint8_t> bytes = ToHost<uint8_t>(cache.data(), cache.size_bytes());
+          if (variant == 0) first = bytes;
+          const int64_t differ = static_cast<int64_t>(std::inner_product(
+              bytes.begin(), bytes.end(), first.begin(), int64_t{0}, std::plus<>(),
+              [](uint8_t a, uint8_t b) { return int64_t{a != b}; }));
+          std::printf("variant %d %-20s %-4s N=%6lld: %8.2f us (%.1f%% of copy), %lld bytes differ "
+                      "from variant 0\n",
+                      variant, preset, StorePathName(state.path()).data(),
+                      static_cast<long long>(n), us,
+                      100.0 * double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes) / us /
+                          1e3 / ceil.copy_gbps,
+                      static_cast<long long>(differ));
+          report["variants"].push_back({{"variant", variant},
+                                        {"preset", preset},
+                                        {"path", StorePathName(state.path())},
+                                        {"n", n},
+                                        {"us", us},
+                                        {"bytes_differ", differ}});
+        }
+      }
+    }
   }
 
   // Slot validation's cost (a memset and one compare per row), in a graph at decode size.

@@ -44,13 +44,15 @@ start=$(date +%s)
   done
   "$tqkv" store --preset turboquant_4bit_nc --block-size 16 --num-blocks 2 --device cuda \
     --in /tmp/cli_in.safetensors --out /tmp/cli_bad.safetensors; echo "bad slots: exit $?"
-  echo "== ncu: the store kernels at N = 65,536 (4bit_nc fwht, gemm; k8v4)"
+  echo "== ncu: every kernel of store_bench --profile (N = 65,536), full report in ncu.txt"
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$ncu_bin" ]; then
-    timeout 80 "$ncu_bin" --clock-control none --kernel-name regex:'StoreKernel|NormalizeKernel' \
+    timeout 150 "$ncu_bin" --clock-control none \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
       --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes.sum \
-      "$here/bin/tools/bench/store_bench" --profile 2>&1 | grep -v '^==PROF==' | tail -n 200
+      "$here/bin/tools/bench/store_bench" --profile > "$out/ncu.txt" 2>&1
+    echo "ncu exit $?"
+    grep -E "^  [a-zA-Z_].*\(|Duration|smsp__inst_executed|issue_active|dram__bytes|Registers Per|Achieved Occupancy|Grid Size" "$out/ncu.txt"
   else
     echo "no ncu on this machine"
   fi
@@ -65,4 +67,4 @@ start=$(date +%s)
   done
 } > "$out/all_logs.txt" 2>/dev/null
 cp "$logs/store_bench.json" "$out/" 2>/dev/null
-tail -n 120 "$logs/driver.log"
+tail -n 150 "$logs/driver.log"
