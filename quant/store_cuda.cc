@@ -401,8 +401,9 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
 StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreInputs& in,
                                          StreamHandle stream) const {
   StoreStatus out;
-  if (!options_.validate_slots) return out;
 #if TQKV_HAVE_CUDA
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));  // also without validation: the store is done
+  if (!options_.validate_slots) return out;
   store::DeviceStatus s{};
   TQKV_CUDA_CHECK(cudaMemcpyAsync(&s, workspace.data, sizeof(s), cudaMemcpyDeviceToHost, stream));
   TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));

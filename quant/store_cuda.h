@@ -51,6 +51,7 @@ enum class StorePath { kFp8, kFwht, kGemm };
 
 std::string_view StorePathName(StorePath path);  // "fp8", "fwht", "gemm"
 
+// On in debug builds (`bazel ... -c dbg`, e.g. --config=asan; .bazelrc builds -c opt).
 #ifdef NDEBUG
 inline constexpr bool kValidateSlotsByDefault = false;
 #else
@@ -127,8 +128,9 @@ class StoreDeviceState {
   void Store(const StoreInputs& inputs, CacheRef cache, DeviceWorkspace workspace,
              StreamHandle stream) const;
 
-  // The slot check of the last Store that used `workspace` (validate_slots only; otherwise
-  // ok()). Synchronizes `stream`. `inputs` must be that store's (to read the offending slot).
+  // Synchronizes `stream`, then returns the slot check of the last Store that used `workspace`
+  // (with validate_slots; otherwise ok()). `inputs` must be that store's (to read the offending
+  // slot).
   StoreStatus ReadStatus(DeviceWorkspace workspace, const StoreInputs& inputs,
                          StreamHandle stream) const;
   // ReadStatus, then throws tqkv::Error naming the first offending token and slot if any.

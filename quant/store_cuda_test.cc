@@ -237,7 +237,9 @@ struct DeviceCall {
     slots.CopyFromHost(in.slot_bytes.data(), slots.size_bytes(), 0, nullptr);
     TQKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  // The stores run on non-blocking streams, which the legacy stream's copy does not wait for.
   std::vector<uint8_t> Download() const {
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint8_t> out(cache.size_bytes());
     cache.CopyToHost(out.data(), cache.size_bytes(), 0, nullptr);
     return out;
@@ -413,6 +415,8 @@ Diff RunCase(const Case& c, uint64_t seed) {
   DeviceCall call(state, in, c);
   Stream stream;
   q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
+  // Synchronizes the stream (the download below runs on the legacy stream, which a
+  // non-blocking stream does not wait for), then checks the slots when validation is on.
   state.CheckStatus(call.ws, call.inputs, call.cache_ref, stream.get());
   const std::vector<uint8_t> gpu = call.Download();
   std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
@@ -621,7 +625,7 @@ void RunOutOfRangeCase(bool validate) {
       DeviceCall call(state, in, c);
       Stream stream;
       q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
-      const StoreStatus s = state.ReadStatus(call.ws, call.inputs, stream.get());
+      const StoreStatus s = state.ReadStatus(call.ws, call.inputs, stream.get());  // synchronizes
       if (validate) {
         EXPECT_EQ(s.num_bad_tokens, 4);
         EXPECT_EQ(s.first_bad_token, 37);
@@ -711,6 +715,7 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
         DeviceCall call(state, in, c);
         Stream stream;
         q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
+        stream.Synchronize();  // the download runs on the legacy stream
         const std::vector<uint8_t> gpu = call.Download();
         std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
         ReferenceStore(q, HostView(in, c), ref, in.num_blocks);

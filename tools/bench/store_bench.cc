@@ -26,20 +26,25 @@
 #include <thread>
 #include <vector>
 
+#if TQKV_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#endif
 
 #include "quant/numerics.h"
 #include "quant/packing.h"
 #include "quant/quantizer.h"
 #include "quant/store_cuda.h"
+#if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
+#endif
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/safetensors.h"
 #include "runtime/stream.h"
 #include "tools/bench/store_bench_kernels.h"
 
+#if TQKV_HAVE_CUDA
 namespace tqkv {
 namespace {
 
@@ -609,11 +614,20 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tqkv
 
+#endif  // TQKV_HAVE_CUDA
+
 int main(int argc, char** argv) {
+#if !TQKV_HAVE_CUDA
+  (void)argc;
+  (void)argv;
+  std::fprintf(stderr, "store_bench: this build has no CUDA support\n");
+  return 1;
+#else
   try {
     return tqkv::Main(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "store_bench: %s\n", e.what());
     return 1;
   }
+#endif
 }
