@@ -54,6 +54,7 @@ GemmLayout MakeGemmLayout(const Quantizer& q, const StoreOptions& options, int64
   return l;
 }
 
+#if TQKV_HAVE_CUDA
 store::InputType ToInputType(DType t) {
   switch (t) {
     case DType::kF16:
@@ -64,6 +65,7 @@ store::InputType ToInputType(DType t) {
       return store::InputType::kF32;
   }
 }
+#endif
 
 bool SameQuantizer(const Quantizer& a, const Quantizer& b) {
   const BlockFormat &fa = a.format(), &fb = b.format();
