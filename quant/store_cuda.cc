@@ -132,17 +132,17 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
   if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
   const StorePath path = ResolveStorePath(quantizer, options);
   // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
-  const int64_t max_rows = std::min<int64_t>(
-      std::numeric_limits<int64_t>::max() / f.head_dim / 4,
-      static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
-          (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
+  const int64_t max_rows =
+      std::min<int64_t>(std::numeric_limits<int64_t>::max() / f.head_dim / 4,
+                        static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
+                            (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
   const int64_t row_limit = path == StorePath::kGemm
                                 ? std::min<int64_t>(max_rows, std::numeric_limits<int32_t>::max())
                                 : max_rows;
   if (in.num_tokens > row_limit / f.num_kv_heads) {
-    throw InvalidArgument(kWhere, "num_tokens", in.num_tokens,
-                          fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads,
-                                      f.num_kv_heads));
+    throw InvalidArgument(
+        kWhere, "num_tokens", in.num_tokens,
+        fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads, f.num_kv_heads));
   }
   if (cache.num_blocks > std::numeric_limits<int64_t>::max() / f.block_bytes) {
     throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, "a cache size that fits int64");
@@ -162,9 +162,10 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
     throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
   }
   if (Misaligned(in.key, 16) || Misaligned(in.value, 16)) {
-    throw Error(fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
-                            "vectors)",
-                            kWhere));
+    throw Error(
+        fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
+                    "vectors)",
+                    kWhere));
   }
   if (Misaligned(in.slot_mapping, static_cast<uintptr_t>(DTypeSize(in.slot_dtype)))) {
     throw Error(fmt::format("{}: slot_mapping must be aligned to its {}-byte elements", kWhere,
@@ -263,8 +264,8 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   const std::vector<float>& pit = quantizer_.rotation().matrix;
   for (int j = 0; j < f.head_dim && lut_.cells > 0; ++j) {
     double col = 0;
-    for (int i = 0; i < f.head_dim; ++i) col += double(pit[size_t(i) * f.head_dim + j]) *
-                                               pit[size_t(i) * f.head_dim + j];
+    for (int i = 0; i < f.head_dim; ++i)
+      col += double(pit[size_t(i) * f.head_dim + j]) * pit[size_t(i) * f.head_dim + j];
     if (std::sqrt(col) > 1.2) lut_ = store::BucketLut{};
   }
   for (int i = 0; i < store::kMaxCodebookSize; ++i) {
@@ -298,9 +299,9 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
     }
     blas_ = std::make_unique<CublasHandle>();
 #if TQKV_HAVE_CUDA
-    TQKV_CUBLAS_CHECK(cublasSetMathMode(blas_->get(), options_.gemm_precision == GemmPrecision::kFp32
-                                                          ? CUBLAS_PEDANTIC_MATH
-                                                          : CUBLAS_DEFAULT_MATH));
+    TQKV_CUBLAS_CHECK(cublasSetMathMode(
+        blas_->get(), options_.gemm_precision == GemmPrecision::kFp32 ? CUBLAS_PEDANTIC_MATH
+                                                                      : CUBLAS_DEFAULT_MATH));
 #endif
   }
 #if TQKV_HAVE_CUDA
@@ -370,22 +371,21 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     float* y = reinterpret_cast<float*>(ws + l.y);
     switch (options_.gemm_precision) {
       case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
-        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                       rotation_.data(), CUDA_R_32F, d, np.unit_keys, CUDA_R_32F,
-                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
                                        CUBLAS_GEMM_DEFAULT));
         break;
       case GemmPrecision::kTf32:
-        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                       rotation_.data(), CUDA_R_32F, d, np.unit_keys, CUDA_R_32F,
-                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
                                        CUBLAS_GEMM_DEFAULT));
         break;
       case GemmPrecision::kBf16:
-        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                       rotation_.data(), CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF,
-                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         break;
     }
     p.key_source = store::KeySource::kLoadY;
@@ -416,10 +416,9 @@ StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreI
     int64_t slot64 = 0;
     int32_t slot32 = 0;
     void* dst = size == 8 ? static_cast<void*>(&slot64) : static_cast<void*>(&slot32);
-    TQKV_CUDA_CHECK(cudaMemcpy(dst,
-                               static_cast<const uint8_t*>(in.slot_mapping) +
-                                   out.first_bad_token * size,
-                               static_cast<size_t>(size), cudaMemcpyDeviceToHost));
+    TQKV_CUDA_CHECK(
+        cudaMemcpy(dst, static_cast<const uint8_t*>(in.slot_mapping) + out.first_bad_token * size,
+                   static_cast<size_t>(size), cudaMemcpyDeviceToHost));
     out.first_bad_slot = size == 8 ? slot64 : slot32;
   }
 #else

@@ -142,8 +142,8 @@ class StoreDeviceState {
   StoreOptions options_;
   StorePath path_;
   store::BucketLut lut_;
-  DeviceAllocation tables_;       // store::DeviceTables
-  DeviceAllocation rotation_;     // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
+  DeviceAllocation tables_;    // store::DeviceTables
+  DeviceAllocation rotation_;  // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
   std::unique_ptr<CublasHandle> blas_;
 };
 

@@ -81,8 +81,7 @@ struct Case {
     if (p.key_coding == KeyCoding::kFp8) {
       return Quantizer(p, head_dim, heads, block_size, Rotation{});
     }
-    return Quantizer(p, head_dim, heads, block_size, MakeRotation(rotation, head_dim, 7),
-                     codebook);
+    return Quantizer(p, head_dim, heads, block_size, MakeRotation(rotation, head_dim, 7), codebook);
   }
 };
 
@@ -175,9 +174,8 @@ std::vector<uint8_t> PoisonedCache(int64_t bytes) {
 // StoreCpu over token ranges in parallel (distinct slots: disjoint bytes).
 void ReferenceStore(const Quantizer& q, const StoreInputs& in, std::vector<uint8_t>& cache,
                     int64_t num_blocks) {
-  const int threads =
-      static_cast<int>(std::clamp<int64_t>(in.num_tokens / 256, 1,
-                                           std::max(1u, std::thread::hardware_concurrency())));
+  const int threads = static_cast<int>(std::clamp<int64_t>(
+      in.num_tokens / 256, 1, std::max(1u, std::thread::hardware_concurrency())));
   const int64_t row = q.format().num_kv_heads * q.format().head_dim * DTypeSize(in.dtype);
   std::vector<std::thread> pool;
   for (int w = 0; w < threads; ++w) {
@@ -250,10 +248,10 @@ struct DeviceCall {
 // Comparison
 
 struct Diff {
-  int64_t indices = 0;        // MSE indices compared
-  int64_t flips = 0;          // indices one off at a midpoint
-  double max_flip_ulps = 0;   // largest |y − m| of a flip, in ulps of m
-  int64_t bad_bytes = 0;      // bytes that differ beyond the allowance
+  int64_t indices = 0;       // MSE indices compared
+  int64_t flips = 0;         // indices one off at a midpoint
+  double max_flip_ulps = 0;  // largest |y − m| of a flip, in ulps of m
+  int64_t bad_bytes = 0;     // bytes that differ beyond the allowance
   Diff& operator+=(const Diff& o) {
     indices += o.indices;
     flips += o.flips;
@@ -359,9 +357,10 @@ Diff Compare(const Quantizer& q, const HostInputs& in, const Case& c,
         const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(m)) - 23);
         const double dist = std::abs(y[j] - m);
         if (std::abs(a - g) != 1 || !(dist <= bound[j] * flip_bound_scale)) {
-          fail(fmt::format("{}: index {} is {}, reference {} (y {:.9g}, midpoint {:.9g}, "
-                           "{:.1f} ulp away, bound {:.1f} ulp)",
-                           where, j, g, a, y[j], m, dist / ulp, bound[j] / ulp));
+          fail(
+              fmt::format("{}: index {} is {}, reference {} (y {:.9g}, midpoint {:.9g}, "
+                          "{:.1f} ulp away, bound {:.1f} ulp)",
+                          where, j, g, a, y[j], m, dist / ulp, bound[j] / ulp));
           continue;
         }
         ++diff.flips;
@@ -398,9 +397,10 @@ Diff Compare(const Quantizer& q, const HostInputs& in, const Case& c,
   for (size_t i = 0; i < ref.size(); ++i) {
     if (owned[i]) continue;
     if (gpu[i] != Poison(static_cast<int64_t>(i)) || ref[i] != Poison(static_cast<int64_t>(i))) {
-      fail(fmt::format("byte {} of the cache belongs to no written slot but is {:#04x} "
-                       "(poison {:#04x})",
-                       i, gpu[i], Poison(static_cast<int64_t>(i))));
+      fail(
+          fmt::format("byte {} of the cache belongs to no written slot but is {:#04x} "
+                      "(poison {:#04x})",
+                      i, gpu[i], Poison(static_cast<int64_t>(i))));
     }
   }
   return diff;
@@ -421,8 +421,8 @@ Diff RunCase(const Case& c, uint64_t seed) {
   const std::vector<uint8_t> gpu = call.Download();
   std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
   ReferenceStore(q, HostView(in, c), ref, in.num_blocks);
-  const bool low_precision = c.options.gemm_precision != GemmPrecision::kFp32 &&
-                             state.path() == StorePath::kGemm;
+  const bool low_precision =
+      c.options.gemm_precision != GemmPrecision::kFp32 && state.path() == StorePath::kGemm;
   Diff d = Compare(q, in, c, ref, gpu, low_precision ? 1e9 : 1.0);
   if (!low_precision) {
     g_total += d;
@@ -523,8 +523,8 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
     const Diff d = RunCase(c, Seed());
     std::printf("%s: %lld indices, %lld flips (%.2e, max %.1f ulp from the midpoint)\n",
                 c.Name().c_str(), static_cast<long long>(d.indices),
-                static_cast<long long>(d.flips),
-                d.indices ? double(d.flips) / d.indices : 0.0, d.max_flip_ulps);
+                static_cast<long long>(d.flips), d.indices ? double(d.flips) / d.indices : 0.0,
+                d.max_flip_ulps);
   }
 }
 
@@ -554,14 +554,11 @@ TEST(StoreCudaTest, GraphCaptureAndReplayGiveTheSameBytes) {
     RotationKind rotation;
     StoreRotationPath path;
   };
-  for (const Variant& v : {Variant{"turboquant_4bit_nc", RotationKind::kHadamard,
-                                   StoreRotationPath::kAuto},
-                           Variant{"turboquant_k3v4_nc", RotationKind::kHaar,
-                                   StoreRotationPath::kAuto},
-                           Variant{"turboquant_3bit_nc", RotationKind::kHadamardSigns,
-                                   StoreRotationPath::kGemm},
-                           Variant{"turboquant_k8v4", RotationKind::kHadamard,
-                                   StoreRotationPath::kAuto}}) {
+  for (const Variant& v :
+       {Variant{"turboquant_4bit_nc", RotationKind::kHadamard, StoreRotationPath::kAuto},
+        Variant{"turboquant_k3v4_nc", RotationKind::kHaar, StoreRotationPath::kAuto},
+        Variant{"turboquant_3bit_nc", RotationKind::kHadamardSigns, StoreRotationPath::kGemm},
+        Variant{"turboquant_k8v4", RotationKind::kHadamard, StoreRotationPath::kAuto}}) {
     Case c;
     c.preset = v.preset;
     c.rotation = v.rotation;
@@ -693,23 +690,23 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
         const float big = dtype == DType::kF16 ? 60000.0f : 3e38f;
         const float tiny = dtype == DType::kF16 ? 6e-8f : 1e-40f;
         auto row = [&](std::vector<float>& x, int r) { return x.data() + int64_t(r) * d; };
-        row(k, 0)[3] = nan;                                       // NaN key element
-        row(v, 0)[5] = nan;                                       // NaN value element
-        row(k, 1)[0] = INFINITY;                                  // +inf key
-        row(v, 1)[7] = INFINITY;                                  // +inf value
-        row(k, 2)[9] = -INFINITY;                                 // -inf key
-        row(v, 2)[1] = -INFINITY;                                 // -inf value
-        for (int i = 0; i < d; ++i) row(v, 3)[i] = nan;           // all-NaN values
-        for (int i = 0; i < d; ++i) row(k, 4)[i] = 0.0f;          // zero key
-        for (int i = 0; i < d; ++i) row(v, 4)[i] = 0.0f;          // constant values
-        for (int i = 0; i < d; ++i) row(k, 5)[i] = i % 3 ? big : -big;  // overflowing sums
-        for (int i = 0; i < d; ++i) row(v, 5)[i] = i % 2 ? big : -big;  // range beyond fp16
-        for (int i = 0; i < d; ++i) row(k, 6)[i] = (i % 5 - 2) * tiny;  // subnormal key
-        for (int i = 0; i < d; ++i) row(v, 6)[i] = (i % 7) * tiny;      // subnormal values
-        for (int i = 0; i < d; ++i) row(v, 7)[i] = (i % 16) * 0.5f;     // exact .5 ties
-        for (int i = 0; i < d; ++i) row(v, 8)[i] = (i % 8) * 0.25f - 1; // ties at 3 bits
+        row(k, 0)[3] = nan;                                              // NaN key element
+        row(v, 0)[5] = nan;                                              // NaN value element
+        row(k, 1)[0] = INFINITY;                                         // +inf key
+        row(v, 1)[7] = INFINITY;                                         // +inf value
+        row(k, 2)[9] = -INFINITY;                                        // -inf key
+        row(v, 2)[1] = -INFINITY;                                        // -inf value
+        for (int i = 0; i < d; ++i) row(v, 3)[i] = nan;                  // all-NaN values
+        for (int i = 0; i < d; ++i) row(k, 4)[i] = 0.0f;                 // zero key
+        for (int i = 0; i < d; ++i) row(v, 4)[i] = 0.0f;                 // constant values
+        for (int i = 0; i < d; ++i) row(k, 5)[i] = i % 3 ? big : -big;   // overflowing sums
+        for (int i = 0; i < d; ++i) row(v, 5)[i] = i % 2 ? big : -big;   // range beyond fp16
+        for (int i = 0; i < d; ++i) row(k, 6)[i] = (i % 5 - 2) * tiny;   // subnormal key
+        for (int i = 0; i < d; ++i) row(v, 6)[i] = (i % 7) * tiny;       // subnormal values
+        for (int i = 0; i < d; ++i) row(v, 7)[i] = (i % 16) * 0.5f;      // exact .5 ties
+        for (int i = 0; i < d; ++i) row(v, 8)[i] = (i % 8) * 0.25f - 1;  // ties at 3 bits
         row(k, 9)[0] = nan;
-        row(k, 9)[1] = INFINITY;                                  // NaN and inf together
+        row(k, 9)[1] = INFINITY;  // NaN and inf together
         in.key = Encode(k, dtype);
         in.value = Encode(v, dtype);
         DeviceCall call(state, in, c);
@@ -766,8 +763,10 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
       v.push_back(lo + (c + 0.5f) * s);
     }
   }
-  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN(), INFINITY,
-                            -INFINITY, 3e38f, -3e38f, 1e-45f, 1e-38f, 65504.0f};
+  const float specials[] = {0.0f,     -0.0f,     std::numeric_limits<float>::quiet_NaN(),
+                            INFINITY, -INFINITY, 3e38f,
+                            -3e38f,   1e-45f,    1e-38f,
+                            65504.0f};
   for (float a : specials) {
     for (float b : specials) {
       for (float s : {1e-8f, 1.0f, 18714.0f}) {
@@ -804,9 +803,9 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
       in_range_checked += in_row;
       if (f[i] != e[i] || e[i] != cpu || (in_row && g[i] != e[i])) {
         if (mismatches++ < 10) {
-          ADD_FAILURE() << "v " << v[i] << " vmin " << vmin[i] << " scale " << scale[i]
-                        << ": fast " << f[i] << ", in-range " << g[i] << ", __fdiv_rn " << e[i]
-                        << ", CPU " << cpu;
+          ADD_FAILURE() << "v " << v[i] << " vmin " << vmin[i] << " scale " << scale[i] << ": fast "
+                        << f[i] << ", in-range " << g[i] << ", __fdiv_rn " << e[i] << ", CPU "
+                        << cpu;
         }
       }
     }

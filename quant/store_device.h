@@ -39,7 +39,7 @@ TQKV_HOST_DEVICE constexpr int LaneElement(int q, int e, int lanes) {
 // 4-bit packing of TURBOQUANT.md (low nibble = even element).
 TQKV_HOST_DEVICE inline uint64_t Pack16x4(const uint32_t (&c)[kLaneElems]) {
   uint32_t lo = 0, hi = 0;
-TQKV_UNROLL
+  TQKV_UNROLL
   for (int i = 0; i < 8; ++i) {
     lo |= c[i] << (4 * i);
     hi |= c[i + 8] << (4 * i);
@@ -50,7 +50,7 @@ TQKV_UNROLL
 // 16 codes (each < 8) → 48 bits, code i at bits [3i, 3i + 3): the 3-bit bit stream.
 TQKV_HOST_DEVICE inline uint64_t Pack16x3(const uint32_t (&c)[kLaneElems]) {
   uint32_t lo = 0, hi = 0;
-TQKV_UNROLL
+  TQKV_UNROLL
   for (int i = 0; i < 8; ++i) {
     lo |= c[i] << (3 * i);
     hi |= c[i + 8] << (3 * i);
@@ -116,13 +116,13 @@ struct BucketLut {
 TQKV_HOST_DEVICE inline int LutBucketize(float y, const LutEntry* lut, const BucketLut& p) {
 #if defined(__CUDA_ARCH__)
   const float t = __fmaf_rn(y, p.inv_step, p.magic_bias);
-  const uint32_t cell = min(static_cast<uint32_t>(FloatBits(t) - 0x4B400000),
-                            static_cast<uint32_t>(p.cells - 1));
+  const uint32_t cell =
+      min(static_cast<uint32_t>(FloatBits(t) - 0x4B400000), static_cast<uint32_t>(p.cells - 1));
 #else
   const float t = std::fma(y, p.inv_step, p.magic_bias);
   const uint32_t raw = static_cast<uint32_t>(FloatBits(t) - 0x4B400000);
-  const uint32_t cell = raw < static_cast<uint32_t>(p.cells - 1) ? raw
-                                                                 : static_cast<uint32_t>(p.cells - 1);
+  const uint32_t cell =
+      raw < static_cast<uint32_t>(p.cells - 1) ? raw : static_cast<uint32_t>(p.cells - 1);
 #endif
   const LutEntry e = lut[cell];
   return e.base_index + (y >= e.next_midpoint ? 1 : 0);

@@ -45,7 +45,8 @@ TEST(StoreDeviceHelpersTest, PackMatchesReferencePacking) {
       const uint64_t got = bits == 4 ? store::Pack16x4(c) : store::Pack16x3(c);
       ASSERT_EQ(got, bits == 4 ? p4.Word() : p3.Word());
       for (int b = 0; b < 2 * bits; ++b) {
-        ASSERT_EQ(static_cast<uint8_t>(got >> (8 * b)), want[b]) << "bits " << bits << " byte " << b;
+        ASSERT_EQ(static_cast<uint8_t>(got >> (8 * b)), want[b])
+            << "bits " << bits << " byte " << b;
       }
       if (bits == 3) {
         ASSERT_EQ(got >> 48, 0u);
@@ -230,9 +231,9 @@ TEST(StoreHostTest, PathSelection) {
             StorePath::kFp8);
   EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16), automatic),
             StorePath::kFwht);
-  EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_3bit_nc", 64, 8, 16,
-                                               RotationKind::kHadamardSigns, 5),
-                             automatic),
+  EXPECT_EQ(ResolveStorePath(
+                Quantizer::Create("turboquant_3bit_nc", 64, 8, 16, RotationKind::kHadamardSigns, 5),
+                automatic),
             StorePath::kFwht);
   const Quantizer haar =
       Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16, RotationKind::kHaar, 1);

@@ -132,8 +132,9 @@ __device__ __forceinline__ void LaneMinMax(const RawRow<T>& r, const float (&v)[
 }
 
 __device__ __forceinline__ int64_t LoadSlot(const StoreParams& p, int64_t token) {
-  return p.slots_are_i64 ? __ldg(static_cast<const long long*>(p.slot_mapping) + token)
-                         : static_cast<int64_t>(__ldg(static_cast<const int*>(p.slot_mapping) + token));
+  return p.slots_are_i64
+             ? __ldg(static_cast<const long long*>(p.slot_mapping) + token)
+             : static_cast<int64_t>(__ldg(static_cast<const int*>(p.slot_mapping) + token));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -224,7 +225,8 @@ __device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, b
 
 // Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64.
 template <int kBits>
-__device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c, const double* pair_sq) {
+__device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c,
+                                                const double* pair_sq) {
   double sum = 0.0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -238,9 +240,9 @@ __device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c, con
 // Values: uniform min/max over the finite fp16 range (EncodeSlot). Takes the lane's min/max,
 // returns the lane's packed codes and the row's fp16 scale and zero.
 template <int G, int kBits>
-__device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], float vmin,
-                                               float vmax, PackedCodes<kBits>& codes,
-                                               uint16_t& scale_bits, uint16_t& zero_bits) {
+__device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], float vmin, float vmax,
+                                               PackedCodes<kBits>& codes, uint16_t& scale_bits,
+                                               uint16_t& zero_bits) {
   const float row_min = GroupMin<G>(vmin), row_max = GroupMax<G>(vmax);
   vmin = fminf(fmaxf(row_min, -65504.0f), 65504.0f);
   vmax = fminf(fmaxf(row_max, -65504.0f), 65504.0f);

@@ -21,11 +21,10 @@ __global__ void ValueCodesKernel(const float* v, const float* vmin, const float*
 
 }  // namespace
 
-void LaunchValueCodes(const float* v, const float* vmin, const float* scale, int n,
-                      uint32_t levels, uint32_t* fast, uint32_t* in_range, uint32_t* exact,
-                      StreamHandle stream) {
-  ValueCodesKernel<<<(n + 255) / 256, 256, 0, stream>>>(v, vmin, scale, n, levels, fast,
-                                                         in_range, exact);
+void LaunchValueCodes(const float* v, const float* vmin, const float* scale, int n, uint32_t levels,
+                      uint32_t* fast, uint32_t* in_range, uint32_t* exact, StreamHandle stream) {
+  ValueCodesKernel<<<(n + 255) / 256, 256, 0, stream>>>(v, vmin, scale, n, levels, fast, in_range,
+                                                        exact);
 }
 
 }  // namespace tqkv::store::testing

@@ -10,7 +10,6 @@
 // Usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]
 //   DIR defaults to $LOG_DIR or "."; --seed-dir defaults to /tmp/store_bench.
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
@@ -116,10 +116,9 @@ Ceilings MeasureCeilings(StreamHandle stream) {
       },
       1, 11, stream);
   c.copy_gbps = 2.0 * bytes / copy_us / 1e3;
-  const double read_us =
-      MedianUs([&](int i) { bench::ReadOnlyPass(i % 2 ? a.data() : b.data(), bytes, sink.data(),
-                                                stream); },
-               1, 11, stream);
+  const double read_us = MedianUs(
+      [&](int i) { bench::ReadOnlyPass(i % 2 ? a.data() : b.data(), bytes, sink.data(), stream); },
+      1, 11, stream);
   c.read_gbps = 1.0 * bytes / read_us / 1e3;
   return c;
 }
@@ -140,8 +139,8 @@ struct Shape {
     value = DeviceAllocation(set_bytes * sets);
     bench::FillRowsBf16(static_cast<uint16_t*>(key.data()), n * kHeads * sets, kHeadDim, seed,
                         false, true, stream);
-    bench::FillRowsBf16(static_cast<uint16_t*>(value.data()), n * kHeads * sets, kHeadDim,
-                        seed + 1, true, false, stream);
+    bench::FillRowsBf16(static_cast<uint16_t*>(value.data()), n * kHeads * sets, kHeadDim, seed + 1,
+                        true, false, stream);
     // Decode-sized batches: one token per sequence, scattered over blocks. Prefill-sized: runs
     // of consecutive positions in shuffled blocks.
     std::mt19937_64 rng(seed);
@@ -386,8 +385,8 @@ int Main(int argc, char** argv) {
               static_cast<long long>(dev.l2_cache_bytes >> 20));
   Stream stream;
   const Ceilings ceil = MeasureCeilings(stream.get());
-  std::printf("copy ceiling %.0f GB/s (read + write bytes), read-only %.0f GB/s\n",
-              ceil.copy_gbps, ceil.read_gbps);
+  std::printf("copy ceiling %.0f GB/s (read + write bytes), read-only %.0f GB/s\n", ceil.copy_gbps,
+              ceil.read_gbps);
   json report;
   report["device"] = dev.name;
   report["copy_gbps"] = ceil.copy_gbps;
@@ -475,13 +474,13 @@ int Main(int argc, char** argv) {
           const int64_t differ = static_cast<int64_t>(std::inner_product(
               bytes.begin(), bytes.end(), first.begin(), int64_t{0}, std::plus<>(),
               [](uint8_t a, uint8_t b) { return int64_t{a != b}; }));
-          std::printf("variant %d %-20s %-4s N=%6lld: %8.2f us (%.1f%% of copy), %lld bytes differ "
-                      "from variant 0\n",
-                      variant, preset, StorePathName(state.path()).data(),
-                      static_cast<long long>(n), us,
-                      100.0 * double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes) / us /
-                          1e3 / ceil.copy_gbps,
-                      static_cast<long long>(differ));
+          std::printf(
+              "variant %d %-20s %-4s N=%6lld: %8.2f us (%.1f%% of copy), %lld bytes differ "
+              "from variant 0\n",
+              variant, preset, StorePathName(state.path()).data(), static_cast<long long>(n), us,
+              100.0 * double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes) / us / 1e3 /
+                  ceil.copy_gbps,
+              static_cast<long long>(differ));
           report["variants"].push_back({{"variant", variant},
                                         {"preset", preset},
                                         {"path", StorePathName(state.path())},
@@ -517,7 +516,8 @@ int Main(int argc, char** argv) {
   // The GEMM path's own floor at N = 65,536: cuBLAS alone (each precision) and one read of y.
   {
     const int64_t n = quick ? 16384 : 65536, rows_y = n * kHeads;
-    DeviceAllocation x(rows_y * kHeadDim * 4), y(rows_y * kHeadDim * 4), pit(kHeadDim * kHeadDim * 4);
+    DeviceAllocation x(rows_y * kHeadDim * 4), y(rows_y * kHeadDim * 4),
+        pit(kHeadDim * kHeadDim * 4);
     DeviceBuffer<uint32_t> sink(1024);
     bench::FillRowsF32(static_cast<float*>(x.data()), rows_y, kHeadDim, 5, stream.get());
     bench::FillRowsF32(static_cast<float*>(pit.data()), kHeadDim, kHeadDim, 6, stream.get());
@@ -530,11 +530,10 @@ int Main(int argc, char** argv) {
                                                           : CUBLAS_DEFAULT_MATH));
       return TimeUs(
           [&](int) {
-            TQKV_CUBLAS_CHECK(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, kHeadDim,
-                                           static_cast<int>(rows_y), kHeadDim, &one, pit.data(),
-                                           type, kHeadDim, x.data(), type, kHeadDim, &zero,
-                                           y.data(), CUDA_R_32F, kHeadDim, compute,
-                                           CUBLAS_GEMM_DEFAULT));
+            TQKV_CUBLAS_CHECK(cublasGemmEx(
+                blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, kHeadDim, static_cast<int>(rows_y), kHeadDim,
+                &one, pit.data(), type, kHeadDim, x.data(), type, kHeadDim, &zero, y.data(),
+                CUDA_R_32F, kHeadDim, compute, CUBLAS_GEMM_DEFAULT));
           },
           stream.get());
     };
@@ -544,11 +543,12 @@ int Main(int argc, char** argv) {
     const double read_y = TimeUs(
         [&](int) { bench::ReadOnlyPass(y.data(), y.size_bytes(), sink.data(), stream.get()); },
         stream.get());
-    std::printf("N=%lld: cuBLAS GEMM alone fp32 %.1f us, TF32 %.1f us, bf16 %.1f us; one read of "
-                "y %.1f us\n",
-                static_cast<long long>(n), fp32, tf32, bf16, read_y);
-    report["gemm_alone"] = {{"n", n}, {"fp32_us", fp32}, {"tf32_us", tf32}, {"bf16_us", bf16},
-                            {"read_y_us", read_y}};
+    std::printf(
+        "N=%lld: cuBLAS GEMM alone fp32 %.1f us, TF32 %.1f us, bf16 %.1f us; one read of "
+        "y %.1f us\n",
+        static_cast<long long>(n), fp32, tf32, bf16, read_y);
+    report["gemm_alone"] = {
+        {"n", n}, {"fp32_us", fp32}, {"tf32_us", tf32}, {"bf16_us", bf16}, {"read_y_us", read_y}};
     // The GEMM path in its lower precisions, for the record.
     const Shape s(n, dev.l2_cache_bytes, 99, stream.get());
     for (GemmPrecision precision : {GemmPrecision::kTf32, GemmPrecision::kBf16}) {
@@ -583,19 +583,20 @@ int Main(int argc, char** argv) {
         StoreRotationPath path;
         GemmPrecision precision;
       };
-      for (const Variant& v : {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
-                               Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
-                               Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
-                               Variant{"gemm-bf16", StoreRotationPath::kGemm,
-                                       GemmPrecision::kBf16}}) {
+      for (const Variant& v :
+           {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
+            Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
+            Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
+            Variant{"gemm-bf16", StoreRotationPath::kGemm, GemmPrecision::kBf16}}) {
         StoreOptions o;
         o.rotation_path = v.path;
         o.gemm_precision = v.precision;
         const FlipRate r = MeasureFlips(q, o, s, ref, stream.get());
-        std::printf("%s %-9s: %lld of %lld indices differ from the CPU reference (%.2e), max "
-                    "|delta| %d\n",
-                    preset, v.name, static_cast<long long>(r.flips),
-                    static_cast<long long>(r.indices), double(r.flips) / r.indices, r.max_delta);
+        std::printf(
+            "%s %-9s: %lld of %lld indices differ from the CPU reference (%.2e), max "
+            "|delta| %d\n",
+            preset, v.name, static_cast<long long>(r.flips), static_cast<long long>(r.indices),
+            double(r.flips) / r.indices, r.max_delta);
         report["flips"].push_back({{"preset", preset},
                                    {"variant", v.name},
                                    {"flips", r.flips},
