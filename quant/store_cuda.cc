@@ -54,6 +54,7 @@ GemmLayout MakeGemmLayout(const Quantizer& q, const StoreOptions& options, int64
   return l;
 }
 
+#if TQKV_HAVE_CUDA
 store::InputType ToInputType(DType t) {
   switch (t) {
     case DType::kF16:
@@ -64,6 +65,7 @@ store::InputType ToInputType(DType t) {
       return store::InputType::kF32;
   }
 }
+#endif
 
 bool SameQuantizer(const Quantizer& a, const Quantizer& b) {
   const BlockFormat &fa = a.format(), &fb = b.format();
@@ -130,17 +132,17 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
   if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
   const StorePath path = ResolveStorePath(quantizer, options);
   // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
-  const int64_t max_rows = std::min<int64_t>(
-      std::numeric_limits<int64_t>::max() / f.head_dim / 4,
-      static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
-          (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
+  const int64_t max_rows =
+      std::min<int64_t>(std::numeric_limits<int64_t>::max() / f.head_dim / 4,
+                        static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
+                            (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
   const int64_t row_limit = path == StorePath::kGemm
                                 ? std::min<int64_t>(max_rows, std::numeric_limits<int32_t>::max())
                                 : max_rows;
   if (in.num_tokens > row_limit / f.num_kv_heads) {
-    throw InvalidArgument(kWhere, "num_tokens", in.num_tokens,
-                          fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads,
-                                      f.num_kv_heads));
+    throw InvalidArgument(
+        kWhere, "num_tokens", in.num_tokens,
+        fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads, f.num_kv_heads));
   }
   if (cache.num_blocks > std::numeric_limits<int64_t>::max() / f.block_bytes) {
     throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, "a cache size that fits int64");
@@ -160,9 +162,10 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
     throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
   }
   if (Misaligned(in.key, 16) || Misaligned(in.value, 16)) {
-    throw Error(fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
-                            "vectors)",
-                            kWhere));
+    throw Error(
+        fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
+                    "vectors)",
+                    kWhere));
   }
   if (Misaligned(in.slot_mapping, static_cast<uintptr_t>(DTypeSize(in.slot_dtype)))) {
     throw Error(fmt::format("{}: slot_mapping must be aligned to its {}-byte elements", kWhere,
@@ -179,24 +182,28 @@ BucketLutTable BuildBucketLut(std::span<const float> m) {
   BucketLutTable none;
   const int n = static_cast<int>(m.size());
   if (n < 1 || n >= kMaxCodebookSize) return none;
-  double min_gap = 1.0;  // one midpoint: any grid works
-  for (int j = 0; j + 1 < n; ++j) min_gap = std::min(min_gap, double(m[j + 1]) - double(m[j]));
   for (float x : m) {
     if (!std::isfinite(x)) return none;
   }
+  double min_gap = 1.0;  // one midpoint: any grid works
+  for (int j = 0; j + 1 < n; ++j) min_gap = std::min(min_gap, double(m[j + 1]) - double(m[j]));
   if (!(min_gap > 0)) return none;
-  // Cells a quarter of the smallest gap wide, widened by a quarter cell on each side: no widened
-  // cell holds two midpoints. The grid starts two cells below the first midpoint and ends two
-  // past the last, and the outer cells extend to ±inf.
-  const double step = min_gap / 4, eps = step / 4, lo = double(m[0]) - 2 * step;
-  const double cells_d = std::ceil((double(m[n - 1]) - lo) / step) + 2;
-  if (!(cells_d <= kMaxLutCells)) return none;
-  const int cells = static_cast<int>(cells_d);
+  // Cells 1/2.5 of the smallest gap wide; widened by a quarter cell on each side they span 0.6 of
+  // it, so no widened cell holds two midpoints. Cell u holds the y with y · inv + K within 1/2 of
+  // u (inv is the fp32 value the device multiplies by), u = 0 .. 2K, covering ±kLutRange and every
+  // midpoint with two cells to spare; the outer cells extend to ±inf.
+  const float inv_f = static_cast<float>(2.5 / min_gap);
+  const double inv = inv_f, step = 1.0 / inv, eps = step / 4;
+  const double range =
+      std::max({double(kLutRange), std::abs(double(m[0])), std::abs(double(m[n - 1]))}) + 2 * step;
+  const double k_d = std::ceil(range * inv) + 1;
+  if (!(2 * k_d + 1 <= kMaxLutCells)) return none;
+  const int k = static_cast<int>(k_d), cells = 2 * k + 1;
   BucketLutTable t;
   t.entries.resize(cells);
   for (int u = 0; u < cells; ++u) {
-    const double lower = u == 0 ? -INFINITY : lo + u * step - eps;
-    const double upper = u == cells - 1 ? INFINITY : lo + (u + 1) * step + eps;
+    const double lower = u == 0 ? -INFINITY : (u - 0.5 - k) / inv - eps;
+    const double upper = u == cells - 1 ? INFINITY : (u + 0.5 - k) / inv + eps;
     int below = 0, inside = 0;
     for (float x : m) {
       below += double(x) < lower;
@@ -206,31 +213,31 @@ BucketLutTable BuildBucketLut(std::span<const float> m) {
     t.entries[u].base_index = below;
     t.entries[u].next_midpoint = below < n ? m[below] : std::numeric_limits<float>::quiet_NaN();
   }
-  t.grid.inv_step = static_cast<float>(1.0 / step);
-  t.grid.bias = static_cast<float>(-lo / step - 0.5);
-  t.grid.max_cell = static_cast<float>(cells - 1);
+  t.grid.inv_step = inv_f;
+  t.grid.magic_bias = 12582912.0f + static_cast<float>(k);  // exact: an integer below 2^24
   t.grid.cells = cells;
   // The device computes the cell in fp32 exactly as LutBucketize does here; check it against the
-  // definition around every midpoint and every cell edge before trusting the table.
+  // definition around every midpoint and every cell edge, and across the range, before trusting it.
   auto reference = [&](float y) {
     return static_cast<int>(std::upper_bound(m.begin(), m.end(), y) - m.begin());
   };
-  auto check_around = [&](float y) {
-    for (int k = 0; k < 64; ++k) {
-      if (LutBucketize(y, t.entries.data(), t.grid) != reference(y)) return false;
-      y = std::nextafter(y, INFINITY);
+  auto check_around = [&](float y, int below, int above) {
+    for (int i = 0; i < below; ++i) y = std::nextafter(y, -INFINITY);
+    for (int i = 0; i < below + above; ++i, y = std::nextafter(y, INFINITY)) {
+      if (std::abs(y) <= kLutRange && LutBucketize(y, t.entries.data(), t.grid) != reference(y)) {
+        return false;
+      }
     }
     return true;
   };
   for (int u = 0; u <= cells; ++u) {
-    float y = static_cast<float>(lo + u * step);
-    for (int k = 0; k < 32; ++k) y = std::nextafter(y, -INFINITY);
-    if (!check_around(y)) return none;
+    if (!check_around(static_cast<float>((u - 0.5 - k) / inv), 16, 16)) return none;
   }
   for (float x : m) {
-    float y = x;
-    for (int k = 0; k < 32; ++k) y = std::nextafter(y, -INFINITY);
-    if (!check_around(y)) return none;
+    if (!check_around(x, 64, 64)) return none;
+  }
+  for (int i = 0; i <= 20000; ++i) {
+    if (!check_around(kLutRange * (i / 10000.0f - 1.0f), 0, 1)) return none;
   }
   return t;
 }
@@ -251,15 +258,27 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   std::memset(tables.get(), 0, sizeof(store::DeviceTables));
   const store::BucketLutTable lut = store::BuildBucketLut(book.midpoints);
   std::copy(lut.entries.begin(), lut.entries.end(), tables->lut);
-  lut_cells_ = lut.grid.cells;
-  lut_inv_step_ = lut.grid.inv_step;
-  lut_bias_ = lut.grid.bias;
+  lut_ = lut.grid;
+  // The table assumes |y| <= kLutRange for finite keys, true for any Πᵀ whose columns have norm
+  // near 1 (RotationFromMatrix checks orthogonality; a Rotation built by hand may not be).
+  const std::vector<float>& pit = quantizer_.rotation().matrix;
+  for (int j = 0; j < f.head_dim && lut_.cells > 0; ++j) {
+    double col = 0;
+    for (int i = 0; i < f.head_dim; ++i)
+      col += double(pit[size_t(i) * f.head_dim + j]) * pit[size_t(i) * f.head_dim + j];
+    if (std::sqrt(col) > 1.2) lut_ = store::BucketLut{};
+  }
   for (int i = 0; i < store::kMaxCodebookSize; ++i) {
     const double c = i < book.size() ? double(book.centroids[i]) : 0.0;
     tables->centroid_sq[i] = c * c;
     tables->midpoints[i] = i < static_cast<int>(book.midpoints.size())
                                ? book.midpoints[i]
                                : std::numeric_limits<float>::quiet_NaN();
+  }
+  const int bits = quantizer_.format().key_bits;
+  for (int b = 0; b < (1 << (2 * bits)); ++b) {
+    const double lo = book.centroids[b & ((1 << bits) - 1)], hi = book.centroids[b >> bits];
+    tables->pair_sq[b] = lo * lo + hi * hi;
   }
   const std::vector<float>& signs = quantizer_.rotation().signs;
   for (size_t i = 0; i < signs.size(); ++i) {
@@ -269,7 +288,6 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   tables_.CopyFromHost(tables.get(), sizeof(store::DeviceTables), 0, nullptr);
 
   if (path_ == StorePath::kGemm) {
-    const std::vector<float>& pit = quantizer_.rotation().matrix;
     if (options_.gemm_precision == GemmPrecision::kBf16) {
       std::vector<uint16_t> bf(pit.size());
       for (size_t i = 0; i < pit.size(); ++i) bf[i] = FloatToBFloat16Bits(pit[i]);
@@ -281,12 +299,16 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
     }
     blas_ = std::make_unique<CublasHandle>();
 #if TQKV_HAVE_CUDA
-    TQKV_CUBLAS_CHECK(cublasSetMathMode(blas_->get(), options_.gemm_precision == GemmPrecision::kFp32
-                                                          ? CUBLAS_PEDANTIC_MATH
-                                                          : CUBLAS_DEFAULT_MATH));
+    TQKV_CUBLAS_CHECK(cublasSetMathMode(
+        blas_->get(), options_.gemm_precision == GemmPrecision::kFp32 ? CUBLAS_PEDANTIC_MATH
+                                                                      : CUBLAS_DEFAULT_MATH));
 #endif
   }
-  (void)f;
+#if TQKV_HAVE_CUDA
+  // The uploads above are synchronous copies from pageable memory on the legacy stream, which may
+  // return before the data lands; a store on a non-blocking stream is not ordered after them.
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
 }
 
 StoreDeviceState::~StoreDeviceState() = default;
@@ -315,11 +337,9 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
   p.format = f;
   p.norm_correction = quantizer_.preset().norm_correction;
   p.tables = static_cast<const store::DeviceTables*>(tables_.data());
-  p.lut.inv_step = lut_inv_step_;
-  p.lut.bias = lut_bias_;
-  p.lut.max_cell = static_cast<float>(lut_cells_ - 1);
-  p.lut.cells = lut_cells_;
+  p.lut = lut_;
   p.status = options_.validate_slots ? status : nullptr;
+  p.variant = options_.kernel_variant;
 
   if (path_ == StorePath::kFwht) {
     p.key_source = store::KeySource::kFwht;
@@ -350,22 +370,22 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     const float one = 1.0f, zero = 0.0f;
     float* y = reinterpret_cast<float*>(ws + l.y);
     switch (options_.gemm_precision) {
-      case GemmPrecision::kFp32:
-        TQKV_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                      static_cast<const float*>(rotation_.data()), d,
-                                      static_cast<const float*>(np.unit_keys), d, &zero, y, d));
+      case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
+                                       CUBLAS_GEMM_DEFAULT));
         break;
       case GemmPrecision::kTf32:
-        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                       rotation_.data(), CUDA_R_32F, d, np.unit_keys, CUDA_R_32F,
-                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
                                        CUBLAS_GEMM_DEFAULT));
         break;
       case GemmPrecision::kBf16:
-        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one,
-                                       rotation_.data(), CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF,
-                                       d, &zero, y, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         break;
     }
     p.key_source = store::KeySource::kLoadY;
@@ -383,8 +403,9 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
 StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreInputs& in,
                                          StreamHandle stream) const {
   StoreStatus out;
-  if (!options_.validate_slots) return out;
 #if TQKV_HAVE_CUDA
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));  // also without validation: the store is done
+  if (!options_.validate_slots) return out;
   store::DeviceStatus s{};
   TQKV_CUDA_CHECK(cudaMemcpyAsync(&s, workspace.data, sizeof(s), cudaMemcpyDeviceToHost, stream));
   TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -395,10 +416,9 @@ StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreI
     int64_t slot64 = 0;
     int32_t slot32 = 0;
     void* dst = size == 8 ? static_cast<void*>(&slot64) : static_cast<void*>(&slot32);
-    TQKV_CUDA_CHECK(cudaMemcpy(dst,
-                               static_cast<const uint8_t*>(in.slot_mapping) +
-                                   out.first_bad_token * size,
-                               static_cast<size_t>(size), cudaMemcpyDeviceToHost));
+    TQKV_CUDA_CHECK(
+        cudaMemcpy(dst, static_cast<const uint8_t*>(in.slot_mapping) + out.first_bad_token * size,
+                   static_cast<size_t>(size), cudaMemcpyDeviceToHost));
     out.first_bad_slot = size == 8 ? slot64 : slot32;
   }
 #else

@@ -51,6 +51,7 @@ enum class StorePath { kFp8, kFwht, kGemm };
 
 std::string_view StorePathName(StorePath path);  // "fp8", "fwht", "gemm"
 
+// On in debug builds (`bazel ... -c dbg`, e.g. --config=asan; .bazelrc builds -c opt).
 #ifdef NDEBUG
 inline constexpr bool kValidateSlotsByDefault = false;
 #else
@@ -64,6 +65,9 @@ struct StoreOptions {
   // also counts them and records the first such token in the workspace (ReadStatus); this costs
   // one memset per call.
   bool validate_slots = kValidateSlotsByDefault;
+  // Benchmarks only (tools/bench/store_bench): alternative builds of the MSE store kernel for
+  // D = 128 and bf16 inputs, to compare in one run; 0 everywhere else. See tools/bench/NOTES.md.
+  int kernel_variant = 0;
 };
 
 // Caller-owned device scratch of at least StoreWorkspaceBytes(...) bytes, 256-byte aligned.
@@ -112,7 +116,7 @@ class StoreDeviceState {
   StorePath path() const { return path_; }
   // True when bucketizing uses the lookup table (always for the built-in codebooks); false means
   // a caller's codebook with midpoints too close for it, bucketized by binary search instead.
-  bool uses_lookup_table() const { return lut_cells_ > 0; }
+  bool uses_lookup_table() const { return lut_.cells > 0; }
 
   int64_t WorkspaceBytes(int64_t num_tokens) const {
     return StoreWorkspaceBytes(quantizer_, options_, num_tokens);
@@ -124,8 +128,9 @@ class StoreDeviceState {
   void Store(const StoreInputs& inputs, CacheRef cache, DeviceWorkspace workspace,
              StreamHandle stream) const;
 
-  // The slot check of the last Store that used `workspace` (validate_slots only; otherwise
-  // ok()). Synchronizes `stream`. `inputs` must be that store's (to read the offending slot).
+  // Synchronizes `stream`, then returns the slot check of the last Store that used `workspace`
+  // (with validate_slots; otherwise ok()). `inputs` must be that store's (to read the offending
+  // slot).
   StoreStatus ReadStatus(DeviceWorkspace workspace, const StoreInputs& inputs,
                          StreamHandle stream) const;
   // ReadStatus, then throws tqkv::Error naming the first offending token and slot if any.
@@ -136,10 +141,9 @@ class StoreDeviceState {
   Quantizer quantizer_;
   StoreOptions options_;
   StorePath path_;
-  int lut_cells_ = 0;
-  float lut_inv_step_ = 0, lut_bias_ = 0;
-  DeviceAllocation tables_;       // store::DeviceTables
-  DeviceAllocation rotation_;     // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
+  store::BucketLut lut_;
+  DeviceAllocation tables_;    // store::DeviceTables
+  DeviceAllocation rotation_;  // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
   std::unique_ptr<CublasHandle> blas_;
 };
 

@@ -81,8 +81,7 @@ struct Case {
     if (p.key_coding == KeyCoding::kFp8) {
       return Quantizer(p, head_dim, heads, block_size, Rotation{});
     }
-    return Quantizer(p, head_dim, heads, block_size, MakeRotation(rotation, head_dim, 7),
-                     codebook);
+    return Quantizer(p, head_dim, heads, block_size, MakeRotation(rotation, head_dim, 7), codebook);
   }
 };
 
@@ -175,9 +174,8 @@ std::vector<uint8_t> PoisonedCache(int64_t bytes) {
 // StoreCpu over token ranges in parallel (distinct slots: disjoint bytes).
 void ReferenceStore(const Quantizer& q, const StoreInputs& in, std::vector<uint8_t>& cache,
                     int64_t num_blocks) {
-  const int threads =
-      static_cast<int>(std::clamp<int64_t>(in.num_tokens / 256, 1,
-                                           std::max(1u, std::thread::hardware_concurrency())));
+  const int threads = static_cast<int>(std::clamp<int64_t>(
+      in.num_tokens / 256, 1, std::max(1u, std::thread::hardware_concurrency())));
   const int64_t row = q.format().num_kv_heads * q.format().head_dim * DTypeSize(in.dtype);
   std::vector<std::thread> pool;
   for (int w = 0; w < threads; ++w) {
@@ -219,6 +217,7 @@ struct DeviceCall {
     Upload(in);
     const std::vector<uint8_t> poison = PoisonedCache(cache_bytes + kGuardBytes);
     cache.CopyFromHost(poison.data(), cache.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     inputs.key = key.data();
     inputs.value = value.data();
     inputs.dtype = c.dtype;
@@ -228,12 +227,17 @@ struct DeviceCall {
     cache_ref = {static_cast<uint8_t*>(cache.data()), in.num_blocks};
     ws = {workspace.data(), workspace.size_bytes()};
   }
+  // Synchronous copies from pageable memory may return before the data lands, and the stores
+  // run on non-blocking streams (not ordered after the legacy stream): wait for the device.
   void Upload(const HostInputs& in) {
     key.CopyFromHost(in.key.data(), key.size_bytes(), 0, nullptr);
     value.CopyFromHost(in.value.data(), value.size_bytes(), 0, nullptr);
     slots.CopyFromHost(in.slot_bytes.data(), slots.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  // The stores run on non-blocking streams, which the legacy stream's copy does not wait for.
   std::vector<uint8_t> Download() const {
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint8_t> out(cache.size_bytes());
     cache.CopyToHost(out.data(), cache.size_bytes(), 0, nullptr);
     return out;
@@ -244,10 +248,10 @@ struct DeviceCall {
 // Comparison
 
 struct Diff {
-  int64_t indices = 0;        // MSE indices compared
-  int64_t flips = 0;          // indices one off at a midpoint
-  double max_flip_ulps = 0;   // largest |y − m| of a flip, in ulps of m
-  int64_t bad_bytes = 0;      // bytes that differ beyond the allowance
+  int64_t indices = 0;       // MSE indices compared
+  int64_t flips = 0;         // indices one off at a midpoint
+  double max_flip_ulps = 0;  // largest |y − m| of a flip, in ulps of m
+  int64_t bad_bytes = 0;     // bytes that differ beyond the allowance
   Diff& operator+=(const Diff& o) {
     indices += o.indices;
     flips += o.flips;
@@ -353,9 +357,10 @@ Diff Compare(const Quantizer& q, const HostInputs& in, const Case& c,
         const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(m)) - 23);
         const double dist = std::abs(y[j] - m);
         if (std::abs(a - g) != 1 || !(dist <= bound[j] * flip_bound_scale)) {
-          fail(fmt::format("{}: index {} is {}, reference {} (y {:.9g}, midpoint {:.9g}, "
-                           "{:.1f} ulp away, bound {:.1f} ulp)",
-                           where, j, g, a, y[j], m, dist / ulp, bound[j] / ulp));
+          fail(
+              fmt::format("{}: index {} is {}, reference {} (y {:.9g}, midpoint {:.9g}, "
+                          "{:.1f} ulp away, bound {:.1f} ulp)",
+                          where, j, g, a, y[j], m, dist / ulp, bound[j] / ulp));
           continue;
         }
         ++diff.flips;
@@ -379,12 +384,23 @@ Diff Compare(const Quantizer& q, const HostInputs& in, const Case& c,
       }
     }
   }
+  if (diff.bad_bytes > 0) {  // say whether the GPU left the row unwritten or wrote other bytes
+    int64_t owned_bytes = 0, still_poison = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (!owned[i]) continue;
+      ++owned_bytes;
+      still_poison += gpu[i] == Poison(static_cast<int64_t>(i)) && ref[i] != gpu[i];
+    }
+    ADD_FAILURE() << c.Name() << ": " << diff.bad_bytes << " bad fields/bytes; " << still_poison
+                  << " of " << owned_bytes << " written bytes are still poison on the GPU";
+  }
   for (size_t i = 0; i < ref.size(); ++i) {
     if (owned[i]) continue;
     if (gpu[i] != Poison(static_cast<int64_t>(i)) || ref[i] != Poison(static_cast<int64_t>(i))) {
-      fail(fmt::format("byte {} of the cache belongs to no written slot but is {:#04x} "
-                       "(poison {:#04x})",
-                       i, gpu[i], Poison(static_cast<int64_t>(i))));
+      fail(
+          fmt::format("byte {} of the cache belongs to no written slot but is {:#04x} "
+                      "(poison {:#04x})",
+                      i, gpu[i], Poison(static_cast<int64_t>(i))));
     }
   }
   return diff;
@@ -399,12 +415,14 @@ Diff RunCase(const Case& c, uint64_t seed) {
   DeviceCall call(state, in, c);
   Stream stream;
   q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
+  // Synchronizes the stream (the download below runs on the legacy stream, which a
+  // non-blocking stream does not wait for), then checks the slots when validation is on.
   state.CheckStatus(call.ws, call.inputs, call.cache_ref, stream.get());
   const std::vector<uint8_t> gpu = call.Download();
   std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
   ReferenceStore(q, HostView(in, c), ref, in.num_blocks);
-  const bool low_precision = c.options.gemm_precision != GemmPrecision::kFp32 &&
-                             state.path() == StorePath::kGemm;
+  const bool low_precision =
+      c.options.gemm_precision != GemmPrecision::kFp32 && state.path() == StorePath::kGemm;
   Diff d = Compare(q, in, c, ref, gpu, low_precision ? 1e9 : 1.0);
   if (!low_precision) {
     g_total += d;
@@ -505,8 +523,8 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
     const Diff d = RunCase(c, Seed());
     std::printf("%s: %lld indices, %lld flips (%.2e, max %.1f ulp from the midpoint)\n",
                 c.Name().c_str(), static_cast<long long>(d.indices),
-                static_cast<long long>(d.flips),
-                d.indices ? double(d.flips) / d.indices : 0.0, d.max_flip_ulps);
+                static_cast<long long>(d.flips), d.indices ? double(d.flips) / d.indices : 0.0,
+                d.max_flip_ulps);
   }
 }
 
@@ -536,14 +554,11 @@ TEST(StoreCudaTest, GraphCaptureAndReplayGiveTheSameBytes) {
     RotationKind rotation;
     StoreRotationPath path;
   };
-  for (const Variant& v : {Variant{"turboquant_4bit_nc", RotationKind::kHadamard,
-                                   StoreRotationPath::kAuto},
-                           Variant{"turboquant_k3v4_nc", RotationKind::kHaar,
-                                   StoreRotationPath::kAuto},
-                           Variant{"turboquant_3bit_nc", RotationKind::kHadamardSigns,
-                                   StoreRotationPath::kGemm},
-                           Variant{"turboquant_k8v4", RotationKind::kHadamard,
-                                   StoreRotationPath::kAuto}}) {
+  for (const Variant& v :
+       {Variant{"turboquant_4bit_nc", RotationKind::kHadamard, StoreRotationPath::kAuto},
+        Variant{"turboquant_k3v4_nc", RotationKind::kHaar, StoreRotationPath::kAuto},
+        Variant{"turboquant_3bit_nc", RotationKind::kHadamardSigns, StoreRotationPath::kGemm},
+        Variant{"turboquant_k8v4", RotationKind::kHadamard, StoreRotationPath::kAuto}}) {
     Case c;
     c.preset = v.preset;
     c.rotation = v.rotation;
@@ -607,7 +622,7 @@ void RunOutOfRangeCase(bool validate) {
       DeviceCall call(state, in, c);
       Stream stream;
       q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
-      const StoreStatus s = state.ReadStatus(call.ws, call.inputs, stream.get());
+      const StoreStatus s = state.ReadStatus(call.ws, call.inputs, stream.get());  // synchronizes
       if (validate) {
         EXPECT_EQ(s.num_bad_tokens, 4);
         EXPECT_EQ(s.first_bad_token, 37);
@@ -675,28 +690,29 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
         const float big = dtype == DType::kF16 ? 60000.0f : 3e38f;
         const float tiny = dtype == DType::kF16 ? 6e-8f : 1e-40f;
         auto row = [&](std::vector<float>& x, int r) { return x.data() + int64_t(r) * d; };
-        row(k, 0)[3] = nan;                                       // NaN key element
-        row(v, 0)[5] = nan;                                       // NaN value element
-        row(k, 1)[0] = INFINITY;                                  // +inf key
-        row(v, 1)[7] = INFINITY;                                  // +inf value
-        row(k, 2)[9] = -INFINITY;                                 // -inf key
-        row(v, 2)[1] = -INFINITY;                                 // -inf value
-        for (int i = 0; i < d; ++i) row(v, 3)[i] = nan;           // all-NaN values
-        for (int i = 0; i < d; ++i) row(k, 4)[i] = 0.0f;          // zero key
-        for (int i = 0; i < d; ++i) row(v, 4)[i] = 0.0f;          // constant values
-        for (int i = 0; i < d; ++i) row(k, 5)[i] = i % 3 ? big : -big;  // overflowing sums
-        for (int i = 0; i < d; ++i) row(v, 5)[i] = i % 2 ? big : -big;  // range beyond fp16
-        for (int i = 0; i < d; ++i) row(k, 6)[i] = (i % 5 - 2) * tiny;  // subnormal key
-        for (int i = 0; i < d; ++i) row(v, 6)[i] = (i % 7) * tiny;      // subnormal values
-        for (int i = 0; i < d; ++i) row(v, 7)[i] = (i % 16) * 0.5f;     // exact .5 ties
-        for (int i = 0; i < d; ++i) row(v, 8)[i] = (i % 8) * 0.25f - 1; // ties at 3 bits
+        row(k, 0)[3] = nan;                                              // NaN key element
+        row(v, 0)[5] = nan;                                              // NaN value element
+        row(k, 1)[0] = INFINITY;                                         // +inf key
+        row(v, 1)[7] = INFINITY;                                         // +inf value
+        row(k, 2)[9] = -INFINITY;                                        // -inf key
+        row(v, 2)[1] = -INFINITY;                                        // -inf value
+        for (int i = 0; i < d; ++i) row(v, 3)[i] = nan;                  // all-NaN values
+        for (int i = 0; i < d; ++i) row(k, 4)[i] = 0.0f;                 // zero key
+        for (int i = 0; i < d; ++i) row(v, 4)[i] = 0.0f;                 // constant values
+        for (int i = 0; i < d; ++i) row(k, 5)[i] = i % 3 ? big : -big;   // overflowing sums
+        for (int i = 0; i < d; ++i) row(v, 5)[i] = i % 2 ? big : -big;   // range beyond fp16
+        for (int i = 0; i < d; ++i) row(k, 6)[i] = (i % 5 - 2) * tiny;   // subnormal key
+        for (int i = 0; i < d; ++i) row(v, 6)[i] = (i % 7) * tiny;       // subnormal values
+        for (int i = 0; i < d; ++i) row(v, 7)[i] = (i % 16) * 0.5f;      // exact .5 ties
+        for (int i = 0; i < d; ++i) row(v, 8)[i] = (i % 8) * 0.25f - 1;  // ties at 3 bits
         row(k, 9)[0] = nan;
-        row(k, 9)[1] = INFINITY;                                  // NaN and inf together
+        row(k, 9)[1] = INFINITY;  // NaN and inf together
         in.key = Encode(k, dtype);
         in.value = Encode(v, dtype);
         DeviceCall call(state, in, c);
         Stream stream;
         q.Store(call.inputs, call.cache_ref, state, call.ws, stream.get());
+        stream.Synchronize();  // the download runs on the legacy stream
         const std::vector<uint8_t> gpu = call.Download();
         std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
         ReferenceStore(q, HostView(in, c), ref, in.num_blocks);
@@ -747,8 +763,10 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
       v.push_back(lo + (c + 0.5f) * s);
     }
   }
-  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN(), INFINITY,
-                            -INFINITY, 3e38f, -3e38f, 1e-45f, 1e-38f, 65504.0f};
+  const float specials[] = {0.0f,     -0.0f,     std::numeric_limits<float>::quiet_NaN(),
+                            INFINITY, -INFINITY, 3e38f,
+                            -3e38f,   1e-45f,    1e-38f,
+                            65504.0f};
   for (float a : specials) {
     for (float b : specials) {
       for (float s : {1e-8f, 1.0f, 18714.0f}) {
@@ -761,30 +779,38 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
   const int n = static_cast<int>(v.size());
   for (uint32_t levels : {7u, 15u}) {
     DeviceBuffer<float> dv(n), dmin(n), ds(n);
-    DeviceBuffer<uint32_t> fast(n), exact(n);
+    DeviceBuffer<uint32_t> fast(n), in_range(n), exact(n);
     dv.CopyFromHost(v);
     dmin.CopyFromHost(vmin);
     ds.CopyFromHost(scale);
     store::testing::LaunchValueCodes(dv.data(), dmin.data(), ds.data(), n, levels, fast.data(),
-                                     exact.data(), nullptr);
+                                     in_range.data(), exact.data(), nullptr);
     TQKV_CHECK_LAUNCH("ValueCodesKernel");
-    std::vector<uint32_t> f(n), e(n);
+    std::vector<uint32_t> f(n), g(n), e(n);
     fast.CopyToHost(f);
+    in_range.CopyToHost(g);
     exact.CopyToHost(e);
-    int64_t mismatches = 0;
+    int64_t mismatches = 0, in_range_checked = 0;
     for (int i = 0; i < n; ++i) {
       // The CPU reference's expression, for the record.
       const float t = std::floor((v[i] - vmin[i]) / scale[i] + 0.5f);
       const uint32_t cpu =
           t >= 0.0f ? static_cast<uint32_t>(std::min(t, static_cast<float>(levels))) : 0u;
-      if (f[i] != e[i] || e[i] != cpu) {
+      // ValueCodeInRange serves rows whose values lie in [vmin, vmax], vmax - vmin = levels·scale
+      // up to the rounding of scale (and NaN).
+      const bool in_row = std::isnan(v[i]) ||
+                          (v[i] >= vmin[i] && double(v[i]) - vmin[i] <= levels * double(scale[i]));
+      in_range_checked += in_row;
+      if (f[i] != e[i] || e[i] != cpu || (in_row && g[i] != e[i])) {
         if (mismatches++ < 10) {
-          ADD_FAILURE() << "v " << v[i] << " vmin " << vmin[i] << " scale " << scale[i]
-                        << ": fast " << f[i] << ", __fdiv_rn " << e[i] << ", CPU " << cpu;
+          ADD_FAILURE() << "v " << v[i] << " vmin " << vmin[i] << " scale " << scale[i] << ": fast "
+                        << f[i] << ", in-range " << g[i] << ", __fdiv_rn " << e[i] << ", CPU "
+                        << cpu;
         }
       }
     }
     EXPECT_EQ(mismatches, 0) << "levels " << levels;
+    EXPECT_GT(in_range_checked, n / 2);
   }
 }
 

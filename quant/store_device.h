@@ -2,8 +2,11 @@
 // CPU tests check them against the reference (quant/packing.h, Codebook::Bucketize) bit for bit.
 // Included by kernel files: no fmt, no spdlog, no exceptions.
 //
-// Work split of every store kernel: one (token, head) row is handled by D / 16 consecutive lanes
-// ("a lane group"), lane q of the group owning elements [16q, 16q + 16).
+// Work split of every store kernel: one (token, head) row is handled by G = D / 16 consecutive
+// lanes ("a lane group"); lane q of the group holds 16 elements in registers e = 0..15: chunk q
+// (elements [8q, 8q + 8)) and chunk q + G (LaneElement). So each 16-byte load of a 16-bit input and
+// each 4-byte code store of one warp instruction covers consecutive bytes across the lanes of a
+// row (coalesced), and a row's FWHT still has 4 in-register and log2(G) cross-lane stages.
 #pragma once
 
 #include <cstdint>
@@ -27,11 +30,16 @@ inline constexpr int kLaneElems = 16;        // elements of one row a lane owns
 inline constexpr int kMaxLutCells = 1024;    // bucketize lookup table limit (8 KiB of smem)
 inline constexpr int kMaxCodebookSize = 16;  // 4-bit codes
 
+// The row element held in register e (0..15) of lane q (0..lanes-1).
+TQKV_HOST_DEVICE constexpr int LaneElement(int q, int e, int lanes) {
+  return 8 * (q + (e / 8) * lanes) + e % 8;
+}
+
 // 16 codes (each < 16) → 64 bits, code i at bits [4i, 4i + 4): the little-endian bytes are the
 // 4-bit packing of TURBOQUANT.md (low nibble = even element).
 TQKV_HOST_DEVICE inline uint64_t Pack16x4(const uint32_t (&c)[kLaneElems]) {
   uint32_t lo = 0, hi = 0;
-TQKV_UNROLL
+  TQKV_UNROLL
   for (int i = 0; i < 8; ++i) {
     lo |= c[i] << (4 * i);
     hi |= c[i + 8] << (4 * i);
@@ -42,7 +50,7 @@ TQKV_UNROLL
 // 16 codes (each < 8) → 48 bits, code i at bits [3i, 3i + 3): the 3-bit bit stream.
 TQKV_HOST_DEVICE inline uint64_t Pack16x3(const uint32_t (&c)[kLaneElems]) {
   uint32_t lo = 0, hi = 0;
-TQKV_UNROLL
+  TQKV_UNROLL
   for (int i = 0; i < 8; ++i) {
     lo |= c[i] << (3 * i);
     hi |= c[i + 8] << (3 * i);
@@ -50,10 +58,27 @@ TQKV_UNROLL
   return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 24);
 }
 
-// A 3-bit row is written as 8-byte words: four lanes (48 bits each) make three words. Lane r
-// (r = 0, 1, 2 within its four) writes word r from its own 48 bits and those of lane r + 1.
-TQKV_HOST_DEVICE inline uint64_t Join3BitWord(uint64_t own, uint64_t next, int r) {
-  return (own >> (16 * r)) | (next << (48 - 16 * r));
+// Builds the same 64-bit word code by code: code i (< 2^bits) of a lane at bits [bits·i, ...).
+// Two 32-bit halves (codes 0-7 and 8-15), so each step is one shift-add.
+template <int kBits>
+struct PackedCodes {
+  uint32_t lo = 0, hi = 0;
+  TQKV_HOST_DEVICE void Add(int i, uint32_t code) {
+    if (i < 8) {
+      lo += code << (kBits * i);
+    } else {
+      hi += code << (kBits * (i - 8));
+    }
+  }
+  TQKV_HOST_DEVICE uint64_t Word() const {
+    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << (8 * kBits));
+  }
+};
+
+// 3-bit codes are written as 4-byte words: the 24-bit chunks of four lanes make three words.
+// Lane r (r = 0, 1, 2 within its four) writes word r from its own chunk and that of lane r + 1.
+TQKV_HOST_DEVICE inline uint32_t Join3Bit32(uint32_t own, uint32_t next, int r) {
+  return (own >> (8 * r)) | (next << (24 - 8 * r));
 }
 
 TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {
@@ -66,32 +91,39 @@ TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {
 #endif
 }
 
-// Bucketize by lookup: a uniform grid over the midpoints, fine enough that no cell (widened by a
-// quarter cell on each side) holds more than one midpoint. For y in cell u the index is
-// base_index + (y >= next_midpoint) exactly; the quarter-cell margins absorb the rounding of the
-// cell computation. `next_midpoint` is NaN where no midpoint follows (the comparison is false).
+// Bucketize by lookup. A uniform grid covers |y| <= kLutRange (every finite y of a unit key
+// rotated by a (near-)orthogonal Πᵀ: |y| <= 1 + rounding) and is fine enough that no cell, widened
+// by a quarter cell on each side, holds more than one midpoint. For y in cell u the index is then
+// base_index + (y >= next_midpoint) exactly; the widening absorbs the rounding of the cell
+// computation. `next_midpoint` is NaN where no midpoint follows (the comparison is false).
+inline constexpr float kLutRange = 1.5f;
+
 struct LutEntry {
   float next_midpoint;
   int32_t base_index;
 };
 
 struct BucketLut {
-  float inv_step = 0;  // 1 / cell width
-  float bias = 0;      // -(grid start) / step - 0.5: t = y · inv_step + bias, cell = round(t)
-  float max_cell = 0;  // cells - 1
-  int cells = 0;       // 0: no table (midpoints too close for kMaxLutCells): binary search
+  float inv_step = 0;    // 1 / cell width (the cell edges are defined with this fp32 value)
+  float magic_bias = 0;  // 1.5 · 2^23 + K: fma(y, inv_step, magic_bias) = 1.5 · 2^23 + round(u)
+  int cells = 0;         // 0: no table (midpoints too close for kMaxLutCells): binary search
 };
 
-// Number of midpoints m with m <= y (NaN → 0), as Codebook::Bucketize; `lut` has lut_params.cells
-// entries.
+// Number of midpoints m with m <= y, as Codebook::Bucketize, for |y| <= kLutRange (not NaN); `lut`
+// has p.cells entries. One FMA gives the cell in the low mantissa bits (the sum lies in
+// [2^23, 2^24), where the ulp is 1); the unsigned min only keeps a y outside the range (which the
+// kernels never pass) inside the table.
 TQKV_HOST_DEVICE inline int LutBucketize(float y, const LutEntry* lut, const BucketLut& p) {
 #if defined(__CUDA_ARCH__)
-  const float t = fminf(fmaxf(fmaf(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+  const float t = __fmaf_rn(y, p.inv_step, p.magic_bias);
+  const uint32_t cell =
+      min(static_cast<uint32_t>(FloatBits(t) - 0x4B400000), static_cast<uint32_t>(p.cells - 1));
 #else
-  const float t = std::fmin(std::fmax(std::fma(y, p.inv_step, p.bias), 0.0f), p.max_cell);
+  const float t = std::fma(y, p.inv_step, p.magic_bias);
+  const uint32_t raw = static_cast<uint32_t>(FloatBits(t) - 0x4B400000);
+  const uint32_t cell =
+      raw < static_cast<uint32_t>(p.cells - 1) ? raw : static_cast<uint32_t>(p.cells - 1);
 #endif
-  // Adding 1.5 · 2^23 leaves round(t) in the low mantissa bits (t is in [0, 1024)).
-  const int cell = FloatBits(t + 12582912.0f) - 0x4B400000;
   const LutEntry e = lut[cell];
   return e.base_index + (y >= e.next_midpoint ? 1 : 0);
 }
@@ -131,6 +163,12 @@ __device__ __forceinline__ float MinPropagateNan(float a, float b) {
   float r;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+}
+
+// The same for a value of a row whose values all lie in [-65504, 65504] (or are NaN): then
+// 0 <= v - vmin <= vmax - vmin, so the code cannot pass `levels` and no cap is needed.
+__device__ __forceinline__ uint32_t ValueCodeInRange(float v, float vmin, float scale, float r) {
+  return __float2uint_rd(__fadd_rn(DivideFast(__fsub_rn(v, vmin), scale, r), 0.5f));
 }
 
 // The code of one value: floor((v - vmin) / scale + 0.5) clamped to [0, levels], as

@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <random>
 
 #include "quant/codebook.h"
 #include "quant/packing.h"
 #include "quant/quantizer.h"
+#include "quant/rotation.h"
 #include "quant/store_cuda.h"
 #include "quant/store_device.h"
 #include "runtime/device.h"
@@ -34,9 +36,17 @@ TEST(StoreDeviceHelpersTest, PackMatchesReferencePacking) {
       }
       uint8_t want[8] = {};
       PackCodes(codes, store::kLaneElems, bits, want);
+      store::PackedCodes<4> p4;
+      store::PackedCodes<3> p3;
+      for (int i = 0; i < store::kLaneElems; ++i) {
+        p4.Add(i, c[i]);
+        p3.Add(i, c[i]);
+      }
       const uint64_t got = bits == 4 ? store::Pack16x4(c) : store::Pack16x3(c);
+      ASSERT_EQ(got, bits == 4 ? p4.Word() : p3.Word());
       for (int b = 0; b < 2 * bits; ++b) {
-        ASSERT_EQ(static_cast<uint8_t>(got >> (8 * b)), want[b]) << "bits " << bits << " byte " << b;
+        ASSERT_EQ(static_cast<uint8_t>(got >> (8 * b)), want[b])
+            << "bits " << bits << " byte " << b;
       }
       if (bits == 3) {
         ASSERT_EQ(got >> 48, 0u);
@@ -45,25 +55,99 @@ TEST(StoreDeviceHelpersTest, PackMatchesReferencePacking) {
   }
 }
 
-TEST(StoreDeviceHelpersTest, ThreeBitWordsOfFourLanesAreTheBitStream) {
+// The kernels' lane layout (LaneElement) with StoreCodes' word placement, emulated for one row:
+// the bytes must be the reference packing of the row's codes.
+TEST(StoreDeviceHelpersTest, LaneLayoutCodeWordsAreTheBitStream) {
   std::mt19937 rng(std::random_device{}());
-  for (int trial = 0; trial < 1000; ++trial) {
-    uint8_t codes[64];
-    uint64_t lane_bits[4];
-    for (int l = 0; l < 4; ++l) {
-      uint32_t c[store::kLaneElems];
-      for (int i = 0; i < store::kLaneElems; ++i) {
-        c[i] = rng() & 7;
-        codes[16 * l + i] = static_cast<uint8_t>(c[i]);
+  for (int lanes : {4, 8, 16}) {
+    for (int bits : {3, 4}) {
+      for (int trial = 0; trial < 200; ++trial) {
+        const int d = 16 * lanes;
+        std::vector<uint8_t> codes(d);
+        for (auto& c : codes) c = static_cast<uint8_t>(rng() & ((1u << bits) - 1));
+        std::vector<uint32_t> lo(lanes), hi(lanes);
+        for (int q = 0; q < lanes; ++q) {
+          store::PackedCodes<4> p4;
+          store::PackedCodes<3> p3;
+          for (int e = 0; e < store::kLaneElems; ++e) {
+            const uint8_t c = codes[store::LaneElement(q, e, lanes)];
+            p4.Add(e, c);
+            p3.Add(e, c);
+          }
+          lo[q] = bits == 4 ? p4.lo : p3.lo;
+          hi[q] = bits == 4 ? p4.hi : p3.hi;
+        }
+        std::vector<uint32_t> words(d * bits / 32, 0xDEADBEEF);
+        for (int q = 0; q < lanes; ++q) {
+          if (bits == 4) {
+            words[q] = lo[q];
+            words[q + lanes] = hi[q];
+          } else if (q % 4 < 3) {  // __shfl_down_sync(..., 1): lane q + 1 of the same group of 4
+            const int r = q % 4;
+            words[3 * (q / 4) + r] = store::Join3Bit32(lo[q], lo[q + 1], r);
+            words[3 * ((q + lanes) / 4) + r] = store::Join3Bit32(hi[q], hi[q + 1], r);
+          }
+        }
+        std::vector<uint8_t> want(d * bits / 8);
+        PackCodes(codes.data(), d, bits, want.data());
+        for (size_t b = 0; b < want.size(); ++b) {
+          ASSERT_EQ(static_cast<uint8_t>(words[b / 4] >> (8 * (b % 4))), want[b])
+              << "lanes " << lanes << " bits " << bits << " byte " << b;
+        }
       }
-      lane_bits[l] = store::Pack16x3(c);
     }
-    uint8_t want[24] = {};
-    PackCodes(codes, 64, 3, want);
-    for (int r = 0; r < 3; ++r) {
-      const uint64_t w = store::Join3BitWord(lane_bits[r], lane_bits[r + 1], r);
-      for (int b = 0; b < 8; ++b) {
-        ASSERT_EQ(static_cast<uint8_t>(w >> (8 * b)), want[8 * r + b]) << "word " << r;
+  }
+}
+
+// The FWHT as the kernels run it on the lane layout (4 in-register stages, log2(G) cross-lane
+// stages), emulated in exact integers, is the Sylvester Hadamard transform of the row; and the
+// per-lane sign bits pick the signs of the right elements.
+TEST(StoreDeviceHelpersTest, LaneLayoutFwhtAndSignsMatchTheMatrix) {
+  std::mt19937 rng(std::random_device{}());
+  for (int lanes : {4, 8, 16}) {
+    const int d = 16 * lanes;
+    std::vector<int64_t> in(d);
+    for (auto& v : in) v = static_cast<int64_t>(rng() % 2001) - 1000;
+    std::vector<std::vector<int64_t>> x(lanes, std::vector<int64_t>(store::kLaneElems));
+    for (int q = 0; q < lanes; ++q) {
+      for (int e = 0; e < store::kLaneElems; ++e) x[q][e] = in[store::LaneElement(q, e, lanes)];
+    }
+    for (int q = 0; q < lanes; ++q) {
+      for (int h = 1; h < store::kLaneElems; h <<= 1) {
+        for (int i = 0; i < store::kLaneElems; ++i) {
+          if ((i & h) == 0) {
+            const int64_t a = x[q][i], b = x[q][i + h];
+            x[q][i] = a + b;
+            x[q][i + h] = a - b;
+          }
+        }
+      }
+    }
+    for (int m = 1; m < lanes; m <<= 1) {
+      auto next = x;
+      for (int q = 0; q < lanes; ++q) {
+        for (int e = 0; e < store::kLaneElems; ++e) {
+          const int64_t other = x[q ^ m][e];
+          next[q][e] = (q & m) ? other - x[q][e] : x[q][e] + other;
+        }
+      }
+      x = next;
+    }
+    const Rotation signs = MakeRotation(RotationKind::kHadamardSigns, d, rng());
+    uint32_t sign_words[8] = {};
+    for (int i = 0; i < d; ++i) {
+      if (signs.signs[i] < 0) sign_words[i / 32] |= 1u << (i % 32);
+    }
+    for (int q = 0; q < lanes; ++q) {
+      const int j0 = 8 * q, j1 = 8 * (q + lanes);  // as StoreKernel gathers them
+      const uint32_t lane_signs = ((sign_words[j0 / 32] >> (j0 % 32)) & 0xFFu) |
+                                  (((sign_words[j1 / 32] >> (j1 % 32)) & 0xFFu) << 8);
+      for (int e = 0; e < store::kLaneElems; ++e) {
+        const int j = store::LaneElement(q, e, lanes);
+        int64_t want = 0;
+        for (int i = 0; i < d; ++i) want += (__builtin_popcount(i & j) & 1) ? -in[i] : in[i];
+        ASSERT_EQ(x[q][e], want) << "lanes " << lanes << " q " << q << " e " << e;
+        ASSERT_EQ(((lane_signs >> e) & 1) != 0, signs.signs[j] < 0) << "q " << q << " e " << e;
       }
     }
   }
@@ -95,9 +179,15 @@ void ExpectLookupMatchesBucketize(const Codebook& book, const store::BucketLutTa
   const float spread = 3.0f * (book.centroids.back() - book.centroids.front());
   std::normal_distribution<float> normal(0.0f, spread);
   for (int i = 0; i < 200000; ++i) ys.push_back(normal(rng));
+  std::uniform_real_distribution<float> uniform(-store::kLutRange, store::kLutRange);
+  for (int i = 0; i < 200000; ++i) ys.push_back(uniform(rng));
+  ys.push_back(store::kLutRange);
+  ys.push_back(-store::kLutRange);
   for (float y : ys) {
-    ASSERT_EQ(store::LutBucketize(y, lut.entries.data(), lut.grid), book.Bucketize(y))
-        << "y = " << y;
+    if (std::abs(y) <= store::kLutRange) {  // the lookup's domain (the kernels send NaN elsewhere)
+      ASSERT_EQ(store::LutBucketize(y, lut.entries.data(), lut.grid), book.Bucketize(y))
+          << "y = " << y;
+    }
     ASSERT_EQ(store::SearchBucketize(y, book.midpoints.data(), book.bits), book.Bucketize(y))
         << "y = " << y;
   }
@@ -109,7 +199,8 @@ TEST(StoreDeviceHelpersTest, LookupBucketizeMatchesEveryBuiltInCodebook) {
       const Codebook book = LloydMaxGaussian(d, bits);
       const store::BucketLutTable lut = store::BuildBucketLut(book.midpoints);
       ASSERT_EQ(lut.entries.size(), static_cast<size_t>(lut.grid.cells));
-      EXPECT_LE(lut.grid.cells, 128) << "D " << d << " bits " << bits;
+      EXPECT_LE(lut.grid.cells, store::kMaxLutCells) << "D " << d << " bits " << bits;
+      std::printf("D %d, %d bits: %d cells\n", d, bits, lut.grid.cells);
       ExpectLookupMatchesBucketize(book, lut);
     }
   }
@@ -140,9 +231,9 @@ TEST(StoreHostTest, PathSelection) {
             StorePath::kFp8);
   EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16), automatic),
             StorePath::kFwht);
-  EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_3bit_nc", 64, 8, 16,
-                                               RotationKind::kHadamardSigns, 5),
-                             automatic),
+  EXPECT_EQ(ResolveStorePath(
+                Quantizer::Create("turboquant_3bit_nc", 64, 8, 16, RotationKind::kHadamardSigns, 5),
+                automatic),
             StorePath::kFwht);
   const Quantizer haar =
       Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16, RotationKind::kHaar, 1);

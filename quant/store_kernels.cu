@@ -18,6 +18,9 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <type_traits>
+
 #include "quant/store_launch.h"
 
 namespace tqkv::store {
@@ -27,19 +30,40 @@ constexpr int kThreads = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------
-// Loads
+// Loads: 16 elements of a row per lane, kept raw (so that a loop iteration can prefetch the next
+// rows while it computes, and bf16/fp16 min/max can run on packed pairs).
+
+template <InputType T>
+struct RawRow {
+  static constexpr int kWords = T == InputType::kF32 ? 4 : 2;
+  uint4 w[kWords];
+};
 
 __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
-__device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float Bf16Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
+// tensor of type T (16-byte aligned); zeros when !valid. 16-bit inputs: one 16-byte load per
+// chunk, consecutive across the lanes; fp32: two per chunk.
+template <InputType T, int G>
+__device__ __forceinline__ void LoadRaw(const void* base, int64_t row_elem, int q, bool valid,
+                                        RawRow<T>& r) {
+  constexpr int kSize = T == InputType::kF32 ? 4 : 2;
+  const uint8_t* row = static_cast<const uint8_t*>(base) + row_elem * kSize;
+#pragma unroll
+  for (int j = 0; j < RawRow<T>::kWords; ++j) {
+    const int chunk = T == InputType::kF32 ? j / 2 : j;
+    const int half = T == InputType::kF32 ? j % 2 : 0;
+    r.w[j] = valid ? LoadStreaming(row + 8 * (q + chunk * G) * kSize + 16 * half)
+                   : make_uint4(0, 0, 0, 0);
+  }
+}
 
 __device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float& b) {
   if (t == InputType::kBF16) {
-    a = Bf16Lo(w);
-    b = Bf16Hi(w);
+    a = __uint_as_float(w << 16);
+    b = __uint_as_float(w & 0xffff0000u);
   } else {
     __half2 h;
     memcpy(&h, &w, sizeof(h));
@@ -49,44 +73,68 @@ __device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float
   }
 }
 
-// Elements [elem, elem + 16) of a tensor of type T as fp32 (16-byte aligned); zeros when !valid.
 template <InputType T>
-__device__ __forceinline__ void Load16(const void* base, int64_t elem, bool valid,
-                                       float (&out)[kLaneElems]) {
-  if constexpr (T == InputType::kF32) {
-    uint4 w[4] = {};
-    const float* p = static_cast<const float*>(base) + elem;
-    if (valid) {
+__device__ __forceinline__ void ToFloat(const RawRow<T>& r, float (&out)[kLaneElems]) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) w[j] = LoadStreaming(p + 4 * j);
-    }
+  for (int j = 0; j < RawRow<T>::kWords; ++j) {
+    const uint32_t w[4] = {r.w[j].x, r.w[j].y, r.w[j].z, r.w[j].w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      out[4 * j + 0] = __uint_as_float(w[j].x);
-      out[4 * j + 1] = __uint_as_float(w[j].y);
-      out[4 * j + 2] = __uint_as_float(w[j].z);
-      out[4 * j + 3] = __uint_as_float(w[j].w);
-    }
-  } else {
-    uint4 w[2] = {};
-    const uint16_t* p = static_cast<const uint16_t*>(base) + elem;
-    if (valid) {
-      w[0] = LoadStreaming(p);
-      w[1] = LoadStreaming(p + 8);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      Unpack2(T, w[j].x, out[8 * j + 0], out[8 * j + 1]);
-      Unpack2(T, w[j].y, out[8 * j + 2], out[8 * j + 3]);
-      Unpack2(T, w[j].z, out[8 * j + 4], out[8 * j + 5]);
-      Unpack2(T, w[j].w, out[8 * j + 6], out[8 * j + 7]);
+    for (int c = 0; c < 4; ++c) {
+      if constexpr (T == InputType::kF32) {
+        out[4 * j + c] = __uint_as_float(w[c]);
+      } else {
+        Unpack2(T, w[c], out[8 * j + 2 * c], out[8 * j + 2 * c + 1]);
+      }
     }
   }
 }
 
+// min and max of the lane's 16 elements, NaN skipped (fminf semantics); +inf / -inf if all NaN.
+// 16-bit inputs reduce as packed pairs (HMNMX2), which skip NaN the same way.
+template <InputType T>
+__device__ __forceinline__ void LaneMinMax(const RawRow<T>& r, const float (&v)[kLaneElems],
+                                           float& vmin, float& vmax) {
+  vmin = INFINITY;
+  vmax = -INFINITY;
+  if constexpr (T == InputType::kF32) {
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) {
+      vmin = fminf(vmin, v[i]);
+      vmax = fmaxf(vmax, v[i]);
+    }
+  } else {
+    using Pair = std::conditional_t<T == InputType::kBF16, __nv_bfloat162, __half2>;
+    Pair p[8];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      memcpy(&p[4 * j + 0], &r.w[j].x, 4);
+      memcpy(&p[4 * j + 1], &r.w[j].y, 4);
+      memcpy(&p[4 * j + 2], &r.w[j].z, 4);
+      memcpy(&p[4 * j + 3], &r.w[j].w, 4);
+    }
+    Pair lo[4], hi[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = __hmin2(p[2 * j], p[2 * j + 1]);
+      hi[j] = __hmax2(p[2 * j], p[2 * j + 1]);
+    }
+    lo[0] = __hmin2(__hmin2(lo[0], lo[1]), __hmin2(lo[2], lo[3]));
+    hi[0] = __hmax2(__hmax2(hi[0], hi[1]), __hmax2(hi[2], hi[3]));
+    float a, b, c, d;
+    uint32_t lw, hw;
+    memcpy(&lw, &lo[0], 4);
+    memcpy(&hw, &hi[0], 4);
+    Unpack2(T, lw, a, b);
+    Unpack2(T, hw, c, d);
+    vmin = fminf(fminf(vmin, a), b);
+    vmax = fmaxf(fmaxf(vmax, c), d);
+  }
+}
+
 __device__ __forceinline__ int64_t LoadSlot(const StoreParams& p, int64_t token) {
-  return p.slots_are_i64 ? __ldg(static_cast<const long long*>(p.slot_mapping) + token)
-                         : static_cast<int64_t>(__ldg(static_cast<const int*>(p.slot_mapping) + token));
+  return p.slots_are_i64
+             ? __ldg(static_cast<const long long*>(p.slot_mapping) + token)
+             : static_cast<int64_t>(__ldg(static_cast<const int*>(p.slot_mapping) + token));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -151,205 +199,289 @@ __device__ __forceinline__ void Fwht(float (&x)[kLaneElems], int q) {
   }
 }
 
-// Writes `bits`-bit codes of a lane (16 codes) into the row's code region at `dst` (8-aligned):
-// 4-bit: one 8-byte word per lane; 3-bit: three words per four lanes.
-template <int kBits>
-__device__ __forceinline__ void StoreCodes(const uint32_t (&codes)[kLaneElems], int q,
-                                           bool active, uint8_t* dst) {
+// Writes a lane's 16 packed `bits`-bit codes (two chunks of 8) into the row's code region at
+// `dst` (8-aligned): 4-bit: one 4-byte word per chunk; 3-bit: three words per four chunks. The
+// lanes of a row write consecutive words.
+template <int kBits, int G>
+__device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, bool active,
+                                           uint8_t* dst) {
+  uint32_t* const words = reinterpret_cast<uint32_t*>(dst);
   if constexpr (kBits == 4) {
-    const uint64_t w = Pack16x4(codes);
-    if (active) reinterpret_cast<uint64_t*>(dst)[q] = w;
+    if (active) {
+      words[q] = c.lo;
+      words[q + G] = c.hi;
+    }
   } else {
     static_assert(kBits == 3);
-    const uint64_t own = Pack16x3(codes);
-    const uint64_t next = __shfl_down_sync(kFullMask, own, 1);
+    const uint32_t next_lo = __shfl_down_sync(kFullMask, c.lo, 1);
+    const uint32_t next_hi = __shfl_down_sync(kFullMask, c.hi, 1);
     const int r = q & 3;
     if (active && r < 3) {
-      reinterpret_cast<uint64_t*>(dst)[3 * (q >> 2) + r] = Join3BitWord(own, next, r);
+      words[3 * (q >> 2) + r] = Join3Bit32(c.lo, next_lo, r);
+      words[3 * ((q + G) >> 2) + r] = Join3Bit32(c.hi, next_hi, r);
     }
   }
 }
 
-// Values: uniform min/max over the finite fp16 range (EncodeSlot). Returns the lane's codes and
-// the row's fp16 scale and zero.
-template <int G, int kBits>
-__device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems],
-                                               uint32_t (&codes)[kLaneElems], uint16_t& scale_bits,
-                                               uint16_t& zero_bits) {
-  float vmin = INFINITY, vmax = -INFINITY;
+// Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64.
+template <int kBits>
+__device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c,
+                                                const double* pair_sq) {
+  double sum = 0.0;
 #pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) {  // fminf/fmaxf skip NaN, as the reference does
-    vmin = fminf(vmin, v[i]);
-    vmax = fmaxf(vmax, v[i]);
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t half = i < 4 ? c.lo : c.hi;
+    const uint32_t pair = (half >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
+    sum += pair_sq[pair];
   }
-  vmin = fminf(fmaxf(GroupMin<G>(vmin), -65504.0f), 65504.0f);
-  vmax = fminf(fmaxf(GroupMax<G>(vmax), -65504.0f), 65504.0f);
+  return sum;
+}
+
+// Values: uniform min/max over the finite fp16 range (EncodeSlot). Takes the lane's min/max,
+// returns the lane's packed codes and the row's fp16 scale and zero.
+template <int G, int kBits>
+__device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], float vmin, float vmax,
+                                               PackedCodes<kBits>& codes, uint16_t& scale_bits,
+                                               uint16_t& zero_bits) {
+  const float row_min = GroupMin<G>(vmin), row_max = GroupMax<G>(vmax);
+  vmin = fminf(fmaxf(row_min, -65504.0f), 65504.0f);
+  vmax = fminf(fmaxf(row_max, -65504.0f), 65504.0f);
   constexpr uint32_t kLevels = (1u << kBits) - 1;
   float scale = __fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels));
   if (!(scale > 1e-8f)) scale = 1e-8f;
   const float r = DivisionReciprocal(scale);  // scale is normal: 1e-8 <= scale <= 131008 / 7
+  if (row_min >= -65504.0f && row_max <= 65504.0f) {  // the usual row: no cap needed
 #pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) codes[i] = ValueCode(v[i], vmin, scale, r, kLevels);
+    for (int i = 0; i < kLaneElems; ++i) codes.Add(i, ValueCodeInRange(v[i], vmin, scale, r));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) codes.Add(i, ValueCode(v[i], vmin, scale, r, kLevels));
+  }
   scale_bits = __half_as_ushort(__float2half_rn(scale));
   zero_bits = __half_as_ushort(__float2half_rn(vmin));
 }
 
 // ---------------------------------------------------------------------------------------------
-// The store kernel: one launch writes codes and metadata of every row.
+// The store kernel: one launch writes codes and metadata of every row. A persistent grid (as many
+// CTAs as fit at once) walks the rows in chunks of kRows; each iteration loads the next chunk's
+// inputs before it computes the current one.
 //   KB: key bits (8 = FP8 E4M3 keys; 3 or 4 = MSE codes), VB: value bits.
 
-template <int D, int KB, int VB, InputType T, KeySource S>
-__global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p) {
-  constexpr int G = D / kLaneElems;   // lanes per row
-  constexpr int kRows = kThreads / G;  // rows per CTA
+template <int D, int KB, InputType T, KeySource S>
+struct KeyInput {
+  static constexpr InputType kType = (S == KeySource::kLoadY && KB != 8) ? InputType::kF32 : T;
+  using Raw = RawRow<kType>;
+};
+
+// Minimum CTAs per SM the kernel is compiled for (register budget): the MSE kernels need 80
+// registers for three CTAs (24 warps) per SM, which hides their dependency chains (shuffles,
+// lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound. Variants 1 and
+// 2 (D = 128, bf16 inputs only) exist for tools/bench/store_bench: 1 = the previous kernel (two
+// rows in flight per thread, ping-pong, no bound), 2 = four CTAs (64 registers, small spills).
+constexpr int MinCtasPerSm(int key_bits, int variant) {
+  return variant == 2 ? 4 : (variant == 1 || key_bits == 8) ? 1 : 3;
+}
+
+template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
+__global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
+    StoreKernel(const StoreParams p) {
+  constexpr int G = D / kLaneElems;    // lanes per row
+  constexpr int kRows = kThreads / G;  // rows per CTA and iteration
   constexpr bool kFp8 = KB == 8;
-  constexpr int kMeta = kFp8 ? 2 : 3;
+  constexpr bool kLoadY = S == KeySource::kLoadY && !kFp8;
+  constexpr InputType KT = KeyInput<D, KB, T, S>::kType;
+  constexpr int kPairs = kFp8 ? 1 : 1 << (2 * KB);
 
   __shared__ LutEntry lut_s[kFp8 ? 1 : kMaxLutCells];
+  __shared__ double pair_sq_s[kPairs];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
-  __shared__ uint16_t meta_s[kRows][kMeta];
-  __shared__ long long meta_at_s[kRows];  // byte offset of the row's first fp16 field, or -1
 
   const BlockFormat& f = p.format;
   const int tid = threadIdx.x;
   const int q = tid % G;
-  const int row_in_cta = tid / G;
   const int num_heads = f.num_kv_heads;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + row_in_cta;
-  const bool in_range = row < p.num_tokens * num_heads;
-  const int64_t token = row / num_heads;
-  const int head = static_cast<int>(row - token * num_heads);
-
-  int64_t slot = -1;
-  if (in_range) slot = LoadSlot(p, token);
-  if (slot >= p.num_slots && p.status != nullptr && head == 0 && q == 0) {
-    atomicMax(&p.status->inverted_first_bad_token, ~static_cast<unsigned long long>(token));
-    atomicAdd(&p.status->num_bad_tokens, 1ull);
-  }
-  const bool active = slot >= 0 && slot < p.num_slots;  // never write outside the cache
-
-  // All loads first, so that a lane has 64-128 bytes in flight before its first use.
-  const int64_t elem = row * D + q * kLaneElems;
-  float k[kLaneElems], v[kLaneElems];
-  float norm = 0.0f;
-  if constexpr (S == KeySource::kLoadY && !kFp8) {
-    Load16<InputType::kF32>(p.y, elem, active, k);
-    if (active) norm = __ldg(p.norms + row);
-  } else {
-    Load16<T>(p.key, elem, active, k);
-  }
-  Load16<T>(p.value, elem, active, v);
+  const int64_t rows = p.num_tokens * num_heads;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
 
   if constexpr (!kFp8) {
     for (int i = tid; i < p.lut.cells; i += kThreads) lut_s[i] = p.tables->lut[i];
+    for (int i = tid; i < kPairs; i += kThreads) pair_sq_s[i] = p.tables->pair_sq[i];
     if (tid < kMaxCodebookSize) {
       centroid_sq_s[tid] = p.tables->centroid_sq[tid];
       midpoints_s[tid] = p.tables->midpoints[tid];
     }
+    __syncthreads();
   }
-  __syncthreads();
+  uint32_t sign_bits = 0;
+  if constexpr (S == KeySource::kFwht && !kFp8) {
+    if (p.use_signs) {  // bit e = the sign of element LaneElement(q, e, G)
+      const int j0 = 8 * q, j1 = 8 * (q + G);
+      sign_bits = ((__ldg(p.tables->sign_bits + j0 / 32) >> (j0 % 32)) & 0xFFu) |
+                  (((__ldg(p.tables->sign_bits + j1 / 32) >> (j1 % 32)) & 0xFFu) << 8);
+    }
+  }
+  const int block_shift = __ffs(f.block_size) - 1;  // block sizes are powers of two
 
-  const int64_t block = active ? slot / f.block_size : 0;
-  const int pos = active ? static_cast<int>(slot - block * f.block_size) : 0;
-  uint8_t* const block_base = p.cache + block * f.block_bytes;
-  uint8_t* const key_dst = block_base + f.KeyCodesOffset(pos, head);
-  uint32_t codes[kLaneElems];
-  uint16_t norm_bits = 0;
+  // Loads of one row (token, head): slot, key (or y and norm), value.
+  struct Loaded {
+    typename KeyInput<D, KB, T, S>::Raw k;
+    RawRow<T> v;
+    int64_t slot;
+    float norm;
+  };
+  auto load = [&](int64_t token, int head, Loaded& n) {
+    const bool in_range = token < p.num_tokens;
+    const int64_t row = token * num_heads + head;
+    const int64_t row_elem = row * D;
+    n.slot = in_range ? LoadSlot(p, token) : -1;
+    if constexpr (kLoadY) {
+      LoadRaw<KT, G>(p.y, row_elem, q, in_range, n.k);
+      n.norm = in_range ? __ldg(p.norms + row) : 0.0f;
+    } else {
+      LoadRaw<KT, G>(p.key, row_elem, q, in_range, n.k);
+      n.norm = 0.0f;
+    }
+    LoadRaw<T, G>(p.value, row_elem, q, in_range, n.v);
+  };
 
-  if constexpr (kFp8) {
-    uint32_t packed[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(k[4 * j], k[4 * j + 1]),
-                                                   __NV_SATFINITE, __NV_E4M3);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(k[4 * j + 2], k[4 * j + 3]),
-                                                   __NV_SATFINITE, __NV_E4M3);
-      packed[j] = lo | (hi << 16);
+  // Quantizes and writes one row.
+  auto process = [&](const Loaded& in, int64_t token, int head) {
+    const int64_t slot = in.slot;
+    if (slot >= p.num_slots && p.status != nullptr && head == 0 && q == 0) {
+      atomicMax(&p.status->inverted_first_bad_token, ~static_cast<unsigned long long>(token));
+      atomicAdd(&p.status->num_bad_tokens, 1ull);
     }
-    if (active) {
-      uint64_t* dst = reinterpret_cast<uint64_t*>(key_dst) + 2 * q;
-      dst[0] = packed[0] | (static_cast<uint64_t>(packed[1]) << 32);
-      dst[1] = packed[2] | (static_cast<uint64_t>(packed[3]) << 32);
-    }
-  } else {
-    if constexpr (S == KeySource::kFwht) {
-      // y = x̂ · Πᵀ = FWHT(x̂ ⊙ s) · fp32(1/√D), x̂ = k / (‖k‖ + 1e-8). The division is folded
-      // into the final scale, y = FWHT(k ⊙ s) · (fp32(1/√D) / denom): a few ulp from the
-      // reference's fp64 product, like any fp32 rotation. Keys whose sums could overflow fp32
-      // are divided first instead.
-      norm = RowNorm<G>(k);
-      const float denom = norm + 1e-8f;
-      float post_scale = p.fwht_scale;
-      if (norm < 1e36f) {
-        post_scale = __fdiv_rn(p.fwht_scale, denom);
-      } else {
+    const bool active = slot >= 0 && slot < p.num_slots;  // never write outside the cache
+    const int64_t block = active ? (slot >> block_shift) : 0;
+    const int pos = active ? static_cast<int>(slot & (f.block_size - 1)) : 0;
+    uint8_t* const block_base = p.cache + block * f.block_bytes;
+    uint8_t* const key_dst = block_base + f.KeyCodesOffset(pos, head);
+
+    float k[kLaneElems], v[kLaneElems];
+    ToFloat<KT>(in.k, k);
+    ToFloat<T>(in.v, v);
+    uint16_t meta0 = 0;  // k_norm (MSE)
+
+    if constexpr (kFp8) {
+      uint32_t packed[4];
 #pragma unroll
-        for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(k[4 * j], k[4 * j + 1]),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(k[4 * j + 2], k[4 * j + 3]),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        packed[j] = lo | (hi << 16);
       }
-      if (p.use_signs) {
-        const uint32_t bits = __ldg(p.tables->sign_bits + q / 2) >> (16 * (q & 1));
-#pragma unroll
-        for (int i = 0; i < kLaneElems; ++i) {
-          k[i] = __uint_as_float(__float_as_uint(k[i]) ^ ((bits << (31 - i)) & 0x80000000u));
-        }
-      }
-      Fwht<G>(k, q);
-#pragma unroll
-      for (int i = 0; i < kLaneElems; ++i) k[i] = __fmul_rn(k[i], post_scale);
-    }
-    double csum = 0.0;
-    if (p.lut.cells > 0) {
-#pragma unroll
-      for (int i = 0; i < kLaneElems; ++i) {
-        const int idx = LutBucketize(k[i], lut_s, p.lut);
-        codes[i] = static_cast<uint32_t>(idx);
-        csum += centroid_sq_s[idx];
+      if (active) {
+        uint64_t* dst = reinterpret_cast<uint64_t*>(key_dst);  // chunks q and q + G
+        dst[q] = packed[0] | (static_cast<uint64_t>(packed[1]) << 32);
+        dst[q + G] = packed[2] | (static_cast<uint64_t>(packed[3]) << 32);
       }
     } else {
+      float norm = in.norm;
+      if constexpr (S == KeySource::kFwht) {
+        // y = x̂ · Πᵀ = FWHT(x̂ ⊙ s) · fp32(1/√D), x̂ = k / (‖k‖ + 1e-8). The division is folded
+        // into the final scale, y = FWHT(k ⊙ s) · (fp32(1/√D) / denom): a few ulp from the
+        // reference's fp64 product, like any fp32 rotation. Keys whose sums could overflow fp32
+        // are divided first instead.
+        norm = RowNorm<G>(k);
+        const float denom = norm + 1e-8f;
+        float post_scale = p.fwht_scale;
+        if (norm < 1e36f) {
+          post_scale = __fdiv_rn(p.fwht_scale, denom);
+        } else {
 #pragma unroll
-      for (int i = 0; i < kLaneElems; ++i) {
-        const int idx = SearchBucketize(k[i], midpoints_s, KB);
-        codes[i] = static_cast<uint32_t>(idx);
-        csum += centroid_sq_s[idx];
+          for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+        }
+        if (p.use_signs) {
+#pragma unroll
+          for (int i = 0; i < kLaneElems; ++i) {
+            k[i] = __uint_as_float(__float_as_uint(k[i]) ^ ((sign_bits << (31 - i)) & 0x80000000u));
+          }
+        }
+        Fwht<G>(k, q);
+#pragma unroll
+        for (int i = 0; i < kLaneElems; ++i) k[i] = __fmul_rn(k[i], post_scale);
       }
+      // Rows with a finite norm have |y| <= 1 (+ rounding): the lookup table's domain. NaN and
+      // inf keys (NaN y) take the binary search, which sends NaN to 0 as the reference does.
+      PackedCodes<KB> codes;
+      if (p.lut.cells > 0 && norm <= 3.4e38f) {
+#pragma unroll
+        for (int i = 0; i < kLaneElems; ++i) codes.Add(i, LutBucketize(k[i], lut_s, p.lut));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kLaneElems; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
+      }
+      const double csum = GroupSum<G>(CodeSquareSum<KB>(codes, pair_sq_s));
+      StoreCodes<KB, G>(codes, q, active, key_dst);
+      float stored =
+          p.norm_correction ? static_cast<float>(double(norm) / sqrt(csum + 1e-16)) : norm;
+      if (isnan(stored)) stored = 0.0f;  // NaN keys: a zero norm, never NaN metadata
+      meta0 = __half_as_ushort(__float2half_rn(fminf(fmaxf(stored, -65504.0f), 65504.0f)));
     }
-    csum = GroupSum<G>(csum);
-    StoreCodes<KB>(codes, q, active, key_dst);
-    float stored =
-        p.norm_correction ? static_cast<float>(double(norm) / sqrt(csum + 1e-16)) : norm;
-    if (isnan(stored)) stored = 0.0f;  // NaN keys: a zero norm, never NaN metadata
-    norm_bits = __half_as_ushort(__float2half_rn(fminf(fmaxf(stored, -65504.0f), 65504.0f)));
-  }
 
-  uint16_t scale_bits, zero_bits;
-  QuantizeValues<G, VB>(v, codes, scale_bits, zero_bits);
-  StoreCodes<VB>(codes, q, active, key_dst + f.key_data_bytes);
+    float vmin, vmax;
+    LaneMinMax<T>(in.v, v, vmin, vmax);
+    uint16_t scale_bits, zero_bits;
+    PackedCodes<VB> vcodes;
+    QuantizeValues<G, VB>(v, vmin, vmax, vcodes, scale_bits, zero_bits);
+    StoreCodes<VB, G>(vcodes, q, active, key_dst + f.key_data_bytes);
 
-  // Metadata through shared memory, written head-major.
-  if (q == 0) {
-    int i = 0;
-    if constexpr (!kFp8) meta_s[row_in_cta][i++] = norm_bits;
-    meta_s[row_in_cta][i++] = scale_bits;
-    meta_s[row_in_cta][i] = zero_bits;
-    meta_at_s[row_in_cta] =
-        active ? (block * f.block_bytes + f.MetaOffset(kFp8 ? MetaField::kValueScale
-                                                            : MetaField::kKeyNorm,
-                                                       pos, head))
-               : -1;
-  }
-  __syncthreads();
-  const bool head_major = kRows % num_heads == 0;
-  const int tokens_in_cta = kRows / num_heads;
-  for (int e = tid; e < kRows * kMeta; e += kThreads) {
-    const int field = e / kRows;
-    const int r = e - field * kRows;
-    const int row_i =
-        head_major ? (r % tokens_in_cta) * num_heads + r / tokens_in_cta : r;
-    const long long at = meta_at_s[row_i];
-    if (at >= 0) {
-      *reinterpret_cast<uint16_t*>(p.cache + at + 2 * static_cast<int64_t>(field) * f.block_size) =
-          meta_s[row_i][field];
+    // Metadata: lane q of the row writes field q (fp16 arrays [H][fields][block_size]).
+    constexpr int kMeta = kFp8 ? 2 : 3;
+    if (active && q < kMeta) {
+      const MetaField first = kFp8 ? MetaField::kValueScale : MetaField::kKeyNorm;
+      const uint16_t bits = kFp8 ? (q == 0 ? scale_bits : zero_bits)
+                                 : (q == 0 ? meta0 : (q == 1 ? scale_bits : zero_bits));
+      *reinterpret_cast<uint16_t*>(block_base + f.MetaOffset(first, pos, head) +
+                                   2 * q * f.block_size) = bits;
+    }
+  };
+
+  // Rows advance by `stride` per iteration; (token, head) is carried along, so the kernel divides
+  // by the head count only here. The loop runs over chunks (uniform in the CTA), so the shuffles
+  // stay convergent.
+  const int64_t num_chunks = (rows + kRows - 1) / kRows;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRows + tid / G;
+  int64_t token = first_row / num_heads;
+  int head = static_cast<int>(first_row - token * num_heads);
+  const int64_t stride_tokens = stride / num_heads;
+  const int stride_heads = static_cast<int>(stride - stride_tokens * num_heads);
+  auto advance = [&](int64_t& t, int& h) {
+    t += stride_tokens;
+    h += stride_heads;
+    if (h >= num_heads) {
+      h -= num_heads;
+      ++t;
+    }
+  };
+  if constexpr (kVariant == 1) {
+    // Two rows' inputs in registers at a time (ping-pong): the next row's loads overlap this
+    // row's arithmetic within the thread.
+    Loaded a, b;
+    load(token, head, a);
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += 2 * int64_t{gridDim.x}) {
+      int64_t token_b = token;
+      int head_b = head;
+      advance(token_b, head_b);
+      load(token_b, head_b, b);
+      process(a, token, head);
+      if (chunk + gridDim.x >= num_chunks) break;
+      token = token_b;
+      head = head_b;
+      advance(token, head);
+      load(token, head, a);
+      process(b, token_b, head_b);
+    }
+  } else {
+    // Loads at the top of each iteration; other warps (three or more CTAs per SM) cover them.
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+      Loaded a;
+      load(token, head, a);
+      process(a, token, head);
+      advance(token, head);
     }
   }
 }
@@ -364,30 +496,33 @@ __global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParam
   const int q = threadIdx.x % G;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / G;
   const bool valid = row < p.rows;
-  const int64_t elem = row * D + q * kLaneElems;
+  RawRow<T> raw;
+  LoadRaw<T, G>(p.key, row * D, q, valid, raw);
   float k[kLaneElems];
-  Load16<T>(p.key, elem, valid, k);
+  ToFloat<T>(raw, k);
   const float norm = RowNorm<G>(k);
   const float denom = norm + 1e-8f;
 #pragma unroll
   for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
   if (!valid) return;
   if (q == 0) p.norms[row] = norm;
-  if constexpr (kBf16Out) {
-    uint32_t w[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(k[2 * j], k[2 * j + 1]);
-      memcpy(&w[j], &b, sizeof(uint32_t));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.unit_keys) + elem);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  } else {
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.unit_keys) + elem);
+  for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the same layout as the key (LaneElement)
+    const float* x = k + 8 * chunk;
+    const int64_t at = row * D + 8 * (q + chunk * G);
+    if constexpr (kBf16Out) {
+      uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      dst[j] = make_float4(k[4 * j], k[4 * j + 1], k[4 * j + 2], k[4 * j + 3]);
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+        memcpy(&w[j], &b, sizeof(uint32_t));
+      }
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.unit_keys) + at) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.unit_keys) + at);
+      dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+      dst[1] = make_float4(x[4], x[5], x[6], x[7]);
     }
   }
 }
@@ -395,40 +530,75 @@ __global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParam
 // ---------------------------------------------------------------------------------------------
 // Dispatch: head_dim, then bits, then input type, then key source, each in one switch.
 
-template <int D, int KB, int VB, InputType T>
-bool LaunchStoreTyped(const StoreParams& p, int grid, StreamHandle stream) {
+// CTAs of `Kernel` that fit on the device at once (one cache per kernel; the device is the
+// current one at first use).
+template <auto Kernel>
+int ResidentCtas() {
+  static const int ctas = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0);
+    return std::max(1, sms * per_sm);
+  }();
+  return ctas;
+}
+
+template <auto Kernel>
+void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>()));
+  Kernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
+template <int D, int KB, int VB, InputType T, int kVariant>
+void LaunchStoreVariant(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   if constexpr (KB == 8) {
-    StoreKernel<D, KB, VB, T, KeySource::kFwht><<<grid, kThreads, 0, stream>>>(p);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
   } else if (p.key_source == KeySource::kFwht) {
-    StoreKernel<D, KB, VB, T, KeySource::kFwht><<<grid, kThreads, 0, stream>>>(p);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
   } else {
     // y is fp32 whatever the input type; only the values are read as T.
-    StoreKernel<D, KB, VB, T, KeySource::kLoadY><<<grid, kThreads, 0, stream>>>(p);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kLoadY, kVariant>>(p, chunks, stream);
   }
+}
+
+template <int D, int KB, int VB, InputType T>
+bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+  if constexpr (D == 128 && T == InputType::kBF16 && KB != 8) {  // benchmark variants
+    if (p.variant == 1) {
+      LaunchStoreVariant<D, KB, VB, T, 1>(p, chunks, stream);
+      return true;
+    }
+    if (p.variant == 2) {
+      LaunchStoreVariant<D, KB, VB, T, 2>(p, chunks, stream);
+      return true;
+    }
+  }
+  LaunchStoreVariant<D, KB, VB, T, 0>(p, chunks, stream);
   return true;
 }
 
 template <int D, int KB, int VB>
-bool LaunchStoreBits(const StoreParams& p, int grid, StreamHandle stream) {
+bool LaunchStoreBits(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   switch (p.input) {
     case InputType::kF32:
-      return LaunchStoreTyped<D, KB, VB, InputType::kF32>(p, grid, stream);
+      return LaunchStoreTyped<D, KB, VB, InputType::kF32>(p, chunks, stream);
     case InputType::kF16:
-      return LaunchStoreTyped<D, KB, VB, InputType::kF16>(p, grid, stream);
+      return LaunchStoreTyped<D, KB, VB, InputType::kF16>(p, chunks, stream);
     case InputType::kBF16:
-      return LaunchStoreTyped<D, KB, VB, InputType::kBF16>(p, grid, stream);
+      return LaunchStoreTyped<D, KB, VB, InputType::kBF16>(p, chunks, stream);
   }
   return false;
 }
 
 template <int D>
-bool LaunchStoreDim(const StoreParams& p, int grid, StreamHandle stream) {
+bool LaunchStoreDim(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   const int kb = p.format.fp8_keys ? 8 : p.format.key_bits;
   const int vb = p.format.value_bits;
-  if (kb == 8 && vb == 4) return LaunchStoreBits<D, 8, 4>(p, grid, stream);
-  if (kb == 4 && vb == 4) return LaunchStoreBits<D, 4, 4>(p, grid, stream);
-  if (kb == 3 && vb == 4) return LaunchStoreBits<D, 3, 4>(p, grid, stream);
-  if (kb == 3 && vb == 3) return LaunchStoreBits<D, 3, 3>(p, grid, stream);
+  if (kb == 8 && vb == 4) return LaunchStoreBits<D, 8, 4>(p, chunks, stream);
+  if (kb == 4 && vb == 4) return LaunchStoreBits<D, 4, 4>(p, chunks, stream);
+  if (kb == 3 && vb == 4) return LaunchStoreBits<D, 3, 4>(p, chunks, stream);
+  if (kb == 3 && vb == 3) return LaunchStoreBits<D, 3, 3>(p, chunks, stream);
   return false;
 }
 
@@ -464,14 +634,14 @@ bool LaunchNormalizeDim(const NormalizeParams& p, int grid, StreamHandle stream)
 bool LaunchStore(const StoreParams& p, StreamHandle stream) {
   const int64_t rows = p.num_tokens * p.format.num_kv_heads;
   if (rows == 0) return true;
-  const int grid = GridFor(rows, p.format.head_dim);
+  const int64_t chunks = GridFor(rows, p.format.head_dim);  // kRows rows each
   switch (p.format.head_dim) {
     case 64:
-      return LaunchStoreDim<64>(p, grid, stream);
+      return LaunchStoreDim<64>(p, chunks, stream);
     case 128:
-      return LaunchStoreDim<128>(p, grid, stream);
+      return LaunchStoreDim<128>(p, chunks, stream);
     case 256:
-      return LaunchStoreDim<256>(p, grid, stream);
+      return LaunchStoreDim<256>(p, chunks, stream);
     default:
       return false;
   }

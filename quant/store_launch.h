@@ -15,16 +15,20 @@ enum class InputType { kF32, kF16, kBF16 };
 
 // Where the rotated unit key y = x̂ · Πᵀ of an MSE preset comes from.
 enum class KeySource {
-  kFwht,    // computed in the kernel from the key: y = FWHT(x̂ ⊙ s) / √D (Hadamard kinds)
-  kLoadY,   // read from a [rows, D] fp32 buffer the GEMM wrote, with the norms of kNormalize
+  kFwht,   // computed in the kernel from the key: y = FWHT(x̂ ⊙ s) / √D (Hadamard kinds)
+  kLoadY,  // read from a [rows, D] fp32 buffer the GEMM wrote, with the norms of kNormalize
 };
 
 // Device tables of one quantizer, uploaded once (StoreDeviceState).
 struct DeviceTables {
   LutEntry lut[kMaxLutCells];
   double centroid_sq[kMaxCodebookSize];  // c[i]² (exact in fp64)
-  float midpoints[kMaxCodebookSize];     // for the binary-search fallback
-  uint32_t sign_bits[8];                 // hadamard_signs: bit i set where s[i] = -1 (D <= 256)
+  // c[a]² + c[b]² for the two codes of one byte (4-bit: 256 entries) or of one 6-bit field (3-bit:
+  // 64 entries) of the packed codes, in fp64: the norm correction sums a lane's 16 codes in 8
+  // lookups.
+  double pair_sq[256];
+  float midpoints[kMaxCodebookSize];  // for the binary-search fallback
+  uint32_t sign_bits[8];              // hadamard_signs: bit i set where s[i] = -1 (D <= 256)
 };
 
 // Status of a store with slot validation on. Reset (zeroed) by the launcher before the kernels.
@@ -56,6 +60,7 @@ struct StoreParams {
   float fwht_scale = 0;    // kFwht: fp32(1/√D), the magnitude of every entry of Πᵀ
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
+  int variant = 0;                 // StoreOptions::kernel_variant (benchmarks only)
 };
 
 // x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.

@@ -113,7 +113,8 @@ void RunStore(const StoreFlags& flags) {
   const Quantizer q = MakeQuantizer(flags.quant, static_cast<int>(key.shape[2]),
                                     static_cast<int>(key.shape[1]), in);
   const BlockFormat& f = q.format();
-  if (flags.num_blocks < 1) throw InvalidArgument("tqkv store", "--num-blocks", flags.num_blocks, ">= 1");
+  if (flags.num_blocks < 1)
+    throw InvalidArgument("tqkv store", "--num-blocks", flags.num_blocks, ">= 1");
 
   SafetensorsFile out;
   out.source_name = flags.out;
@@ -124,8 +125,8 @@ void RunStore(const StoreFlags& flags) {
     cache = std::move(prev.tensors.at("cache"));
     RequireDim(prev, "cache", cache, 0, flags.num_blocks, "--num-blocks");
     RequireDim(prev, "cache", cache, 1, f.block_bytes,
-               fmt::format("block_bytes of {} at D={}, H={}, block {}", f.block_bytes,
-                           f.head_dim, f.num_kv_heads, f.block_size));
+               fmt::format("block_bytes of {} at D={}, H={}, block {}", f.block_bytes, f.head_dim,
+                           f.num_kv_heads, f.block_size));
   } else {
     cache.dtype = DType::kU8;
     cache.shape = {flags.num_blocks, f.block_bytes};
@@ -163,8 +164,9 @@ void AddStoreCommand(CLI::App& app) {
       "store", "Quantize key/value [N, Hk, D] into a paged cache at slot_mapping [N]");
   AddQuantizerFlags(*cmd, flags->quant, /*block_size_required=*/true);
   cmd->add_option("--num-blocks", flags->num_blocks, "blocks in the cache")->required();
-  cmd->add_option("--in", flags->in, "safetensors with key, value, slot_mapping "
-                                     "[, rotation, centroids]")
+  cmd->add_option("--in", flags->in,
+                  "safetensors with key, value, slot_mapping "
+                  "[, rotation, centroids]")
       ->required();
   cmd->add_option("--cache-in", flags->cache_in, "cache to update (default: a zero-filled one)");
   cmd->add_option("--out", flags->out, "safetensors to write with 'cache' U8 [NB, block_bytes]")

@@ -10,7 +10,6 @@
 // Usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]
 //   DIR defaults to $LOG_DIR or "."; --seed-dir defaults to /tmp/store_bench.
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -20,26 +19,32 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#if TQKV_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#endif
 
 #include "quant/numerics.h"
 #include "quant/packing.h"
 #include "quant/quantizer.h"
 #include "quant/store_cuda.h"
+#if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
+#endif
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/safetensors.h"
 #include "runtime/stream.h"
 #include "tools/bench/store_bench_kernels.h"
 
+#if TQKV_HAVE_CUDA
 namespace tqkv {
 namespace {
 
@@ -111,10 +116,9 @@ Ceilings MeasureCeilings(StreamHandle stream) {
       },
       1, 11, stream);
   c.copy_gbps = 2.0 * bytes / copy_us / 1e3;
-  const double read_us =
-      MedianUs([&](int i) { bench::ReadOnlyPass(i % 2 ? a.data() : b.data(), bytes, sink.data(),
-                                                stream); },
-               1, 11, stream);
+  const double read_us = MedianUs(
+      [&](int i) { bench::ReadOnlyPass(i % 2 ? a.data() : b.data(), bytes, sink.data(), stream); },
+      1, 11, stream);
   c.read_gbps = 1.0 * bytes / read_us / 1e3;
   return c;
 }
@@ -135,8 +139,8 @@ struct Shape {
     value = DeviceAllocation(set_bytes * sets);
     bench::FillRowsBf16(static_cast<uint16_t*>(key.data()), n * kHeads * sets, kHeadDim, seed,
                         false, true, stream);
-    bench::FillRowsBf16(static_cast<uint16_t*>(value.data()), n * kHeads * sets, kHeadDim,
-                        seed + 1, true, false, stream);
+    bench::FillRowsBf16(static_cast<uint16_t*>(value.data()), n * kHeads * sets, kHeadDim, seed + 1,
+                        true, false, stream);
     // Decode-sized batches: one token per sequence, scattered over blocks. Prefill-sized: runs
     // of consecutive positions in shuffled blocks.
     std::mt19937_64 rng(seed);
@@ -156,6 +160,9 @@ struct Shape {
     }
     slots = DeviceBuffer<int64_t>(n);
     slots.CopyFromHost(host_slots);
+    // Pageable synchronous copies may return before the data lands; stores run on a
+    // non-blocking stream.
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
   const void* Key(int i) const {
     return static_cast<const uint8_t*>(key.data()) + (i % sets) * n * kHeads * kHeadDim * 2;
@@ -289,6 +296,7 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
     const StoreDeviceState state(q, o);
     DeviceAllocation cache(s.num_blocks * f.block_bytes);
     cache.CopyFromHost(init.data(), cache.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     DeviceAllocation ws(state.WorkspaceBytes(s.n));
     state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
                 {ws.data(), ws.size_bytes()}, stream);
@@ -323,21 +331,53 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
 int Main(int argc, char** argv) {
   std::string out_dir = std::getenv("LOG_DIR") ? std::getenv("LOG_DIR") : ".";
   std::string seed_dir = "/tmp/store_bench";
-  bool quick = false;
+  bool quick = false, profile = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) {
+    if (a == "--profile") {
+      profile = true;
+    } else if (a == "--out" && i + 1 < argc) {
       out_dir = argv[++i];
     } else if (a == "--seed-dir" && i + 1 < argc) {
       seed_dir = argv[++i];
     } else if (a == "--quick") {
       quick = true;
     } else {
-      std::fprintf(stderr, "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]\n");
+      std::fprintf(stderr,
+                   "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick] [--profile]\n");
       return 2;
     }
   }
   RequireCudaDevice("store_bench");
+  if (profile) {
+    // For a profiler (ncu): each path (and the FWHT kernel's variants) once at N = 65,536.
+    Stream stream;
+    const DeviceInfo dev = QueryDevices().at(0);
+    const Shape s(65536, dev.l2_cache_bytes, 7, stream.get());
+    struct Config {
+      const char* preset;
+      StoreRotationPath path;
+      int variant;
+    };
+    for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
+                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
+      const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
+      StoreOptions o;
+      o.rotation_path = c.path;
+      o.validate_slots = false;
+      o.kernel_variant = c.variant;
+      const StoreDeviceState state(q, o);
+      DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+      DeviceAllocation ws(state.WorkspaceBytes(s.n));
+      state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                  {ws.data(), ws.size_bytes()}, stream.get());
+      stream.Synchronize();
+    }
+    return 0;
+  }
   std::filesystem::create_directories(out_dir);
   std::filesystem::create_directories(seed_dir);
   const DeviceInfo dev = QueryDevices().at(0);
@@ -345,8 +385,8 @@ int Main(int argc, char** argv) {
               static_cast<long long>(dev.l2_cache_bytes >> 20));
   Stream stream;
   const Ceilings ceil = MeasureCeilings(stream.get());
-  std::printf("copy ceiling %.0f GB/s (read + write bytes), read-only %.0f GB/s\n",
-              ceil.copy_gbps, ceil.read_gbps);
+  std::printf("copy ceiling %.0f GB/s (read + write bytes), read-only %.0f GB/s\n", ceil.copy_gbps,
+              ceil.read_gbps);
   json report;
   report["device"] = dev.name;
   report["copy_gbps"] = ceil.copy_gbps;
@@ -402,6 +442,56 @@ int Main(int argc, char** argv) {
                                {"frac_copy", r.min_bytes / r.us / 1e3 / ceil.copy_gbps}});
   }
 
+  // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (three
+  // CTAs per SM), 1 = two rows per thread in flight (ping-pong), 2 = four CTAs per SM. Same bytes.
+  for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
+    if (quick && n != 65536) continue;
+    const Shape s(n, dev.l2_cache_bytes, 500 + n, stream.get());
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_3bit_nc"}) {
+      const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
+      for (StoreRotationPath path : {StoreRotationPath::kFwht, StoreRotationPath::kGemm}) {
+        std::vector<uint8_t> first;
+        for (int variant : {0, 1, 2}) {
+          StoreOptions o;
+          o.rotation_path = path;
+          o.validate_slots = false;
+          o.kernel_variant = variant;
+          const StoreDeviceState state(q, o);
+          DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+          cache.FillBytes(0, stream.get());
+          DeviceAllocation ws(state.WorkspaceBytes(n));
+          auto call = [&](int i) {
+            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                        {ws.data(), ws.size_bytes()}, stream.get());
+          };
+          const double us = TimeUs(call, stream.get());
+          // Same inputs (set 0) into a cleared cache: the variants must agree byte for byte.
+          cache.FillBytes(0, stream.get());
+          call(0);
+          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+          const std::vector<uint8_t> bytes = ToHost<uint8_t>(cache.data(), cache.size_bytes());
+          if (variant == 0) first = bytes;
+          const int64_t differ = static_cast<int64_t>(std::inner_product(
+              bytes.begin(), bytes.end(), first.begin(), int64_t{0}, std::plus<>(),
+              [](uint8_t a, uint8_t b) { return int64_t{a != b}; }));
+          std::printf(
+              "variant %d %-20s %-4s N=%6lld: %8.2f us (%.1f%% of copy), %lld bytes differ "
+              "from variant 0\n",
+              variant, preset, StorePathName(state.path()).data(), static_cast<long long>(n), us,
+              100.0 * double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes) / us / 1e3 /
+                  ceil.copy_gbps,
+              static_cast<long long>(differ));
+          report["variants"].push_back({{"variant", variant},
+                                        {"preset", preset},
+                                        {"path", StorePathName(state.path())},
+                                        {"n", n},
+                                        {"us", us},
+                                        {"bytes_differ", differ}});
+        }
+      }
+    }
+  }
+
   // Slot validation's cost (a memset and one compare per row), in a graph at decode size.
   {
     const Shape s(16, dev.l2_cache_bytes, 77, stream.get());
@@ -426,7 +516,8 @@ int Main(int argc, char** argv) {
   // The GEMM path's own floor at N = 65,536: cuBLAS alone (each precision) and one read of y.
   {
     const int64_t n = quick ? 16384 : 65536, rows_y = n * kHeads;
-    DeviceAllocation x(rows_y * kHeadDim * 4), y(rows_y * kHeadDim * 4), pit(kHeadDim * kHeadDim * 4);
+    DeviceAllocation x(rows_y * kHeadDim * 4), y(rows_y * kHeadDim * 4),
+        pit(kHeadDim * kHeadDim * 4);
     DeviceBuffer<uint32_t> sink(1024);
     bench::FillRowsF32(static_cast<float*>(x.data()), rows_y, kHeadDim, 5, stream.get());
     bench::FillRowsF32(static_cast<float*>(pit.data()), kHeadDim, kHeadDim, 6, stream.get());
@@ -439,11 +530,10 @@ int Main(int argc, char** argv) {
                                                           : CUBLAS_DEFAULT_MATH));
       return TimeUs(
           [&](int) {
-            TQKV_CUBLAS_CHECK(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, kHeadDim,
-                                           static_cast<int>(rows_y), kHeadDim, &one, pit.data(),
-                                           type, kHeadDim, x.data(), type, kHeadDim, &zero,
-                                           y.data(), CUDA_R_32F, kHeadDim, compute,
-                                           CUBLAS_GEMM_DEFAULT));
+            TQKV_CUBLAS_CHECK(cublasGemmEx(
+                blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, kHeadDim, static_cast<int>(rows_y), kHeadDim,
+                &one, pit.data(), type, kHeadDim, x.data(), type, kHeadDim, &zero, y.data(),
+                CUDA_R_32F, kHeadDim, compute, CUBLAS_GEMM_DEFAULT));
           },
           stream.get());
     };
@@ -453,11 +543,12 @@ int Main(int argc, char** argv) {
     const double read_y = TimeUs(
         [&](int) { bench::ReadOnlyPass(y.data(), y.size_bytes(), sink.data(), stream.get()); },
         stream.get());
-    std::printf("N=%lld: cuBLAS GEMM alone fp32 %.1f us, TF32 %.1f us, bf16 %.1f us; one read of "
-                "y %.1f us\n",
-                static_cast<long long>(n), fp32, tf32, bf16, read_y);
-    report["gemm_alone"] = {{"n", n}, {"fp32_us", fp32}, {"tf32_us", tf32}, {"bf16_us", bf16},
-                            {"read_y_us", read_y}};
+    std::printf(
+        "N=%lld: cuBLAS GEMM alone fp32 %.1f us, TF32 %.1f us, bf16 %.1f us; one read of "
+        "y %.1f us\n",
+        static_cast<long long>(n), fp32, tf32, bf16, read_y);
+    report["gemm_alone"] = {
+        {"n", n}, {"fp32_us", fp32}, {"tf32_us", tf32}, {"bf16_us", bf16}, {"read_y_us", read_y}};
     // The GEMM path in its lower precisions, for the record.
     const Shape s(n, dev.l2_cache_bytes, 99, stream.get());
     for (GemmPrecision precision : {GemmPrecision::kTf32, GemmPrecision::kBf16}) {
@@ -492,19 +583,20 @@ int Main(int argc, char** argv) {
         StoreRotationPath path;
         GemmPrecision precision;
       };
-      for (const Variant& v : {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
-                               Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
-                               Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
-                               Variant{"gemm-bf16", StoreRotationPath::kGemm,
-                                       GemmPrecision::kBf16}}) {
+      for (const Variant& v :
+           {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
+            Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
+            Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
+            Variant{"gemm-bf16", StoreRotationPath::kGemm, GemmPrecision::kBf16}}) {
         StoreOptions o;
         o.rotation_path = v.path;
         o.gemm_precision = v.precision;
         const FlipRate r = MeasureFlips(q, o, s, ref, stream.get());
-        std::printf("%s %-9s: %lld of %lld indices differ from the CPU reference (%.2e), max "
-                    "|delta| %d\n",
-                    preset, v.name, static_cast<long long>(r.flips),
-                    static_cast<long long>(r.indices), double(r.flips) / r.indices, r.max_delta);
+        std::printf(
+            "%s %-9s: %lld of %lld indices differ from the CPU reference (%.2e), max "
+            "|delta| %d\n",
+            preset, v.name, static_cast<long long>(r.flips), static_cast<long long>(r.indices),
+            double(r.flips) / r.indices, r.max_delta);
         report["flips"].push_back({{"preset", preset},
                                    {"variant", v.name},
                                    {"flips", r.flips},
@@ -523,11 +615,20 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tqkv
 
+#endif  // TQKV_HAVE_CUDA
+
 int main(int argc, char** argv) {
+#if !TQKV_HAVE_CUDA
+  (void)argc;
+  (void)argv;
+  std::fprintf(stderr, "store_bench: this build has no CUDA support\n");
+  return 1;
+#else
   try {
     return tqkv::Main(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "store_bench: %s\n", e.what());
     return 1;
   }
+#endif
 }

@@ -55,18 +55,17 @@ void FillRowsBf16(uint16_t* dst, int64_t rows, int dim, uint64_t seed, bool offs
                   StreamHandle stream) {
   const int64_t n = rows * dim;
   FillRowsKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, rows, dim, seed,
-                                                                           offsets, outliers);
+                                                                             offsets, outliers);
 }
 
 void FillRowsF32(float* dst, int64_t rows, int dim, uint64_t seed, StreamHandle stream) {
   const int64_t n = rows * dim;
   FillRowsKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, rows, dim, seed,
-                                                                           false, false);
+                                                                             false, false);
 }
 
 void ReadOnlyPass(const void* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream) {
-  ReadOnlyKernel<<<132 * 8, 512, 0, stream>>>(static_cast<const uint4*>(src), num_bytes / 16,
-                                              sink);
+  ReadOnlyKernel<<<132 * 8, 512, 0, stream>>>(static_cast<const uint4*>(src), num_bytes / 16, sink);
 }
 
 }  // namespace tqkv::bench

@@ -192,19 +192,25 @@ def compare(preset, inputs, seed_cache, other, other_name):
             k = key[rows]
             norm = torch.sqrt((k.double() ** 2).sum(dim=1)).float()
             x = k / (norm[:, None] + 1e-8)
-            y = (x.double() @ inputs["pit"].double())[torch.arange(rows.shape[0], device=dev), cols]
+            pit = inputs["pit"].double()
+            idx = torch.arange(rows.shape[0], device=dev)
+            y = (x.double() @ pit)[idx, cols]
+            # The fp32 rounding bound of one coordinate of x̂ · Πᵀ in any summation order is about
+            # D · 2^-24 · Σ|x̂_i Πᵀ_ij|; distances are given in units of 2^-24 · Σ|x̂_i Πᵀ_ij|
+            # (one "rounding unit"), which also covers midpoints at 0.
+            unit = (x.double().abs() @ pit.abs())[idx, cols] * 2.0 ** -24
             lo = torch.minimum(ca[rows, cols], cb[rows, cols])
             mid = inputs["midpoints"].double()[lo.clamp(max=inputs["midpoints"].shape[0] - 1)]
-            dist_ulp = (y - mid).abs() / ulp32(mid)
+            dist = (y - mid).abs() / unit
             one_off = (ca[rows, cols] - cb[rows, cols]).abs() == 1
-            near = one_off & (dist_ulp <= 64)
+            near = one_off & (dist <= D)
             flip_rows[rows] = True
-            add("MSE index one off, |y - midpoint| <= 64 ulp (rotation rounding: fp32 GEMM/FWHT "
-                "vs fp64 or vs another fp32 summation order)",
+            add("MSE index one off, |y - midpoint| <= D rounding units of fp32 (rotation rounding: "
+                "fp32 GEMM/FWHT vs fp64, or two fp32 summation orders)",
                 key_byte_diff.sum(), int(near.sum()), bool(near.all()))
             if not near.all():
                 add("MSE index other", 0, int((~near).sum()), False)
-            classes["_max_flip_ulp"] = float(dist_ulp.max())
+            classes["_max_flip_units"] = float(dist.max())
     # Metadata.
     for f in range(num_meta):
         fa = a[meta_base + 2 * f * BLOCK].long() | (a[meta_base + 2 * f * BLOCK + 1].long() << 8)
@@ -271,7 +277,12 @@ def main():
     import seed_store as seed  # noqa: E402
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the seed's fp32 GEMM as vLLM runs it
-    ours = json.load(open(args.ours))
+    try:
+        ours = json.load(open(args.ours))
+    except OSError as e:
+        print(f"no store_bench results ({e}); timing the seed on the default shapes only")
+        ours = {"store": [{"n": n} for n in (16, 64, 256, 2048, 16384, 65536)],
+                "copy_gbps": float("nan"), "read_gbps": float("nan")}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "times": [], "bytes": []}
@@ -279,19 +290,36 @@ def main():
     # 2. Bytes first (small, and a failure here should not cost the timings).
     tables_by_preset = {}
     for preset in PRESETS:
-        inputs = load_inputs(os.path.join(args.inputs, f"inputs_{preset}.safetensors"))
+        try:
+            inputs = load_inputs(os.path.join(args.inputs, f"inputs_{preset}.safetensors"))
+        except Exception as e:  # keep going: the timings need only the tables
+            print(f"{preset}: no inputs from store_bench ({e})")
+            inputs = None
+        if inputs is None:
+            dummy = torch.zeros(1, device="cuda", dtype=torch.float32)
+            tables_by_preset[preset] = {"pit": torch.eye(D, device="cuda"), "midpoints": dummy,
+                                        "centroids": dummy}
+            continue
         tables = {k: inputs.get(k) for k in ("pit", "midpoints", "centroids")}
         if tables["pit"] is None:  # FP8: unused by the seed
             dummy = torch.zeros(1, device="cuda", dtype=torch.float32)
             tables = {"pit": torch.eye(D, device="cuda"), "midpoints": dummy, "centroids": dummy}
         tables_by_preset[preset] = tables
         cache = inputs["cache_init"].clone()
-        seed_call(seed, preset, inputs["key"], inputs["value"], cache, inputs["slot_mapping"],
-                  tables)
-        torch.cuda.synchronize()
+        try:
+            seed_call(seed, preset, inputs["key"], inputs["value"], cache,
+                      inputs["slot_mapping"], tables)
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"{preset}: the seed failed: {e}")
+            continue
         for other in ("cache_fwht", "cache_gemm", "cache_fp8", "cache_cpu"):
             if other in inputs:
-                r = compare(preset, inputs, cache, inputs[other], other[6:])
+                try:
+                    r = compare(preset, inputs, cache, inputs[other], other[6:])
+                except Exception as e:
+                    print(f"{preset} vs {other}: comparison failed: {e}")
+                    continue
                 r["preset"] = preset
                 report["bytes"].append(r)
                 print(f"{preset:20s} seed vs {other[6:]:4s}: {r['bytes_differ']:7d} of "
@@ -300,9 +328,9 @@ def main():
                     if not name.startswith("_"):
                         print(f"    {c['bytes']:7d} bytes, {c['fields']:7d} fields  {name}"
                               f"{'' if c['explained'] else '  [NOT EXPLAINED]'}")
-                if "_max_flip_ulp" in r["classes"]:
+                if "_max_flip_units" in r["classes"]:
                     print(f"    largest |y - midpoint| of a flipped index: "
-                          f"{r['classes']['_max_flip_ulp']:.1f} ulp")
+                          f"{r['classes']['_max_flip_units']:.2f} rounding units")
         sys.stdout.flush()
 
     # 1. Timings.
@@ -324,7 +352,11 @@ def main():
             def call(i, preset=preset, cache=cache, tables=tables):
                 seed_call(seed, preset, keys[i % sets], values[i % sets], cache, slots, tables)
 
-            us = time_us(call)
+            try:
+                us = time_us(call)
+            except Exception as e:
+                print(f"seed {preset} N={n}: {e}")
+                continue
             g_us = None
             if n <= 2048:
                 try:
@@ -348,7 +380,8 @@ def main():
     seed_times = {(t["preset"], t["n"]): t for t in report["times"]}
     by = {}
     for row in ours["store"]:
-        by.setdefault((row["preset"], row["n"]), {})[row["path"]] = row
+        if "preset" in row:
+            by.setdefault((row["preset"], row["n"]), {})[row["path"]] = row
 
     def cell(r):
         if r is None:
@@ -370,6 +403,9 @@ def main():
                 s_cell = f"{s['us']:.1f}" + (f" ({s['graph_us']:.1f})" if s["graph_us"] else "")
                 r1 = f"{s['us'] / default['us']:.1f}x" if default else "-"
                 r2 = f"{s['us'] / gemm['us']:.1f}x" if gemm else "-"
+            if not (default or gemm):
+                lines.append(f"| {preset} | {n} | - | - | - | - | - | {s_cell} | - | - |")
+                continue
             mb = (default or gemm)["min_bytes"] / 1e6
             lines.append(f"| {preset} | {n} | {mb:.2f} | {d_us} | {d_frac} | {g_cell} | {g_frac} | "
                          f"{s_cell} | {r1} | {r2} |")
