@@ -27,6 +27,7 @@ struct CudaDecoder::State {
   DeviceBuffer<float> rotation;  // Πᵀ [D, D]
   uint16_t centroids[16] = {};
   int sm_count = 0;
+  int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
 };
 
 namespace {
@@ -71,6 +72,20 @@ CudaDecoder::~CudaDecoder() = default;
 CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 
+int CudaDecoder::CtasPerSm(int group) const {
+  int& ctas = state_->ctas_per_sm[group];
+  if (ctas == 0) {
+#if TQKV_HAVE_CUDA
+    const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(
+        static_cast<decode_detail::KeyKind>(state_->key_kind), value_bits, head_dim(), group,
+        &ctas));
+#endif
+    ctas = std::max(ctas, 1);
+  }
+  return ctas;
+}
+
 int CudaDecoder::head_dim() const {
   return state_->bf16 ? state_->bf16_format.head_dim : state_->format.head_dim;
 }
@@ -96,14 +111,30 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
-  // Enough CTAs to fill the device about twice (the kernel fits ~3-4 CTAs per SM), but never
-  // splits shorter than 256 tokens: each CTA builds its codebook table and merges four warps.
+  // Split layout: choose the number of splits s that minimizes the estimated time
+  //   waves(s) · (tokens per split + per-CTA fixed cost)
+  // where waves = ⌈CTAs / (resident CTAs per SM · SMs)⌉: short contexts at small batch get enough
+  // CTAs to fill one wave, large batches avoid a nearly empty last wave, and no split is shorter
+  // than 256 tokens (each CTA builds its codebook table and merges its four warps, worth about
+  // 256 tokens of streaming: kFixedTokens).
+  constexpr int64_t kFixedTokens = 256, kMinSplit = 256, kMaxSplits = 256;
   const int64_t base = int64_t{num_seqs} * hk;
-  const int64_t target_ctas = int64_t{std::max(state_->sm_count, 1)} * 8;
-  int64_t splits = std::max<int64_t>(1, (target_ctas + base - 1) / base);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_len / 256));
-  int64_t tps = (max_len + splits - 1) / splits;
-  tps = std::max<int64_t>(64, (tps + 63) / 64 * 64);
+  const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} *
+                           CtasPerSm(num_q_heads / hk);
+  const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
+  int64_t best_tps = 0;
+  double best_cost = 0;
+  for (int64_t s = 1; s <= max_s; ++s) {
+    const int64_t tps = std::max<int64_t>(64, ((max_len + s - 1) / s + 63) / 64 * 64);
+    const int64_t splits = (max_len + tps - 1) / tps;
+    const int64_t waves = (base * splits + capacity - 1) / capacity;
+    const double cost = double(waves) * double(tps + kFixedTokens);
+    if (best_tps == 0 || cost < best_cost) {
+      best_cost = cost;
+      best_tps = tps;
+    }
+  }
+  const int64_t tps = best_tps;
   DecodePlan plan;
   plan.num_seqs = num_seqs;
   plan.num_q_heads = num_q_heads;

@@ -70,6 +70,8 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
+  int CtasPerSm(int group) const;  // resident split-kernel CTAs per SM (occupancy query, cached)
+
   struct State;
   std::unique_ptr<State> state_;
 };

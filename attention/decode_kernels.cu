@@ -780,35 +780,61 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
   }
 }
 
+// Launch and occupancy of one instantiation of the split kernel.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles>
-cudaError_t LaunchOne(const SplitParams& p, cudaStream_t stream) {
+struct SplitKernelOps {
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
+  static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles>;
+
   // Shared memory above 48 KB must be opted into once per kernel.
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(DecodeSplitKernel<kKind, kValueBits, kD, kNTiles>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-  if (configured != cudaSuccess) return configured;
-  const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
-  DecodeSplitKernel<kKind, kValueBits, kD, kNTiles>
-      <<<grid, kThreads, Config::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
-}
+  static cudaError_t Configure() {
+    static const cudaError_t configured = cudaFuncSetAttribute(
+        kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    return configured;
+  }
+  static cudaError_t Launch(const SplitParams& p, cudaStream_t stream) {
+    if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
+    const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
+    kKernel<<<grid, kThreads, Config::kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  static cudaError_t CtasPerSm(int* ctas) {
+    if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kKernel, kThreads,
+                                                         Config::kSmemBytes);
+  }
+};
 
-template <KeyKind kKind, int kValueBits, int kD>
-cudaError_t LaunchTiles(const SplitParams& p, int group, cudaStream_t stream) {
-  return group <= 8 ? LaunchOne<kKind, kValueBits, kD, 1>(p, stream)
-                    : LaunchOne<kKind, kValueBits, kD, 2>(p, stream);
-}
-
-template <KeyKind kKind, int kValueBits>
-cudaError_t LaunchDim(const SplitParams& p, int head_dim, int group, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64:
-      return LaunchTiles<kKind, kValueBits, 64>(p, group, stream);
-    case 128:
-      return LaunchTiles<kKind, kValueBits, 128>(p, group, stream);
-    case 256:
-      return LaunchTiles<kKind, kValueBits, 256>(p, group, stream);
+// Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group):
+// the one place where runtime values become template arguments.
+template <typename Fn>
+cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&& fn) {
+  if (group < 1 || group > 16) return cudaErrorInvalidValue;
+  auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
+    auto by_tiles = [&]<int kD>() -> cudaError_t {
+      return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1>{})
+                        : fn(SplitKernelOps<kKind, kVB, kD, 2>{});
+    };
+    switch (head_dim) {
+      case 64: return by_tiles.template operator()<64>();
+      case 128: return by_tiles.template operator()<128>();
+      case 256: return by_tiles.template operator()<256>();
+    }
+    return cudaErrorInvalidValue;
+  };
+  switch (kind) {
+    case KeyKind::kMse4:
+      if (value_bits == 4) return by_dim.template operator()<KeyKind::kMse4, 4>();
+      break;
+    case KeyKind::kMse3:
+      if (value_bits == 4) return by_dim.template operator()<KeyKind::kMse3, 4>();
+      if (value_bits == 3) return by_dim.template operator()<KeyKind::kMse3, 3>();
+      break;
+    case KeyKind::kFp8:
+      if (value_bits == 4) return by_dim.template operator()<KeyKind::kFp8, 4>();
+      break;
+    case KeyKind::kBf16:
+      return by_dim.template operator()<KeyKind::kBf16, 16>();
   }
   return cudaErrorInvalidValue;
 }
@@ -817,22 +843,14 @@ cudaError_t LaunchDim(const SplitParams& p, int head_dim, int group, cudaStream_
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, cudaStream_t stream) {
-  if (group < 1 || group > 16) return cudaErrorInvalidValue;
-  switch (kind) {
-    case KeyKind::kMse4:
-      if (value_bits == 4) return LaunchDim<KeyKind::kMse4, 4>(p, head_dim, group, stream);
-      break;
-    case KeyKind::kMse3:
-      if (value_bits == 4) return LaunchDim<KeyKind::kMse3, 4>(p, head_dim, group, stream);
-      if (value_bits == 3) return LaunchDim<KeyKind::kMse3, 3>(p, head_dim, group, stream);
-      break;
-    case KeyKind::kFp8:
-      if (value_bits == 4) return LaunchDim<KeyKind::kFp8, 4>(p, head_dim, group, stream);
-      break;
-    case KeyKind::kBf16:
-      return LaunchDim<KeyKind::kBf16, 16>(p, head_dim, group, stream);
-  }
-  return cudaErrorInvalidValue;
+  return Dispatch(kind, value_bits, head_dim, group,
+                  [&](auto ops) { return decltype(ops)::Launch(p, stream); });
+}
+
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group,
+                                 int* ctas) {
+  return Dispatch(kind, value_bits, head_dim, group,
+                  [&](auto ops) { return decltype(ops)::CtasPerSm(ctas); });
 }
 
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {

@@ -71,6 +71,8 @@ struct QueryPrepParams {
 // group = num_q_heads / num_kv_heads (1..16).
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, cudaStream_t stream);
+// How many CTAs of that split kernel fit on one SM at once (registers, shared memory).
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas);
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
 
