@@ -28,6 +28,19 @@ out=$($TQKV info --memory 40 --preset nope 2>&1); rc=$?
 check "info --memory with a bad preset exits non-zero" test $rc -ne 0
 check "... with one line naming it" test "$(wc -l <<<"$out")" -eq 1
 
+# tqkv sim: invalid flags give one clear line and a non-zero exit.
+sim_error() {  # sim_error DESCRIPTION PATTERN ARGS...
+  local what=$1 pattern=$2; shift 2
+  local out; out=$($TQKV sim "$@" 2>&1); local rc=$?
+  check "sim $what: non-zero exit" test $rc -ne 0
+  check "sim $what: one line" test "$(wc -l <<<"$out")" -eq 1
+  check "sim $what: names it" grep -q -- "$pattern" <<<"$out"
+}
+sim_error "unknown preset" "--preset turboquant_9bit" --preset turboquant_9bit
+sim_error "kv heads not dividing q heads" "--q-heads = 32" --kv-heads 5
+sim_error "memory too small for one sequence" "cannot hold one sequence" --num-blocks 4
+sim_error "unknown device" "--device = tpu" --device tpu
+
 $TQKV >/dev/null 2>&1; rc=$?
 check "no subcommand is an error" test $rc -ne 0
 out=$($TQKV frobnicate 2>&1); rc=$?
