@@ -6,7 +6,9 @@
 // decode on the same shapes with the ratio.
 //
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT]
+#if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
+#endif
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,11 +22,14 @@
 #include <vector>
 
 #include "attention/decode_cuda.h"
+#if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
+#endif
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 #include "tools/bench/bench_kernels.h"
 
+#if TQKV_HAVE_CUDA
 namespace tqkv::bench {
 namespace {
 
@@ -263,11 +268,20 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tqkv::bench
 
+#endif  // TQKV_HAVE_CUDA
+
 int main(int argc, char** argv) {
+#if !TQKV_HAVE_CUDA
+  (void)argc;
+  (void)argv;
+  fmt::print(stderr, "decode_bench: this build has no CUDA support\n");
+  return 1;
+#else
   try {
     return tqkv::bench::Main(argc, argv);
   } catch (const std::exception& e) {
     fmt::print(stderr, "decode_bench: error: {}\n", e.what());
     return 1;
   }
+#endif
 }
