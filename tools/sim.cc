@@ -262,8 +262,7 @@ SimReport RunSim(const SimConfig& c) {
   StepBatch batch;
   std::vector<StepRequest> requests;
   std::vector<int> request_branch;   // running index of each request
-  std::vector<int> fresh;            // running indices admitted this step (not yet scheduled)
-  std::vector<float> k, v, q, out, lse, k0, v0;
+  std::vector<float> k, v, q, out, lse;
   double manager_s = 0, store_s = 0, decode_s = 0;
   double cos_sum = 0, rel_sum = 0;
   const int d = c.head_dim, hk = c.kv_heads, hq = c.q_heads;
@@ -282,7 +281,6 @@ SimReport RunSim(const SimConfig& c) {
       waiting.push_back(make_request(next_request++));
     }
     // Admit waiting branches while there is room.
-    fresh.clear();
     while (!waiting.empty() && static_cast<int>(running.size()) < c.max_running) {
       Branch b = std::move(waiting.front());
       waiting.pop_front();
@@ -290,7 +288,6 @@ SimReport RunSim(const SimConfig& c) {
       b.raw_k.clear();
       b.raw_v.clear();
       rep.prompt_tokens += static_cast<int64_t>(b.tokens.size());
-      fresh.push_back(static_cast<int>(running.size()));
       running.push_back(std::move(b));
     }
 
