@@ -12,7 +12,9 @@
 // write consecutive words; rows of consecutive heads of one token are contiguous in the block).
 // The fp16 metadata of a CTA goes through shared memory and is written head-major, so that
 // consecutive tokens of one head (consecutive positions in a block during prefill) are adjacent
-// lanes.
+// lanes. fp32 tensors of the GEMM path (y read by StoreKernel; x̂ written and fp32 keys read by
+// NormalizeKernel) move as contiguous 2 KB warp tiles through shared memory instead ("fp32 warp
+// tiles" below), so that every 16-byte access instruction covers whole sectors.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -41,6 +43,14 @@ struct RawRow {
 
 __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// A plain (weak, default-cached) 16-byte store, written as PTX: the compiler split a uint4
+// assignment into four 4-byte stores (bf16 x̂, first chunk), and __stwb gives a .STRONG.SM store.
+__device__ __forceinline__ void StoreVector(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
 }
 
 // The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
@@ -135,6 +145,68 @@ __device__ __forceinline__ int64_t LoadSlot(const StoreParams& p, int64_t token)
   return p.slots_are_i64
              ? __ldg(static_cast<const long long*>(p.slot_mapping) + token)
              : static_cast<int64_t>(__ldg(static_cast<const int*>(p.slot_mapping) + token));
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp32 warp tiles. In the LaneElement layout a lane's fp32 elements are 16-byte vectors at a
+// 32-byte stride (vector 2·(q + c·G) + h of its row for chunk c, half h), so a warp instruction
+// that reads or writes them directly touches every sector with half its bytes. Instead the 32 / G
+// consecutive rows of a warp (2 KB of fp32, 128 vectors) move to and from global memory as one
+// contiguous tile, lane L taking vectors L, L + 32, L + 64, L + 96 (512 contiguous bytes per
+// instruction), and change layout through a 2 KB shared buffer per warp. Only the data movement
+// changes: every lane ends up with the same elements in the same registers.
+
+constexpr int kTileVecs = 128;  // 16-byte vectors of a warp tile (32 lanes × 16 fp32)
+
+// Shared-memory position of tile vector v: bit 0 flipped by bit 3 ^ bit 4, so that a quarter-warp
+// (8 lanes, one 128-byte wavefront of a 16-byte access) hits 8 distinct bank groups both in the
+// contiguous layout (8 consecutive vectors, bits 3 and 4 equal) and in the LaneElement layout
+// (2·q + h for 8 consecutive q at D = 128 and 256, two rows at D = 64: see RowVector).
+__device__ __forceinline__ int TileSlot(int v) { return v ^ (((v >> 3) ^ (v >> 4)) & 1); }
+
+// Tile vector of LaneElement vector j (= 2·chunk + half, as RawRow<kF32>::w[j]) of a lane.
+template <int G>
+__device__ __forceinline__ int RowVector(int lane, int j) {
+  return (lane / G) * (4 * G) + 2 * (lane % G + (j / 2) * G) + j % 2;
+}
+
+// The tile of rows [row0, row0 + 32 / G) of a [rows, D] fp32 tensor (16-byte aligned), contiguous
+// layout; zeros for rows at or past `rows`.
+template <int D>
+__device__ __forceinline__ void LoadTile(const void* base, int64_t row0, int64_t rows, int lane,
+                                         uint4 (&t)[4]) {
+  constexpr int kRowVecs = D / 4;
+  const uint4* src = static_cast<const uint4*>(base) + row0 * kRowVecs;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int v = lane + 32 * i;
+    t[i] = row0 + v / kRowVecs < rows ? LoadStreaming(src + v) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Contiguous tile → LaneElement layout (r[j] = LoadRaw<kF32>'s w[j]) through the warp's buffer.
+// Every lane of the warp calls it; it begins with __syncwarp, so the buffer may be reused at once.
+template <int G>
+__device__ __forceinline__ void TileToRows(const uint4 (&t)[4], uint4* stage, int lane,
+                                           uint4 (&r)[4]) {
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) stage[TileSlot(lane + 32 * i)] = t[i];
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = stage[TileSlot(RowVector<G>(lane, j))];
+}
+
+// The reverse: LaneElement layout → contiguous tile.
+template <int G>
+__device__ __forceinline__ void RowsToTile(const uint4 (&r)[4], uint4* stage, int lane,
+                                           uint4 (&t)[4]) {
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) stage[TileSlot(RowVector<G>(lane, j))] = r[j];
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t[i] = stage[TileSlot(lane + 32 * i)];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -278,12 +350,15 @@ struct KeyInput {
 // lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound. Variants 1 and
 // 2 (D = 128, bf16 inputs only) exist for tools/bench/store_bench: 1 = the previous kernel (two
 // rows in flight per thread, ping-pong, no bound), 2 = four CTAs (64 registers, small spills).
-constexpr int MinCtasPerSm(int key_bits, int variant) {
-  return variant == 2 ? 4 : (variant == 1 || key_bits == 8) ? 1 : 3;
+// Variant 1 reading y is held to two CTAs (128 registers, as it had before y went through shared
+// memory; unbounded it takes 150+ and one CTA).
+constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
+  if (variant == 1) return source == KeySource::kLoadY && key_bits != 8 ? 2 : 1;
+  return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
 }
 
 template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
-__global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
+__global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     StoreKernel(const StoreParams p) {
   constexpr int G = D / kLaneElems;    // lanes per row
   constexpr int kRows = kThreads / G;  // rows per CTA and iteration
@@ -296,10 +371,13 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
   __shared__ double pair_sq_s[kPairs];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
+  __shared__ uint4 stage_s[kLoadY ? kThreads / 32 * kTileVecs : 1];  // y tiles (TileToRows)
 
   const BlockFormat& f = p.format;
   const int tid = threadIdx.x;
   const int q = tid % G;
+  const int lane = tid % 32;
+  uint4* const stage = stage_s + (kLoadY ? tid / 32 * kTileVecs : 0);
   const int num_heads = f.num_kv_heads;
   const int64_t rows = p.num_tokens * num_heads;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
@@ -323,7 +401,8 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
   }
   const int block_shift = __ffs(f.block_size) - 1;  // block sizes are powers of two
 
-  // Loads of one row (token, head): slot, key (or y and norm), value.
+  // Loads of one row (token, head): slot, key (or y and norm), value. y (fp32) is loaded as the
+  // warp's contiguous tile (the rows of a warp are consecutive) and rearranged by `process`.
   struct Loaded {
     typename KeyInput<D, KB, T, S>::Raw k;
     RawRow<T> v;
@@ -336,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
     const int64_t row_elem = row * D;
     n.slot = in_range ? LoadSlot(p, token) : -1;
     if constexpr (kLoadY) {
-      LoadRaw<KT, G>(p.y, row_elem, q, in_range, n.k);
+      LoadTile<D>(p.y, row - lane / G, rows, lane, n.k.w);
       n.norm = in_range ? __ldg(p.norms + row) : 0.0f;
     } else {
       LoadRaw<KT, G>(p.key, row_elem, q, in_range, n.k);
@@ -359,7 +438,13 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
     uint8_t* const key_dst = block_base + f.KeyCodesOffset(pos, head);
 
     float k[kLaneElems], v[kLaneElems];
-    ToFloat<KT>(in.k, k);
+    if constexpr (kLoadY) {
+      typename KeyInput<D, KB, T, S>::Raw y;
+      TileToRows<G>(in.k.w, stage, lane, y.w);
+      ToFloat<KT>(y, k);
+    } else {
+      ToFloat<KT>(in.k, k);
+    }
     ToFloat<T>(in.v, v);
     uint16_t meta0 = 0;  // k_norm (MSE)
 
@@ -488,42 +573,124 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, kVariant))
 
 // ---------------------------------------------------------------------------------------------
 // GEMM path, step 1: x̂ = k / (‖k‖ + 1e-8) and ‖k‖ for every row.
+//
+// The arithmetic of a row is StoreKernel's (same LaneElement ownership, so the same fp64 sum order
+// and butterfly for ‖k‖, then IEEE divisions); only the data movement is arranged for bandwidth:
+// a persistent grid of warps, each taking tiles of kGroups · 32 / G consecutive rows with all the
+// tile's loads issued before any arithmetic; 16-bit keys read directly (16 G contiguous bytes per
+// row and instruction), fp32 keys and fp32 x̂ moved as contiguous warp tiles (TileToRows,
+// RowsToTile: 512 contiguous bytes per instruction); bf16 x̂ written directly (16 G contiguous
+// bytes per row and instruction); the tile's norms gathered into lanes 0.. and written by one
+// instruction (at least 32 bytes).
+
+// Row groups (32 / G rows each) per warp tile: 4 KB of key loads in flight per warp, and at least
+// 8 norms (one sector) per tile.
+template <int D, InputType T>
+constexpr int kNormalizeGroups = T != InputType::kF32 ? 4 : D / 64 > 2 ? D / 64 : 2;
+
+template <int D, InputType T>
+constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems);
+
+// Three CTAs (24 warps, at most 80 registers) per SM: 96 KB of loads in flight per SM. fp32 keys
+// at D = 256 hold 64 registers of loads (four 2 KB tiles per warp) and get two CTAs instead.
+template <int D, InputType T>
+constexpr int kNormalizeMinCtas = T == InputType::kF32 && D == 256 ? 2 : 3;
 
 template <int D, InputType T, bool kBf16Out>
-__global__ void __launch_bounds__(kThreads) NormalizeKernel(const NormalizeParams p) {
+__global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
+    NormalizeKernel(const NormalizeParams p) {
   constexpr int G = D / kLaneElems;
-  constexpr int kRows = kThreads / G;
-  const int q = threadIdx.x % G;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / G;
-  const bool valid = row < p.rows;
-  RawRow<T> raw;
-  LoadRaw<T, G>(p.key, row * D, q, valid, raw);
-  float k[kLaneElems];
-  ToFloat<T>(raw, k);
-  const float norm = RowNorm<G>(k);
-  const float denom = norm + 1e-8f;
+  constexpr int kWarpRows = 32 / G;  // rows of one group
+  constexpr int kGroups = kNormalizeGroups<D, T>;
+  constexpr int kTileRows = kNormalizeTileRows<D, T>;
+  constexpr int kWarps = kThreads / 32;
+  constexpr bool kTileIn = T == InputType::kF32;
+  constexpr bool kTileOut = !kBf16Out;
+  static_assert(kTileRows <= 32 && kTileRows * 4 >= 32);
+  // A group's raw key: the contiguous tile (fp32) or LoadRaw's words (16-bit).
+  constexpr int kInWords = kTileIn ? 4 : RawRow<T>::kWords;
+
+  __shared__ uint4 stage_s[(kTileIn || kTileOut) ? kWarps * kTileVecs : 1];
+  const int lane = threadIdx.x % 32;
+  const int q = lane % G;
+  uint4* const stage = stage_s + ((kTileIn || kTileOut) ? threadIdx.x / 32 * kTileVecs : 0);
+  const int64_t rows = p.rows;
+  constexpr int kCtaRows = kWarps * kTileRows;  // a chunk: one tile per warp
+  const int64_t num_chunks = (rows + kCtaRows - 1) / kCtaRows;
+
+  // The loop runs over chunks (uniform in the CTA, as the compiler can see: the shuffles and
+  // __syncwarp need no convergence handling); rows past the end are masked.
+  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+    const int64_t row0 = chunk * kCtaRows + threadIdx.x / 32 * kTileRows;
+    uint4 in[kGroups][kInWords];
 #pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
-  if (!valid) return;
-  if (q == 0) p.norms[row] = norm;
+    for (int u = 0; u < kGroups; ++u) {
+      const int64_t group_row0 = row0 + u * kWarpRows;
+      if constexpr (kTileIn) {
+        LoadTile<D>(p.key, group_row0, rows, lane, in[u]);
+      } else {
+        const int64_t row = group_row0 + lane / G;
+        RawRow<T> raw;
+        LoadRaw<T, G>(p.key, row * D, q, row < rows, raw);
 #pragma unroll
-  for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the same layout as the key (LaneElement)
-    const float* x = k + 8 * chunk;
-    const int64_t at = row * D + 8 * (q + chunk * G);
-    if constexpr (kBf16Out) {
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
-        memcpy(&w[j], &b, sizeof(uint32_t));
+        for (int j = 0; j < kInWords; ++j) in[u][j] = raw.w[j];
       }
-      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.unit_keys) + at) =
-          make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.unit_keys) + at);
-      dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-      dst[1] = make_float4(x[4], x[5], x[6], x[7]);
     }
+
+    float tile_norm = 0.0f;  // lane L < kTileRows: the norm of row row0 + L
+#pragma unroll
+    for (int u = 0; u < kGroups; ++u) {
+      const int64_t group_row0 = row0 + u * kWarpRows;
+      const int64_t row = group_row0 + lane / G;
+      RawRow<T> raw;
+      if constexpr (kTileIn) {
+        TileToRows<G>(in[u], stage, lane, raw.w);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kInWords; ++j) raw.w[j] = in[u][j];
+      }
+      float k[kLaneElems];
+      ToFloat<T>(raw, k);
+      const float norm = RowNorm<G>(k);
+      const float denom = norm + 1e-8f;
+#pragma unroll
+      for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+
+      const float n = __shfl_sync(kFullMask, norm, (lane % kWarpRows) * G);
+      if (lane / kWarpRows == u) tile_norm = n;
+
+      if constexpr (kBf16Out) {
+        if (row < rows) {
+#pragma unroll
+          for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the key's layout (LaneElement)
+            const float* x = k + 8 * chunk;
+            uint32_t w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+              memcpy(&w[j], &b, sizeof(uint32_t));
+            }
+            StoreVector(static_cast<__nv_bfloat16*>(p.unit_keys) + row * D + 8 * (q + chunk * G),
+                        make_uint4(w[0], w[1], w[2], w[3]));
+          }
+        }
+      } else {
+        uint4 r[4], t[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          r[j] = make_uint4(__float_as_uint(k[4 * j]), __float_as_uint(k[4 * j + 1]),
+                            __float_as_uint(k[4 * j + 2]), __float_as_uint(k[4 * j + 3]));
+        }
+        RowsToTile<G>(r, stage, lane, t);
+        uint4* const dst = static_cast<uint4*>(p.unit_keys) + group_row0 * (D / 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int v = lane + 32 * i;
+          if (group_row0 + v / (D / 4) < rows) StoreVector(dst + v, t[i]);
+        }
+      }
+    }
+    if (lane < kTileRows && row0 + lane < rows) p.norms[row0 + lane] = tile_norm;
   }
 }
 
@@ -607,26 +774,35 @@ int GridFor(int64_t rows, int head_dim) {
   return static_cast<int>((rows + rows_per_cta - 1) / rows_per_cta);
 }
 
+template <int D, InputType T, bool kBf16Out>
+void LaunchNormalizeTyped(const NormalizeParams& p, StreamHandle stream) {
+  constexpr auto kKernel = NormalizeKernel<D, T, kBf16Out>;
+  constexpr int64_t kRowsPerCta = int64_t{kNormalizeTileRows<D, T>} * (kThreads / 32);
+  const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, ResidentCtas<kKernel>()));
+  kKernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
 template <int D, bool kBf16Out>
-bool LaunchNormalizeOut(const NormalizeParams& p, int grid, StreamHandle stream) {
+bool LaunchNormalizeOut(const NormalizeParams& p, StreamHandle stream) {
   switch (p.input) {
     case InputType::kF32:
-      NormalizeKernel<D, InputType::kF32, kBf16Out><<<grid, kThreads, 0, stream>>>(p);
+      LaunchNormalizeTyped<D, InputType::kF32, kBf16Out>(p, stream);
       return true;
     case InputType::kF16:
-      NormalizeKernel<D, InputType::kF16, kBf16Out><<<grid, kThreads, 0, stream>>>(p);
+      LaunchNormalizeTyped<D, InputType::kF16, kBf16Out>(p, stream);
       return true;
     case InputType::kBF16:
-      NormalizeKernel<D, InputType::kBF16, kBf16Out><<<grid, kThreads, 0, stream>>>(p);
+      LaunchNormalizeTyped<D, InputType::kBF16, kBf16Out>(p, stream);
       return true;
   }
   return false;
 }
 
 template <int D>
-bool LaunchNormalizeDim(const NormalizeParams& p, int grid, StreamHandle stream) {
-  return p.unit_keys_bf16 ? LaunchNormalizeOut<D, true>(p, grid, stream)
-                          : LaunchNormalizeOut<D, false>(p, grid, stream);
+bool LaunchNormalizeDim(const NormalizeParams& p, StreamHandle stream) {
+  return p.unit_keys_bf16 ? LaunchNormalizeOut<D, true>(p, stream)
+                          : LaunchNormalizeOut<D, false>(p, stream);
 }
 
 }  // namespace
@@ -649,14 +825,13 @@ bool LaunchStore(const StoreParams& p, StreamHandle stream) {
 
 bool LaunchNormalize(const NormalizeParams& p, StreamHandle stream) {
   if (p.rows == 0) return true;
-  const int grid = GridFor(p.rows, p.head_dim);
   switch (p.head_dim) {
     case 64:
-      return LaunchNormalizeDim<64>(p, grid, stream);
+      return LaunchNormalizeDim<64>(p, stream);
     case 128:
-      return LaunchNormalizeDim<128>(p, grid, stream);
+      return LaunchNormalizeDim<128>(p, stream);
     case 256:
-      return LaunchNormalizeDim<256>(p, grid, stream);
+      return LaunchNormalizeDim<256>(p, stream);
     default:
       return false;
   }
