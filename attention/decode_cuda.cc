@@ -25,7 +25,8 @@ struct CudaDecoder::State {
   int key_kind = 0;  // decode_detail::KeyKind
   bool rotate_query = false;
   DeviceBuffer<float> rotation;  // Πᵀ [D, D]
-  uint16_t centroids[16] = {};
+  uint16_t centroids[16] = {};     // fp16 hi parts of the codebook
+  uint16_t centroids_lo[16] = {};  // fp16 of the remainders
   int sm_count = 0;
   int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
 };
@@ -55,7 +56,10 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
     s.rotation = DeviceBuffer<float>(int64_t{d} * d);
     s.rotation.CopyFromHost(q.rotation().matrix);
     const auto& c = q.codebook().centroids;
-    for (size_t i = 0; i < c.size(); ++i) s.centroids[i] = FloatToHalfBits(c[i]);
+    for (size_t i = 0; i < c.size(); ++i) {
+      s.centroids[i] = FloatToHalfBits(c[i]);
+      s.centroids_lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(s.centroids[i]));
+    }
   }
   s.sm_count = DeviceSmCount();
 }
@@ -208,6 +212,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.partial_out = partial_out;
   sp.partial_lse = partial_lse;
   std::memcpy(sp.centroids, s.centroids, sizeof(sp.centroids));
+  std::memcpy(sp.centroids_lo, s.centroids_lo, sizeof(sp.centroids_lo));
   sp.num_seqs = plan.num_seqs;
   sp.num_q_heads = plan.num_q_heads;
   sp.num_kv_heads = num_kv_heads();

@@ -13,11 +13,12 @@
 // A dot product does not care in which order its terms are summed, so each thread's fragment
 // slots are mapped to the d's (and tokens) that make its loads contiguous: a thread reads whole
 // 8- or 16-byte runs of one token's codes. The key codebook is applied through a shared-memory
-// table indexed by a code pair (one 32-bit load gives the half2 the MMA wants), replicated per
-// lane so that lookups never conflict. Values are never dequantized inside the loop:
+// table indexed by a code pair (one 64-bit load gives the fp16 pair and the pair of its
+// remainders, so keys keep ~22 bits), replicated per lane so that lookups never conflict. Values
+// are never dequantized inside the loop:
 // Σ_t p_t (code_t · scale_t + zero_t) = Σ_t (p_t · scale_t) · code_t + Σ_t p_t · zero_t, so the MMA
-// multiplies exact integer codes (built as fp16 with the 1024 + code exponent trick) by p · scale,
-// and the zero-point term is one scalar per head.
+// multiplies exact integer codes (fp16 subnormals: one AND per two codes) by p · scale, and the
+// zero-point term is one scalar per head.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -35,7 +36,12 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 16;     // tokens per MMA chunk
-constexpr int kPtStride = 24;  // halves per row of the per-warp P'ᵀ tile (bank-conflict free)
+// sm_90 starts a CTA's dynamic shared memory 1 KB into its shared window (the window's top byte is
+// the CTA's rank in its cluster); the codebook table's lookups add it as an immediate offset.
+constexpr uint32_t kSmemStart = 0x400;
+// Lazy softmax maximum: a chunk rescales the running sums only when a score exceeds the running
+// maximum by more than this (log2 units), so p = 2^(s - m) ≤ 2^kLazyMax; otherwise no reduction.
+constexpr float kLazyMax = 6.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
 // ------------------------------------------------------------------------------------------------
@@ -50,8 +56,7 @@ __device__ __forceinline__ void StaticFor(F&& f) {
 
 __device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -59,11 +64,24 @@ __device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], ui
 
 __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 matrix of 16-bit elements held as an MMA fragment (thread 4·g + t holds row
+// g, columns 2t and 2t+1): afterwards it holds row g, columns 2t, 2t+1 of the transpose.
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// One table entry: the hi and lo fp16 pairs of a code pair, at shared address addr + kSmemStart.
+__device__ __forceinline__ void LutLoad(uint32_t addr, uint32_t& hi, uint32_t& lo) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2+1024];\n" : "=r"(hi), "=r"(lo) : "r"(addr));
+  static_assert(kSmemStart == 1024);
 }
 
 // Two E4M3 bytes (low byte -> low half) to f16x2.
@@ -76,25 +94,10 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
 }
 
 
-// (x & mask) | bits in one LOP3 (both constants in registers; with immediates it takes two).
-__device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
-  return r;
-}
-
-// half2(1024 + a, 1024 + b) - 1024 = half2(a, b), exact for the small integers a, b that sit in
-// the mantissa bits of `biased` (fp16 0x6400 = 1024, whose mantissa unit is 1).
-__device__ __forceinline__ uint32_t SubMagic(uint32_t biased) {
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased),
-                            __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// Two small integer codes placed at bits 0 and 16, as half2.
-__device__ __forceinline__ uint32_t CodesToHalf2(uint32_t codes_at_0_and_16) {
-  return SubMagic(codes_at_0_and_16 | 0x64006400u);
-}
+// Value codes enter the P·V MMA as fp16 subnormals: a small integer c in the mantissa bits of a
+// half with a zero exponent is exactly c · 2^-24 (tensor cores keep fp16 subnormals), so a code
+// becomes an MMA operand with one AND and no conversion; the 2^24 goes into the final scaling.
+constexpr float kSubnormalScale = 16777216.0f;  // 2^24
 
 __device__ __forceinline__ float HalfBitsToFloat(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
@@ -180,8 +183,8 @@ struct CompressedValues {
     static_assert(kValueBits == 3);
     const uint32_t ca0 = Bits<6 * kMt, 3>(wa), ca1 = Bits<6 * kMt + 3, 3>(wa);
     const uint32_t cb0 = Bits<6 * kMt, 3>(wb), cb1 = Bits<6 * kMt + 3, 3>(wb);
-    row_g = CodesToHalf2(ca0 | (cb0 << 16));
-    row_g8 = CodesToHalf2(ca1 | (cb1 << 16));
+    row_g = ca0 | (cb0 << 16);  // subnormal halves c · 2^-24
+    row_g8 = ca1 | (cb1 << 16);
   }
 
   __device__ __forceinline__ static int D0(int g, int mt) {
@@ -189,32 +192,30 @@ struct CompressedValues {
   }
 
   // 4-bit codes: m-tiles kMt and kMt+1 (kMt even) at once. One byte-permute gathers bytes kMt,
-  // kMt+1 of both tokens; low nibbles become the exact codes, high nibbles 16·code (masked in
-  // place, no shift), so rows g+8 (odd d) carry a factor 16 that is removed at the end
-  // (kOddRowScale).
-  static constexpr float kOddRowScale = kValueBits == 4 ? 1.0f / 16.0f : 1.0f;
+  // kMt+1 of both tokens; low nibbles become c · 2^-24, high nibbles (masked in place, no shift)
+  // 16·c · 2^-24, so rows g (even d) and g+8 (odd d) are scaled back at the end (k*RowScale).
+  static constexpr float kEvenRowScale = kSubnormalScale;
+  static constexpr float kOddRowScale =
+      kValueBits == 4 ? kSubnormalScale / 16.0f : kSubnormalScale;
   template <int kMt>
   __device__ __forceinline__ static void RowsPair(const uint32_t (&wa)[kValueWords],
                                                   const uint32_t (&wb)[kValueWords],
-                                                  uint32_t (&rows)[2][2], uint32_t mask_lo,
-                                                  uint32_t mask_hi, uint32_t magic) {
+                                                  uint32_t (&rows)[2][2]) {
     static_assert(kValueBits == 4 && kMt % 2 == 0);
     constexpr int j = kMt % 4;
     const uint32_t x = __byte_perm(wa[kMt / 4], wb[kMt / 4],
                                    j | ((j + 1) << 4) | ((4 + j) << 8) | ((5 + j) << 12));
     const uint32_t y = x >> 8;
-    rows[0][0] = SubMagic(AndOr(x, mask_lo, magic));
-    rows[0][1] = SubMagic(AndOr(x, mask_hi, magic));
-    rows[1][0] = SubMagic(AndOr(y, mask_lo, magic));
-    rows[1][1] = SubMagic(AndOr(y, mask_hi, magic));
+    rows[0][0] = x & 0x000F000Fu;
+    rows[0][1] = x & 0x00F000F0u;
+    rows[1][0] = y & 0x000F000Fu;
+    rows[1][1] = y & 0x00F000F0u;
   }
 };
 
-// The key codebook table: entry e (a pair of codes) of lane l at byte 256·e + 4·l, so a lookup
-// address is one byte-permute of the packed codes with the lane offset (lane_off = 4·lane).
-__device__ __forceinline__ uint32_t LutLoad(const uint8_t* lut, uint32_t byte_at_bits_8_15) {
-  return *reinterpret_cast<const uint32_t*>(lut + byte_at_bits_8_15);
-}
+// The key codebook table: entry e (a pair of codes) of lane l at byte 256·e + 8·l of dynamic shared
+// memory, holding the fp16 pair (c_hi[e0], c_hi[e1]) and the pair of remainders (c_lo): a lookup
+// address is one byte-permute of the packed codes with lane_word = (window top byte) | 8·lane.
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
@@ -227,23 +228,19 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
   __device__ __forceinline__ static uint32_t LutValue(int e, const uint16_t* c) {
     return uint32_t{c[e & 15]} | (uint32_t{c[e >> 4]} << 16);
   }
-  // Address of the entry for byte kB of `w` plus lane_off: byte kB%4 of w to bits 8-15, the lane
-  // offset (< 128, in the low byte of lane_off) to bits 0-7, zeros above.
+  // Address of the entry for byte kB of `w`: byte kB%4 of w to bits 8-15, bytes 0, 2, 3 of
+  // lane_word (8·lane; 0; the window's top byte) around it.
   template <int kB>
-  __device__ __forceinline__ static uint32_t Addr(uint32_t w, uint32_t lane_off) {
-    return __byte_perm(w, lane_off, 0x7700 | ((kB % 4) << 4) | 4);
+  __device__ __forceinline__ static uint32_t Addr(uint32_t w, uint32_t lane_word) {
+    return __byte_perm(w, lane_word, 0x7604 | ((kB % 4) << 4));
   }
-  // A fragment of k-step s: rows g (words kg) and g+8 (words k8).
+  // A fragment of k-step s for one token (words w): row g = hi parts, row g + 8 = lo parts.
   template <int kS>
-  __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
-                                                 const uint32_t (&k8)[kKeyWords],
-                                                 const uint8_t* lut, uint32_t lane_off,
-                                                 uint32_t (&a)[4]) {
+  __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
+                                                     uint32_t lane_word, uint32_t (&a)[4]) {
     constexpr int kB0 = 2 * kS, kB1 = 2 * kS + 1;
-    a[0] = LutLoad(lut, Addr<kB0>(kg[kB0 / 4], lane_off));
-    a[1] = LutLoad(lut, Addr<kB0>(k8[kB0 / 4], lane_off));
-    a[2] = LutLoad(lut, Addr<kB1>(kg[kB1 / 4], lane_off));
-    a[3] = LutLoad(lut, Addr<kB1>(k8[kB1 / 4], lane_off));
+    LutLoad(Addr<kB0>(w[kB0 / 4], lane_word), a[0], a[1]);
+    LutLoad(Addr<kB1>(w[kB1 / 4], lane_word), a[2], a[3]);
   }
 };
 
@@ -259,14 +256,10 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
     return uint32_t{c[e & 7]} | (uint32_t{c[e >> 3]} << 16);
   }
   template <int kS>
-  __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
-                                                 const uint32_t (&k8)[kKeyWords],
-                                                 const uint8_t* lut, uint32_t lane_off,
-                                                 uint32_t (&a)[4]) {
-    a[0] = LutLoad(lut, (Bits<12 * kS, 6>(kg) << 8) | lane_off);
-    a[1] = LutLoad(lut, (Bits<12 * kS, 6>(k8) << 8) | lane_off);
-    a[2] = LutLoad(lut, (Bits<12 * kS + 6, 6>(kg) << 8) | lane_off);
-    a[3] = LutLoad(lut, (Bits<12 * kS + 6, 6>(k8) << 8) | lane_off);
+  __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
+                                                     uint32_t lane_word, uint32_t (&a)[4]) {
+    LutLoad((Bits<12 * kS, 6>(w) << 8) | lane_word, a[0], a[1]);
+    LutLoad((Bits<12 * kS + 6, 6>(w) << 8) | lane_word, a[2], a[3]);
   }
 };
 
@@ -281,8 +274,8 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
   __device__ __forceinline__ static uint32_t LutValue(int, const uint16_t*) { return 0; }
   template <int kS>
   __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
-                                                 const uint32_t (&k8)[kKeyWords], const uint8_t*,
-                                                 uint32_t, uint32_t (&a)[4]) {
+                                                 const uint32_t (&k8)[kKeyWords],
+                                                 uint32_t (&a)[4]) {
     a[0] = E4M3x2ToHalf2(kg[kS] & 0xFFFFu);
     a[1] = E4M3x2ToHalf2(k8[kS] & 0xFFFFu);
     a[2] = E4M3x2ToHalf2(kg[kS] >> 16);
@@ -292,6 +285,7 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
+  static constexpr float kEvenRowScale = 1.0f;
   static constexpr float kOddRowScale = 1.0f;
   static constexpr bool kBf16 = true;
   static constexpr bool kHasNorm = false;
@@ -305,8 +299,8 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
   __device__ __forceinline__ static uint32_t LutValue(int, const uint16_t*) { return 0; }
   template <int kS>
   __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
-                                                 const uint32_t (&k8)[kKeyWords], const uint8_t*,
-                                                 uint32_t, uint32_t (&a)[4]) {
+                                                 const uint32_t (&k8)[kKeyWords],
+                                                 uint32_t (&a)[4]) {
     a[0] = kg[2 * kS];
     a[1] = k8[2 * kS];
     a[2] = kg[2 * kS + 1];
@@ -331,11 +325,15 @@ struct SplitKernelConfig {
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = Traits::kLutEntries * 256;
-  static constexpr int kMergeBytes = (8 * kNTiles * kD + 3 * 8 * kNTiles * kWarps) * 4;
-  static constexpr int kPtBytes = kWarps * kNTiles * 8 * kPtStride * 2;
-  static constexpr int kSmemBytes = (kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes) + kPtBytes;
+  static constexpr int kMergeBytes = (kWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kWarps) * 4;
+  static constexpr int kSmemBytes = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
 };
 
+// Token order inside a 16-token chunk (any order works for a dot product; this one makes the
+// metadata of a thread's two score rows adjacent):
+//   score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1;
+//   P·V MMA k-slots 2t, 2t+1 ↔ tokens 4t, 4t+2 and k-slots 2t+8, 2t+9 ↔ tokens 4t+1, 4t+3,
+// which is where the 8x8 transposes of the score fragment put P'.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles>
 __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams p) {
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
@@ -344,6 +342,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   constexpr int kMTiles = Config::kMTiles;
   constexpr int kKW = Traits::kKeyWords;
   constexpr int kVW = Traits::kValueWords;
+  constexpr bool kCodebook = Traits::kLutEntries > 0;
 
   extern __shared__ __align__(16) uint8_t smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -355,19 +354,24 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
 
-  // Key codebook table, one replica per lane (entry e of lane l at word 64·e + l).
-  if constexpr (Traits::kLutEntries > 0) {
-    uint32_t* lut_words = reinterpret_cast<uint32_t*>(smem);
+  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l).
+  uint32_t lane_word = 0;
+  if constexpr (kCodebook) {
+    const uint32_t window = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    if ((window & 0x00FFFFFFu) != kSmemStart) __trap();  // the lookups assume this layout
+    uint2* lut = reinterpret_cast<uint2*>(smem);
     for (int i = threadIdx.x; i < Traits::kLutEntries * 32; i += kThreads) {
-      lut_words[(i >> 5) * 64 + (i & 31)] = Traits::LutValue(i >> 5, p.centroids);
+      const int e = i >> 5;
+      lut[i] = make_uint2(Traits::LutValue(e, p.centroids), Traits::LutValue(e, p.centroids_lo));
     }
+    lane_word = (window & 0xFF000000u) | (8u * lane);
   }
-  uint16_t* pt = reinterpret_cast<uint16_t*>(smem + (Config::kSmemBytes - Config::kPtBytes) +
-                                             warp * kNTiles * 8 * kPtStride * 2);
 
   // Query fragments (B operand of the score MMA), loaded once: head 8·nt + g. The compressed
-  // kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), two MMAs per k-step, so that
-  // scores keep fp32 accuracy; the bf16 kind uses the (bf16) query as given.
+  // kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), and the codebook kinds the
+  // centroids as hi + lo too; scores sum q_hi·c_hi + q_lo·c_hi + q_hi·c_lo in separate
+  // accumulators (three independent MMA chains), so they keep fp32 accuracy. The bf16 kind uses
+  // the (bf16) query as given.
   constexpr int kQParts = Traits::kBf16 ? 1 : 2;
   const int64_t q_part_stride = static_cast<int64_t>(p.num_seqs) * p.num_q_heads * kD;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
@@ -387,19 +391,15 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     }
   }
   __syncthreads();
-  const uint32_t lane_off = 4u * lane;
-  uint32_t kMaskLo, kMaskHi, kMagic;
-  asm("mov.b32 %0, 0x000F000F;\n" : "=r"(kMaskLo));
-  asm("mov.b32 %0, 0x00F000F0;\n" : "=r"(kMaskHi));
-  asm("mov.b32 %0, 0x64006400;\n" : "=r"(kMagic));
 
   float acc[kMTiles][kNTiles][4];
-  float m[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
+  float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       m[nt][i] = -INFINITY;
+      m_thr[nt][i] = -INFINITY;
       l[nt][i] = 0.0f;
       z[nt][i] = 0.0f;
     }
@@ -410,7 +410,6 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     }
   }
 
-  const int num_chunks = (end - begin + kChunk - 1) / kChunk;
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   // Per-thread byte offsets within a block (block_bytes < 2^31), computed once; per chunk only the
   // block pointer and the position change.
@@ -418,107 +417,143 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       Traits::kBf16 ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
   const int head_off = Traits::kBf16 ? 2 * h * kD : h * p.data_per_slot;
   const int value_base = Traits::kBf16 ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
-  const int off_kg = head_off + Traits::kKeyBytes * t + g * stride_token;
-  const int off_k8 = off_kg + 8 * stride_token;
-  const int off_v = value_base + head_off + Traits::kValueBytes * g + 2 * t * stride_token;
-  const int off_v8 = off_v + 8 * stride_token;
-  const int off_meta = static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + g);
+  const int off_kg = head_off + Traits::kKeyBytes * t + 2 * g * stride_token;  // token 2g
+  const int off_k8 = off_kg + stride_token;                                    // token 2g + 1
+  const int off_v = value_base + head_off + Traits::kValueBytes * g + 4 * t * stride_token;
+  const int off_meta =
+      static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + 2 * g);
   const int meta_field = 2 * p.block_size;  // bytes between fields of one head
   const int block_shift = 31 - __clz(p.block_size);
 
   // Registers of one chunk.
   struct Chunk {
-    uint32_t kg[kKW], k8[kKW];              // key bytes of tokens g and g+8
-    uint32_t v[4][kVW];                     // value bytes of tokens 2t, 2t+1, 2t+8, 2t+9
-    uint16_t norm[2], vscale[2], vzero[2];  // tokens g and g+8
+    uint32_t kg[kKW], k8[kKW];       // key bytes of score rows g, g + 8 (tokens 2g, 2g + 1)
+    uint32_t v[4][kVW];              // value bytes of tokens 4t, 4t+2, 4t+1, 4t+3
+    uint32_t norm, vscale, vzero;    // fp16 pairs: tokens 2g (low half), 2g + 1 (high half)
   };
-  auto load = [&](int c, Chunk& ck) {
+  // Block id of chunk c, or 0 past the split's full chunks. Loaded one chunk before the chunk's
+  // data loads need it, so that a warp never waits for a table read before its next compute.
+  auto block_of = [&](int c, int num_chunks) -> int {
+    return c < num_chunks ? __ldg(table + ((begin + c * kChunk) >> block_shift)) : 0;
+  };
+  auto load = [&](int c, Chunk& ck, int block) {
     const int t0 = begin + c * kChunk;
     const uint32_t pos0 = t0 & (p.block_size - 1);
-    const uint8_t* base =
-        p.cache + static_cast<int64_t>(__ldg(table + (t0 >> block_shift))) * p.block_bytes;
+    const uint8_t* base = p.cache + static_cast<int64_t>(block) * p.block_bytes;
     const uint8_t* at = base + pos0 * stride_token;
     LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_kg, ck.kg);
     LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_k8, ck.k8);
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v, ck.v[0]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[1]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v8, ck.v[2]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v8 + stride_token, ck.v[3]);
+    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 2 * stride_token, ck.v[1]);
+    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[2]);
+    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 3 * stride_token, ck.v[3]);
     if constexpr (!Traits::kBf16) {
       const uint8_t* meta = base + off_meta + 2 * pos0;
       constexpr int kScaleField = Traits::kHasNorm ? 1 : 0;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint8_t* m_at = meta + 16 * i;  // token g + 8i
-        ck.norm[i] =
-            Traits::kHasNorm ? __ldg(reinterpret_cast<const unsigned short*>(m_at)) : uint16_t{0};
-        ck.vscale[i] =
-            __ldg(reinterpret_cast<const unsigned short*>(m_at + kScaleField * meta_field));
-        ck.vzero[i] =
-            __ldg(reinterpret_cast<const unsigned short*>(m_at + (kScaleField + 1) * meta_field));
-      }
+      ck.norm = Traits::kHasNorm ? __ldg(reinterpret_cast<const uint32_t*>(meta)) : 0u;
+      ck.vscale = __ldg(reinterpret_cast<const uint32_t*>(meta + kScaleField * meta_field));
+      ck.vzero = __ldg(reinterpret_cast<const uint32_t*>(meta + (kScaleField + 1) * meta_field));
     }
   };
 
-  auto compute = [&](int c, Chunk& cur) {
+  auto compute = [&]<bool kTail>(int c, Chunk& cur) {
     const int t0 = begin + c * kChunk;
-    const bool valid[2] = {t0 + g < end, t0 + g + 8 < end};
+    bool valid[2] = {true, true};  // tokens 2g, 2g + 1
+    if constexpr (kTail) {
+      valid[0] = t0 + 2 * g < end;
+      valid[1] = t0 + 2 * g + 1 < end;
+    }
 
-    // Scores Sᵀ[token, head] for tokens g, g+8 and heads 8·nt + 2t, +1.
-    float s[kNTiles][4];
+    // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA
+    // chains sp[k] (summed below). FP8 / bf16 keys: M rows g, g + 8 are tokens 2g, 2g + 1;
+    // chains k = q parts. Codebook keys: one MMA per token half (k = 2·half + q part), whose rows
+    // g and g + 8 hold the c_hi and c_lo parts of the same token (one 64-bit table load gives
+    // both), so S = C[row g] + C[row g + 8].
+    constexpr int kParts = Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
+    float sp[kParts][kNTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
+    for (int k = 0; k < kParts; ++k) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
+      }
     }
     StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
-      uint32_t a[4];
-      Traits::template KeyFrag<ks>(cur.kg, cur.k8, smem, lane_off, a);
+      if constexpr (kCodebook) {
+        uint32_t a0[4], a1[4];
+        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
+        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        if constexpr (Traits::kBf16) {
-          MmaBf16(s[nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-        } else {
-          MmaF16(s[nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          MmaF16(s[nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          MmaF16(sp[0][nt], a0, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          MmaF16(sp[1][nt], a0, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+        }
+      } else {
+        uint32_t a[4];
+        Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          if constexpr (Traits::kBf16) {
+            MmaBf16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          } else {
+            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[1][nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          }
         }
       }
     });
     float row_scale[2], vs[2], vz[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      row_scale[i] =
-          Traits::kHasNorm ? HalfBitsToFloat(cur.norm[i]) * p.score_scale : p.score_scale;
-      vs[i] = Traits::kBf16 ? 1.0f : HalfBitsToFloat(cur.vscale[i]);
-      vz[i] = Traits::kBf16 ? 0.0f : HalfBitsToFloat(cur.vzero[i]);
+      row_scale[i] = Traits::kHasNorm
+                         ? HalfBitsToFloat(static_cast<uint16_t>(cur.norm >> (16 * i))) *
+                               p.score_scale
+                         : p.score_scale;
+      vs[i] = Traits::kBf16 ? 1.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vscale >> (16 * i)));
+      vz[i] = Traits::kBf16 ? 0.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vzero >> (16 * i)));
+      if constexpr (kTail) {  // metadata of slots past the end may be NaN garbage (0 · NaN = NaN)
+        vs[i] = valid[i] ? vs[i] : 0.0f;
+        vz[i] = valid[i] ? vz[i] : 0.0f;
+      }
     }
 
     uint32_t pb[kNTiles][2];
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-      // s[nt][0..1]: token g, heads 2t, 2t+1; s[nt][2..3]: token g+8.
+      // s[0..1]: token 2g, heads 2t, 2t+1; s[2..3]: token 2g + 1.
+      float s[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int r = i / 2;
-        s[nt][i] = valid[r] ? s[nt][i] * row_scale[r] : -INFINITY;
+        float sum;
+        if constexpr (kCodebook) {
+          const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
+          sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
+                (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
+        } else {
+          sum = sp[0][nt][i];
+          if constexpr (kParts > 1) sum += sp[1][nt][i];
+        }
+        s[i] = sum * row_scale[i / 2];
+        if constexpr (kTail) s[i] = valid[i / 2] ? s[i] : -INFINITY;
       }
-      float mx[2] = {fmaxf(s[nt][0], s[nt][2]), fmaxf(s[nt][1], s[nt][3])};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
-        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
-        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
-      }
-      // Rescale only when some head of the warp got a new maximum (rare after the first chunks).
-      const bool grew = mx[0] > m[nt][0] || mx[1] > m[nt][1];
-      if (__any_sync(0xffffffffu, grew)) {
+      float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+      // Rescale only when some score of the warp passes its head's running maximum by more than
+      // kLazyMax (a few times per split); then m becomes the exact maximum so far.
+      if (__any_sync(0xffffffffu, mx[0] > m_thr[nt][0] || mx[1] > m_thr[nt][1])) {
         float corr[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
           const float m_new = fmaxf(m[nt][j], mx[j]);
           corr[j] = m_new == -INFINITY ? 1.0f : exp2f(m[nt][j] - m_new);
           m[nt][j] = m_new;
+          m_thr[nt][j] = m_new + kLazyMax;
           l[nt][j] *= corr[j];
           z[nt][j] *= corr[j];
         }
@@ -534,35 +569,33 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = i / 2, j = i % 2;
-        const float pr = valid[r] ? exp2f(s[nt][i] - m[nt][j]) : 0.0f;
+        // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
+        const float pr = exp2f(s[i] - m[nt][j]);
         l[nt][j] += pr;
-        if constexpr (!Traits::kBf16) z[nt][j] += valid[r] ? pr * vz[r] : 0.0f;
-        pw[i] = valid[r] ? pr * vs[r] : 0.0f;
+        if constexpr (!Traits::kBf16) z[nt][j] += pr * vz[r];
+        pw[i] = pr * vs[r];
       }
-      // P'ᵀ[head][token] into the warp's tile: head 2t+j, tokens g and g+8.
-      uint16_t* tile = pt + nt * 8 * kPtStride;
+      // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
+      // give head g at tokens 4t, 4t+2 (k-slots 2t, 2t+1) and 4t+1, 4t+3 (k-slots 2t+8, 2t+9).
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = i / 2, j = i % 2;
-        const uint16_t bits = Traits::kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(pw[i]))
-                                            : __half_as_ushort(__float2half_rn(pw[i]));
-        tile[(2 * t + j) * kPtStride + g + 8 * r] = bits;
+      for (int r = 0; r < 2; ++r) {
+        uint32_t packed;
+        if constexpr (Traits::kBf16) {
+          const __nv_bfloat162 x = __floats2bfloat162_rn(pw[2 * r], pw[2 * r + 1]);
+          packed = *reinterpret_cast<const uint32_t*>(&x);
+        } else {
+          const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+          packed = *reinterpret_cast<const uint32_t*>(&x);
+        }
+        pb[nt][r] = Transpose8x8(packed);
       }
     }
-    __syncwarp();
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const uint16_t* tile = pt + nt * 8 * kPtStride + g * kPtStride;
-      pb[nt][0] = *reinterpret_cast<const uint32_t*>(tile + 2 * t);
-      pb[nt][1] = *reinterpret_cast<const uint32_t*>(tile + 2 * t + 8);
-    }
-    __syncwarp();
 
     // Bf16 values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
     // 0 · NaN is NaN). Codes of the compressed kinds are always finite.
-    if constexpr (Traits::kBf16) {
-      const bool vvalid[4] = {t0 + 2 * t < end, t0 + 2 * t + 1 < end, t0 + 2 * t + 8 < end,
-                              t0 + 2 * t + 9 < end};
+    if constexpr (Traits::kBf16 && kTail) {
+      const bool vvalid[4] = {t0 + 4 * t < end, t0 + 4 * t + 2 < end, t0 + 4 * t + 1 < end,
+                              t0 + 4 * t + 3 < end};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -574,8 +607,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       StaticFor<kMTiles / 2>([&](auto pair_c) {
         constexpr int mt = 2 * decltype(pair_c)::value;
         uint32_t r01[2][2], r89[2][2];  // [m-tile][row g / g+8]
-        Traits::template RowsPair<mt>(cur.v[0], cur.v[1], r01, kMaskLo, kMaskHi, kMagic);
-        Traits::template RowsPair<mt>(cur.v[2], cur.v[3], r89, kMaskLo, kMaskHi, kMagic);
+        Traits::template RowsPair<mt>(cur.v[0], cur.v[1], r01);
+        Traits::template RowsPair<mt>(cur.v[2], cur.v[3], r89);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
           const uint32_t a[4] = {r01[k][0], r01[k][1], r89[k][0], r89[k][1]};
@@ -601,32 +634,49 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     }
   };
 
+  // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
+  // that only it pays for the end-of-sequence masks.
+  const int num_full = (end - begin) / kChunk;
   if constexpr (Traits::kBf16) {
     // A bf16 chunk is 4x the bytes of a compressed one: one buffer, and occupancy (more warps
     // per SM) keeps enough loads in flight.
     Chunk buf;
+    int block = block_of(warp, num_full);
 #pragma unroll 1
-    for (int c = warp; c < num_chunks; c += kWarps) {
-      load(c, buf);
-      compute(c, buf);
+    for (int c = warp; c < num_full; c += kWarps) {
+      const int next = block_of(c + kWarps, num_full);
+      load(c, buf, block);
+      compute.template operator()<false>(c, buf);
+      block = next;
     }
   } else {
-    // Two register buffers in turn: the next chunk's loads are in flight while one is computed.
+    // Two register buffers in turn. While chunk c is computed, the registers of chunk c + 1
+    // (this warp's next) are loading and the block id of chunk c + 2 is being read.
     Chunk buf0, buf1;
     int c = warp;
-    if (c < num_chunks) load(c, buf0);
+    int next1 = block_of(c + kWarps, num_full);
+    if (c < num_full) load(c, buf0, block_of(c, num_full));
+    auto step = [&](int cc, Chunk& cur, Chunk& nxt) {
+      const int next2 = block_of(cc + 2 * kWarps, num_full);
+      if (cc + kWarps < num_full) load(cc + kWarps, nxt, next1);
+      compute.template operator()<false>(cc, cur);
+      next1 = next2;
+    };
 #pragma unroll 1
-    for (; c < num_chunks; c += 2 * kWarps) {
-      if (c + kWarps < num_chunks) load(c + kWarps, buf1);
-      compute(c, buf0);
-      if (c + kWarps >= num_chunks) break;
-      if (c + 2 * kWarps < num_chunks) load(c + 2 * kWarps, buf0);
-      compute(c + kWarps, buf1);
+    for (; c < num_full; c += 2 * kWarps) {
+      step(c, buf0, buf1);
+      if (c + kWarps >= num_full) break;
+      step(c + kWarps, buf1, buf0);
     }
   }
+  if ((end - begin) % kChunk != 0 && num_full % kWarps == warp) {
+    Chunk tail;
+    load(num_full, tail, block_of(num_full, num_full + 1));
+    compute.template operator()<true>(num_full, tail);
+  }
 
-  // Row sums: l and z are per-thread partials over tokens g, g+8; m is already warp-uniform per
-  // head column.
+  // Row sums: l and z are per-thread partials over tokens 2g, 2g+1; m is already warp-uniform
+  // per head column.
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -639,11 +689,12 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     }
   }
 
-  // Merge the four warps through shared memory (the table is no longer needed).
+  // Merge the four warps through shared memory (the table is no longer needed): every warp
+  // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
-  float* acc_s = reinterpret_cast<float*>(smem);  // [kHeads][kD]
-  float* stats = acc_s + kHeads * kD;             // [3][kWarps][kHeads]: m, l, z
+  float* acc_s = reinterpret_cast<float*>(smem);  // [kWarps][kHeads][kD]
+  float* stats = acc_s + kWarps * kHeads * kD;    // [3][kWarps][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -656,58 +707,40 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       }
     }
   }
-  __syncthreads();
-  float factor[kNTiles][2];
+  float* my_acc = acc_s + warp * kHeads * kD;
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) {
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    const int d0 = Traits::D0(g, mt);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int head = 8 * nt + 2 * t + j;
-      float mm = -INFINITY;
+    for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
-      factor[nt][j] = m[nt][j] == -INFINITY ? 0.0f : exp2f(m[nt][j] - mm);
-    }
-  }
-#pragma unroll 1
-  for (int w = 0; w < kWarps; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        const int d0 = Traits::D0(g, mt);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int head = 8 * nt + 2 * t + (i % 2);
-            const int d = d0 + i / 2;
-            const float v =
-                acc[mt][nt][i] * factor[nt][i % 2] * (i < 2 ? 1.0f : Traits::kOddRowScale);
-            float& dst = acc_s[head * kD + d];
-            dst = (w == 0) ? v : dst + v;
-          }
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int head = 8 * nt + 2 * t + (i % 2);
+        my_acc[head * kD + d0 + i / 2] =
+            acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Traits::kOddRowScale);
       }
     }
-    __syncthreads();
   }
+  __syncthreads();
 
-  // Final: out[head][d] = (acc + z) / l, lse = (m + log2 l) · ln 2, for the group's heads.
+  // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), lse = (max m +
+  // log2 l) · ln 2, for the group's heads. A warp without tokens has m = -inf and f = 0.
   for (int i = threadIdx.x; i < group * kD; i += kThreads) {
     const int head = i / kD, d = i % kD;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
-    float ll = 0.0f, zz = 0.0f;
+    float ll = 0.0f, zz = 0.0f, aa = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float mw = stats[w * kHeads + head];
       const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mm);
       ll += f * stats[(kWarps + w) * kHeads + head];
       zz += f * stats[(2 * kWarps + w) * kHeads + head];
+      aa += f == 0.0f ? 0.0f : f * acc_s[(w * kHeads + head) * kD + d];
     }
     const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
-    p.partial_out[(row * p.max_splits + split) * kD + d] = (acc_s[head * kD + d] + zz) / ll;
+    p.partial_out[(row * p.max_splits + split) * kD + d] = (aa + zz) / ll;
     if (d == 0) p.partial_lse[row * p.max_splits + split] = (mm + log2f(ll)) * kLn2;
   }
 }

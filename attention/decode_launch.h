@@ -27,7 +27,8 @@ struct SplitParams {
                                           // num_q_heads, head_dim] bf16
   float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
   float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
-  uint16_t centroids[16] = {};            // fp16 bits of the key codebook (MSE keys)
+  uint16_t centroids[16] = {};            // fp16 bits of the key codebook (MSE keys), c ≈ hi
+  uint16_t centroids_lo[16] = {};         // fp16 bits of c - hi (c ≈ hi + lo to ~2^-22)
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
