@@ -1,7 +1,8 @@
 // GPU tests of the CUDA store: byte equality with Quantizer::StoreCpu on fresh random inputs
 // (every preset × head_dim × block size × dtype, both slot types, both rotation paths, N from 1 to
 // 65,536), padding and shuffled slots, a poisoned cache whose untouched bytes must stay poison,
-// CUDA-graph capture and replay, slot validation, non-finite inputs. Skipped without a device.
+// CUDA-graph capture and replay, slot validation, non-finite inputs, the pipelined GEMM path
+// against the single-piece one (also in a graph). Skipped without a device.
 //
 // Allowed difference (quant/README.md): an MSE index one off from the reference where y lies
 // within the fp32 rounding bound of a midpoint; such rows' k_norm must then equal the reference
@@ -595,6 +596,184 @@ TEST(StoreCudaTest, GraphCaptureAndReplayGiveTheSameBytes) {
     TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
     TQKV_CUDA_CHECK(cudaGraphDestroy(graph));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pipelined GEMM path (StoreOptions::gemm_pipeline_pieces): the bytes of one piece, which the
+// reference rules above accept, with the caller's stream the only one synchronized.
+
+// Overwrites the device keys and values with junk, then on `stream` only: copies `in`'s keys and
+// values into place, poisons the cache, stores, copies the cache out; synchronizes `stream` alone.
+// A store whose internal streams did not wait for the copies would read junk keys, and one whose
+// last work the caller's stream did not wait for would hand back an unfinished cache.
+std::vector<uint8_t> StoreOnStream(const Quantizer& q, const StoreDeviceState& state,
+                                   DeviceCall& call, const HostInputs& in, StreamHandle stream) {
+  DeviceAllocation key(call.key.size_bytes()), value(call.value.size_bytes());
+  key.CopyFromHost(in.key.data(), key.size_bytes(), 0, nullptr);
+  value.CopyFromHost(in.value.data(), value.size_bytes(), 0, nullptr);
+  call.key.FillBytes(0x7F, nullptr);
+  call.value.FillBytes(0x7F, nullptr);
+  const std::vector<uint8_t> poison = PoisonedCache(call.cache.size_bytes());
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+  TQKV_CUDA_CHECK(cudaMemcpyAsync(call.key.data(), key.data(), key.size_bytes(),
+                                  cudaMemcpyDeviceToDevice, stream));
+  TQKV_CUDA_CHECK(cudaMemcpyAsync(call.value.data(), value.data(), value.size_bytes(),
+                                  cudaMemcpyDeviceToDevice, stream));
+  TQKV_CUDA_CHECK(cudaMemcpyAsync(call.cache.data(), poison.data(), poison.size(),
+                                  cudaMemcpyHostToDevice, stream));
+  q.Store(call.inputs, call.cache_ref, state, call.ws, stream);
+  std::vector<uint8_t> out(call.cache.size_bytes());
+  TQKV_CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), call.cache.data(), out.size(), cudaMemcpyDeviceToHost, stream));
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+int64_t CountDiffering(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return static_cast<int64_t>(std::max(a.size(), b.size()));
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
+StoreOptions WithPieces(StoreOptions o, int pieces, int memory_ctas = -1, bool priority = true) {
+  o.gemm_pipeline_pieces = pieces;
+  o.gemm_pipeline_memory_ctas = memory_ctas;
+  o.gemm_pipeline_priority = priority;
+  return o;
+}
+
+// Automatic and explicit piece counts (uneven splits, counts capped by the 8,192-row minimum,
+// small and full grids, with and without stream priorities), with two out-of-range slots in
+// different pieces: same bytes as one piece, the reference's bytes, the first bad token by its
+// index in the whole store.
+TEST(StoreCudaTest, PipelinedGemmPathGivesTheSinglePieceBytes) {
+  TQKV_SKIP_WITHOUT_GPU();
+  struct Variant {
+    const char* preset;
+    int d, heads;
+    int64_t n;
+    DType dtype;
+    RotationKind rotation;
+    int pieces, memory_ctas;
+    bool priority;
+    int expected_pieces;
+  };
+  const Variant variants[] = {
+      {"turboquant_4bit_nc", 128, 8, 16384, DType::kBF16, RotationKind::kHaar, 0, -1, true, 2},
+      {"turboquant_4bit_nc", 128, 8, 8192, DType::kBF16, RotationKind::kHadamard, 8, 3, true, 8},
+      {"turboquant_k3v4_nc", 64, 3, 11001, DType::kF32, RotationKind::kHaar, 3, 0, false, 3},
+      {"turboquant_3bit_nc", 256, 2, 9000, DType::kF16, RotationKind::kHadamardSigns, 16, 1, true,
+       2},
+      {"turboquant_4bit_nc", 128, 8, 1000, DType::kBF16, RotationKind::kHaar, 16, -1, false, 1},
+  };
+  for (const Variant& v : variants) {
+    Case c;
+    c.preset = v.preset;
+    c.head_dim = v.d;
+    c.heads = v.heads;
+    c.num_tokens = v.n;
+    c.dtype = v.dtype;
+    c.rotation = v.rotation;
+    c.options.rotation_path = StoreRotationPath::kGemm;
+    c.options.validate_slots = true;
+    std::mt19937_64 rng(Seed());
+    const Quantizer q = c.MakeQuantizer();
+    const StoreDeviceState single(q, WithPieces(c.options, 1));
+    const StoreOptions piped = WithPieces(c.options, v.pieces, v.memory_ctas, v.priority);
+    const StoreDeviceState pipelined(q, piped);
+    const int pieces = GemmPipelinePieces(q, piped, v.n);
+    EXPECT_EQ(pieces, v.expected_pieces) << c.Name();
+    HostInputs in = MakeInputs(c, rng);
+    const int64_t num_slots = in.num_blocks * c.block_size;
+    // The first token of piece 1 (of the middle with one piece) and the last token.
+    const int64_t bad_a = v.n / std::max(pieces, 2), bad_b = v.n - 1;
+    std::vector<int64_t> slots = in.slots;
+    slots[bad_a] = num_slots + 3;
+    slots[bad_b] = num_slots;
+    SetSlots(in, slots, c.slot_dtype);
+    std::vector<int64_t> good = slots;
+    good[bad_a] = good[bad_b] = -1;
+    HostInputs ref_in = in;
+    SetSlots(ref_in, good, c.slot_dtype);
+
+    DeviceCall call(pipelined, in, c);
+    Stream stream;
+    const std::vector<uint8_t> one = StoreOnStream(q, single, call, in, stream.get());
+    const StoreStatus one_status = single.ReadStatus(call.ws, call.inputs, stream.get());
+    const std::vector<uint8_t> many = StoreOnStream(q, pipelined, call, in, stream.get());
+    const StoreStatus status = pipelined.ReadStatus(call.ws, call.inputs, stream.get());
+    EXPECT_EQ(CountDiffering(one, many), 0) << c.Name() << " pieces " << pieces;
+    for (const StoreStatus& s : {one_status, status}) {
+      EXPECT_EQ(s.num_bad_tokens, 2) << c.Name();
+      EXPECT_EQ(s.first_bad_token, bad_a) << c.Name();
+      EXPECT_EQ(s.first_bad_slot, num_slots + 3) << c.Name();
+    }
+    std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
+    ReferenceStore(q, HostView(ref_in, c), ref, in.num_blocks);
+    const Diff d = Compare(q, ref_in, c, ref, many);
+    EXPECT_EQ(d.bad_bytes, 0) << c.Name() << " pieces " << pieces;
+    g_total += d;
+  }
+}
+
+// A pipelined store captured twice into one graph (the events are recorded again by the second
+// capture), replayed over fresh inputs: the reference's bytes and the single-piece path's, with
+// only the caller's stream synchronized; then the same state stores outside a graph again.
+TEST(StoreCudaTest, PipelinedGemmPathInAGraph) {
+  TQKV_SKIP_WITHOUT_GPU();
+  Case c;
+  c.preset = "turboquant_4bit_nc";
+  c.rotation = RotationKind::kHaar;
+  c.num_tokens = 4096;  // 32,768 rows: four pieces of the 8,192-row minimum
+  c.padding = 0.0;      // the slot mapping stays fixed; fresh keys and values each replay
+  c.options.rotation_path = StoreRotationPath::kGemm;
+  c.options.validate_slots = true;
+  std::mt19937_64 rng(Seed());
+  const Quantizer q = c.MakeQuantizer();
+  const StoreDeviceState single(q, WithPieces(c.options, 1));
+  const StoreDeviceState pipelined(q, WithPieces(c.options, 4, 2));
+  ASSERT_EQ(GemmPipelinePieces(q, pipelined.options(), c.num_tokens), 4);
+  HostInputs in = MakeInputs(c, rng);
+  DeviceCall call(pipelined, in, c);
+  Stream stream;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  q.Store(call.inputs, call.cache_ref, pipelined, call.ws, stream.get());
+  q.Store(call.inputs, call.cache_ref, pipelined, call.ws, stream.get());
+  TQKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  size_t nodes = 0;
+  TQKV_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  EXPECT_GE(nodes, size_t{2 * 3 * 4}) << "two stores of four pieces, three steps each";
+  TQKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const std::vector<uint8_t> poison = PoisonedCache(call.cache.size_bytes());
+  for (int replay = 0; replay < 3; ++replay) {
+    const HostInputs fresh = MakeInputs(c, rng);
+    in.key = fresh.key;
+    in.value = fresh.value;
+    call.Upload(in);
+    call.cache.CopyFromHost(poison.data(), call.cache.size_bytes(), 0, nullptr);
+    TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    std::vector<uint8_t> graphed(call.cache.size_bytes());
+    TQKV_CUDA_CHECK(cudaMemcpyAsync(graphed.data(), call.cache.data(), graphed.size(),
+                                    cudaMemcpyDeviceToHost, stream.get()));
+    TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    EXPECT_TRUE(pipelined.ReadStatus(call.ws, call.inputs, stream.get()).ok());
+    std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
+    ReferenceStore(q, HostView(in, c), ref, in.num_blocks);
+    const Diff d = Compare(q, in, c, ref, graphed);
+    EXPECT_EQ(d.bad_bytes, 0) << c.Name() << " replay " << replay;
+    g_total += d;
+    const std::vector<uint8_t> one = StoreOnStream(q, single, call, in, stream.get());
+    EXPECT_EQ(CountDiffering(one, graphed), 0) << "replay " << replay;
+  }
+  TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TQKV_CUDA_CHECK(cudaGraphDestroy(graph));
+  const std::vector<uint8_t> one = StoreOnStream(q, single, call, in, stream.get());
+  const std::vector<uint8_t> again = StoreOnStream(q, pipelined, call, in, stream.get());
+  EXPECT_EQ(CountDiffering(one, again), 0) << "eager store after the captures";
 }
 
 // Slots at or beyond the cache: never written; with validation the first such token and the
