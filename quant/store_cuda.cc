@@ -78,103 +78,7 @@ bool Misaligned(const void* p, uintptr_t alignment) {
   return reinterpret_cast<uintptr_t>(p) % alignment != 0;
 }
 
-void ValidatePipelineOptions(const StoreOptions& options) {
-  if (options.gemm_pipeline_pieces < 0) {
-    throw InvalidArgument(kWhere, "gemm_pipeline_pieces", options.gemm_pipeline_pieces,
-                          "0 (automatic), 1 (off) or a piece count");
-  }
-  if (options.gemm_pipeline_memory_ctas < -1) {
-    throw InvalidArgument(kWhere, "gemm_pipeline_memory_ctas", options.gemm_pipeline_memory_ctas,
-                          "-1 (automatic), 0 (full grid) or a CTA count");
-  }
-}
-
-#if TQKV_HAVE_CUDA
-// y[rows, D] = x̂[rows, D] · Πᵀ[D, D] (row-major) on the handle's stream: column-major
-// yᵀ = Πᵀᵀ · x̂ᵀ, i.e. the GEMM with m = D, n = rows, k = D and A = Πᵀ, B = x̂ as stored.
-void RotationGemm(cublasHandle_t h, GemmPrecision precision, const void* pit, const void* x,
-                  float* y, int d, int rows) {
-  const float one = 1.0f, zero = 0.0f;
-  switch (precision) {
-    case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
-      TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, rows, d, &one, pit, CUDA_R_32F,
-                                     d, x, CUDA_R_32F, d, &zero, y, CUDA_R_32F, d,
-                                     CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
-      break;
-    case GemmPrecision::kTf32:
-      TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, rows, d, &one, pit, CUDA_R_32F,
-                                     d, x, CUDA_R_32F, d, &zero, y, CUDA_R_32F, d,
-                                     CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
-      break;
-    case GemmPrecision::kBf16:
-      TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, rows, d, &one, pit,
-                                     CUDA_R_16BF, d, x, CUDA_R_16BF, d, &zero, y, CUDA_R_32F, d,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      break;
-  }
-}
-#endif
-
 }  // namespace
-
-namespace store {
-
-// The GEMM pipeline's streams and events, created with the state and reused by every store:
-// normalize pieces on `normalize`, GEMM pieces on `gemm`, store pieces on `store`; fork: recorded
-// on the caller's stream; normalized[i] / multiplied[i]: piece i's x̂ / y are written; stored: the
-// last store piece is done. An event may be recorded again by the next call: a wait binds to the
-// record before it (in stream capture too), and every wait of a call is issued before the next
-// call records.
-struct Pipeline {
-#if TQKV_HAVE_CUDA
-  cudaStream_t normalize = nullptr, gemm = nullptr, store = nullptr;
-  cudaEvent_t fork = nullptr, stored = nullptr;
-  cudaEvent_t normalized[kGemmPipelineMaxPieces] = {};
-  cudaEvent_t multiplied[kGemmPipelineMaxPieces] = {};
-
-  explicit Pipeline(bool priority) {
-    try {
-      int least = 0, greatest = 0;
-      TQKV_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      const int memory = priority ? greatest : least;
-      TQKV_CUDA_CHECK(cudaStreamCreateWithPriority(&normalize, cudaStreamNonBlocking, memory));
-      TQKV_CUDA_CHECK(cudaStreamCreateWithPriority(&gemm, cudaStreamNonBlocking, least));
-      TQKV_CUDA_CHECK(cudaStreamCreateWithPriority(&store, cudaStreamNonBlocking, memory));
-      for (cudaEvent_t* e : Events()) {
-        TQKV_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-      }
-    } catch (...) {
-      Release();
-      throw;
-    }
-  }
-  ~Pipeline() { Release(); }
-  Pipeline(const Pipeline&) = delete;
-  Pipeline& operator=(const Pipeline&) = delete;
-
- private:
-  std::vector<cudaEvent_t*> Events() {
-    std::vector<cudaEvent_t*> all = {&fork, &stored};
-    for (int i = 0; i < kGemmPipelineMaxPieces; ++i) {
-      all.push_back(&normalized[i]);
-      all.push_back(&multiplied[i]);
-    }
-    return all;
-  }
-  void Release() {
-    for (cudaEvent_t* e : Events()) {
-      if (*e != nullptr) (void)cudaEventDestroy(*e);
-      *e = nullptr;
-    }
-    for (cudaStream_t* s : {&normalize, &gemm, &store}) {
-      if (*s != nullptr) (void)cudaStreamDestroy(*s);
-      *s = nullptr;
-    }
-  }
-#endif
-};
-
-}  // namespace store
 
 std::string_view StorePathName(StorePath path) {
   switch (path) {
@@ -215,25 +119,9 @@ int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& opti
   return MakeGemmLayout(quantizer, options, num_tokens).total;
 }
 
-int GemmPipelinePieces(const Quantizer& quantizer, const StoreOptions& options,
-                       int64_t num_tokens) {
-  ValidatePipelineOptions(options);
-  if (ResolveStorePath(quantizer, options) != StorePath::kGemm) return 1;
-  const int64_t rows = num_tokens * quantizer.format().num_kv_heads;
-  if (options.gemm_pipeline_pieces == 0) {
-    if (rows < 2 * kGemmPipelinePieceRows) return 1;
-    return static_cast<int>(
-        std::min<int64_t>(kGemmPipelineAutoPieces, rows / kGemmPipelinePieceRows));
-  }
-  return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({int64_t{options.gemm_pipeline_pieces}, int64_t{kGemmPipelineMaxPieces},
-                            rows / kGemmPipelineMinPieceRows})));
-}
-
 void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
                             const StoreInputs& in, CacheRef cache, DeviceWorkspace workspace) {
   const BlockFormat& f = quantizer.format();
-  ValidatePipelineOptions(options);
   if (in.num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", in.num_tokens, ">= 0");
   if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
     throw InvalidArgument(kWhere, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
@@ -361,7 +249,6 @@ BucketLutTable BuildBucketLut(std::span<const float> m) {
 
 StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOptions& options)
     : quantizer_(quantizer), options_(options), path_(ResolveStorePath(quantizer, options)) {
-  ValidatePipelineOptions(options_);
   RequireCudaDevice("StoreDeviceState");
   if (path_ == StorePath::kFp8) return;
   const BlockFormat& f = quantizer_.format();
@@ -415,15 +302,6 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
     TQKV_CUBLAS_CHECK(cublasSetMathMode(
         blas_->get(), options_.gemm_precision == GemmPrecision::kFp32 ? CUBLAS_PEDANTIC_MATH
                                                                       : CUBLAS_DEFAULT_MATH));
-    if (options_.gemm_pipeline_pieces != 1) {
-      pipeline_ = std::make_unique<store::Pipeline>(options_.gemm_pipeline_priority);
-      int device = 0, sms = 0;
-      TQKV_CUDA_CHECK(cudaGetDevice(&device));
-      TQKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      pipeline_memory_ctas_ = options_.gemm_pipeline_memory_ctas >= 0
-                                  ? options_.gemm_pipeline_memory_ctas
-                                  : std::max(1, sms / 2);
-    }
 #endif
   }
 #if TQKV_HAVE_CUDA
@@ -470,86 +348,49 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
                                                        : quantizer_.rotation().matrix[0];
   } else if (path_ == StorePath::kGemm) {
     const GemmLayout l = MakeGemmLayout(quantizer_, options_, in.num_tokens);
-    const int64_t heads = f.num_kv_heads, d = f.head_dim;
+    const int64_t rows = in.num_tokens * f.num_kv_heads;
     const bool bf16 = options_.gemm_precision == GemmPrecision::kBf16;
-    const int64_t unit_key_bytes = bf16 ? 2 : 4, key_bytes = DTypeSize(in.dtype);
-    const int64_t slot_bytes = DTypeSize(in.slot_dtype);
-    auto* const unit_keys = ws + l.unit_keys;
-    auto* const norms = reinterpret_cast<float*>(ws + l.norms);
-    float* const y = reinterpret_cast<float*>(ws + l.y);
-    cublasHandle_t h = blas_->get();
-    // The steps of tokens [t0, t1), with at most `max_ctas` CTAs (0: the full persistent grid).
-    auto normalize = [&](int64_t t0, int64_t t1, int max_ctas, cudaStream_t on) {
-      store::NormalizeParams np;
-      np.key = static_cast<const uint8_t*>(in.key) + t0 * heads * d * key_bytes;
-      np.input = p.input;
-      np.rows = (t1 - t0) * heads;
-      np.head_dim = f.head_dim;
-      np.unit_keys = unit_keys + t0 * heads * d * unit_key_bytes;
-      np.unit_keys_bf16 = bf16;
-      np.norms = norms + t0 * heads;
-      np.max_ctas = max_ctas;
-      TQKV_CHECK(store::LaunchNormalize(np, on));
-      TQKV_CHECK_LAUNCH("NormalizeKernel");
-    };
-    auto gemm = [&](int64_t t0, int64_t t1) {  // on the handle's stream
-      RotationGemm(h, options_.gemm_precision, rotation_.data(),
-                   unit_keys + t0 * heads * d * unit_key_bytes, y + t0 * heads * d,
-                   static_cast<int>(d), static_cast<int>((t1 - t0) * heads));
-    };
-    auto store_rows = [&](int64_t t0, int64_t t1, int max_ctas, cudaStream_t on) {
-      store::StoreParams sp = p;
-      sp.key = static_cast<const uint8_t*>(in.key) + t0 * heads * d * key_bytes;
-      sp.value = static_cast<const uint8_t*>(in.value) + t0 * heads * d * key_bytes;
-      sp.slot_mapping = static_cast<const uint8_t*>(in.slot_mapping) + t0 * slot_bytes;
-      sp.num_tokens = t1 - t0;
-      sp.token_base = t0;
-      sp.key_source = store::KeySource::kLoadY;
-      sp.y = y + t0 * heads * d;
-      sp.norms = norms + t0 * heads;
-      sp.max_ctas = max_ctas;
-      TQKV_CHECK(store::LaunchStore(sp, on));
-      TQKV_CHECK_LAUNCH("StoreKernel");
-    };
-    // cublasSetStream resets cuBLAS to its own workspace pool: set ours after it, every time.
-    auto bind_blas = [&](cudaStream_t on) {
-      blas_->SetStream(on);
-      TQKV_CUBLAS_CHECK(cublasSetWorkspace(h, ws + l.cublas, kCublasWorkspaceBytes));
-    };
+    store::NormalizeParams np;
+    np.key = in.key;
+    np.input = p.input;
+    np.rows = rows;
+    np.head_dim = f.head_dim;
+    np.unit_keys = ws + l.unit_keys;
+    np.unit_keys_bf16 = bf16;
+    np.norms = reinterpret_cast<float*>(ws + l.norms);
+    TQKV_CHECK(store::LaunchNormalize(np, stream));
+    TQKV_CHECK_LAUNCH("NormalizeKernel");
 
-    const int pieces = pipeline_ ? GemmPipelinePieces(quantizer_, options_, in.num_tokens) : 1;
-    if (pieces == 1) {
-      normalize(0, in.num_tokens, 0, stream);
-      bind_blas(stream);
-      gemm(0, in.num_tokens);
-      store_rows(0, in.num_tokens, 0, stream);
-      return;
+    // Row-major y[rows, D] = x̂[rows, D] · Πᵀ[D, D]: column-major yᵀ = Πᵀᵀ · x̂ᵀ, i.e. the GEMM
+    // with m = D, n = rows, k = D and A = Πᵀ, B = x̂ as stored.
+    cublasHandle_t h = blas_->get();
+    blas_->SetStream(stream);  // resets cuBLAS to its own workspace pool: set ours after it
+    TQKV_CUBLAS_CHECK(cublasSetWorkspace(h, ws + l.cublas, kCublasWorkspaceBytes));
+    const int d = f.head_dim, n = static_cast<int>(rows);
+    const float one = 1.0f, zero = 0.0f;
+    float* y = reinterpret_cast<float*>(ws + l.y);
+    switch (options_.gemm_precision) {
+      case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
+                                       CUBLAS_GEMM_DEFAULT));
+        break;
+      case GemmPrecision::kTf32:
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F_FAST_TF32,
+                                       CUBLAS_GEMM_DEFAULT));
+        break;
+      case GemmPrecision::kBf16:
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
+                                       CUDA_R_16BF, d, np.unit_keys, CUDA_R_16BF, d, &zero, y,
+                                       CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        break;
     }
-    // Pipeline: piece i's GEMM waits for its normalize, its store for its GEMM; the normalize
-    // stream runs ahead, the store stream behind. The first normalize and the last store run
-    // alone (full grid); the others share the GPU with a GEMM piece (pipeline_memory_ctas_).
-    const store::Pipeline& pl = *pipeline_;
-    TQKV_CUDA_CHECK(cudaEventRecord(pl.fork, stream));  // after the status memset and prior work
-    TQKV_CUDA_CHECK(cudaStreamWaitEvent(pl.normalize, pl.fork, 0));
-    bind_blas(pl.gemm);
-    for (int i = 0; i < pieces; ++i) {
-      const int64_t t0 = in.num_tokens * i / pieces, t1 = in.num_tokens * (i + 1) / pieces;
-      normalize(t0, t1, i == 0 ? 0 : pipeline_memory_ctas_, pl.normalize);
-      TQKV_CUDA_CHECK(cudaEventRecord(pl.normalized[i], pl.normalize));
-      TQKV_CUDA_CHECK(cudaStreamWaitEvent(pl.gemm, pl.normalized[i], 0));
-      gemm(t0, t1);
-      TQKV_CUDA_CHECK(cudaEventRecord(pl.multiplied[i], pl.gemm));
-      TQKV_CUDA_CHECK(cudaStreamWaitEvent(pl.store, pl.multiplied[i], 0));
-      store_rows(t0, t1, i == pieces - 1 ? 0 : pipeline_memory_ctas_, pl.store);
-    }
-    TQKV_CUDA_CHECK(cudaEventRecord(pl.stored, pl.store));
-    // Join every stream back (stream capture requires each forked stream to be joined; the
-    // normalize and GEMM streams' last events are already recorded after their last work).
-    TQKV_CUDA_CHECK(cudaStreamWaitEvent(stream, pl.normalized[pieces - 1], 0));
-    TQKV_CUDA_CHECK(cudaStreamWaitEvent(stream, pl.multiplied[pieces - 1], 0));
-    TQKV_CUDA_CHECK(cudaStreamWaitEvent(stream, pl.stored, 0));
-    bind_blas(stream);  // restored: the handle no longer refers to the pipeline's stream
-    return;
+    p.key_source = store::KeySource::kLoadY;
+    p.y = y;
+    p.norms = np.norms;
   }
   TQKV_CHECK(store::LaunchStore(p, stream));
   TQKV_CHECK_LAUNCH("StoreKernel");

@@ -11,19 +11,13 @@
 //  - kGemm (MSE presets, any Πᵀ): a normalize kernel writes x̂ = k / (‖k‖ + 1e-8), cuBLAS computes
 //    y = x̂ · Πᵀ (fp32 SGEMM, CUBLAS_PEDANTIC_MATH: no TF32), then the store kernel bucketizes y.
 //    GemmPrecision::kTf32 / kBf16 are faster opt-ins that flip more indices (tools/bench/NOTES.md).
-//    Large stores are pipelined over token ranges ("pieces"): the memory-bound normalize of piece
-//    i + 1 and store of piece i − 1 run on internal streams while the compute-bound GEMM of piece
-//    i runs (StoreOptions::gemm_pipeline_pieces). The bytes are those of the single-piece path.
 // All paths produce the bytes of StoreCpu, except that an MSE index may be one off where y lies
 // within a few ulp of a midpoint (the reference rotates in fp64, these paths in fp32); the norm
 // correction then follows the stored indices. quant/README.md lists the shared numeric choices.
 //
-// Every call is ordered on the caller's stream (after the work already there; later work waits for
-// the whole store), allocates nothing and synchronizes with nothing, so a whole Store (memset of
-// the status, kernels, cuBLAS) can be captured in a CUDA graph. A pipelined GEMM-path store forks
-// onto three streams of the state and joins back with events (created with the state), which
-// stream capture records as graph edges. A state serves every layer of its quantizer, but one host
-// thread at a time (it holds a cuBLAS handle and those streams).
+// Every call works on the caller's stream, allocates nothing and synchronizes with nothing, so a
+// whole Store (memset of the status, kernels, cuBLAS) can be captured in a CUDA graph. A state
+// serves every layer of its quantizer, but one host thread at a time (it holds a cuBLAS handle).
 #pragma once
 
 #include <cstdint>
@@ -40,9 +34,6 @@
 namespace tqkv {
 
 class CublasHandle;
-namespace store {
-struct Pipeline;
-}
 
 enum class StoreRotationPath {
   kAuto,  // kFwht for `hadamard` and `hadamard_signs`, kGemm for any other rotation
@@ -77,34 +68,7 @@ struct StoreOptions {
   // Benchmarks only (tools/bench/store_bench): alternative builds of the MSE store kernel for
   // D = 128 and bf16 inputs, to compare in one run; 0 everywhere else. See tools/bench/NOTES.md.
   int kernel_variant = 0;
-
-  // GEMM path: pieces (token ranges) of the pipeline in which normalize(i + 1) and store(i − 1)
-  // overlap GEMM(i). 0 = automatic: one piece (no pipeline) below 2 · kGemmPipelinePieceRows rows
-  // (tokens × heads), else rows / kGemmPipelinePieceRows pieces, at most kGemmPipelineAutoPieces;
-  // 1 = never pipeline (no internal streams are created); n >= 2 = up to n pieces, at most
-  // kGemmPipelineMaxPieces and each of at least kGemmPipelineMinPieceRows rows. Same bytes for
-  // every value (each row's arithmetic is the same; the GEMMs stay large enough for cuBLAS to keep
-  // to kernels that sum over k in one sequential chain, not split-K).
-  int gemm_pipeline_pieces = 0;
-  // Grid of the memory-bound kernels of a pipelined store while a GEMM piece runs beside them: the
-  // cuBLAS SGEMM's CTAs use the whole register file of an SM (2 × 128 threads × 254 registers, or
-  // 256 × 255), so these kernels cannot run in leftover space; a small persistent grid takes a few
-  // CTA slots and leaves the rest to the GEMM. -1 = automatic (half the SM count), 0 = their full
-  // persistent grid (3 CTAs per SM), n > 0 = n CTAs. The first normalize and the last store piece
-  // run alone and always get the full grid.
-  int gemm_pipeline_memory_ctas = -1;
-  // Runs the memory-bound pieces on high-priority streams (the GEMM on a low-priority one), so that
-  // the block scheduler gives their few CTAs the SM slots that finishing GEMM CTAs free instead of
-  // the GEMM's queued CTAs. Fixed when the StoreDeviceState is built.
-  bool gemm_pipeline_priority = true;
 };
-
-// Rows (tokens × heads) per piece of the automatic GEMM pipeline: 512 CTAs of a 128 × 128 GEMM
-// tile (two waves at two CTAs per SM on an H200's 132 SMs), so that each GEMM piece fills the GPU.
-inline constexpr int64_t kGemmPipelinePieceRows = 65536;
-inline constexpr int kGemmPipelineAutoPieces = 8;
-inline constexpr int kGemmPipelineMaxPieces = 16;
-inline constexpr int64_t kGemmPipelineMinPieceRows = 8192;
 
 // Caller-owned device scratch of at least StoreWorkspaceBytes(...) bytes, 256-byte aligned.
 struct DeviceWorkspace {
@@ -124,17 +88,13 @@ struct StoreStatus {
 // rotation that is not a Hadamard kind.
 StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& options);
 
-// Pieces a store of `num_tokens` tokens is split into (StoreOptions::gemm_pipeline_pieces); 1 for
-// the FP8 and FWHT paths and for a store that is not pipelined.
-int GemmPipelinePieces(const Quantizer& quantizer, const StoreOptions& options, int64_t num_tokens);
-
 // Bytes of workspace a store of up to `num_tokens` tokens needs: 256 for the FP8 and FWHT paths;
 // the GEMM path adds x̂, y and norms for every row and cuBLAS's workspace.
 int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
                             int64_t num_tokens);
 
-// Everything the launcher checks on the host before launching (no device needed): options, dtypes,
-// null pointers, alignment (key/value 16 bytes, slot mapping its element size, cache 16 bytes,
+// Everything the launcher checks on the host before launching (no device needed): dtypes, null
+// pointers, alignment (key/value 16 bytes, slot mapping its element size, cache 16 bytes,
 // workspace 256 bytes), workspace size, sizes. Throws tqkv::Error naming the argument. Slot values
 // live on the device and are checked there (StoreOptions::validate_slots).
 void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
@@ -144,9 +104,8 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
 // Πᵀ for the GEMM path) and, for the GEMM path, a cuBLAS handle: built once, used by every store.
 class StoreDeviceState {
  public:
-  // Uploads the tables (synchronously) and creates the cuBLAS handle and, for a GEMM path that may
-  // pipeline, its streams and events. Throws tqkv::Error without a CUDA device, for invalid
-  // pipeline options, and as ResolveStorePath does.
+  // Uploads the tables (synchronously) and creates the cuBLAS handle. Throws tqkv::Error without a
+  // CUDA device, and as ResolveStorePath does.
   explicit StoreDeviceState(const Quantizer& quantizer, const StoreOptions& options = {});
   ~StoreDeviceState();
   StoreDeviceState(const StoreDeviceState&) = delete;
@@ -186,8 +145,6 @@ class StoreDeviceState {
   DeviceAllocation tables_;    // store::DeviceTables
   DeviceAllocation rotation_;  // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
   std::unique_ptr<CublasHandle> blas_;
-  std::unique_ptr<store::Pipeline> pipeline_;  // GEMM path unless gemm_pipeline_pieces == 1
-  int pipeline_memory_ctas_ = 0;               // resolved gemm_pipeline_memory_ctas (0 = full)
 };
 
 namespace store {

@@ -269,51 +269,6 @@ TEST(StoreHostTest, WorkspaceBytes) {
   EXPECT_THROW(StoreWorkspaceBytes(mse, gemm, -1), Error);
 }
 
-TEST(StoreHostTest, GemmPipelinePieces) {
-  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);  // 8 heads
-  StoreOptions gemm;
-  gemm.rotation_path = StoreRotationPath::kGemm;
-  // Automatic: one piece below 2 · 65,536 rows, then pieces of at least 65,536 rows, at most 8.
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 0), 1);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 256), 1);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 16383), 1);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 16384), 2);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 32768), 4);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 65536), 8);
-  EXPECT_EQ(GemmPipelinePieces(q, gemm, 1 << 20), 8);
-  // The FWHT and FP8 paths never pipeline.
-  EXPECT_EQ(GemmPipelinePieces(q, {}, 65536), 1);
-  EXPECT_EQ(GemmPipelinePieces(Quantizer::Create("turboquant_k8v4", 128, 8, 16), gemm, 65536), 1);
-  // Off, and explicit counts: at most 16, pieces of at least 8,192 rows (1,024 tokens here).
-  StoreOptions off = gemm;
-  off.gemm_pipeline_pieces = 1;
-  EXPECT_EQ(GemmPipelinePieces(q, off, 65536), 1);
-  StoreOptions four = gemm;
-  four.gemm_pipeline_pieces = 4;
-  EXPECT_EQ(GemmPipelinePieces(q, four, 65536), 4);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 4096), 4);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 4095), 3);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 2048), 2);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 1023), 1);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 1), 1);
-  EXPECT_EQ(GemmPipelinePieces(q, four, 0), 1);
-  StoreOptions many = gemm;
-  many.gemm_pipeline_pieces = 100;
-  EXPECT_EQ(GemmPipelinePieces(q, many, 65536), kGemmPipelineMaxPieces);
-  // Invalid options are named (by the validation too).
-  StoreOptions bad = gemm;
-  bad.gemm_pipeline_pieces = -1;
-  EXPECT_THROW(GemmPipelinePieces(q, bad, 65536), Error);
-  bad = gemm;
-  bad.gemm_pipeline_memory_ctas = -2;
-  try {
-    GemmPipelinePieces(q, bad, 65536);
-    FAIL() << "no throw";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("gemm_pipeline_memory_ctas = -2"));
-  }
-}
-
 struct FakeCall {
   // Addresses are never dereferenced by the validation; they only need the right alignment.
   alignas(256) uint8_t storage[4096];
@@ -427,12 +382,6 @@ TEST(StoreHostTest, ValidationNamesTheBadArgument) {
     const Quantizer haar = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16, RotationKind::kHaar);
     FakeCall c;
     EXPECT_THAT(ValidationError(haar, fwht, c), HasSubstr("rotation path"));
-  }
-  {
-    StoreOptions pieces;
-    pieces.gemm_pipeline_pieces = -3;
-    FakeCall c;
-    EXPECT_THAT(ValidationError(q, pieces, c), HasSubstr("gemm_pipeline_pieces = -3"));
   }
 }
 

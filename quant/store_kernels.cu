@@ -428,8 +428,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   auto process = [&](const Loaded& in, int64_t token, int head) {
     const int64_t slot = in.slot;
     if (slot >= p.num_slots && p.status != nullptr && head == 0 && q == 0) {
-      atomicMax(&p.status->inverted_first_bad_token,
-                ~static_cast<unsigned long long>(token + p.token_base));
+      atomicMax(&p.status->inverted_first_bad_token, ~static_cast<unsigned long long>(token));
       atomicAdd(&p.status->num_bad_tokens, 1ull);
     }
     const bool active = slot >= 0 && slot < p.num_slots;  // never write outside the cache
@@ -712,16 +711,9 @@ int ResidentCtas() {
   return ctas;
 }
 
-// Grid of a persistent kernel: one CTA per chunk, at most the resident CTAs and `max_ctas` (> 0).
-int PersistentGrid(int64_t chunks, int resident, int max_ctas) {
-  int64_t grid = std::min<int64_t>(chunks, resident);
-  if (max_ctas > 0) grid = std::min<int64_t>(grid, max_ctas);
-  return static_cast<int>(grid);
-}
-
 template <auto Kernel>
 void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream) {
-  const int grid = PersistentGrid(chunks, ResidentCtas<Kernel>(), p.max_ctas);
+  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>()));
   Kernel<<<grid, kThreads, 0, stream>>>(p);
 }
 
@@ -787,7 +779,7 @@ void LaunchNormalizeTyped(const NormalizeParams& p, StreamHandle stream) {
   constexpr auto kKernel = NormalizeKernel<D, T, kBf16Out>;
   constexpr int64_t kRowsPerCta = int64_t{kNormalizeTileRows<D, T>} * (kThreads / 32);
   const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
-  const int grid = PersistentGrid(ctas, ResidentCtas<kKernel>(), p.max_ctas);
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, ResidentCtas<kKernel>()));
   kKernel<<<grid, kThreads, 0, stream>>>(p);
 }
 

@@ -60,9 +60,7 @@ struct StoreParams {
   float fwht_scale = 0;    // kFwht: fp32(1/√D), the magnitude of every entry of Πᵀ
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
-  int64_t token_base = 0;          // index of token 0 of these tensors in the whole store (status)
   int variant = 0;                 // StoreOptions::kernel_variant (benchmarks only)
-  int max_ctas = 0;                // > 0: at most this many CTAs (else as many as are resident)
 };
 
 // x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.
@@ -74,7 +72,6 @@ struct NormalizeParams {
   void* unit_keys = nullptr;  // [rows, D] fp32, or bf16 when unit_keys_bf16
   bool unit_keys_bf16 = false;
   float* norms = nullptr;  // [rows]
-  int max_ctas = 0;        // > 0: at most this many CTAs (else as many as are resident)
 };
 
 // Each returns false (launching nothing) for a combination the kernels do not instantiate; the

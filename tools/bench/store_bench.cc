@@ -3,9 +3,9 @@
 // events, median of batches, inputs rotated over more than 4x the L2), µs per call inside a CUDA
 // graph for small N, the minimum bytes (read K and V once, write the slots once), GB/s and the
 // fraction of the copy ceiling measured in the same run. Also: cuBLAS GEMM alone and one read of y
-// (the GEMM path's own floor), the GEMM path pipelined over N against one piece (time and bytes),
-// index flip rates of every rotation path against the CPU reference, and input/output files for
-// tools/bench/store_seed_bench.py (the vLLM Triton seed on the same inputs).
+// (the GEMM path's own floor), index flip rates of every rotation path against the CPU reference,
+// and input/output files for tools/bench/store_seed_bench.py (the vLLM Triton seed on the same
+// inputs).
 //
 // Usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]
 //   DIR defaults to $LOG_DIR or "."; --seed-dir defaults to /tmp/store_bench.
@@ -350,8 +350,7 @@ int Main(int argc, char** argv) {
   }
   RequireCudaDevice("store_bench");
   if (profile) {
-    // For a profiler (ncu, nsys): each path (and the FWHT kernel's variants) once at N = 65,536;
-    // the GEMM path as one piece and pipelined (the default).
+    // For a profiler (ncu): each path (and the FWHT kernel's variants) once at N = 65,536.
     Stream stream;
     const DeviceInfo dev = QueryDevices().at(0);
     const Shape s(65536, dev.l2_cache_bytes, 7, stream.get());
@@ -359,20 +358,17 @@ int Main(int argc, char** argv) {
       const char* preset;
       StoreRotationPath path;
       int variant;
-      int pieces;  // StoreOptions::gemm_pipeline_pieces
     };
-    for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0, 0},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1, 0},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2, 0},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0, 1},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0, 0},
-                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0, 0}}) {
+    for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
+                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
       const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
       StoreOptions o;
       o.rotation_path = c.path;
       o.validate_slots = false;
       o.kernel_variant = c.variant;
-      o.gemm_pipeline_pieces = c.pieces;
       const StoreDeviceState state(q, o);
       DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
       DeviceAllocation ws(state.WorkspaceBytes(s.n));
@@ -493,112 +489,6 @@ int Main(int argc, char** argv) {
                                         {"bytes_differ", differ}});
         }
       }
-    }
-  }
-
-  // The GEMM path pipelined over N (StoreOptions::gemm_pipeline_*), 4bit_nc: one piece against
-  // the automatic setting and a sweep of pieces × grid of the memory-bound kernels beside a GEMM
-  // piece (0 = full) × stream priority; each configuration's bytes against one piece's (same
-  // inputs, cleared cache). Also cuBLAS alone, whole and in P back-to-back pieces (what splitting
-  // the GEMM costs by itself), and the automatic setting inside a CUDA graph.
-  for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
-    if (quick && n != 65536) continue;
-    const Shape s(n, dev.l2_cache_bytes, 700 + n, stream.get());
-    const Quantizer q = Quantizer::Create("turboquant_4bit_nc", kHeadDim, kHeads, kBlock);
-    const double min_bytes = double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes);
-    struct Config {
-      int pieces, memory_ctas;
-      bool priority;
-    };
-    std::vector<Config> configs = {{1, -1, true}, {0, -1, true}};
-    const int sms = dev.sm_count;
-    for (int pieces : n == 16384 ? std::vector<int>{2, 4} : std::vector<int>{4, 8}) {
-      for (int ctas : {0, sms / 4, sms / 2, sms}) {
-        for (bool priority : {true, false}) configs.push_back({pieces, ctas, priority});
-      }
-    }
-    std::vector<uint8_t> one;
-    double one_us = 0;
-    for (const Config& c : configs) {
-      StoreOptions o;
-      o.rotation_path = StoreRotationPath::kGemm;
-      o.validate_slots = false;
-      o.gemm_pipeline_pieces = c.pieces;
-      o.gemm_pipeline_memory_ctas = c.memory_ctas;
-      o.gemm_pipeline_priority = c.priority;
-      const StoreDeviceState state(q, o);
-      DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
-      DeviceAllocation ws(state.WorkspaceBytes(n));
-      auto call = [&](int i) {
-        state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                    {ws.data(), ws.size_bytes()}, stream.get());
-      };
-      const double us = TimeUs(call, stream.get());
-      cache.FillBytes(0, stream.get());
-      call(0);
-      TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
-      const std::vector<uint8_t> bytes = ToHost<uint8_t>(cache.data(), cache.size_bytes());
-      if (c.pieces == 1) {
-        one = bytes;
-        one_us = us;
-      }
-      const int64_t differ = static_cast<int64_t>(
-          std::inner_product(bytes.begin(), bytes.end(), one.begin(), int64_t{0}, std::plus<>(),
-                             [](uint8_t a, uint8_t b) { return int64_t{a != b}; }));
-      const int pieces = GemmPipelinePieces(q, o, n);
-      const std::string label =
-          c.pieces == 1 ? std::string("one piece")
-          : c.pieces == 0
-              ? fmt::format("auto P={} ctas={} prio=1", pieces, std::max(1, sms / 2))
-              : fmt::format("P={} ctas={} prio={}", pieces, c.memory_ctas, int{c.priority});
-      std::printf(
-          "pipeline %-22s turboquant_4bit_nc gemm N=%6lld: %8.2f us (%.1f%% of copy, %.2fx one "
-          "piece), %lld bytes differ from one piece\n",
-          label.c_str(), static_cast<long long>(n), us,
-          100.0 * min_bytes / us / 1e3 / ceil.copy_gbps, one_us / us,
-          static_cast<long long>(differ));
-      std::fflush(stdout);
-      report["pipeline"].push_back({{"n", n},
-                                    {"pieces_option", c.pieces},
-                                    {"pieces", pieces},
-                                    {"memory_ctas", c.memory_ctas},
-                                    {"priority", c.priority},
-                                    {"us", us},
-                                    {"bytes_differ", differ}});
-      if (c.pieces == 0) {  // the default in a graph (few calls per graph: each is long)
-        const double graph_us = GraphUs(call, n <= 16384 ? 5 : 2, stream.get());
-        std::printf(
-            "pipeline %-22s turboquant_4bit_nc gemm N=%6lld: %8.2f us per call in a graph\n",
-            label.c_str(), static_cast<long long>(n), graph_us);
-        report["pipeline_graph_us"][std::to_string(n)] = graph_us;
-      }
-    }
-    // cuBLAS alone on x̂-sized data, whole and in P back-to-back pieces on one stream.
-    const int64_t rows = n * kHeads;
-    DeviceAllocation x(rows * kHeadDim * 4), y(rows * kHeadDim * 4), pit(kHeadDim * kHeadDim * 4);
-    bench::FillRowsF32(static_cast<float*>(x.data()), rows, kHeadDim, 5, stream.get());
-    bench::FillRowsF32(static_cast<float*>(pit.data()), kHeadDim, kHeadDim, 6, stream.get());
-    CublasHandle blas;
-    blas.SetStream(stream.get());
-    TQKV_CUBLAS_CHECK(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));
-    const float one_f = 1.0f, zero_f = 0.0f;
-    for (int pieces : {1, 2, 4, 8}) {
-      const double us = TimeUs(
-          [&](int) {
-            for (int i = 0; i < pieces; ++i) {
-              const int64_t r0 = rows * i / pieces, r1 = rows * (i + 1) / pieces;
-              TQKV_CUBLAS_CHECK(cublasGemmEx(
-                  blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, kHeadDim, static_cast<int>(r1 - r0),
-                  kHeadDim, &one_f, pit.data(), CUDA_R_32F, kHeadDim,
-                  static_cast<const float*>(x.data()) + r0 * kHeadDim, CUDA_R_32F, kHeadDim,
-                  &zero_f, static_cast<float*>(y.data()) + r0 * kHeadDim, CUDA_R_32F, kHeadDim,
-                  CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
-            }
-          },
-          stream.get());
-      std::printf("pipeline cuBLAS fp32 alone N=%6lld in %d piece(s): %8.2f us\n",
-                  static_cast<long long>(n), pieces, us);
-      report["pipeline_gemm_alone_us"][std::to_string(n)][std::to_string(pieces)] = us;
     }
   }
 
