@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       }
     }
 
-    uint32_t pb[kNTiles][2];
+    uint32_t pb[kNTiles][2], pb_lo[kNTiles][2];  // P' as 16-bit hi and lo parts
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       // s[0..1]: token 2g, heads 2t, 2t+1; s[2..3]: token 2g + 1.
@@ -577,17 +577,23 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       }
       // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
       // give head g at tokens 4t, 4t+2 (k-slots 2t, 2t+1) and 4t+1, 4t+3 (k-slots 2t+8, 2t+9).
+      // Compressed kinds: P' = hi + lo (fp16 each, ~2^-22 together), two P·V MMAs keep the output
+      // at fp32 level (one fp16 P' leaves 2^-12 per token, which the zero-point term amplifies).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        uint32_t packed;
-        if constexpr (Traits::kBf16) {
+        uint32_t packed, packed_lo = 0;
+        if constexpr (Traits::kBf16) {  // bf16 P', as flash-attention kernels round it
           const __nv_bfloat162 x = __floats2bfloat162_rn(pw[2 * r], pw[2 * r + 1]);
           packed = *reinterpret_cast<const uint32_t*>(&x);
         } else {
           const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+          const __half2 y =
+              __floats2half2_rn(pw[2 * r] - __low2float(x), pw[2 * r + 1] - __high2float(x));
           packed = *reinterpret_cast<const uint32_t*>(&x);
+          packed_lo = *reinterpret_cast<const uint32_t*>(&y);
         }
         pb[nt][r] = Transpose8x8(packed);
+        pb_lo[nt][r] = Traits::kBf16 ? 0u : Transpose8x8(packed_lo);
       }
     }
 
@@ -613,7 +619,10 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
         for (int k = 0; k < 2; ++k) {
           const uint32_t a[4] = {r01[k][0], r01[k][1], r89[k][0], r89[k][1]};
 #pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
+            MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+          }
         }
       });
     } else {
@@ -628,6 +637,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
             MmaBf16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
           } else {
             MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+            MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });
@@ -775,40 +785,78 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   if (d == 0) p.lse[row] = splits > 0 ? mx + logf(total) : -INFINITY;
 }
 
-// q·Πᵀ (or a plain conversion) for every (sequence, query head); one CTA per row.
+// q·Πᵀ (or a plain conversion) for every (sequence, query head). One CTA per kPrepRows rows and
+// one thread per output element j (blockDim = head_dim), so that each element of Πᵀ is read once
+// per CTA (not once per row) and applied to all rows from shared memory; Πᵀ comes in tiles of
+// kPrepTile rows whose loads are all in flight at once (a dependent chain of L2 round trips made
+// this kernel 16 µs at batch 64).
+constexpr int kPrepRows = 8;
+constexpr int kPrepTile = 32;
+
 __global__ void QueryPrepKernel(const QueryPrepParams p) {
-  extern __shared__ float q_s[];
-  const int row = blockIdx.x;
+  extern __shared__ float4 q_s4[];  // [head_dim][kPrepRows] floats, then [kPrepTile][head_dim]
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  float* r_s = q_s + p.head_dim * kPrepRows;
+  const int row0 = blockIdx.x * kPrepRows;
+  const int rows = min(kPrepRows, p.rows - row0);
   const int n = p.head_dim;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int64_t at = static_cast<int64_t>(row) * n + i;
-    float v;
-    if (p.in_dtype == 0) {
-      v = static_cast<const float*>(p.query)[at];
-    } else if (p.in_dtype == 1) {
-      v = __half2float(static_cast<const __half*>(p.query)[at]);
-    } else {
-      v = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
+  for (int k = threadIdx.x; k < kPrepRows * n; k += blockDim.x) {
+    const int r = k / n, i = k % n;
+    float v = 0.0f;
+    if (r < rows) {
+      const int64_t at = static_cast<int64_t>(row0 + r) * n + i;
+      if (p.in_dtype == 0) {
+        v = static_cast<const float*>(p.query)[at];
+      } else if (p.in_dtype == 1) {
+        v = __half2float(static_cast<const __half*>(p.query)[at]);
+      } else {
+        v = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
+      }
     }
-    q_s[i] = v;
+    q_s[i * kPrepRows + r] = v;
   }
-  __syncthreads();
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    float y;
-    if (p.rotation != nullptr) {
-      y = 0.0f;
-      for (int i = 0; i < n; ++i) y = fmaf(q_s[i], p.rotation[static_cast<int64_t>(i) * n + j], y);
-    } else {
-      y = q_s[j];
+  const int j = threadIdx.x;
+  float y[kPrepRows];
+  if (p.rotation != nullptr) {
+#pragma unroll
+    for (int r = 0; r < kPrepRows; ++r) y[r] = 0.0f;
+    for (int i0 = 0; i0 < n; i0 += kPrepTile) {
+      __syncthreads();  // the rows are in q_s; the previous tile has been used
+#pragma unroll
+      for (int i = 0; i < kPrepTile; ++i) {
+        r_s[i * n + j] = __ldg(p.rotation + static_cast<int64_t>(i0 + i) * n + j);
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int i = 0; i < kPrepTile; ++i) {
+        const float w = r_s[i * n + j];
+        const float4 a = q_s4[2 * (i0 + i)], b = q_s4[2 * (i0 + i) + 1];
+        y[0] = fmaf(a.x, w, y[0]);
+        y[1] = fmaf(a.y, w, y[1]);
+        y[2] = fmaf(a.z, w, y[2]);
+        y[3] = fmaf(a.w, w, y[3]);
+        y[4] = fmaf(b.x, w, y[4]);
+        y[5] = fmaf(b.y, w, y[5]);
+        y[6] = fmaf(b.z, w, y[6]);
+        y[7] = fmaf(b.w, w, y[7]);
+      }
     }
-    const int64_t at = static_cast<int64_t>(row) * n + j;
+  } else {
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kPrepRows; ++r) y[r] = q_s[j * kPrepRows + r];
+  }
+#pragma unroll
+  for (int r = 0; r < kPrepRows; ++r) {
+    if (r >= rows) break;
+    const int64_t at = static_cast<int64_t>(row0 + r) * n + j;
     if (p.out_bf16) {
-      p.out[at] = __bfloat16_as_ushort(__float2bfloat16_rn(y));
+      p.out[at] = __bfloat16_as_ushort(__float2bfloat16_rn(y[r]));
     } else {
-      const __half hi = __float2half_rn(y);
+      const __half hi = __float2half_rn(y[r]);
       p.out[at] = __half_as_ushort(hi);
       p.out[static_cast<int64_t>(p.rows) * n + at] =
-          __half_as_ushort(__float2half_rn(y - __half2float(hi)));
+          __half_as_ushort(__float2half_rn(y[r] - __half2float(hi)));
     }
   }
 }
@@ -892,7 +940,9 @@ cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
-  QueryPrepKernel<<<p.rows, p.head_dim, p.head_dim * sizeof(float), stream>>>(p);
+  static_assert(kPrepRows == 8, "the kernel reads a row group as two float4");
+  QueryPrepKernel<<<(p.rows + kPrepRows - 1) / kPrepRows, p.head_dim,
+                    (kPrepRows + kPrepTile) * p.head_dim * sizeof(float), stream>>>(p);
   return cudaGetLastError();
 }
 

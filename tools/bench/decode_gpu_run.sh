@@ -32,7 +32,7 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
   echo "decode_bench exit $?"
   if [ -n "$ncu_shape" ] && command -v ncu >/dev/null; then
     echo "== ncu $ncu_shape"
-    timeout 150 ncu --clock-control none -k regex:DecodeSplitKernel -c 1 \
+    timeout 150 ncu --clock-control none -k regex:"DecodeSplitKernel|QueryPrep|DecodeMerge" -c 3 \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section SchedulerStats --section WarpStateStats \
       --metrics "smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
