@@ -10,6 +10,11 @@
 //   scores  Sᵀ[token, head] = K̂[token, d] · Qᵀ[d, head]       (M = 16 tokens, N = 8 heads)
 //   output  Oᵀ[d, head]    += Vcodesᵀ[d, token] · P'ᵀ[token, head]   (M = 16 d, N = 8 heads)
 //
+// (codebook keys: M = 8 tokens × {c_hi, c_lo} rows per score MMA). Everything that is rounded to
+// 16 bits for an MMA is split into a hi and a lo part — q·Πᵀ, the codebook, p·scale — so scores
+// and outputs keep fp32 accuracy; the online softmax rescales lazily (only when a score passes
+// the running maximum by 2^6), and P' reaches the B operand of P·V by an 8x8 movmatrix.
+//
 // A dot product does not care in which order its terms are summed, so each thread's fragment
 // slots are mapped to the d's (and tokens) that make its loads contiguous: a thread reads whole
 // 8- or 16-byte runs of one token's codes. The key codebook is applied through a shared-memory
@@ -787,14 +792,20 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
 
 // q·Πᵀ (or a plain conversion) for every (sequence, query head). One CTA per kPrepRows rows and
 // one thread per output element j (blockDim = head_dim), so that each element of Πᵀ is read once
-// per CTA (not once per row) and applied to all rows from shared memory; Πᵀ comes in tiles of
-// kPrepTile rows whose loads are all in flight at once (a dependent chain of L2 round trips made
-// this kernel 16 µs at batch 64).
+// per CTA (not once per row) and applied to all rows from shared memory. Πᵀ is staged by
+// cp.async in tiles of 64 KB (all of it for D ≤ 128), every copy of a tile in flight at once: a
+// chain of dependent L2 round trips made this kernel 12-16 µs at batch 64.
 constexpr int kPrepRows = 8;
-constexpr int kPrepTile = 32;
+constexpr int kPrepTileBytes = 64 * 1024;
+
+__device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(gmem_src));
+}
 
 __global__ void QueryPrepKernel(const QueryPrepParams p) {
-  extern __shared__ float4 q_s4[];  // [head_dim][kPrepRows] floats, then [kPrepTile][head_dim]
+  extern __shared__ float4 q_s4[];  // [head_dim][kPrepRows] floats, then a tile of Πᵀ
   float* q_s = reinterpret_cast<float*>(q_s4);
   float* r_s = q_s + p.head_dim * kPrepRows;
   const int row0 = blockIdx.x * kPrepRows;
@@ -820,15 +831,17 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
   if (p.rotation != nullptr) {
 #pragma unroll
     for (int r = 0; r < kPrepRows; ++r) y[r] = 0.0f;
-    for (int i0 = 0; i0 < n; i0 += kPrepTile) {
+    const int tile_rows = min(n, kPrepTileBytes / (n * 4));
+    for (int i0 = 0; i0 < n; i0 += tile_rows) {
       __syncthreads();  // the rows are in q_s; the previous tile has been used
-#pragma unroll
-      for (int i = 0; i < kPrepTile; ++i) {
-        r_s[i * n + j] = __ldg(p.rotation + static_cast<int64_t>(i0 + i) * n + j);
+      const int pieces = tile_rows * n / 4;  // 16-byte copies
+      for (int k = threadIdx.x; k < pieces; k += blockDim.x) {
+        CopyAsync16(r_s + 4 * k, p.rotation + static_cast<int64_t>(i0) * n + 4 * k);
       }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
       __syncthreads();
 #pragma unroll 8
-      for (int i = 0; i < kPrepTile; ++i) {
+      for (int i = 0; i < tile_rows; ++i) {
         const float w = r_s[i * n + j];
         const float4 a = q_s4[2 * (i0 + i)], b = q_s4[2 * (i0 + i) + 1];
         y[0] = fmaf(a.x, w, y[0]);
@@ -941,8 +954,13 @@ cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
   static_assert(kPrepRows == 8, "the kernel reads a row group as two float4");
-  QueryPrepKernel<<<(p.rows + kPrepRows - 1) / kPrepRows, p.head_dim,
-                    (kPrepRows + kPrepTile) * p.head_dim * sizeof(float), stream>>>(p);
+  const int smem = kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) +
+                   (p.rotation != nullptr ? kPrepTileBytes : 0);
+  static const cudaError_t configured = cudaFuncSetAttribute(
+      QueryPrepKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      kPrepRows * 256 * static_cast<int>(sizeof(float)) + kPrepTileBytes);
+  if (configured != cudaSuccess) return configured;
+  QueryPrepKernel<<<(p.rows + kPrepRows - 1) / kPrepRows, p.head_dim, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
