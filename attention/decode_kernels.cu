@@ -46,6 +46,8 @@ constexpr int kChunk = 16;     // tokens per MMA chunk
 constexpr uint32_t kSmemStart = 0x400;
 // Lazy softmax maximum: a chunk rescales the running sums only when a score exceeds the running
 // maximum by more than this (log2 units), so p = 2^(s - m) ≤ 2^kLazyMax; otherwise no reduction.
+// P' = p · value scale must stay below the fp16 maximum: value scales up to 65504 / 2^6 ≈ 1023
+// (value ranges up to ~15,000) are safe.
 constexpr float kLazyMax = 6.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
@@ -373,10 +375,9 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   }
 
   // Query fragments (B operand of the score MMA), loaded once: head 8·nt + g. The compressed
-  // kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), and the codebook kinds the
-  // centroids as hi + lo too; scores sum q_hi·c_hi + q_lo·c_hi + q_hi·c_lo in separate
-  // accumulators (three independent MMA chains), so they keep fp32 accuracy. The bf16 kind uses
-  // the (bf16) query as given.
+  // kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the
+  // codebook kinds the centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy.
+  // The bf16 kind uses the (bf16) query as given.
   constexpr int kQParts = Traits::kBf16 ? 1 : 2;
   const int64_t q_part_stride = static_cast<int64_t>(p.num_seqs) * p.num_q_heads * kD;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
