@@ -25,8 +25,7 @@ struct CudaDecoder::State {
   int key_kind = 0;  // decode_detail::KeyKind
   bool rotate_query = false;
   DeviceBuffer<float> rotation;  // Πᵀ [D, D]
-  uint16_t centroids[16] = {};     // fp16 hi parts of the codebook
-  uint16_t centroids_lo[16] = {};  // fp16 of the remainders
+  DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
   int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
 };
@@ -55,12 +54,26 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
     s.rotate_query = true;
     s.rotation = DeviceBuffer<float>(int64_t{d} * d);
     s.rotation.CopyFromHost(q.rotation().matrix);
+    // The codebook as fp16 hi + lo parts (c ≈ hi + lo to ~2^-22), laid out as the split kernel
+    // reads it from shared memory.
     const auto& c = q.codebook().centroids;
-    for (size_t i = 0; i < c.size(); ++i) {
-      s.centroids[i] = FloatToHalfBits(c[i]);
-      s.centroids_lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(s.centroids[i]));
+    uint16_t hi[16] = {}, lo[16] = {};
+    for (size_t i = 0; i < c.size() && i < 16; ++i) {
+      hi[i] = FloatToHalfBits(c[i]);
+      lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(hi[i]));
     }
+#if TQKV_HAVE_CUDA
+    const std::vector<uint32_t> table =
+        decode_detail::CodebookTable(s.format.key_bits, hi, lo);
+    s.codebook_table = DeviceBuffer<uint32_t>(static_cast<int64_t>(table.size()));
+    s.codebook_table.CopyFromHost(table);
+#endif
   }
+#if TQKV_HAVE_CUDA
+  // The uploads are copies from pageable memory, which may return before the data lands; a Run
+  // on a non-blocking stream is not ordered after them.
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
   s.sm_count = DeviceSmCount();
 }
 
@@ -214,8 +227,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.query = qbuf;
   sp.partial_out = partial_out;
   sp.partial_lse = partial_lse;
-  std::memcpy(sp.centroids, s.centroids, sizeof(sp.centroids));
-  std::memcpy(sp.centroids_lo, s.centroids_lo, sizeof(sp.centroids_lo));
+  sp.codebook_table = reinterpret_cast<const uint4*>(s.codebook_table.data());
   sp.num_seqs = plan.num_seqs;
   sp.num_q_heads = plan.num_q_heads;
   sp.num_kv_heads = num_kv_heads();

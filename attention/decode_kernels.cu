@@ -91,6 +91,35 @@ __device__ __forceinline__ void LutLoad(uint32_t addr, uint32_t& hi, uint32_t& l
   static_assert(kSmemStart == 1024);
 }
 
+// 16 bytes global -> shared, asynchronously (L2 only); completed by CopyAsyncWait.
+__device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(gmem_src));
+}
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Programmatic dependent launch (the host launches the split and merge kernels with
+// cudaLaunchAttributeProgrammaticStreamSerialization): a dependent grid may start while the grid
+// before it runs, and waits for that grid's completion (and its memory) at GridDependencyWait;
+// without the attribute both are no-ops.
+__device__ __forceinline__ void GridDependencyWait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// 2^x by the SFU alone (exp2f adds a range check and a scaling for results below 2^-126, which
+// only matter for weights that vanish next to the running maximum's 1); 2^-inf = 0.
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two E4M3 bytes (low byte -> low half) to f16x2.
 __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   uint32_t out;
@@ -232,9 +261,6 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
   static constexpr int kKeyWords = kKeyBytes / 4 + (kKeyBytes % 4 != 0);
   static constexpr int kKeyAlign = 16;
   static constexpr int kLutEntries = 256;  // code pairs
-  __device__ __forceinline__ static uint32_t LutValue(int e, const uint16_t* c) {
-    return uint32_t{c[e & 15]} | (uint32_t{c[e >> 4]} << 16);
-  }
   // Address of the entry for byte kB of `w`: byte kB%4 of w to bits 8-15, bytes 0, 2, 3 of
   // lane_word (8·lane; 0; the window's top byte) around it.
   template <int kB>
@@ -259,9 +285,6 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
   static constexpr int kKeyWords = (kKeyBytes + 3) / 4;
   static constexpr int kKeyAlign = kD == 64 ? 2 : (kD == 128 ? 4 : 8);
   static constexpr int kLutEntries = 64;
-  __device__ __forceinline__ static uint32_t LutValue(int e, const uint16_t* c) {
-    return uint32_t{c[e & 7]} | (uint32_t{c[e >> 3]} << 16);
-  }
   template <int kS>
   __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
                                                      uint32_t lane_word, uint32_t (&a)[4]) {
@@ -278,7 +301,6 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
   static constexpr int kKeyWords = kKeyBytes / 4;
   static constexpr int kKeyAlign = 16;
   static constexpr int kLutEntries = 0;
-  __device__ __forceinline__ static uint32_t LutValue(int, const uint16_t*) { return 0; }
   template <int kS>
   __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
                                                  const uint32_t (&k8)[kKeyWords],
@@ -303,7 +325,6 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
   static constexpr int kValueBytes = kD / 4;  // D/16 m-tiles x one word (2 elements)
   static constexpr int kValueWords = kValueBytes / 4;
   static constexpr int kValueAlign = 16;
-  __device__ __forceinline__ static uint32_t LutValue(int, const uint16_t*) { return 0; }
   template <int kS>
   __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
                                                  const uint32_t (&k8)[kKeyWords],
@@ -341,8 +362,23 @@ struct SplitKernelConfig {
 //   score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1;
 //   P·V MMA k-slots 2t, 2t+1 ↔ tokens 4t, 4t+2 and k-slots 2t+8, 2t+9 ↔ tokens 4t+1, 4t+3,
 // which is where the 8x8 transposes of the score fragment put P'.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles>
-__global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams p) {
+// CTAs per SM the kernel is compiled for. The bf16 kernel at D ≤ 128 fits 128 registers without
+// spilling, so four CTAs (16 warps) per SM keep more loads in flight: 4 % faster at batch 64 × 4k.
+// The compressed kernels need ~164 registers; capped at 128 they spill and ran 20-35 % slower
+// (measured, k3v4_nc and k8v4), and the 4-bit table (64 KB) allows three CTAs anyway.
+template <KeyKind kKind, int kD, int kNTiles>
+constexpr int kSplitMinCtas = (kKind == KeyKind::kBf16 && kNTiles == 1 && kD <= 128) ? 4 : 1;
+
+//
+// Packed heads (kPacked: compressed kinds, GQA group ≤ 4): the N = 8 columns of the score MMA hold
+// q_hi of the group's heads in columns 0-3 and q_lo in columns 4-7, so one MMA computes both
+// parts (thread t and thread t ^ 2 hold a head's two halves and add them with one shuffle), and
+// the P·V B operand holds P'_hi in columns 0-3 and P'_lo in 4-7, so one P·V MMA per m-tile does
+// what two did; the accumulator halves are added once per split. Half the MMAs per chunk.
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked>
+__global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
+    DecodeSplitKernel(const SplitParams p) {
+  static_assert(!kPacked || (kNTiles == 1 && kKind != KeyKind::kBf16));
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
   using Traits = typename Config::Traits;
   constexpr int kKSteps = Config::kKSteps;
@@ -361,42 +397,54 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
 
-  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l).
+  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l), copied from
+  // the decoder's prebuilt table (decode_launch.h, CodebookTable) while the first chunk loads.
   uint32_t lane_word = 0;
   if constexpr (kCodebook) {
     const uint32_t window = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     if ((window & 0x00FFFFFFu) != kSmemStart) __trap();  // the lookups assume this layout
-    uint2* lut = reinterpret_cast<uint2*>(smem);
-    for (int i = threadIdx.x; i < Traits::kLutEntries * 32; i += kThreads) {
-      const int e = i >> 5;
-      lut[i] = make_uint2(Traits::LutValue(e, p.centroids), Traits::LutValue(e, p.centroids_lo));
+    constexpr int kPieces = Traits::kLutEntries * 256 / 16;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < kPieces; i += kThreads) {
+      CopyAsync16(smem + 16 * i, p.codebook_table + i);
     }
     lane_word = (window & 0xFF000000u) | (8u * lane);
   }
 
-  // Query fragments (B operand of the score MMA), loaded once: head 8·nt + g. The compressed
-  // kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the
-  // codebook kinds the centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy.
-  // The bf16 kind uses the (bf16) query as given.
-  constexpr int kQParts = Traits::kBf16 ? 1 : 2;
-  const int64_t q_part_stride = static_cast<int64_t>(p.num_seqs) * p.num_q_heads * kD;
+  // Query fragments (B operand of the score MMA), loaded once the query prep grid is done: head
+  // 8·nt + g. The compressed kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one
+  // MMA chain each, and the codebook kinds the centroids as hi + lo rows of the A operand, so
+  // scores keep fp32 accuracy. The bf16 kind uses the (bf16) query as given.
+  constexpr int kQParts = Traits::kBf16 || kPacked ? 1 : 2;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
+  // Everything the split needs from earlier grids: waits for the query prep (programmatic launch),
+  // loads the query fragments and completes the table copy.
+  auto finish_prologue = [&] {
+    GridDependencyWait();
+    const int64_t q_part_stride = static_cast<int64_t>(p.num_seqs) * p.num_q_heads * kD;
 #pragma unroll
-  for (int part = 0; part < kQParts; ++part) {
+    for (int part = 0; part < kQParts; ++part) {
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const int head = 8 * nt + g;
-      const uint16_t* q = p.query + part * q_part_stride +
-                          (static_cast<int64_t>(b) * p.num_q_heads + h * group + head) * kD +
-                          (kD / 4) * t;
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        // Packed: column g holds part g / 4 of head g % 4.
+        const int head = kPacked ? (g & 3) : 8 * nt + g;
+        const int q_part = kPacked ? (g >> 2) : part;
+        const uint16_t* q = p.query + q_part * q_part_stride +
+                            (static_cast<int64_t>(b) * p.num_q_heads + h * group + head) * kD +
+                            (kD / 4) * t;
 #pragma unroll
-      for (int s = 0; s < kKSteps; ++s) {
-        qf[part][nt][s][0] = head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s) : 0u;
-        qf[part][nt][s][1] = head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s + 2) : 0u;
+        for (int s = 0; s < kKSteps; ++s) {
+          qf[part][nt][s][0] = head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s) : 0u;
+          qf[part][nt][s][1] =
+              head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s + 2) : 0u;
+        }
       }
     }
-  }
-  __syncthreads();
+    if constexpr (kCodebook) {
+      CopyAsyncWait();
+      __syncthreads();
+    }
+  };
 
   float acc[kMTiles][kNTiles][4];
   float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
@@ -474,8 +522,10 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     // chains sp[k] (summed below). FP8 / bf16 keys: M rows g, g + 8 are tokens 2g, 2g + 1;
     // chains k = q parts. Codebook keys: one MMA per token half (k = 2·half + q part), whose rows
     // g and g + 8 hold the c_hi and c_lo parts of the same token (one 64-bit table load gives
-    // both), so S = C[row g] + C[row g + 8].
-    constexpr int kParts = Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
+    // both, in the consecutive registers an MMA operand needs), so S = C[row g] + C[row g + 8].
+    // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
+    // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
+    constexpr int kParts = kPacked ? (kCodebook ? 2 : 1) : Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
     for (int k = 0; k < kParts; ++k) {
@@ -491,12 +541,17 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
         uint32_t a0[4], a1[4];
         Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
         Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
+        if constexpr (kPacked) {  // chains k = token half; q parts are columns
+          MmaF16(sp[0][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
+          MmaF16(sp[1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
+        } else {
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          MmaF16(sp[0][nt], a0, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          MmaF16(sp[1][nt], a0, qf[1][nt][ks][0], qf[1][nt][ks][1]);
-          MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            MmaF16(sp[0][nt], a0, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[1][nt], a0, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+            MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          }
         }
       } else {
         uint32_t a[4];
@@ -505,6 +560,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
         for (int nt = 0; nt < kNTiles; ++nt) {
           if constexpr (Traits::kBf16) {
             MmaBf16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          } else if constexpr (kPacked) {
+            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
           } else {
             MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
             MmaF16(sp[1][nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
@@ -535,7 +592,11 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float sum;
-        if constexpr (kCodebook) {
+        if constexpr (kPacked) {  // this thread's q part, then the other part from thread t ^ 2
+          const int half = i / 2, j = i % 2;
+          sum = kCodebook ? sp[half][nt][j] + sp[half][nt][j + 2] : sp[0][nt][i];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        } else if constexpr (kCodebook) {
           const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
           sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
                 (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
@@ -576,7 +637,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
       for (int i = 0; i < 4; ++i) {
         const int r = i / 2, j = i % 2;
         // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
-        const float pr = exp2f(s[i] - m[nt][j]);
+        const float pr = FastExp2(s[i] - m[nt][j]);
         l[nt][j] += pr;
         if constexpr (!Traits::kBf16) z[nt][j] += pr * vz[r];
         pw[i] = pr * vs[r];
@@ -597,9 +658,10 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
               __floats2half2_rn(pw[2 * r] - __low2float(x), pw[2 * r + 1] - __high2float(x));
           packed = *reinterpret_cast<const uint32_t*>(&x);
           packed_lo = *reinterpret_cast<const uint32_t*>(&y);
+          if constexpr (kPacked) packed = t < 2 ? packed : packed_lo;  // columns 4-7: P'_lo
         }
         pb[nt][r] = Transpose8x8(packed);
-        pb_lo[nt][r] = Traits::kBf16 ? 0u : Transpose8x8(packed_lo);
+        pb_lo[nt][r] = Traits::kBf16 || kPacked ? 0u : Transpose8x8(packed_lo);
       }
     }
 
@@ -627,7 +689,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
             MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
-            MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+            if constexpr (!kPacked) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });
@@ -643,7 +705,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
             MmaBf16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
           } else {
             MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
-            MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+            if constexpr (!kPacked) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });
@@ -658,6 +720,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     // per SM) keeps enough loads in flight.
     Chunk buf;
     int block = block_of(warp, num_full);
+    finish_prologue();
 #pragma unroll 1
     for (int c = warp; c < num_full; c += kWarps) {
       const int next = block_of(c + kWarps, num_full);
@@ -672,6 +735,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     int c = warp;
     int next1 = block_of(c + kWarps, num_full);
     if (c < num_full) load(c, buf0, block_of(c, num_full));
+    finish_prologue();
     auto step = [&](int cc, Chunk& cur, Chunk& nxt) {
       const int next2 = block_of(cc + 2 * kWarps, num_full);
       if (cc + kWarps < num_full) load(cc + kWarps, nxt, next1);
@@ -689,6 +753,16 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(const SplitParams 
     Chunk tail;
     load(num_full, tail, block_of(num_full, num_full + 1));
     compute.template operator()<true>(num_full, tail);
+  }
+
+  LaunchDependents();  // the merge grid may start (it waits for this grid to finish)
+
+  if constexpr (kPacked) {  // columns 4-7 hold the P'_lo sums of heads 0-3: add them in
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][0][i] += __shfl_xor_sync(0xffffffffu, acc[mt][0][i], 2);
+    }
   }
 
   // Row sums: l and z are per-thread partials over tokens 2g, 2g+1; m is already warp-uniform
@@ -770,6 +844,7 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const int d = threadIdx.x;
   const int len = p.seq_lens[b];
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
+  GridDependencyWait();  // the split grid's partials
   const float* lse = p.partial_lse + static_cast<int64_t>(row) * p.max_splits;
   float mx = -INFINITY;
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s]);
@@ -798,12 +873,6 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
 // chain of dependent L2 round trips made this kernel 12-16 µs at batch 64.
 constexpr int kPrepRows = 8;
 constexpr int kPrepTileBytes = 64 * 1024;
-
-__device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
-               "l"(gmem_src));
-}
 
 __global__ void QueryPrepKernel(const QueryPrepParams p) {
   extern __shared__ float4 q_s4[];  // [head_dim][kPrepRows] floats, then a tile of Πᵀ
@@ -873,13 +942,35 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
           __half_as_ushort(__float2half_rn(y[r] - __half2float(hi)));
     }
   }
+  // Only now may the split grid start: triggered at the start, its CTAs took SM resources while
+  // this grid ran and made k3v4_nc 15-35 % slower (measured; 4-bit keys gained 1-2 µs).
+  LaunchDependents();
+}
+
+// Launches `kernel` so that it may start before the kernel ahead of it in `stream` finishes
+// (programmatic dependent launch); the kernel calls GridDependencyWait before it reads that
+// kernel's results. Graph-capturable (a programmatic edge).
+template <typename Params>
+cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int smem,
+                            cudaStream_t stream, const Params& p) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 // Launch and occupancy of one instantiation of the split kernel.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles>
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked>
 struct SplitKernelOps {
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
-  static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles>;
+  static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked>;
 
   // Shared memory above 48 KB must be opted into once per kernel.
   static cudaError_t Configure() {
@@ -889,9 +980,8 @@ struct SplitKernelOps {
   }
   static cudaError_t Launch(const SplitParams& p, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
-    kKernel<<<grid, kThreads, Config::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
+    return LaunchDependent(kKernel, dim3(p.max_splits, p.num_kv_heads, p.num_seqs),
+                           dim3(kThreads), Config::kSmemBytes, stream, p);
   }
   static cudaError_t CtasPerSm(int* ctas) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
@@ -907,8 +997,11 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
-      return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1>{})
-                        : fn(SplitKernelOps<kKind, kVB, kD, 2>{});
+      if constexpr (kKind != KeyKind::kBf16) {
+        if (group <= 4) return fn(SplitKernelOps<kKind, kVB, kD, 1, true>{});
+      }
+      return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1, false>{})
+                        : fn(SplitKernelOps<kKind, kVB, kD, 2, false>{});
     };
     switch (head_dim) {
       case 64: return by_tiles.template operator()<64>();
@@ -949,8 +1042,8 @@ cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int
 }
 
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
-  DecodeMergeKernel<<<p.num_seqs * p.num_q_heads, p.head_dim, 0, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchDependent(DecodeMergeKernel, dim3(p.num_seqs * p.num_q_heads), dim3(p.head_dim), 0,
+                         stream, p);
 }
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {

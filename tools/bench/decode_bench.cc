@@ -1,9 +1,11 @@
 // Decode attention benchmark on the GPU, Llama-3-8B layer shape (Hq 32, Hk 8, D 128, block 16):
 // turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and the bf16 kernel for batch 1, 16,
-// 64, 256 x context 1k, 4k, 16k, 32k. Reports µs per call (query rotation + split kernel + merge),
-// the cache bytes read, GB/s and the fraction of the read ceiling measured in this run, and,
-// given --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA
-// decode on the same shapes with the ratio.
+// 64, 256 x context 1k, 4k, 16k, 32k. Reports µs per call (query rotation + split kernel + merge)
+// launched back to back on a stream and replayed from a CUDA graph (as engines run decode steps;
+// at small shapes the stream figure is the host's launch rate), the cache bytes read, GB/s and
+// the fraction of the read ceiling measured in this run (from the graph time), and, given
+// --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA decode
+// on the same shapes, both ways, with the ratios.
 //
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT]
 #if TQKV_HAVE_CUDA
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -79,8 +82,31 @@ struct Kind {
 struct Result {
   std::string kind;
   int batch = 0, context = 0;
-  double us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0;
+  double us = 0, graph_us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0, torch_graph_us = 0;
 };
+
+// µs per call of `calls` calls of run(i) captured into one CUDA graph: median of 7 replays.
+double GraphUs(const std::function<void(int)>& run, int calls, StreamHandle stream) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < calls; ++i) run(i);
+  TQKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  TQKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+  Event start, end;
+  std::vector<float> ms;
+  for (int r = 0; r < 7; ++r) {
+    start.Record(stream);
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    end.Record(stream);
+    end.Synchronize();
+    ms.push_back(Event::ElapsedMs(start, end) / calls);
+  }
+  TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TQKV_CUDA_CHECK(cudaGraphDestroy(graph));
+  return MedianMs(ms) * 1e3;
+}
 
 std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                             const std::vector<int>& contexts, const Ceilings& ceil,
@@ -171,15 +197,17 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
       res.batch = batch;
       res.context = context;
       res.us = MedianMs(ms) * 1e3;
+      // The graph holds 16 calls over the rotating table sets (the same work as above).
+      res.graph_us = GraphUs(run, 16, stream.get());
       res.bytes = double(batch) * context * kHk * kind.slot_bytes;
-      res.gbs = res.bytes / (res.us * 1e-6) / 1e9;
+      res.gbs = res.bytes / (res.graph_us * 1e-6) / 1e9;
       res.frac = res.gbs / ceil.read_gbs;
       results.push_back(res);
       fmt::print(
-          "  {:<20} B={:<4} L={:<6} {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  {:5.1f}% of read "
-          "ceiling  (splits {} x {} tokens)\n",
-          kind.name, batch, context, res.us, res.bytes / 1e6, res.gbs, 100 * res.frac,
-          plan.max_splits, plan.tokens_per_split);
+          "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
+          "{:5.1f}% of read ceiling  (splits {} x {} tokens)\n",
+          kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
+          100 * res.frac, plan.max_splits, plan.tokens_per_split);
       std::fflush(stdout);
     }
   }
@@ -228,38 +256,48 @@ int Main(int argc, char** argv) {
     auto r = RunKind(k, batches, contexts, ceil, stream);
     all.insert(all.end(), r.begin(), r.end());
   }
-  std::map<std::string, double> torch;
+  std::map<std::string, double> torch, torch_graph;
   if (!torch_json.empty()) {
     std::ifstream in(torch_json);
     if (in) {
       const auto j = nlohmann::json::parse(in);
       for (const auto& e : j["results"]) {
-        torch[fmt::format("{},{}", e["batch"].get<int>(), e["context"].get<int>())] = e["us"];
+        const std::string key = fmt::format("{},{}", e["batch"].get<int>(), e["context"].get<int>());
+        torch[key] = e["us"];
+        if (e.contains("graph_us")) torch_graph[key] = e["graph_us"];
       }
     }
   }
   fmt::print(
-      "\n| kind | batch | context | µs | MB read | GB/s | % read ceiling | torch bf16 µs | "
-      "torch / ours |\n|---|---|---|---|---|---|---|---|---|\n");
+      "\n| kind | batch | context | µs (stream) | µs (graph) | MB read | GB/s | % read ceiling | "
+      "torch µs (stream) | torch µs (graph) | torch / ours (stream) | torch / ours (graph) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   nlohmann::json out = {{"device", dev.name},
                         {"copy_gbs", ceil.copy_gbs},
                         {"read_gbs", ceil.read_gbs},
                         {"results", nlohmann::json::array()}};
+  auto num = [](double x) { return x > 0 ? fmt::format("{:.1f}", x) : std::string("-"); };
+  auto ratio = [](double a, double b) {
+    return a > 0 && b > 0 ? fmt::format("{:.2f}x", a / b) : std::string("-");
+  };
   for (Result& r : all) {
-    const auto it = torch.find(fmt::format("{},{}", r.batch, r.context));
-    r.torch_us = it == torch.end() ? 0 : it->second;
-    fmt::print("| {} | {} | {} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} |\n", r.kind, r.batch,
-               r.context, r.us, r.bytes / 1e6, r.gbs, 100 * r.frac,
-               r.torch_us > 0 ? fmt::format("{:.1f}", r.torch_us) : "-",
-               r.torch_us > 0 ? fmt::format("{:.2f}x", r.torch_us / r.us) : "-");
+    const std::string key = fmt::format("{},{}", r.batch, r.context);
+    r.torch_us = torch.contains(key) ? torch[key] : 0;
+    r.torch_graph_us = torch_graph.contains(key) ? torch_graph[key] : 0;
+    fmt::print("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} | {} | {} |\n",
+               r.kind, r.batch, r.context, r.us, r.graph_us, r.bytes / 1e6, r.gbs, 100 * r.frac,
+               num(r.torch_us), num(r.torch_graph_us), ratio(r.torch_us, r.us),
+               ratio(r.torch_graph_us, r.graph_us));
     out["results"].push_back({{"kind", r.kind},
                               {"batch", r.batch},
                               {"context", r.context},
                               {"us", r.us},
+                              {"graph_us", r.graph_us},
                               {"bytes", r.bytes},
                               {"gbs", r.gbs},
                               {"fraction_of_read_ceiling", r.frac},
-                              {"torch_us", r.torch_us}});
+                              {"torch_us", r.torch_us},
+                              {"torch_graph_us", r.torch_graph_us}});
   }
   if (!json_out.empty()) std::ofstream(json_out) << out.dump(1) << "\n";
   return 0;
