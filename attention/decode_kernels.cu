@@ -837,23 +837,69 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
 
 // ------------------------------------------------------------------------------------------------
 // Merge of the split partials by log-sum-exp; one CTA per (sequence, query head), one thread per d.
+// The splits' LSEs are loaded at once (one per thread) and reduced across the CTA; each thread's
+// loads of its d over the splits are independent and unrolled, so the kernel waits for a few
+// memory round trips, not one per split (that chain made it 13.7 µs at batch 1 × 32k, 47 splits).
+constexpr int kMaxMergeSplits = 256;  // CudaDecoder::Plan's kMaxSplits
+constexpr int kMaxMergeThreads = 256;  // blockDim = head_dim
+
+__device__ __forceinline__ float BlockReduce(float v, float* scratch, bool is_max) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = is_max ? fmaxf(v, o) : v + o;
+  }
+  __syncthreads();  // scratch is free
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < warps; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
+  return v;
+}
 
 __global__ void DecodeMergeKernel(const MergeParams p) {
+  __shared__ float weight_s[kMaxMergeSplits];
+  __shared__ float scratch_s[32];
   const int row = blockIdx.x;  // b · Hq + hq
   const int b = row / p.num_q_heads;
   const int d = threadIdx.x;
   const int len = p.seq_lens[b];
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
+  if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
   GridDependencyWait();  // the split grid's partials
   const float* lse = p.partial_lse + static_cast<int64_t>(row) * p.max_splits;
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s]);
-  float total = 0.0f, acc = 0.0f;
-  for (int s = 0; s < splits; ++s) {
+  for (int s = d; s < splits; s += blockDim.x) mx = fmaxf(mx, lse[s]);
+  mx = BlockReduce(mx, scratch_s, true);
+  float part = 0.0f;
+  for (int s = d; s < splits; s += blockDim.x) {
     const float w = __expf(lse[s] - mx);
-    total += w;
-    acc += w * p.partial_out[(static_cast<int64_t>(row) * p.max_splits + s) * p.head_dim + d];
+    weight_s[s] = w;
+    part += w;
   }
+  const float total = BlockReduce(part, scratch_s, false);  // its barriers publish weight_s
+  // Weighted sum over the splits: thread (group, v) adds 4 consecutive d (one 16-byte load per
+  // split) over the splits ≡ group (mod groups); the groups' sums meet in shared memory.
+  const int vecs = p.head_dim / 4, groups = blockDim.x / vecs;
+  const int v = d % vecs, group = d / vecs;
+  const float4* partial = reinterpret_cast<const float4*>(
+      p.partial_out + static_cast<int64_t>(row) * p.max_splits * p.head_dim);
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+  for (int s = group; s < splits; s += groups) {
+    const float w = weight_s[s];
+    const float4 x = partial[static_cast<int64_t>(s) * vecs + v];
+    sum.x += w * x.x;
+    sum.y += w * x.y;
+    sum.z += w * x.z;
+    sum.w += w * x.w;
+  }
+  __shared__ float4 sum_s[kMaxMergeThreads];
+  sum_s[d] = sum;
+  __syncthreads();
+  float acc = 0.0f;
+  for (int g = 0; g < groups; ++g) acc += reinterpret_cast<const float*>(sum_s + g * vecs)[d];
   const float out = splits > 0 ? acc / total : 0.0f;
   const int64_t o = static_cast<int64_t>(row) * p.head_dim + d;
   if (p.out_dtype == 0) {
@@ -867,20 +913,30 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
 }
 
 // q·Πᵀ (or a plain conversion) for every (sequence, query head). One CTA per kPrepRows rows and
-// one thread per output element j (blockDim = head_dim), so that each element of Πᵀ is read once
-// per CTA (not once per row) and applied to all rows from shared memory. Πᵀ is staged by
-// cp.async in tiles of 64 KB (all of it for D ≤ 128), every copy of a tile in flight at once: a
-// chain of dependent L2 round trips made this kernel 12-16 µs at batch 64.
+// two threads per output element j (blockDim = 2 · head_dim), so that each element of Πᵀ is read
+// once per CTA (not once per row) and applied to all rows from shared memory; the two threads of
+// j sum over the two halves of each Πᵀ tile (half the dependent chain: 11 → ~6 µs at batch 64),
+// and the second half's sums reach the first through shared memory. Πᵀ is staged by cp.async in
+// tiles of 64 KB (all of it for D ≤ 128), every copy of a tile in flight at once: a chain of
+// dependent L2 round trips made this kernel 12-16 µs at batch 64. The split grid may start (its
+// table copy and first loads) once the sums are done, or at the start when this grid is small
+// (≤ kPrepEarlyTriggerCtas CTAs): triggered at the start of a large grid, the split's CTAs took SM
+// resources while this grid ran and made k3v4_nc 15-35 % slower (measured); at batch 1 the early
+// start saved 1-2 µs.
 constexpr int kPrepRows = 8;
 constexpr int kPrepTileBytes = 64 * 1024;
+constexpr int kPrepEarlyTriggerCtas = 32;
 
-__global__ void QueryPrepKernel(const QueryPrepParams p) {
-  extern __shared__ float4 q_s4[];  // [head_dim][kPrepRows] floats, then a tile of Πᵀ
+__global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
+  if (trigger_early) LaunchDependents();
+  // [head_dim][kPrepRows] floats of q, a tile of Πᵀ, then [head_dim][kPrepRows] partial sums.
+  extern __shared__ float4 q_s4[];
+  const int n = p.head_dim;
   float* q_s = reinterpret_cast<float*>(q_s4);
-  float* r_s = q_s + p.head_dim * kPrepRows;
+  float* r_s = q_s + n * kPrepRows;
+  float* y_s = r_s + kPrepTileBytes / 4;
   const int row0 = blockIdx.x * kPrepRows;
   const int rows = min(kPrepRows, p.rows - row0);
-  const int n = p.head_dim;
   for (int k = threadIdx.x; k < kPrepRows * n; k += blockDim.x) {
     const int r = k / n, i = k % n;
     float v = 0.0f;
@@ -896,7 +952,7 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
     }
     q_s[i * kPrepRows + r] = v;
   }
-  const int j = threadIdx.x;
+  const int j = threadIdx.x % n, half = threadIdx.x / n;
   float y[kPrepRows];
   if (p.rotation != nullptr) {
 #pragma unroll
@@ -908,10 +964,11 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
       for (int k = threadIdx.x; k < pieces; k += blockDim.x) {
         CopyAsync16(r_s + 4 * k, p.rotation + static_cast<int64_t>(i0) * n + 4 * k);
       }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      CopyAsyncWait();
       __syncthreads();
+      const int i_begin = half * (tile_rows / 2), i_end = i_begin + tile_rows / 2;
 #pragma unroll 8
-      for (int i = 0; i < tile_rows; ++i) {
+      for (int i = i_begin; i < i_end; ++i) {
         const float w = r_s[i * n + j];
         const float4 a = q_s4[2 * (i0 + i)], b = q_s4[2 * (i0 + i) + 1];
         y[0] = fmaf(a.x, w, y[0]);
@@ -924,8 +981,19 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
         y[7] = fmaf(b.w, w, y[7]);
       }
     }
+    if (half == 1) {
+#pragma unroll
+      for (int r = 0; r < kPrepRows; ++r) y_s[r * n + j] = y[r];
+    }
+    __syncthreads();
+    if (!trigger_early) LaunchDependents();
+    if (half == 1) return;
+#pragma unroll
+    for (int r = 0; r < kPrepRows; ++r) y[r] += y_s[r * n + j];
   } else {
     __syncthreads();
+    if (!trigger_early) LaunchDependents();
+    if (half == 1) return;
 #pragma unroll
     for (int r = 0; r < kPrepRows; ++r) y[r] = q_s[j * kPrepRows + r];
   }
@@ -942,9 +1010,6 @@ __global__ void QueryPrepKernel(const QueryPrepParams p) {
           __half_as_ushort(__float2half_rn(y[r] - __half2float(hi)));
     }
   }
-  // Only now may the split grid start: triggered at the start, its CTAs took SM resources while
-  // this grid ran and made k3v4_nc 15-35 % slower (measured; 4-bit keys gained 1-2 µs).
-  LaunchDependents();
 }
 
 // Launches `kernel` so that it may start before the kernel ahead of it in `stream` finishes
@@ -1048,13 +1113,14 @@ cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
   static_assert(kPrepRows == 8, "the kernel reads a row group as two float4");
-  const int smem = kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) +
+  const int smem = 2 * kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) +
                    (p.rotation != nullptr ? kPrepTileBytes : 0);
   static const cudaError_t configured = cudaFuncSetAttribute(
       QueryPrepKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      kPrepRows * 256 * static_cast<int>(sizeof(float)) + kPrepTileBytes);
+      2 * kPrepRows * 256 * static_cast<int>(sizeof(float)) + kPrepTileBytes);
   if (configured != cudaSuccess) return configured;
-  QueryPrepKernel<<<(p.rows + kPrepRows - 1) / kPrepRows, p.head_dim, smem, stream>>>(p);
+  const int ctas = (p.rows + kPrepRows - 1) / kPrepRows;
+  QueryPrepKernel<<<ctas, 2 * p.head_dim, smem, stream>>>(p, ctas <= kPrepEarlyTriggerCtas);
   return cudaGetLastError();
 }
 
