@@ -227,7 +227,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.query = qbuf;
   sp.partial_out = partial_out;
   sp.partial_lse = partial_lse;
-  sp.codebook_table = reinterpret_cast<const uint4*>(s.codebook_table.data());
+  sp.codebook_table = reinterpret_cast<const uint2*>(s.codebook_table.data());
   sp.num_seqs = plan.num_seqs;
   sp.num_q_heads = plan.num_q_heads;
   sp.num_kv_heads = num_kv_heads();

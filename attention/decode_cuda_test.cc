@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string_view>
 
@@ -126,10 +127,33 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
   return e;
 }
 
+// Rewrites the value scale and zero of every written slot with large fp16 metadata (scales
+// 2,000-30,000, zeros near -55,000; a cache converted from elsewhere may hold them, tqkv's store
+// writes scales up to 8,734 / 18,715 for 4 / 3-bit values): P' = p · scale overflows fp16 as
+// soon as p > 2.2 unless the kernel takes its exact-maximum path (p ≤ 1).
+void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
+  const BlockFormat& f = q.format();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> scale(2000.0f, 30000.0f), zero(-60000.0f, -50000.0f);
+  for (size_t b = 0; b < s.seq_lens.size(); ++b) {
+    for (int t = 0; t < s.seq_lens[b]; ++t) {
+      const int32_t block = s.block_tables[b * s.max_blocks + t / f.block_size];
+      uint8_t* base = s.cache.data() + static_cast<int64_t>(block) * f.block_bytes;
+      for (int h = 0; h < f.num_kv_heads; ++h) {
+        const uint16_t sc = FloatToHalfBits(scale(rng)), ze = FloatToHalfBits(zero(rng));
+        std::memcpy(base + f.MetaOffset(MetaField::kValueScale, t % f.block_size, h), &sc, 2);
+        std::memcpy(base + f.MetaOffset(MetaField::kValueZero, t % f.block_size, h), &ze, 2);
+      }
+    }
+  }
+}
+
 Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
-                       std::vector<int32_t> lens) {
+                       std::vector<int32_t> lens, bool large_values = false) {
   const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, 0);
-  const Scenario s = Build(q, lens, hk * group, std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  Scenario s = Build(q, lens, hk * group, seed);
+  if (large_values) UseLargeValueScales(q, s, seed + 1);
   std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
   DecodeInputs in;
   in.query = s.queries.data();
@@ -175,6 +199,22 @@ TEST(CudaDecodeTest, EveryBlockSizeAtTheMainShape) {
       EXPECT_EQ(e.bad, 0);
       EXPECT_LE(e.out, kOutTol) << preset << " bs=" << bs;
       EXPECT_LE(e.lse, kLseTol) << preset;
+    }
+  }
+}
+
+// Value scales above 65504 / 2^6 (value ranges beyond ~15,000): P' = p · scale would overflow
+// fp16 under the lazy softmax maximum (p ≤ 2^6); those chunks must take the exact maximum.
+TEST(CudaDecodeTest, LargeValueScalesStayFiniteAndAccurate) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (const char* preset : kPresetNames) {
+    for (int group : {4, 8}) {
+      const Errors e = CheckCompressed(preset, 128, 2, group, 16, {4097, 700, 33, 1}, true);
+      std::printf("%-20s large value scales group=%d: out err %.2e, lse err %.2e, bad %lld\n",
+                  preset, group, e.out, e.lse, static_cast<long long>(e.bad));
+      EXPECT_EQ(e.bad, 0) << preset << " group=" << group;
+      EXPECT_LE(e.out, kOutTol) << preset << " group=" << group;
+      EXPECT_LE(e.lse, kLseTol) << preset << " group=" << group;
     }
   }
 }

@@ -46,9 +46,11 @@ constexpr int kChunk = 16;     // tokens per MMA chunk
 constexpr uint32_t kSmemStart = 0x400;
 // Lazy softmax maximum: a chunk rescales the running sums only when a score exceeds the running
 // maximum by more than this (log2 units), so p = 2^(s - m) ≤ 2^kLazyMax; otherwise no reduction.
-// P' = p · value scale must stay below the fp16 maximum: value scales up to 65504 / 2^6 ≈ 1023
-// (value ranges up to ~15,000) are safe.
+// P' = p · value scale must stay below the fp16 maximum: that holds for value scales up to
+// kMaxLazyValueScale = 65504 / 2^6 (value ranges up to ~15,000); a chunk with a larger scale
+// rescales to the exact maximum instead (p ≤ 1, P' ≤ the scale ≤ 65504).
 constexpr float kLazyMax = 6.0f;
+constexpr float kMaxLazyValueScale = 1023.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
 // ------------------------------------------------------------------------------------------------
@@ -362,12 +364,14 @@ struct SplitKernelConfig {
 //   score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1;
 //   P·V MMA k-slots 2t, 2t+1 ↔ tokens 4t, 4t+2 and k-slots 2t+8, 2t+9 ↔ tokens 4t+1, 4t+3,
 // which is where the 8x8 transposes of the score fragment put P'.
-// CTAs per SM the kernel is compiled for. The bf16 kernel at D ≤ 128 fits 128 registers without
-// spilling, so four CTAs (16 warps) per SM keep more loads in flight: 4 % faster at batch 64 × 4k.
-// The compressed kernels need ~164 registers; capped at 128 they spill and ran 20-35 % slower
-// (measured, k3v4_nc and k8v4), and the 4-bit table (64 KB) allows three CTAs anyway.
+// CTAs per SM the kernel is compiled for (D ≤ 128, one N tile; the others take what they need).
+// The bf16 kernel fits 128 registers without spilling, so four CTAs (16 warps) per SM keep more
+// loads in flight: 4 % faster at batch 64 × 4k. The compressed kernels are held to three (≤ 168
+// registers; left alone, the unpacked ones for GQA groups 5-8 took 179-198, i.e. two CTAs);
+// capped at 128 for four they spilled and ran 20-35 % slower (measured, k3v4_nc and k8v4), and
+// the 4-bit table (64 KB) allows three anyway.
 template <KeyKind kKind, int kD, int kNTiles>
-constexpr int kSplitMinCtas = (kKind == KeyKind::kBf16 && kNTiles == 1 && kD <= 128) ? 4 : 1;
+constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1 : kKind == KeyKind::kBf16 ? 4 : 3;
 
 //
 // Packed heads (kPacked: compressed kinds, GQA group ≤ 4): the N = 8 columns of the score MMA hold
@@ -397,16 +401,21 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
 
-  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l), copied from
-  // the decoder's prebuilt table (decode_launch.h, CodebookTable) while the first chunk loads.
+  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l), from the
+  // decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for 4-bit keys): each thread
+  // loads its entries here and writes their 32 replicas in finish_prologue, after the first
+  // chunk's loads are out. (Copying the replicated 64 KB from L2 per CTA moved 24 MB through L2
+  // at batch 1 × 32k, 100 MB at 64 × 4k.)
+  constexpr int kEntriesPerThread = (Traits::kLutEntries + kThreads - 1) / kThreads;
+  uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;
   if constexpr (kCodebook) {
     const uint32_t window = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     if ((window & 0x00FFFFFFu) != kSmemStart) __trap();  // the lookups assume this layout
-    constexpr int kPieces = Traits::kLutEntries * 256 / 16;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < kPieces; i += kThreads) {
-      CopyAsync16(smem + 16 * i, p.codebook_table + i);
+#pragma unroll
+    for (int k = 0; k < kEntriesPerThread; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
     lane_word = (window & 0xFF000000u) | (8u * lane);
   }
@@ -441,7 +450,22 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       }
     }
     if constexpr (kCodebook) {
-      CopyAsyncWait();
+      // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 16 of
+      // its entry's 256-byte row, so each 8-lane phase of a store covers 8 distinct bank groups.
+      const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+#pragma unroll
+      for (int k = 0; k < kEntriesPerThread; ++k) {
+        const int e = threadIdx.x + k * kThreads;
+        if (e < Traits::kLutEntries) {
+#pragma unroll
+          for (int c = 0; c < 16; ++c) {
+            const uint32_t at = base + 256u * e + 16u * ((c + lane) & 15);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at),
+                         "r"(entries[k].x), "r"(entries[k].y)
+                         : "memory");
+          }
+        }
+      }
       __syncthreads();
     }
   };
@@ -609,8 +633,12 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       }
       float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
       // Rescale only when some score of the warp passes its head's running maximum by more than
-      // kLazyMax (a few times per split); then m becomes the exact maximum so far.
-      if (__any_sync(0xffffffffu, mx[0] > m_thr[nt][0] || mx[1] > m_thr[nt][1])) {
+      // kLazyMax (a few times per split), or by anything when a value scale of the chunk is too
+      // large for p ≤ 2^kLazyMax; then m becomes the exact maximum so far.
+      const bool exact = !Traits::kBf16 && fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      const float thr0 = exact ? m[nt][0] : m_thr[nt][0];
+      const float thr1 = exact ? m[nt][1] : m_thr[nt][1];
+      if (__any_sync(0xffffffffu, mx[0] > thr0 || mx[1] > thr1)) {
         float corr[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {

@@ -28,7 +28,7 @@ struct SplitParams {
                                           // num_q_heads, head_dim] bf16
   float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
   float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
-  const uint4* codebook_table = nullptr;  // MSE keys: CodebookTable(), 16-byte aligned
+  const uint2* codebook_table = nullptr;  // MSE keys: CodebookTable()
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -69,21 +69,17 @@ struct QueryPrepParams {
   int head_dim = 0;
 };
 
-// The key codebook table of the split kernel, as it lies in shared memory (the kernel copies it
-// there with cp.async): entry e = a code pair (e & (2^bits - 1), e >> bits), replicated once per
-// lane, entry e of lane l at byte 256·e + 8·l = words 64·e + 2·l (the fp16 pair of the hi parts,
-// low code in the low half) and 64·e + 2·l + 1 (the pair of the remainders c - hi).
+// The key codebook table of the split kernel: entry e = a code pair (e & (2^bits - 1), e >> bits)
+// as two words, the fp16 pair of the hi parts (low code in the low half) and the pair of the
+// remainders c - hi. The kernel replicates each entry once per lane in shared memory.
 // `hi` and `lo` hold the 2^bits centroids as fp16 bits.
 inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, const uint16_t* lo) {
   const int n = 1 << key_bits, mask = n - 1;
-  std::vector<uint32_t> words(static_cast<size_t>(n) * n * 64);
+  std::vector<uint32_t> words(static_cast<size_t>(n) * n * 2);
   for (int e = 0; e < n * n; ++e) {
-    const uint32_t h = uint32_t{hi[e & mask]} | (uint32_t{hi[e >> key_bits]} << 16);
-    const uint32_t l = uint32_t{lo[e & mask]} | (uint32_t{lo[e >> key_bits]} << 16);
-    for (int lane = 0; lane < 32; ++lane) {
-      words[64 * static_cast<size_t>(e) + 2 * lane] = h;
-      words[64 * static_cast<size_t>(e) + 2 * lane + 1] = l;
-    }
+    words[2 * static_cast<size_t>(e)] = uint32_t{hi[e & mask]} | (uint32_t{hi[e >> key_bits]} << 16);
+    words[2 * static_cast<size_t>(e) + 1] =
+        uint32_t{lo[e & mask]} | (uint32_t{lo[e >> key_bits]} << 16);
   }
   return words;
 }

@@ -7,7 +7,7 @@
 // --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA decode
 // on the same shapes, both ways, with the ratios.
 //
-//   decode_bench [--quick] [--torch-json PATH] [--json OUT]
+//   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--hq 32]
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -36,7 +36,8 @@
 namespace tqkv::bench {
 namespace {
 
-constexpr int kHq = 32, kHk = 8, kD = 128, kBlock = 16;
+constexpr int kHk = 8, kD = 128, kBlock = 16;
+int kHq = 32;  // --hq: 64 gives GQA group 8 (the unpacked kernel)
 
 struct Ceilings {
   double copy_gbs = 0, read_gbs = 0;
@@ -226,6 +227,8 @@ int Main(int argc, char** argv) {
       json_out = argv[++i];
     else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc)
       only = argv[++i];
+    else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
+      kHq = std::stoi(argv[++i]);
   }
   RequireCudaDevice("decode_bench");
   const auto dev = QueryDevices().front();
