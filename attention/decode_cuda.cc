@@ -24,7 +24,7 @@ struct CudaDecoder::State {
   Bf16BlockFormat bf16_format;
   int key_kind = 0;  // decode_detail::KeyKind
   bool rotate_query = false;
-  DeviceBuffer<float> rotation;  // Πᵀ [D, D]
+  DeviceBuffer<float> rotation;           // Πᵀ [D, D]
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
   int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
@@ -63,8 +63,7 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
       lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(hi[i]));
     }
 #if TQKV_HAVE_CUDA
-    const std::vector<uint32_t> table =
-        decode_detail::CodebookTable(s.format.key_bits, hi, lo);
+    const std::vector<uint32_t> table = decode_detail::CodebookTable(s.format.key_bits, hi, lo);
     s.codebook_table = DeviceBuffer<uint32_t>(static_cast<int64_t>(table.size()));
     s.codebook_table.CopyFromHost(table);
 #endif
@@ -94,9 +93,9 @@ int CudaDecoder::CtasPerSm(int group) const {
   if (ctas == 0) {
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(
-        static_cast<decode_detail::KeyKind>(state_->key_kind), value_bits, head_dim(), group,
-        &ctas));
+    TQKV_CUDA_CHECK(
+        decode_detail::DecodeSplitCtasPerSm(static_cast<decode_detail::KeyKind>(state_->key_kind),
+                                            value_bits, head_dim(), group, &ctas));
 #endif
     ctas = std::max(ctas, 1);
   }
@@ -138,8 +137,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave ≤ 3e-4).
   constexpr int64_t kFixedTokens = 256, kMinSplit = 256, kMaxSplits = 256, kMaxSplitTokens = 8192;
   const int64_t base = int64_t{num_seqs} * hk;
-  const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} *
-                           CtasPerSm(num_q_heads / hk);
+  const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} * CtasPerSm(num_q_heads / hk);
   const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
   int64_t best_tps = 0;
   double best_cost = 0;

@@ -77,7 +77,8 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
   const int n = 1 << key_bits, mask = n - 1;
   std::vector<uint32_t> words(static_cast<size_t>(n) * n * 2);
   for (int e = 0; e < n * n; ++e) {
-    words[2 * static_cast<size_t>(e)] = uint32_t{hi[e & mask]} | (uint32_t{hi[e >> key_bits]} << 16);
+    words[2 * static_cast<size_t>(e)] =
+        uint32_t{hi[e & mask]} | (uint32_t{hi[e >> key_bits]} << 16);
     words[2 * static_cast<size_t>(e) + 1] =
         uint32_t{lo[e & mask]} | (uint32_t{lo[e >> key_bits]} << 16);
   }

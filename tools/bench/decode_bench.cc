@@ -37,7 +37,7 @@ namespace tqkv::bench {
 namespace {
 
 constexpr int kHk = 8, kD = 128, kBlock = 16;
-int kHq = 32;  // --hq: 64 gives GQA group 8 (the unpacked kernel)
+int g_hq = 32;  // query heads, --hq: 64 gives GQA group 8 (the unpacked kernel)
 
 struct Ceilings {
   double copy_gbs = 0, read_gbs = 0;
@@ -161,11 +161,11 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
       std::vector<int32_t> lens(batch, context);
       DeviceBuffer<int32_t> d_lens(batch);
       d_lens.CopyFromHost(lens);
-      DeviceBuffer<uint16_t> query(int64_t{batch} * kHq * kD);
+      DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * kD);
       FillRandomBf16(query.data(), query.size(), 11, stream.get());
-      DeviceBuffer<uint16_t> out(int64_t{batch} * kHq * kD);
-      DeviceBuffer<float> lse(int64_t{batch} * kHq);
-      const DecodePlan plan = decoder->Plan(batch, kHq, blocks_per_seq);
+      DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * kD);
+      DeviceBuffer<float> lse(int64_t{batch} * g_hq);
+      const DecodePlan plan = decoder->Plan(batch, g_hq, blocks_per_seq);
       DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
       CudaDecodeArgs a;
       a.query = query.data();
@@ -207,8 +207,8 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
       fmt::print(
           "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
           "{:5.1f}% of read ceiling  (splits {} x {} tokens)\n",
-          kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
-          100 * res.frac, plan.max_splits, plan.tokens_per_split);
+          kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs, 100 * res.frac,
+          plan.max_splits, plan.tokens_per_split);
       std::fflush(stdout);
     }
   }
@@ -228,7 +228,7 @@ int Main(int argc, char** argv) {
     else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc)
       only = argv[++i];
     else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
-      kHq = std::stoi(argv[++i]);
+      g_hq = std::stoi(argv[++i]);
   }
   RequireCudaDevice("decode_bench");
   const auto dev = QueryDevices().front();
@@ -265,7 +265,8 @@ int Main(int argc, char** argv) {
     if (in) {
       const auto j = nlohmann::json::parse(in);
       for (const auto& e : j["results"]) {
-        const std::string key = fmt::format("{},{}", e["batch"].get<int>(), e["context"].get<int>());
+        const std::string key =
+            fmt::format("{},{}", e["batch"].get<int>(), e["context"].get<int>());
         torch[key] = e["us"];
         if (e.contains("graph_us")) torch_graph[key] = e["graph_us"];
       }
@@ -287,10 +288,11 @@ int Main(int argc, char** argv) {
     const std::string key = fmt::format("{},{}", r.batch, r.context);
     r.torch_us = torch.contains(key) ? torch[key] : 0;
     r.torch_graph_us = torch_graph.contains(key) ? torch_graph[key] : 0;
-    fmt::print("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} | {} | {} |\n",
-               r.kind, r.batch, r.context, r.us, r.graph_us, r.bytes / 1e6, r.gbs, 100 * r.frac,
-               num(r.torch_us), num(r.torch_graph_us), ratio(r.torch_us, r.us),
-               ratio(r.torch_graph_us, r.graph_us));
+    fmt::print(
+        "| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} | {} | {} |\n",
+        r.kind, r.batch, r.context, r.us, r.graph_us, r.bytes / 1e6, r.gbs, 100 * r.frac,
+        num(r.torch_us), num(r.torch_graph_us), ratio(r.torch_us, r.us),
+        ratio(r.torch_graph_us, r.graph_us));
     out["results"].push_back({{"kind", r.kind},
                               {"batch", r.batch},
                               {"context", r.context},
