@@ -374,11 +374,12 @@ template <KeyKind kKind, int kD, int kNTiles>
 constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1 : kKind == KeyKind::kBf16 ? 4 : 3;
 
 //
-// Packed heads (kPacked: compressed kinds, GQA group ≤ 4): the N = 8 columns of the score MMA hold
-// q_hi of the group's heads in columns 0-3 and q_lo in columns 4-7, so one MMA computes both
-// parts (thread t and thread t ^ 2 hold a head's two halves and add them with one shuffle), and
-// the P·V B operand holds P'_hi in columns 0-3 and P'_lo in 4-7, so one P·V MMA per m-tile does
-// what two did; the accumulator halves are added once per split. Half the MMAs per chunk.
+// Packed heads (kPacked: compressed kinds, GQA group ≤ 4): column 2h of the score MMA's N = 8
+// holds q_hi of head h and column 2h + 1 its q_lo, so one MMA computes both parts and thread t
+// holds both halves of head t's score (one add, no shuffle, and no thread computes a softmax
+// twice); the P·V B operand holds P'_hi of head h in column 2h and P'_lo in 2h + 1, so one P·V
+// MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
+// Half the MMAs per chunk, and half the softmax work per thread.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked>
 __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     DecodeSplitKernel(const SplitParams p) {
@@ -435,9 +436,9 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     for (int part = 0; part < kQParts; ++part) {
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
-        // Packed: column g holds part g / 4 of head g % 4.
-        const int head = kPacked ? (g & 3) : 8 * nt + g;
-        const int q_part = kPacked ? (g >> 2) : part;
+        // Packed: column g holds part g % 2 of head g / 2.
+        const int head = kPacked ? (g >> 1) : 8 * nt + g;
+        const int q_part = kPacked ? (g & 1) : part;
         const uint16_t* q = p.query + q_part * q_part_stride +
                             (static_cast<int64_t>(b) * p.num_q_heads + h * group + head) * kD +
                             (kD / 4) * t;
@@ -609,6 +610,49 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     }
 
     uint32_t pb[kNTiles][2], pb_lo[kNTiles][2];  // P' as 16-bit hi and lo parts
+    if constexpr (kPacked) {
+      // Head t: its scores for tokens 2g + r (columns 2t, 2t + 1 = q_hi, q_lo; codebook keys add
+      // the c_lo row g + 8), its running state in [0][0].
+      float s[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
+                                    : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+        s[r] = sum * row_scale[r];
+        if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
+      }
+      float mx = fmaxf(s[0], s[1]);
+      // As below: lazy unless a value scale is too large for p ≤ 2^kLazyMax.
+      const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      if (__any_sync(0xffffffffu, mx > (exact ? m[0][0] : m_thr[0][0]))) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[0][0], mx);
+        const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[0][0] - m_new);
+        m[0][0] = m_new;
+        m_thr[0][0] = m_new + kLazyMax;
+        l[0][0] *= corr;
+        z[0][0] *= corr;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][0][i] *= corr;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float pr = FastExp2(s[r] - m[0][0]);  // 0 past the end (s = -inf)
+        l[0][0] += pr;
+        z[0][0] += pr * vz[r];
+        const float pw = pr * vs[r];
+        // (row g = token 2g + r, columns 2t, 2t + 1) = (P'_hi, P'_lo) of head t.
+        const __half hi = __float2half_rn(pw);
+        const __half2 x = __halves2half2(hi, __float2half_rn(pw - __half2float(hi)));
+        pb[0][r] = Transpose8x8(*reinterpret_cast<const uint32_t*>(&x));
+        pb_lo[0][r] = 0u;
+      }
+    } else {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       // s[0..1]: token 2g, heads 2t, 2t+1; s[2..3]: token 2g + 1.
@@ -616,11 +660,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float sum;
-        if constexpr (kPacked) {  // this thread's q part, then the other part from thread t ^ 2
-          const int half = i / 2, j = i % 2;
-          sum = kCodebook ? sp[half][nt][j] + sp[half][nt][j + 2] : sp[0][nt][i];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        } else if constexpr (kCodebook) {
+        if constexpr (kCodebook) {
           const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
           sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
                 (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
@@ -686,11 +726,11 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
               __floats2half2_rn(pw[2 * r] - __low2float(x), pw[2 * r + 1] - __high2float(x));
           packed = *reinterpret_cast<const uint32_t*>(&x);
           packed_lo = *reinterpret_cast<const uint32_t*>(&y);
-          if constexpr (kPacked) packed = t < 2 ? packed : packed_lo;  // columns 4-7: P'_lo
         }
         pb[nt][r] = Transpose8x8(packed);
-        pb_lo[nt][r] = Traits::kBf16 || kPacked ? 0u : Transpose8x8(packed_lo);
+        pb_lo[nt][r] = Traits::kBf16 ? 0u : Transpose8x8(packed_lo);
       }
+    }
     }
 
     // Bf16 values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
@@ -785,11 +825,11 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
 
   LaunchDependents();  // the merge grid may start (it waits for this grid to finish)
 
-  if constexpr (kPacked) {  // columns 4-7 hold the P'_lo sums of heads 0-3: add them in
+  if constexpr (kPacked) {  // columns 2t, 2t + 1 hold the P'_hi and P'_lo sums of head t
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][0][i] += __shfl_xor_sync(0xffffffffu, acc[mt][0][i], 2);
+      acc[mt][0][0] += acc[mt][0][1];  // row g
+      acc[mt][0][2] += acc[mt][0][3];  // row g + 8
     }
   }
 
@@ -817,8 +857,8 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int head = 8 * nt + 2 * t + j;
+      for (int j = 0; j < (kPacked ? 1 : 2); ++j) {
+        const int head = kPacked ? t : 8 * nt + 2 * t + j;
         stats[(0 * kWarps + warp) * kHeads + head] = m[nt][j];
         stats[(1 * kWarps + warp) * kHeads + head] = l[nt][j];
         stats[(2 * kWarps + warp) * kHeads + head] = z[nt][j];
@@ -833,7 +873,8 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int head = 8 * nt + 2 * t + (i % 2);
+        if (kPacked && i % 2 == 1) continue;  // folded into i - 1
+        const int head = kPacked ? t : 8 * nt + 2 * t + (i % 2);
         my_acc[head * kD + d0 + i / 2] =
             acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Traits::kOddRowScale);
       }
