@@ -74,6 +74,11 @@ bool SameQuantizer(const Quantizer& a, const Quantizer& b) {
          a.rotation().id == b.rotation().id && a.codebook().centroids == b.codebook().centroids;
 }
 
+// The tensor-core store kernel holds Πᵀ in shared memory: head_dim 64 and 128.
+bool HasMmaKernel(const Quantizer& q) {
+  return q.format().head_dim == 64 || q.format().head_dim == 128;
+}
+
 bool Misaligned(const void* p, uintptr_t alignment) {
   return reinterpret_cast<uintptr_t>(p) % alignment != 0;
 }
@@ -86,6 +91,8 @@ std::string_view StorePathName(StorePath path) {
       return "fp8";
     case StorePath::kFwht:
       return "fwht";
+    case StorePath::kMma:
+      return "mma";
     case StorePath::kGemm:
       return "gemm";
   }
@@ -97,7 +104,8 @@ StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& optio
   const RotationKind kind = quantizer.rotation().kind;
   switch (options.rotation_path) {
     case StoreRotationPath::kAuto:
-      return IsHadamardKind(kind) ? StorePath::kFwht : StorePath::kGemm;
+      if (IsHadamardKind(kind)) return StorePath::kFwht;
+      return HasMmaKernel(quantizer) ? StorePath::kMma : StorePath::kGemm;
     case StoreRotationPath::kFwht:
       if (!IsHadamardKind(kind)) {
         throw InvalidArgument(kWhere, "rotation path", "fwht",
@@ -106,6 +114,14 @@ StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& optio
                                           RotationKindName(kind)));
       }
       return StorePath::kFwht;
+    case StoreRotationPath::kMma:
+      if (!HasMmaKernel(quantizer)) {
+        throw InvalidArgument(kWhere, "rotation path", "mma",
+                              fmt::format("gemm or auto for head_dim {} (the tensor-core path "
+                                          "covers head_dim 64 and 128)",
+                                          quantizer.format().head_dim));
+      }
+      return StorePath::kMma;
     case StoreRotationPath::kGemm:
       return StorePath::kGemm;
   }
@@ -177,6 +193,21 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
 }
 
 namespace store {
+
+std::vector<uint16_t> SplitRotationF16(std::span<const float> pit, int d) {
+  TQKV_CHECK_EQ(pit.size(), size_t(d) * d);
+  std::vector<uint16_t> out(size_t(2) * d * d);
+  const float scale = std::ldexp(1.0f, kMmaRotationShift);
+  for (int k = 0; k < d; ++k) {
+    for (int n = 0; n < d; ++n) {
+      const float x = pit[size_t(k) * d + n] * scale;  // exact: a power of two
+      const uint16_t hi = FloatToHalfBits(x);
+      out[size_t(n) * d + k] = hi;
+      out[size_t(d) * d + size_t(n) * d + k] = FloatToHalfBits(x - HalfBitsToFloat(hi));
+    }
+  }
+  return out;
+}
 
 BucketLutTable BuildBucketLut(std::span<const float> m) {
   BucketLutTable none;
@@ -287,6 +318,14 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   tables_ = DeviceAllocation(sizeof(store::DeviceTables));
   tables_.CopyFromHost(tables.get(), sizeof(store::DeviceTables), 0, nullptr);
 
+  if (path_ == StorePath::kMma) {
+    const std::vector<uint16_t> split = store::SplitRotationF16(pit, f.head_dim);
+    rotation_ = DeviceAllocation(static_cast<int64_t>(split.size() * 2));
+    rotation_.CopyFromHost(split.data(), rotation_.size_bytes(), 0, nullptr);
+#if TQKV_HAVE_CUDA
+    TQKV_CHECK(store::PrepareMmaStore(f));
+#endif
+  }
   if (path_ == StorePath::kGemm) {
     if (options_.gemm_precision == GemmPrecision::kBf16) {
       std::vector<uint16_t> bf(pit.size());
@@ -346,6 +385,9 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     p.use_signs = quantizer_.rotation().kind == RotationKind::kHadamardSigns;
     p.fwht_scale = quantizer_.rotation().matrix[0] < 0 ? -quantizer_.rotation().matrix[0]
                                                        : quantizer_.rotation().matrix[0];
+  } else if (path_ == StorePath::kMma) {
+    p.key_source = store::KeySource::kMma;
+    p.rotation_f16 = static_cast<const uint16_t*>(rotation_.data());
   } else if (path_ == StorePath::kGemm) {
     const GemmLayout l = MakeGemmLayout(quantizer_, options_, in.num_tokens);
     const int64_t rows = in.num_tokens * f.num_kv_heads;

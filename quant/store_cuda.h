@@ -8,6 +8,11 @@
 //  - kFp8  (turboquant_k8v4): one kernel, E4M3 keys and quantized values.
 //  - kFwht (MSE presets, `hadamard` / `hadamard_signs`, the default there): one kernel that rotates
 //    each key in registers by a fast Walsh–Hadamard transform; no GEMM, no y in memory.
+//  - kMma  (MSE presets, any Πᵀ, head_dim 64 and 128, the default for rotations other than the
+//    Hadamard kinds): one kernel that rotates a tile of keys on tensor cores, y = k' · Πᵀ from
+//    an fp16 hi + lo split of Πᵀ held in shared memory and fp32 accumulation (fp32 keys are split
+//    too); no GEMM call, no x̂ or y in memory. quant/store_device.h, MmaScaleForNorm, has the
+//    arithmetic.
 //  - kGemm (MSE presets, any Πᵀ): a normalize kernel writes x̂ = k / (‖k‖ + 1e-8), cuBLAS computes
 //    y = x̂ · Πᵀ (fp32 SGEMM, CUBLAS_PEDANTIC_MATH: no TF32), then the store kernel bucketizes y.
 //    GemmPrecision::kTf32 / kBf16 are faster opt-ins that flip more indices (tools/bench/NOTES.md).
@@ -36,8 +41,10 @@ namespace tqkv {
 class CublasHandle;
 
 enum class StoreRotationPath {
-  kAuto,  // kFwht for `hadamard` and `hadamard_signs`, kGemm for any other rotation
+  kAuto,  // kFwht for `hadamard` and `hadamard_signs`; any other rotation: kMma at head_dim 64
+          // and 128, kGemm at 256
   kFwht,  // error unless the rotation is a Hadamard kind
+  kMma,   // tensor cores in the store kernel, any rotation; error at head_dim 256
   kGemm,  // cuBLAS, any rotation
 };
 
@@ -47,9 +54,9 @@ enum class GemmPrecision {
   kBf16,  // bf16 x̂ and Πᵀ, fp32 accumulation: even more index flips
 };
 
-enum class StorePath { kFp8, kFwht, kGemm };
+enum class StorePath { kFp8, kFwht, kMma, kGemm };
 
-std::string_view StorePathName(StorePath path);  // "fp8", "fwht", "gemm"
+std::string_view StorePathName(StorePath path);  // "fp8", "fwht", "mma", "gemm"
 
 // On in debug builds (`bazel ... -c dbg`, e.g. --config=asan; .bazelrc builds -c opt).
 #ifdef NDEBUG
@@ -85,11 +92,11 @@ struct StoreStatus {
 };
 
 // The path a store of `quantizer` with `options` takes. Throws tqkv::Error for kFwht with a
-// rotation that is not a Hadamard kind.
+// rotation that is not a Hadamard kind, and for kMma at head_dim 256.
 StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& options);
 
-// Bytes of workspace a store of up to `num_tokens` tokens needs: 256 for the FP8 and FWHT paths;
-// the GEMM path adds x̂, y and norms for every row and cuBLAS's workspace.
+// Bytes of workspace a store of up to `num_tokens` tokens needs: 256 for the FP8, FWHT and MMA
+// paths; the GEMM path adds x̂, y and norms for every row and cuBLAS's workspace.
 int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
                             int64_t num_tokens);
 
@@ -142,8 +149,10 @@ class StoreDeviceState {
   StoreOptions options_;
   StorePath path_;
   store::BucketLut lut_;
-  DeviceAllocation tables_;    // store::DeviceTables
-  DeviceAllocation rotation_;  // Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16)
+  DeviceAllocation tables_;  // store::DeviceTables
+  // kGemm: Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16); kMma: the fp16 hi/lo of
+  // store::StoreParams::rotation_f16.
+  DeviceAllocation rotation_;
   std::unique_ptr<CublasHandle> blas_;
 };
 
@@ -156,6 +165,11 @@ struct BucketLutTable {
   BucketLut grid;
 };
 BucketLutTable BuildBucketLut(std::span<const float> midpoints);
+
+// Πᵀ ([D, D] row-major, as Rotation::matrix) for the tensor-core path: hi = fp16(2^8 · Πᵀ) and
+// lo = fp16(2^8 · Πᵀ − hi) (round to nearest even), each transposed: out[n·D + k] = hi of
+// Πᵀ[k][n], out[D² + n·D + k] = lo of it (StoreParams::rotation_f16).
+std::vector<uint16_t> SplitRotationF16(std::span<const float> pit, int d);
 
 }  // namespace store
 }  // namespace tqkv

@@ -438,7 +438,8 @@ uint64_t Seed() { return std::random_device{}(); }
 // Tests
 
 // Every preset × head_dim × block size × dtype, cycling heads, token counts, slot types and the
-// rotation (hadamard and hadamard_signs: FWHT; haar and a forced GEMM: cuBLAS).
+// rotation path: hadamard and hadamard_signs (FWHT), haar (tensor cores; cuBLAS at D = 256),
+// hadamard on tensor cores (D <= 128) and on cuBLAS.
 TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   const int64_t token_counts[] = {1, 2, 17, 64, 255, 300, 1000};
@@ -454,10 +455,10 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
           c.head_dim = d;
           c.block_size = block;
           c.dtype = dtype;
-          c.heads = head_counts[i % 5];
+          c.heads = head_counts[(i / 5) % 5];
           c.num_tokens = token_counts[i % 7];
           c.slot_dtype = i % 2 ? DType::kI32 : DType::kI64;
-          switch (i % 4) {
+          switch (i % 5) {
             case 0:
               c.rotation = RotationKind::kHadamard;
               break;
@@ -470,6 +471,11 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
             case 3:
               c.rotation = RotationKind::kHadamard;
               c.options.rotation_path = StoreRotationPath::kGemm;
+              break;
+            case 4:
+              c.rotation = RotationKind::kHadamardSigns;
+              c.options.rotation_path =
+                  d <= 128 ? StoreRotationPath::kMma : StoreRotationPath::kGemm;
               break;
           }
           c.padding = i % 3 == 0 ? 0.0 : 0.1;
@@ -503,6 +509,12 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
        StoreRotationPath::kAuto},
       {"turboquant_4bit_nc", 64, 2, 65536, DType::kBF16, RotationKind::kHaar,
        StoreRotationPath::kAuto},
+      {"turboquant_4bit_nc", 128, 8, 16384, DType::kBF16, RotationKind::kHaar,
+       StoreRotationPath::kAuto},
+      {"turboquant_k3v4_nc", 128, 4, 8192, DType::kF32, RotationKind::kHaar,
+       StoreRotationPath::kMma},
+      {"turboquant_3bit_nc", 64, 8, 16384, DType::kF16, RotationKind::kHadamard,
+       StoreRotationPath::kMma},
       {"turboquant_3bit_nc", 256, 4, 4096, DType::kF32, RotationKind::kHadamardSigns,
        StoreRotationPath::kAuto},
       {"turboquant_k8v4", 128, 8, 65536, DType::kBF16, RotationKind::kHadamard,
@@ -558,6 +570,7 @@ TEST(StoreCudaTest, GraphCaptureAndReplayGiveTheSameBytes) {
        {Variant{"turboquant_4bit_nc", RotationKind::kHadamard, StoreRotationPath::kAuto},
         Variant{"turboquant_k3v4_nc", RotationKind::kHaar, StoreRotationPath::kAuto},
         Variant{"turboquant_3bit_nc", RotationKind::kHadamardSigns, StoreRotationPath::kGemm},
+        Variant{"turboquant_4bit_nc", RotationKind::kHadamard, StoreRotationPath::kMma},
         Variant{"turboquant_k8v4", RotationKind::kHadamard, StoreRotationPath::kAuto}}) {
     Case c;
     c.preset = v.preset;
@@ -601,7 +614,8 @@ TEST(StoreCudaTest, GraphCaptureAndReplayGiveTheSameBytes) {
 // count are reported. Everything else is stored as usual.
 void RunOutOfRangeCase(bool validate) {
   for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
-    for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kGemm}) {
+    for (StoreRotationPath path :
+         {StoreRotationPath::kAuto, StoreRotationPath::kMma, StoreRotationPath::kGemm}) {
       Case c;
       c.preset = preset;
       c.num_tokens = 300;
@@ -669,7 +683,8 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (const char* preset : kPresets) {
     for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-      for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kGemm}) {
+      for (StoreRotationPath path :
+           {StoreRotationPath::kAuto, StoreRotationPath::kMma, StoreRotationPath::kGemm}) {
         Case c;
         c.preset = preset;
         c.dtype = dtype;

@@ -9,6 +9,7 @@
 // row (coalesced), and a row's FWHT still has 4 in-register and log2(G) cross-lane stages.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 
@@ -135,6 +136,44 @@ TQKV_HOST_DEVICE inline int SearchBucketize(float y, const float* midpoints, int
     if (y >= midpoints[idx + half - 1]) idx += half;
   }
   return idx;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core rotation (KeySource::kMma): y = x̂ · Πᵀ from fp16 MMAs with fp32 accumulation.
+// Πᵀ is scaled by 2^kMmaRotationShift and split into two fp16 matrices, hi = fp16(256·Πᵀ) and
+// lo = fp16(256·Πᵀ − hi), whose sum carries ~22 bits of each entry. The key row is scaled by a
+// power of two 2^s to a norm in [32, 64) (exact for 16-bit inputs: every bf16 or fp16 element
+// of the row above 2^-19 of the norm is an fp16 number after the scaling; fp32 keys are split
+// into hi + lo fp16 as well). Then y = (k'·hi + k'·lo) · 2^(-s-8) / (‖k‖ + 1e-8): a few ulp from
+// the reference's fp64 product, as any fp32 GEMM.
+inline constexpr int kMmaRotationShift = 8;
+
+// 2^n as a float, n in [-126, 127].
+TQKV_HOST_DEVICE inline float Exp2i(int n) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float((127 + n) << 23);
+#else
+  return std::bit_cast<float>(static_cast<uint32_t>(127 + n) << 23);
+#endif
+}
+
+struct MmaRowScale {
+  float up;      // 2^s: the row is multiplied by it before the fp16 conversion
+  float factor;  // 2^(-s - kMmaRotationShift) / (norm + 1e-8) (rounded): y = MMA sum · factor
+};
+
+// The scaling of a row of norm `norm` (fp32, as RowNorm rounds it). s puts the scaled norm in
+// [32, 64): s = 132 − (biased exponent of norm), capped at 126 (norm 0 or subnormal). A norm that
+// overflowed fp32 (finite elements, exponent field 255) gets s = −123, which keeps every element
+// below 2^5, and factor 0: y = 0, as the reference's k / inf. inf or NaN elements make the MMA
+// sum inf or NaN and y NaN (factor 0 or NaN), as the reference's x̂ = k / inf.
+TQKV_HOST_DEVICE inline MmaRowScale MmaScaleForNorm(float norm) {
+  const int biased = (FloatBits(norm) >> 23) & 0xff;
+  const int s = 132 - biased < 126 ? 132 - biased : 126;
+  const int ex = -s - kMmaRotationShift;  // in [-134, 115]: two factors, each a normal float
+  const int ea = ex / 2, eb = ex - ea;
+  const float inv = 1.0f / (norm + 1e-8f);  // IEEE division (no fast-math in the kernels)
+  return {Exp2i(s), inv * Exp2i(ea) * Exp2i(eb)};
 }
 
 #if defined(__CUDACC__)

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "quant/codebook.h"
+#include "quant/numerics.h"
 #include "quant/packing.h"
 #include "quant/quantizer.h"
 #include "quant/rotation.h"
@@ -223,6 +224,103 @@ TEST(StoreDeviceHelpersTest, MidpointsTooCloseFallBackToSearch) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The tensor-core rotation's arithmetic (quant/store_device.h, MmaScaleForNorm; SplitRotationF16).
+
+TEST(StoreMmaMathTest, RotationSplitCarriesTwentyTwoBits) {
+  for (int d : {64, 128}) {
+    for (RotationKind kind : {RotationKind::kHaar, RotationKind::kHadamardSigns}) {
+      const Quantizer q = Quantizer::Create("turboquant_4bit_nc", d, 1, 16, kind, 11);
+      const std::vector<float>& pit = q.rotation().matrix;
+      const std::vector<uint16_t> split = store::SplitRotationF16(pit, d);
+      ASSERT_EQ(split.size(), size_t(2) * d * d);
+      for (int k = 0; k < d; ++k) {
+        for (int n = 0; n < d; ++n) {
+          const double want = std::ldexp(double(pit[size_t(k) * d + n]), 8);
+          const double hi = HalfBitsToFloat(split[size_t(n) * d + k]);
+          const double lo = HalfBitsToFloat(split[size_t(d) * d + size_t(n) * d + k]);
+          // hi is the nearest fp16; lo the nearest fp16 to the rest (absolute floor: fp16's
+          // subnormal spacing 2^-24, half of it).
+          ASSERT_LE(std::abs(want - hi), std::ldexp(std::abs(want), -11) + 0x1p-25)
+              << "d " << d << " k " << k << " n " << n;
+          ASSERT_LE(std::abs(want - hi - lo), std::ldexp(std::abs(want), -22) + 0x1p-25)
+              << "d " << d << " k " << k << " n " << n << " want " << want;
+        }
+      }
+    }
+  }
+}
+
+TEST(StoreMmaMathTest, RowScaleIsAPowerOfTwoAndFactorUndoesIt) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> exponent(-140.0f, 127.9f);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const float norm =
+        trial == 0 ? 0.0f : std::min(std::exp2(exponent(rng)), std::numeric_limits<float>::max());
+    const store::MmaRowScale sc = store::MmaScaleForNorm(norm);
+    int e = 0;
+    ASSERT_EQ(std::frexp(sc.up, &e), 0.5f) << norm;  // a power of two
+    if (norm >= 0x1p-120f) {                         // scaled norm in [32, 64)
+      ASSERT_GE(double(norm) * sc.up, 32.0) << norm;
+      ASSERT_LT(double(norm) * sc.up, 64.0) << norm;
+    }
+    // factor = (1 / up) · 2^-8 / (norm + 1e-8) within the two roundings of division and scale.
+    const double want = 1.0 / sc.up / 256.0 / (double(float(norm + 1e-8f)));
+    ASSERT_NEAR(sc.factor, want, want * 0x1p-22) << norm;
+  }
+  const store::MmaRowScale inf = store::MmaScaleForNorm(INFINITY);
+  EXPECT_EQ(inf.factor, 0.0f);
+  EXPECT_EQ(inf.up, 0x1p-123f);  // elements below 2^128 stay below 2^5
+  EXPECT_TRUE(std::isnan(store::MmaScaleForNorm(NAN).factor));
+}
+
+// The kernel's arithmetic for one row, with the MMA's sums done exactly (fp64): the scaled key in
+// fp16 (hi + lo for fp32 keys) times hi + lo of Πᵀ, times the factor, must lie within the test's
+// fp32 bound of the fp64 reference y (store_cuda_test, ReferenceY).
+TEST(StoreMmaMathTest, EmulatedRowMatchesTheReferenceRotation) {
+  std::mt19937 rng(std::random_device{}());
+  for (int d : {64, 128}) {
+    const Quantizer q = Quantizer::Create("turboquant_4bit_nc", d, 1, 16, RotationKind::kHaar, 3);
+    const std::vector<float>& pit = q.rotation().matrix;
+    const std::vector<uint16_t> split = store::SplitRotationF16(pit, d);
+    for (int trial = 0; trial < 200; ++trial) {
+      const bool bf16 = trial % 2 == 0;
+      const float magnitude = std::exp2(static_cast<float>(static_cast<int>(rng() % 60) - 30));
+      std::normal_distribution<float> normal(0.0f, magnitude);
+      std::vector<float> k(d);
+      for (float& x : k)
+        x = bf16 ? BFloat16BitsToFloat(FloatToBFloat16Bits(normal(rng))) : normal(rng);
+      double ss = 0;
+      for (float x : k) ss += double(x) * x;
+      const float norm = static_cast<float>(std::sqrt(ss));
+      const float denom = norm + 1e-8f;
+      const store::MmaRowScale sc = store::MmaScaleForNorm(norm);
+      std::vector<double> a_hi(d), a_lo(d);
+      for (int i = 0; i < d; ++i) {
+        const float x = k[i] * sc.up;
+        a_hi[i] = HalfBitsToFloat(FloatToHalfBits(x));
+        a_lo[i] = bf16 ? 0.0 : HalfBitsToFloat(FloatToHalfBits(x - float(a_hi[i])));
+        if (bf16) ASSERT_EQ(a_hi[i], double(x)) << "bf16 keys are exact in fp16 after scaling";
+      }
+      for (int n = 0; n < d; ++n) {
+        double sum = 0, ref = 0, mag = 0;
+        for (int i = 0; i < d; ++i) {
+          const double hi = HalfBitsToFloat(split[size_t(n) * d + i]);
+          const double lo = HalfBitsToFloat(split[size_t(d) * d + size_t(n) * d + i]);
+          sum += a_hi[i] * (hi + lo) + a_lo[i] * hi;
+          const double x = double(k[i] / denom);
+          ref += x * pit[size_t(i) * d + n];
+          mag += std::abs(x * pit[size_t(i) * d + n]);
+        }
+        const double y = double(static_cast<float>(sum) * sc.factor);
+        const double bound = (d + 2) * std::ldexp(mag, -24) + std::ldexp(std::abs(ref), -22);
+        ASSERT_LE(std::abs(y - ref), bound)
+            << "d " << d << " n " << n << " magnitude " << magnitude;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Paths, workspace sizes, argument validation (no device needed: nothing is dereferenced).
 
 TEST(StoreHostTest, PathSelection) {
@@ -237,7 +335,22 @@ TEST(StoreHostTest, PathSelection) {
             StorePath::kFwht);
   const Quantizer haar =
       Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16, RotationKind::kHaar, 1);
-  EXPECT_EQ(ResolveStorePath(haar, automatic), StorePath::kGemm);
+  EXPECT_EQ(ResolveStorePath(haar, automatic), StorePath::kMma);
+  const Quantizer haar256 =
+      Quantizer::Create("turboquant_4bit_nc", 256, 8, 16, RotationKind::kHaar, 1);
+  EXPECT_EQ(ResolveStorePath(haar256, automatic), StorePath::kGemm);
+  StoreOptions mma;
+  mma.rotation_path = StoreRotationPath::kMma;
+  EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_4bit_nc", 64, 8, 16), mma),
+            StorePath::kMma);
+  try {
+    ResolveStorePath(haar256, mma);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("rotation path"), HasSubstr("mma"), HasSubstr("head_dim 256")));
+  }
+  EXPECT_EQ(StorePathName(StorePath::kMma), "mma");
   StoreOptions gemm;
   gemm.rotation_path = StoreRotationPath::kGemm;
   EXPECT_EQ(ResolveStorePath(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16), gemm),
@@ -257,6 +370,8 @@ TEST(StoreHostTest, WorkspaceBytes) {
   const Quantizer mse = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
   EXPECT_EQ(StoreWorkspaceBytes(fp8, {}, 65536), 256);
   EXPECT_EQ(StoreWorkspaceBytes(mse, {}, 65536), 256);  // FWHT: the status only
+  const Quantizer haar = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16, RotationKind::kHaar);
+  EXPECT_EQ(StoreWorkspaceBytes(haar, {}, 65536), 256);  // MMA: the status only
   StoreOptions gemm;
   gemm.rotation_path = StoreRotationPath::kGemm;
   // status + norms + x̂ + y + cuBLAS workspace

@@ -53,6 +53,53 @@ __device__ __forceinline__ void StoreVector(void* p, uint4 v) {
                : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core helpers (KeySource::kMma).
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 fp16 matrices; lanes 8i .. 8i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void LdMatrix4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// c += a · b, m16n8k16, fp16 inputs, fp32 accumulation.
+__device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared-memory tiles of the kMma kernels, all rows of 16-byte chunks:
+//  - Πᵀ hi and lo, [2][D][D] fp16 (row n = output column n), and the key tile [parts][kRows][D]
+//    fp16: chunk c of row r at c ^ (r & 7), so that the 8 rows of one ldmatrix matrix hit 8
+//    distinct bank groups;
+//  - the y tile [kRows][D] fp32 (chunks of 4 floats): chunk c of row r at
+//    c ^ ((c >> 3) & 1) ^ (r & 7). The MMA writes a float2 per row and lane (8 rows at one chunk
+//    pair per instruction: 2 wavefronts) and each lane then reads chunks 2q, 2q + 1, 2(q + G),
+//    2(q + G) + 1 of its row (8 lanes at chunks 2q + j: 8 distinct bank groups), both
+//    conflict-free.
+__device__ __forceinline__ int HalfTileChunk(int r, int c) { return c ^ (r & 7); }
+__device__ __forceinline__ int YTileChunk(int r, int c) { return c ^ ((c >> 3) & 1) ^ (r & 7); }
+
+template <int D, InputType T>
+struct MmaTiles {
+  static constexpr int kRows = kThreads / (D / kLaneElems);
+  static constexpr int kKeyParts = T == InputType::kF32 ? 2 : 1;  // fp32 keys: hi + lo
+  static constexpr int kRotationBytes = 2 * D * D * 2;
+  static constexpr int kKeyBytes = kKeyParts * kRows * D * 2;
+  static constexpr int kYBytes = kRows * D * 4;
+  static constexpr int kBytes = kRotationBytes + kKeyBytes + kYBytes;
+  static_assert(kBytes % 16 == 0 && kYBytes > 0);
+};
+
 // The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
 // tensor of type T (16-byte aligned); zeros when !valid. 16-bit inputs: one 16-byte load per
 // chunk, consecutive across the lanes; fp32: two per chunk.
@@ -353,6 +400,7 @@ struct KeyInput {
 // Variant 1 reading y is held to two CTAs (128 registers, as it had before y went through shared
 // memory; unbounded it takes 150+ and one CTA).
 constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
+  if (source == KeySource::kMma && key_bits != 8) return 2;  // ~100 KB of shared memory each
   if (variant == 1) return source == KeySource::kLoadY && key_bits != 8 ? 2 : 1;
   return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
 }
@@ -364,14 +412,21 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   constexpr int kRows = kThreads / G;  // rows per CTA and iteration
   constexpr bool kFp8 = KB == 8;
   constexpr bool kLoadY = S == KeySource::kLoadY && !kFp8;
+  constexpr bool kMma = S == KeySource::kMma && !kFp8;
   constexpr InputType KT = KeyInput<D, KB, T, S>::kType;
   constexpr int kPairs = kFp8 ? 1 : 1 << (2 * KB);
+  using Tiles = MmaTiles<D, T>;
 
   __shared__ LutEntry lut_s[kFp8 ? 1 : kMaxLutCells];
   __shared__ double pair_sq_s[kPairs];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
   __shared__ uint4 stage_s[kLoadY ? kThreads / 32 * kTileVecs : 1];  // y tiles (TileToRows)
+  // kMma: Πᵀ hi/lo, the key tile and the y tile (MmaTiles), in dynamic shared memory.
+  extern __shared__ uint4 mma_s[];
+  uint8_t* const rot_s = reinterpret_cast<uint8_t*>(mma_s);
+  uint8_t* const key_s = rot_s + Tiles::kRotationBytes;
+  float* const y_s = reinterpret_cast<float*>(key_s + Tiles::kKeyBytes);
 
   const BlockFormat& f = p.format;
   const int tid = threadIdx.x;
@@ -383,6 +438,14 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
 
   if constexpr (!kFp8) {
+    if constexpr (kMma) {  // Πᵀ hi/lo into the swizzled tile (HalfTileChunk)
+      constexpr int kRowChunks = D / 8, kChunks = 2 * D * kRowChunks;
+      const uint4* const src = reinterpret_cast<const uint4*>(p.rotation_f16);
+      for (int i = tid; i < kChunks; i += kThreads) {
+        const int row = i / kRowChunks, c = i % kRowChunks;  // row: split · D + n
+        mma_s[row * kRowChunks + HalfTileChunk(row, c)] = __ldg(src + i);
+      }
+    }
     for (int i = tid; i < p.lut.cells; i += kThreads) lut_s[i] = p.tables->lut[i];
     for (int i = tid; i < kPairs; i += kThreads) pair_sq_s[i] = p.tables->pair_sq[i];
     if (tid < kMaxCodebookSize) {
@@ -408,6 +471,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     RawRow<T> v;
     int64_t slot;
     float norm;
+    float factor;  // kMma: MmaRowScale::factor
   };
   auto load = [&](int64_t token, int head, Loaded& n) {
     const bool in_range = token < p.num_tokens;
@@ -421,6 +485,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
       LoadRaw<KT, G>(p.key, row_elem, q, in_range, n.k);
       n.norm = 0.0f;
     }
+    n.factor = 0.0f;
     LoadRaw<T, G>(p.value, row_elem, q, in_range, n.v);
   };
 
@@ -442,6 +507,18 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
       typename KeyInput<D, KB, T, S>::Raw y;
       TileToRows<G>(in.k.w, stage, lane, y.w);
       ToFloat<KT>(y, k);
+    } else if constexpr (kMma) {  // this row of the y tile (MmaTile), in LaneElement order
+      const int r = tid / G;
+      const float* const y_row = y_s + r * D;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = (j < 2 ? 2 * q : 2 * (q + G)) + (j & 1);
+        const float4 y4 = *reinterpret_cast<const float4*>(y_row + 4 * YTileChunk(r, c));
+        k[4 * j + 0] = __fmul_rn(y4.x, in.factor);
+        k[4 * j + 1] = __fmul_rn(y4.y, in.factor);
+        k[4 * j + 2] = __fmul_rn(y4.z, in.factor);
+        k[4 * j + 3] = __fmul_rn(y4.w, in.factor);
+      }
     } else {
       ToFloat<KT>(in.k, k);
     }
@@ -542,7 +619,114 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
       ++t;
     }
   };
-  if constexpr (kVariant == 1) {
+  if constexpr (kMma) {
+    // Per chunk: the norm and scaling of each row and its fp16 key into the key tile; the next
+    // chunk's loads; the tile's y on tensor cores into the y tile; then `process` per row.
+    const int r = tid / G;  // row of the tile
+    auto prepare = [&](Loaded& in) {
+      float kf[kLaneElems];
+      ToFloat<T>(in.k, kf);
+      in.norm = RowNorm<G>(kf);
+      const MmaRowScale sc = MmaScaleForNorm(in.norm);
+      in.factor = sc.factor;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // chunks q and q + G of the row
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float a = __fmul_rn(kf[8 * h + 2 * j], sc.up);
+          const float b = __fmul_rn(kf[8 * h + 2 * j + 1], sc.up);
+          const __half2 hh = __floats2half2_rn(a, b);
+          memcpy(&hi[j], &hh, 4);
+          if constexpr (Tiles::kKeyParts == 2) {
+            const float2 back = __half22float2(hh);
+            const __half2 hl = __floats2half2_rn(__fsub_rn(a, back.x), __fsub_rn(b, back.y));
+            memcpy(&lo[j], &hl, 4);
+          }
+        }
+        const int c = HalfTileChunk(r, q + h * G);
+        uint4* const dst = reinterpret_cast<uint4*>(key_s) + r * (D / 8) + c;
+        *dst = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        if constexpr (Tiles::kKeyParts == 2) {
+          dst[kRows * (D / 8)] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+      }
+    };
+    // Warp w computes rows [32 (w / (D / 16)), +32) × columns [16 (w % (D / 16)), +16) of the
+    // tile: 2 × 2 m16n8 tiles, D / 16 k-steps of 2 (fp32 keys: 3) MMAs per tile.
+    auto mma_tile = [&]() {
+      constexpr int kWarpCols = D / 16;
+      static_assert(kRows == 32 * (8 / kWarpCols), "8 warps of 32 rows x 16 columns");
+      const int warp = tid / 32;
+      const int row0 = 32 * (warp / kWarpCols), col0 = 16 * (warp % kWarpCols);
+      float acc[2][2][4] = {};
+      const uint32_t rot_base = SmemAddr(rot_s), key_base = SmemAddr(key_s);
+#pragma unroll 2
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[Tiles::kKeyParts][2][4];
+#pragma unroll
+        for (int part = 0; part < Tiles::kKeyParts; ++part) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            const int row = row0 + 16 * mt + (lane & 15);
+            const int c = HalfTileChunk(row, 2 * ks + (lane >> 4));
+            LdMatrix4(key_base + ((part * kRows + row) * (D / 8) + c) * 16, a[part][mt]);
+          }
+        }
+        uint32_t b[2][4];  // per n-tile: hi (k 0-7, 8-15), lo (k 0-7, 8-15)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int n = col0 + 8 * nt + (lane & 7);
+          const int row = (lane >> 4) * D + n;  // split · D + n
+          const int c = HalfTileChunk(row, 2 * ks + ((lane >> 3) & 1));
+          LdMatrix4(rot_base + (row * (D / 8) + c) * 16, b[nt]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            MmaF16(acc[mt][nt], a[0][mt], b[nt][2], b[nt][3]);  // hi key · lo Πᵀ
+            if constexpr (Tiles::kKeyParts == 2) {
+              MmaF16(acc[mt][nt], a[1][mt], b[nt][0], b[nt][1]);  // lo key · hi Πᵀ
+            }
+            MmaF16(acc[mt][nt], a[0][mt], b[nt][0], b[nt][1]);  // hi key · hi Πᵀ
+          }
+        }
+      }
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int n = col0 + 8 * nt + 2 * t;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * mt + g + 8 * h;
+            float* const dst = y_s + row * D + 4 * YTileChunk(row, n / 4) + n % 4;
+            *reinterpret_cast<float2*>(dst) =
+                make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+          }
+        }
+      }
+    };
+    Loaded cur;
+    load(token, head, cur);
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+      prepare(cur);
+      int64_t next_token = token;
+      int next_head = head;
+      advance(next_token, next_head);
+      Loaded next;
+      load(next_token, next_head, next);  // past the end: no loads (slot -1)
+      __syncthreads();                    // key tile written
+      mma_tile();
+      __syncthreads();  // y tile written (and the key tile read)
+      process(cur, token, head);
+      cur = next;
+      token = next_token;
+      head = next_head;
+    }
+  } else if constexpr (kVariant == 1) {
     // Two rows' inputs in registers at a time (ping-pong): the next row's loads overlap this
     // row's arithmetic within the thread.
     Loaded a, b;
@@ -586,7 +770,9 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
 // Row groups (32 / G rows each) per warp tile: 4 KB of key loads in flight per warp, and at least
 // 8 norms (one sector) per tile.
 template <int D, InputType T>
-constexpr int kNormalizeGroups = T != InputType::kF32 ? 4 : D / 64 > 2 ? D / 64 : 2;
+constexpr int kNormalizeGroups = T != InputType::kF32 ? 4
+                                 : D / 64 > 2         ? D / 64
+                                                      : 2;
 
 template <int D, InputType T>
 constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems);
@@ -594,7 +780,7 @@ constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems
 // Three CTAs (24 warps, at most 80 registers) per SM: 96 KB of loads in flight per SM. fp32 keys
 // at D = 256 hold 64 registers of loads (four 2 KB tiles per warp) and get two CTAs instead.
 template <int D, InputType T>
-constexpr int kNormalizeMinCtas = T == InputType::kF32 && D == 256 ? 2 : 3;
+constexpr int kNormalizeMinCtas = T == InputType::kF32&& D == 256 ? 2 : 3;
 
 template <int D, InputType T, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
@@ -697,24 +883,43 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
 // ---------------------------------------------------------------------------------------------
 // Dispatch: head_dim, then bits, then input type, then key source, each in one switch.
 
-// CTAs of `Kernel` that fit on the device at once (one cache per kernel; the device is the
-// current one at first use).
+// CTAs of `Kernel` that fit on the device at once with `smem_bytes` of dynamic shared memory
+// (one cache per kernel, whose dynamic size is fixed; the device is the current one at first
+// use). Kernels with dynamic shared memory get their limit raised to it first.
 template <auto Kernel>
-int ResidentCtas() {
-  static const int ctas = [] {
+int ResidentCtas(int smem_bytes = 0) {
+  static const int ctas = [smem_bytes] {
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0);
+    if (smem_bytes > 0) {
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    }
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, smem_bytes);
     return std::max(1, sms * per_sm);
   }();
   return ctas;
 }
 
 template <auto Kernel>
-void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream) {
-  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>()));
-  Kernel<<<grid, kThreads, 0, stream>>>(p);
+void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream,
+                      int smem_bytes = 0) {
+  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>(smem_bytes)));
+  Kernel<<<grid, kThreads, smem_bytes, stream>>>(p);
+}
+
+template <int D, int KB, int VB, InputType T>
+constexpr auto kMmaKernel = StoreKernel<D, KB, VB, T, KeySource::kMma, 0>;
+
+template <int D, int KB, int VB>
+bool PrepareMmaBits() {
+  if constexpr (D <= 128 && KB != 8) {
+    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kF32>>(MmaTiles<D, InputType::kF32>::kBytes);
+    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kF16>>(MmaTiles<D, InputType::kF16>::kBytes);
+    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kBF16>>(MmaTiles<D, InputType::kBF16>::kBytes);
+    return true;
+  }
+  return false;
 }
 
 template <int D, int KB, int VB, InputType T, int kVariant>
@@ -731,6 +936,13 @@ void LaunchStoreVariant(const StoreParams& p, int64_t chunks, StreamHandle strea
 
 template <int D, int KB, int VB, InputType T>
 bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+  if (p.key_source == KeySource::kMma) {
+    if constexpr (D <= 128 && KB != 8) {
+      LaunchPersistent<kMmaKernel<D, KB, VB, T>>(p, chunks, stream, MmaTiles<D, T>::kBytes);
+      return true;
+    }
+    return false;
+  }
   if constexpr (D == 128 && T == InputType::kBF16 && KB != 8) {  // benchmark variants
     if (p.variant == 1) {
       LaunchStoreVariant<D, KB, VB, T, 1>(p, chunks, stream);
@@ -766,6 +978,16 @@ bool LaunchStoreDim(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   if (kb == 4 && vb == 4) return LaunchStoreBits<D, 4, 4>(p, chunks, stream);
   if (kb == 3 && vb == 4) return LaunchStoreBits<D, 3, 4>(p, chunks, stream);
   if (kb == 3 && vb == 3) return LaunchStoreBits<D, 3, 3>(p, chunks, stream);
+  return false;
+}
+
+template <int D>
+bool PrepareMmaDim(const BlockFormat& f) {
+  const int kb = f.fp8_keys ? 8 : f.key_bits;
+  const int vb = f.value_bits;
+  if (kb == 4 && vb == 4) return PrepareMmaBits<D, 4, 4>();
+  if (kb == 3 && vb == 4) return PrepareMmaBits<D, 3, 4>();
+  if (kb == 3 && vb == 3) return PrepareMmaBits<D, 3, 3>();
   return false;
 }
 
@@ -818,6 +1040,29 @@ bool LaunchStore(const StoreParams& p, StreamHandle stream) {
       return LaunchStoreDim<128>(p, chunks, stream);
     case 256:
       return LaunchStoreDim<256>(p, chunks, stream);
+    default:
+      return false;
+  }
+}
+
+int MmaStoreSmemBytes(int head_dim, InputType input) {
+  const bool f32 = input == InputType::kF32;
+  switch (head_dim) {
+    case 64:
+      return f32 ? MmaTiles<64, InputType::kF32>::kBytes : MmaTiles<64, InputType::kBF16>::kBytes;
+    case 128:
+      return f32 ? MmaTiles<128, InputType::kF32>::kBytes : MmaTiles<128, InputType::kBF16>::kBytes;
+    default:
+      return 0;
+  }
+}
+
+bool PrepareMmaStore(const BlockFormat& f) {
+  switch (f.head_dim) {
+    case 64:
+      return PrepareMmaDim<64>(f);
+    case 128:
+      return PrepareMmaDim<128>(f);
     default:
       return false;
   }

@@ -17,7 +17,13 @@ enum class InputType { kF32, kF16, kBF16 };
 enum class KeySource {
   kFwht,   // computed in the kernel from the key: y = FWHT(x̂ ⊙ s) / √D (Hadamard kinds)
   kLoadY,  // read from a [rows, D] fp32 buffer the GEMM wrote, with the norms of kNormalize
+  kMma,    // computed in the kernel from the key on tensor cores (any Πᵀ, D <= 128; see
+           // quant/store_device.h, MmaScaleForNorm): y = k' · (hi + lo) · factor
 };
+
+// Dynamic shared memory of the kMma kernels: the fp16 hi/lo of Πᵀ, the key tile (two fp16 parts
+// for fp32 keys) and the fp32 y tile. 0 for a D without a kMma kernel.
+int MmaStoreSmemBytes(int head_dim, InputType input);
 
 // Device tables of one quantizer, uploaded once (StoreDeviceState).
 struct DeviceTables {
@@ -58,6 +64,9 @@ struct StoreParams {
   BucketLut lut;
   bool use_signs = false;  // kFwht: multiply by hadamard_signs' s before the transform
   float fwht_scale = 0;    // kFwht: fp32(1/√D), the magnitude of every entry of Πᵀ
+  // kMma: [2][D][D] fp16 bits, hi then lo of 2^kMmaRotationShift · Πᵀ, transposed (entry [n][k]
+  // is Πᵀ[k][n]: row n holds output column n), 16-byte aligned.
+  const uint16_t* rotation_f16 = nullptr;
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
   int variant = 0;                 // StoreOptions::kernel_variant (benchmarks only)
@@ -78,5 +87,10 @@ struct NormalizeParams {
 // caller checks the launch with TQKV_CHECK_LAUNCH.
 bool LaunchStore(const StoreParams& params, StreamHandle stream);
 bool LaunchNormalize(const NormalizeParams& params, StreamHandle stream);
+
+// Sets the shared-memory limit of every kMma kernel for `format` (all input types) and caches
+// their occupancy, so that no launch does it first (e.g. inside a graph capture). Returns false
+// when the format has no kMma kernel (head_dim 256, FP8 keys). Idempotent.
+bool PrepareMmaStore(const BlockFormat& format);
 
 }  // namespace tqkv::store

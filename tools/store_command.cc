@@ -50,10 +50,13 @@ StoreOptions ParseStoreOptions(const StoreFlags& flags) {
     o.rotation_path = StoreRotationPath::kAuto;
   } else if (flags.rotation_path == "fwht") {
     o.rotation_path = StoreRotationPath::kFwht;
+  } else if (flags.rotation_path == "mma") {
+    o.rotation_path = StoreRotationPath::kMma;
   } else if (flags.rotation_path == "gemm") {
     o.rotation_path = StoreRotationPath::kGemm;
   } else {
-    throw InvalidArgument("tqkv store", "--rotation-path", flags.rotation_path, "auto, fwht, gemm");
+    throw InvalidArgument("tqkv store", "--rotation-path", flags.rotation_path,
+                          "auto, fwht, mma, gemm");
   }
   if (flags.gemm_precision == "fp32") {
     o.gemm_precision = GemmPrecision::kFp32;
@@ -175,8 +178,9 @@ void AddStoreCommand(CLI::App& app) {
                   "cpu (the reference, default) or cuda (the GPU store of the same bytes, up to "
                   "MSE index flips at midpoints)");
   cmd->add_option("--rotation-path", flags->rotation_path,
-                  "--device cuda: auto (default: in-kernel FWHT for Hadamard rotations, cuBLAS "
-                  "otherwise), fwht, gemm");
+                  "--device cuda: auto (default: in-kernel FWHT for Hadamard rotations, "
+                  "otherwise tensor cores in the store kernel at head_dim 64/128 and cuBLAS at "
+                  "256), fwht, mma, gemm");
   cmd->add_option("--gemm-precision", flags->gemm_precision,
                   "--device cuda, GEMM path: fp32 (default), tf32, bf16 (more index flips)");
   cmd->callback([flags] { RunStore(*flags); });

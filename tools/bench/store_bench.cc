@@ -289,6 +289,7 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
         (q.codebook().size() - 1) * 4);
   }
   std::vector<StoreRotationPath> paths = {StoreRotationPath::kAuto};
+  if (q.uses_rotation()) paths.push_back(StoreRotationPath::kMma);
   if (q.uses_rotation()) paths.push_back(StoreRotationPath::kGemm);
   for (StoreRotationPath path : paths) {
     StoreOptions o;
@@ -362,6 +363,7 @@ int Main(int argc, char** argv) {
     for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kMma, 0},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
                             Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
       const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
@@ -401,6 +403,7 @@ int Main(int argc, char** argv) {
       const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
       const BlockFormat& f = q.format();
       std::vector<StoreRotationPath> paths = {StoreRotationPath::kAuto};
+      if (q.uses_rotation()) paths.push_back(StoreRotationPath::kMma);
       if (q.uses_rotation()) paths.push_back(StoreRotationPath::kGemm);
       DeviceAllocation cache(s.num_blocks * f.block_bytes);
       cache.FillBytes(0, stream.get());
@@ -585,6 +588,7 @@ int Main(int argc, char** argv) {
       };
       for (const Variant& v :
            {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
+            Variant{"mma", StoreRotationPath::kMma, GemmPrecision::kFp32},
             Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
             Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
             Variant{"gemm-bf16", StoreRotationPath::kGemm, GemmPrecision::kBf16}}) {
