@@ -342,8 +342,10 @@ __device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, b
   }
 }
 
-// Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64.
-template <int kBits>
+// Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64. The table
+// holds kCopies interleaved copies (entry p of copy c at p · kCopies + c) and `pair_sq` points at
+// this lane's copy.
+template <int kBits, int kCopies>
 __device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c,
                                                 const double* pair_sq) {
   double sum = 0.0;
@@ -351,7 +353,7 @@ __device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c,
   for (int i = 0; i < 8; ++i) {
     const uint32_t half = i < 4 ? c.lo : c.hi;
     const uint32_t pair = (half >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
-    sum += pair_sq[pair];
+    sum += pair_sq[pair * kCopies];
   }
   return sum;
 }
@@ -418,7 +420,11 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   using Tiles = MmaTiles<D, T>;
 
   __shared__ LutEntry lut_s[kFp8 ? 1 : kMaxLutCells];
-  __shared__ double pair_sq_s[kPairs];
+  // The pair table in 16 interleaved copies, lane l reading copy l % 16: the 8-byte lookups of a
+  // half-warp then hit 16 distinct bank pairs (one copy: ~5-way conflicts on random codes). The
+  // MMA kernels keep one copy (their shared memory is spent on the rotation tiles).
+  constexpr int kPairCopies = kMma ? 1 : 16;
+  __shared__ double pair_sq_s[kPairs * kPairCopies];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
   __shared__ uint4 stage_s[kLoadY ? kThreads / 32 * kTileVecs : 1];  // y tiles (TileToRows)
@@ -447,7 +453,9 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
       }
     }
     for (int i = tid; i < p.lut.cells; i += kThreads) lut_s[i] = p.tables->lut[i];
-    for (int i = tid; i < kPairs; i += kThreads) pair_sq_s[i] = p.tables->pair_sq[i];
+    for (int i = tid; i < kPairs * kPairCopies; i += kThreads) {
+      pair_sq_s[i] = p.tables->pair_sq[i / kPairCopies];
+    }
     if (tid < kMaxCodebookSize) {
       centroid_sq_s[tid] = p.tables->centroid_sq[tid];
       midpoints_s[tid] = p.tables->midpoints[tid];
@@ -576,7 +584,8 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
 #pragma unroll
         for (int i = 0; i < kLaneElems; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
       }
-      const double csum = GroupSum<G>(CodeSquareSum<KB>(codes, pair_sq_s));
+      const double csum =
+          GroupSum<G>(CodeSquareSum<KB, kPairCopies>(codes, pair_sq_s + lane % kPairCopies));
       StoreCodes<KB, G>(codes, q, active, key_dst);
       float stored =
           p.norm_correction ? static_cast<float>(double(norm) / sqrt(csum + 1e-16)) : norm;
