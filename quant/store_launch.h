@@ -69,7 +69,10 @@ struct StoreParams {
   const uint16_t* rotation_f16 = nullptr;
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
-  int variant = 0;                 // StoreOptions::kernel_variant (benchmarks only)
+  // The norm correction's pair table in 2^n interleaved shared-memory copies (0 or 4; set by
+  // LaunchStore from the row count; kMma kernels use one copy).
+  int pair_copies_log2 = 0;
+  int variant = 0;  // StoreOptions::kernel_variant (benchmarks only)
 };
 
 // x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.
