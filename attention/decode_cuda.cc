@@ -112,7 +112,8 @@ int CudaDecoder::block_size() const {
   return state_->bf16 ? state_->bf16_format.block_size : state_->format.block_size;
 }
 
-DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq) const {
+DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
+                             int tokens_per_split) const {
   constexpr const char* kWhere = "CudaDecoder::Plan";
   const int hk = num_kv_heads();
   if (num_seqs < 1 || num_seqs > 65535) {
@@ -152,7 +153,19 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
       best_tps = tps;
     }
   }
-  const int64_t tps = best_tps;
+  int64_t tps = best_tps;
+  if (tokens_per_split != 0) {
+    if (tokens_per_split < 64 || tokens_per_split > kMaxSplitTokens || tokens_per_split % 64 != 0 ||
+        (max_len + tokens_per_split - 1) / tokens_per_split > kMaxSplits) {
+      throw InvalidArgument(
+          kWhere, "tokens_per_split", tokens_per_split,
+          fmt::format("0 (automatic) or a multiple of 64 from {} to {} (at most {} splits of {} "
+                      "tokens)",
+                      std::max<int64_t>(64, (max_len + kMaxSplits - 1) / kMaxSplits / 64 * 64),
+                      kMaxSplitTokens, kMaxSplits, max_len));
+    }
+    tps = tokens_per_split;
+  }
   DecodePlan plan;
   plan.num_seqs = num_seqs;
   plan.num_q_heads = num_q_heads;

@@ -62,8 +62,12 @@ class CudaDecoder {
   int block_size() const;
 
   // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
-  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535).
-  DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq) const;
+  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535). tokens_per_split 0
+  // lets the plan choose the split length (its cost model); otherwise it is used as given (a
+  // multiple of 64 from 64 to 8192, with at most 256 splits of max_blocks_per_seq · block_size:
+  // for tuning and benchmarks).
+  DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
+                  int tokens_per_split = 0) const;
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
   // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·

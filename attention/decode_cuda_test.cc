@@ -4,6 +4,7 @@
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -74,9 +75,10 @@ DeviceScenario Upload(const Scenario& s, const std::vector<uint8_t>& cache) {
 // Runs the decoder with fp32 query and output and compares with (ref_out, ref_lse).
 Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const DeviceScenario& d,
                      int64_t num_blocks, const std::vector<float>& ref_out,
-                     const std::vector<float>& ref_lse, int head_dim) {
+                     const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0) {
   const int num_seqs = static_cast<int>(s.seq_lens.size());
-  const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks);
+  const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, tokens_per_split);
+  if (tokens_per_split != 0) EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
       lse(static_cast<int64_t>(ref_lse.size()));
@@ -149,7 +151,8 @@ void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
 }
 
 Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
-                       std::vector<int32_t> lens, bool large_values = false) {
+                       std::vector<int32_t> lens, bool large_values = false,
+                       int tokens_per_split = 0) {
   const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, 0);
   const uint64_t seed = std::random_device{}();
   Scenario s = Build(q, lens, hk * group, seed);
@@ -165,7 +168,7 @@ Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
   DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
   const DeviceScenario dev = Upload(s, s.cache);
   const CudaDecoder decoder(q);
-  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d);
+  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split);
 }
 
 std::vector<int32_t> EdgeLengths(int bs) { return {1, bs - 1, bs, bs + 1, 4097, 700}; }
@@ -373,6 +376,19 @@ TEST(CudaDecodeTest, BatchOf1024WithA131072TokenContext) {
   EXPECT_LE(e.lse, kLseTol);
 }
 
+// Split lengths given by the caller (CudaDecoder::Plan's tokens_per_split): the shortest, one
+// chunk of a block size, and long ones; every split count must give the reference's results.
+TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (int tps : {64, 128, 640, 4096}) {
+    const Errors e =
+        CheckCompressed("turboquant_4bit_nc", 128, 8, 4, 16, {1, 63, 700, 4097}, false, tps);
+    EXPECT_EQ(e.bad, 0) << "tokens_per_split " << tps;
+    EXPECT_LE(e.out, kOutTol) << "tokens_per_split " << tps;
+    EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;
+  }
+}
+
 TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
@@ -380,6 +396,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   EXPECT_THROW(decoder.Plan(4, 12, 10), Error);      // not a multiple of 8
   EXPECT_THROW(decoder.Plan(4, 8 * 17, 10), Error);  // group 17
   EXPECT_THROW(decoder.Plan(0, 32, 10), Error);
+  for (int tps : {-64, 32, 100, 16384}) {
+    try {
+      decoder.Plan(4, 32, 10, tps);
+      ADD_FAILURE() << "tokens_per_split " << tps << " accepted";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(fmt::format("tokens_per_split = {}", tps)));
+    }
+  }
+  EXPECT_THROW(decoder.Plan(4, 32, 131072 / 16, 64), Error);  // 2,048 splits > 256
+  EXPECT_EQ(decoder.Plan(4, 32, 131072 / 16, 512).max_splits, 256);
   const DecodePlan plan = decoder.Plan(4, 32, 10);
   CudaDecodeArgs a;
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers

@@ -8,6 +8,7 @@
 // on the same shapes, both ways, with the ratios.
 //
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--hq 32]
+//                [--tps 0,512,...]   (split lengths to time; 0 = the plan's choice)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,7 @@
 #if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
 #endif
+#include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 #include "tools/bench/bench_kernels.h"
@@ -38,6 +41,8 @@ namespace {
 
 constexpr int kHk = 8, kD = 128, kBlock = 16;
 int g_hq = 32;  // query heads, --hq: 64 gives GQA group 8 (the unpacked kernel)
+// Split lengths to time, --tps 0,512,1024: 0 is the plan's own choice (CudaDecoder::Plan).
+std::vector<int> g_tps = {0};
 
 struct Ceilings {
   double copy_gbs = 0, read_gbs = 0;
@@ -148,68 +153,76 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
   std::mt19937 rng(3);
   for (int batch : batches) {
     for (int context : contexts) {
-      const int blocks_per_seq = context / kBlock;
-      const int64_t set_blocks = int64_t{batch} * blocks_per_seq;
-      const int sets = static_cast<int>(std::min<int64_t>(8, pool_blocks / set_blocks));
-      std::vector<int32_t> ids(pool_blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      std::vector<int32_t> tables(static_cast<size_t>(sets * set_blocks));
-      std::copy(ids.begin(), ids.begin() + tables.size(), tables.begin());
-      DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(tables.size()));
-      d_tables.CopyFromHost(tables);
-      std::vector<int32_t> lens(batch, context);
-      DeviceBuffer<int32_t> d_lens(batch);
-      d_lens.CopyFromHost(lens);
-      DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * kD);
-      FillRandomBf16(query.data(), query.size(), 11, stream.get());
-      DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * kD);
-      DeviceBuffer<float> lse(int64_t{batch} * g_hq);
-      const DecodePlan plan = decoder->Plan(batch, g_hq, blocks_per_seq);
-      DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
-      CudaDecodeArgs a;
-      a.query = query.data();
-      a.query_dtype = DType::kBF16;
-      a.cache = pool.data();
-      a.num_blocks = pool_blocks;
-      a.seq_lens = d_lens.data();
-      a.output = out.data();
-      a.output_dtype = DType::kBF16;
-      a.lse = lse.data();
-      a.workspace = ws.data();
-      a.workspace_bytes = ws.size_bytes();
-      auto run = [&](int i) {
-        a.block_tables = d_tables.data() + (i % sets) * set_blocks;
-        decoder->Run(plan, a, stream.get());
-      };
-      for (int i = 0; i < 3; ++i) run(i);
-      Event start, end;
-      std::vector<float> ms;
-      const int reps = 10;
-      for (int r = 0; r < 7; ++r) {
-        start.Record(stream.get());
-        for (int i = 0; i < reps; ++i) run(r * reps + i);
-        end.Record(stream.get());
-        end.Synchronize();
-        ms.push_back(Event::ElapsedMs(start, end) / reps);
+      for (int tps : g_tps) {
+        const int blocks_per_seq = context / kBlock;
+        const int64_t set_blocks = int64_t{batch} * blocks_per_seq;
+        const int sets = static_cast<int>(std::min<int64_t>(8, pool_blocks / set_blocks));
+        std::vector<int32_t> ids(pool_blocks);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<int32_t> tables(static_cast<size_t>(sets * set_blocks));
+        std::copy(ids.begin(), ids.begin() + tables.size(), tables.begin());
+        DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(tables.size()));
+        d_tables.CopyFromHost(tables);
+        std::vector<int32_t> lens(batch, context);
+        DeviceBuffer<int32_t> d_lens(batch);
+        d_lens.CopyFromHost(lens);
+        DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * kD);
+        FillRandomBf16(query.data(), query.size(), 11, stream.get());
+        DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * kD);
+        DeviceBuffer<float> lse(int64_t{batch} * g_hq);
+        DecodePlan plan;
+        try {
+          plan = decoder->Plan(batch, g_hq, blocks_per_seq, tps);
+        } catch (const Error& e) {
+          fmt::print("  {} B={} L={} tps={}: {}\n", kind.name, batch, context, tps, e.what());
+          continue;
+        }
+        DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+        CudaDecodeArgs a;
+        a.query = query.data();
+        a.query_dtype = DType::kBF16;
+        a.cache = pool.data();
+        a.num_blocks = pool_blocks;
+        a.seq_lens = d_lens.data();
+        a.output = out.data();
+        a.output_dtype = DType::kBF16;
+        a.lse = lse.data();
+        a.workspace = ws.data();
+        a.workspace_bytes = ws.size_bytes();
+        auto run = [&](int i) {
+          a.block_tables = d_tables.data() + (i % sets) * set_blocks;
+          decoder->Run(plan, a, stream.get());
+        };
+        for (int i = 0; i < 3; ++i) run(i);
+        Event start, end;
+        std::vector<float> ms;
+        const int reps = 10;
+        for (int r = 0; r < 7; ++r) {
+          start.Record(stream.get());
+          for (int i = 0; i < reps; ++i) run(r * reps + i);
+          end.Record(stream.get());
+          end.Synchronize();
+          ms.push_back(Event::ElapsedMs(start, end) / reps);
+        }
+        Result res;
+        res.kind = kind.name;
+        res.batch = batch;
+        res.context = context;
+        res.us = MedianMs(ms) * 1e3;
+        // The graph holds 16 calls over the rotating table sets (the same work as above).
+        res.graph_us = GraphUs(run, 16, stream.get());
+        res.bytes = double(batch) * context * kHk * kind.slot_bytes;
+        res.gbs = res.bytes / (res.graph_us * 1e-6) / 1e9;
+        res.frac = res.gbs / ceil.read_gbs;
+        results.push_back(res);
+        fmt::print(
+            "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
+            "{:5.1f}% of read ceiling  (splits {} x {} tokens)\n",
+            kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
+            100 * res.frac, plan.max_splits, plan.tokens_per_split);
+        std::fflush(stdout);
       }
-      Result res;
-      res.kind = kind.name;
-      res.batch = batch;
-      res.context = context;
-      res.us = MedianMs(ms) * 1e3;
-      // The graph holds 16 calls over the rotating table sets (the same work as above).
-      res.graph_us = GraphUs(run, 16, stream.get());
-      res.bytes = double(batch) * context * kHk * kind.slot_bytes;
-      res.gbs = res.bytes / (res.graph_us * 1e-6) / 1e9;
-      res.frac = res.gbs / ceil.read_gbs;
-      results.push_back(res);
-      fmt::print(
-          "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
-          "{:5.1f}% of read ceiling  (splits {} x {} tokens)\n",
-          kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs, 100 * res.frac,
-          plan.max_splits, plan.tokens_per_split);
-      std::fflush(stdout);
     }
   }
   return results;
@@ -229,6 +242,11 @@ int Main(int argc, char** argv) {
       only = argv[++i];
     else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
       g_hq = std::stoi(argv[++i]);
+    else if (std::strcmp(argv[i], "--tps") == 0 && i + 1 < argc) {
+      g_tps.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string item; std::getline(list, item, ',');) g_tps.push_back(std::stoi(item));
+    }
   }
   RequireCudaDevice("decode_bench");
   const auto dev = QueryDevices().front();
