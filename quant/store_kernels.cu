@@ -757,9 +757,29 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     }
   } else {
     // Loads at the top of each iteration; other warps (three or more CTAs per SM) cover them.
+    // The next chunk's key and value rows are prefetched into L2 meanwhile (each lane one or two
+    // 32-byte sectors of each), so its loads wait for L2, not DRAM.
+    constexpr int kElemBytes = T == InputType::kF32 ? 4 : 2;
+    constexpr int kLaneBytes = kLaneElems * kElemBytes;  // this lane's share of a row
     for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
       Loaded a;
       load(token, head, a);
+      if constexpr (kVariant == 0 && S != KeySource::kLoadY) {
+        int64_t next_token = token;
+        int next_head = head;
+        advance(next_token, next_head);
+        if (next_token < p.num_tokens) {
+          const int64_t at =
+              (next_token * num_heads + next_head) * (D * kElemBytes) + q * kLaneBytes;
+#pragma unroll
+          for (int s = 0; s < kLaneBytes; s += 32) {
+            asm volatile(
+                "prefetch.global.L2 [%0];" ::"l"(static_cast<const uint8_t*>(p.key) + at + s));
+            asm volatile(
+                "prefetch.global.L2 [%0];" ::"l"(static_cast<const uint8_t*>(p.value) + at + s));
+          }
+        }
+      }
       process(a, token, head);
       advance(token, head);
     }
