@@ -422,10 +422,11 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   __shared__ LutEntry lut_s[kFp8 ? 1 : kMaxLutCells];
   // The pair table, for large stores (StoreParams::pair_copies_log2) in 16 interleaved copies,
   // lane l reading copy l % 16: the 8-byte lookups of a half-warp then hit 16 distinct bank pairs
-  // (one copy: ~5-way conflicts on random codes). The MMA kernels keep one copy (their shared
-  // memory is spent on the rotation tiles).
-  constexpr int kMaxPairCopies = kMma ? 1 : 16;
-  const int pair_log2 = kMma ? 0 : p.pair_copies_log2;
+  // (one copy: ~5-way conflicts on random codes). Only the FWHT kernel: the MMA kernels spend
+  // their shared memory on the rotation tiles, and the y-reading kernel's y staging would take its
+  // static shared memory past 48 KB.
+  constexpr int kMaxPairCopies = S == KeySource::kFwht ? 16 : 1;
+  const int pair_log2 = kMaxPairCopies > 1 ? p.pair_copies_log2 : 0;
   __shared__ double pair_sq_s[kPairs * kMaxPairCopies];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
@@ -801,9 +802,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
 // Row groups (32 / G rows each) per warp tile: 4 KB of key loads in flight per warp, and at least
 // 8 norms (one sector) per tile.
 template <int D, InputType T>
-constexpr int kNormalizeGroups = T != InputType::kF32 ? 4
-                                 : D / 64 > 2         ? D / 64
-                                                      : 2;
+constexpr int kNormalizeGroups = (T != InputType::kF32) ? 4 : (D / 64 > 2 ? D / 64 : 2);
 
 template <int D, InputType T>
 constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems);
@@ -811,7 +810,7 @@ constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems
 // Three CTAs (24 warps, at most 80 registers) per SM: 96 KB of loads in flight per SM. fp32 keys
 // at D = 256 hold 64 registers of loads (four 2 KB tiles per warp) and get two CTAs instead.
 template <int D, InputType T>
-constexpr int kNormalizeMinCtas = T == InputType::kF32&& D == 256 ? 2 : 3;
+constexpr int kNormalizeMinCtas = (T == InputType::kF32 && D == 256) ? 2 : 3;
 
 template <int D, InputType T, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
@@ -1079,18 +1078,6 @@ bool LaunchStore(const StoreParams& params, StreamHandle stream) {
       return LaunchStoreDim<256>(p, chunks, stream);
     default:
       return false;
-  }
-}
-
-int MmaStoreSmemBytes(int head_dim, InputType input) {
-  const bool f32 = input == InputType::kF32;
-  switch (head_dim) {
-    case 64:
-      return f32 ? MmaTiles<64, InputType::kF32>::kBytes : MmaTiles<64, InputType::kBF16>::kBytes;
-    case 128:
-      return f32 ? MmaTiles<128, InputType::kF32>::kBytes : MmaTiles<128, InputType::kBF16>::kBytes;
-    default:
-      return 0;
   }
 }
 

@@ -21,10 +21,6 @@ enum class KeySource {
            // quant/store_device.h, MmaScaleForNorm): y = k' · (hi + lo) · factor
 };
 
-// Dynamic shared memory of the kMma kernels: the fp16 hi/lo of Πᵀ, the key tile (two fp16 parts
-// for fp32 keys) and the fp32 y tile. 0 for a D without a kMma kernel.
-int MmaStoreSmemBytes(int head_dim, InputType input);
-
 // Device tables of one quantizer, uploaded once (StoreDeviceState).
 struct DeviceTables {
   LutEntry lut[kMaxLutCells];
@@ -70,7 +66,7 @@ struct StoreParams {
 
   DeviceStatus* status = nullptr;  // non-null: report out-of-range slots there
   // The norm correction's pair table in 2^n interleaved shared-memory copies (0 or 4; set by
-  // LaunchStore from the row count; kMma kernels use one copy).
+  // LaunchStore from the row count; used by the FWHT kernel, the others keep one copy).
   int pair_copies_log2 = 0;
   int variant = 0;  // StoreOptions::kernel_variant (benchmarks only)
 };
