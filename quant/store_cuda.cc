@@ -319,6 +319,16 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   tables_.CopyFromHost(tables.get(), sizeof(store::DeviceTables), 0, nullptr);
 
   if (path_ == StorePath::kMma) {
+    // 2^8 · Πᵀ must stay inside fp16's range (any orthogonal Πᵀ has entries ≤ 1).
+    float largest = 0;
+    for (float x : pit) largest = std::isfinite(x) ? std::max(largest, std::abs(x)) : INFINITY;
+    if (!(largest <= 255.0f)) {
+      throw InvalidArgument("StoreDeviceState", "rotation path", StorePathName(path_),
+                            fmt::format("gemm for a rotation with entries up to {} (the "
+                                        "tensor-core path needs finite entries of magnitude "
+                                        "<= 255)",
+                                        largest));
+    }
     const std::vector<uint16_t> split = store::SplitRotationF16(pit, f.head_dim);
     rotation_ = DeviceAllocation(static_cast<int64_t>(split.size() * 2));
     rotation_.CopyFromHost(split.data(), rotation_.size_bytes(), 0, nullptr);

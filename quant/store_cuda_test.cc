@@ -831,7 +831,8 @@ TEST(StoreCudaTest, ValueCodesOfTheFastDivisionAreExact) {
 
 TEST(StoreCudaTest, CloseMidpointsBucketizeByBinarySearch) {
   TQKV_SKIP_WITHOUT_GPU();
-  for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kGemm}) {
+  for (StoreRotationPath path :
+       {StoreRotationPath::kAuto, StoreRotationPath::kMma, StoreRotationPath::kGemm}) {
     Case c;
     c.preset = "turboquant_k3v4_nc";
     c.codebook = CodebookFromCentroids(
@@ -842,6 +843,32 @@ TEST(StoreCudaTest, CloseMidpointsBucketizeByBinarySearch) {
     EXPECT_FALSE(state.uses_lookup_table());
     RunCase(c, Seed());
   }
+}
+
+// The MMA path holds 2^8 · Πᵀ in fp16: a hand-made rotation with larger entries is refused with
+// a message that names the way out (the cuBLAS path), which takes it.
+TEST(StoreCudaTest, MmaPathRefusesRotationsBeyondFp16) {
+  TQKV_SKIP_WITHOUT_GPU();
+  Rotation r;
+  r.kind = RotationKind::kCustom;
+  r.head_dim = 128;
+  r.matrix.assign(128 * 128, 0.0f);
+  for (int i = 0; i < 128; ++i) r.matrix[size_t(i) * 128 + i] = 1000.0f;
+  const Quantizer q(PresetByName("turboquant_4bit_nc"), 128, 8, 16, r);
+  for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kMma}) {
+    StoreOptions o;
+    o.rotation_path = path;
+    try {
+      const StoreDeviceState state(q, o);
+      ADD_FAILURE() << "no throw";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("entries up to 1000"));
+      EXPECT_THAT(e.what(), HasSubstr("gemm"));
+    }
+  }
+  StoreOptions gemm;
+  gemm.rotation_path = StoreRotationPath::kGemm;
+  EXPECT_NO_THROW({ const StoreDeviceState state(q, gemm); });
 }
 
 TEST(StoreCudaTest, MismatchedStateWorkspaceAndEmptyStores) {
