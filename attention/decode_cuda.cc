@@ -159,10 +159,11 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
         (max_len + tokens_per_split - 1) / tokens_per_split > kMaxSplits) {
       throw InvalidArgument(
           kWhere, "tokens_per_split", tokens_per_split,
-          fmt::format("0 (automatic) or a multiple of 64 from {} to {} (at most {} splits of {} "
-                      "tokens)",
-                      std::max<int64_t>(64, (max_len + kMaxSplits - 1) / kMaxSplits / 64 * 64),
-                      kMaxSplitTokens, kMaxSplits, max_len));
+          fmt::format(
+              "0 (automatic) or a multiple of 64 from {} to {} (at most {} splits of {} "
+              "tokens)",
+              std::max<int64_t>(64, ((max_len + kMaxSplits - 1) / kMaxSplits + 63) / 64 * 64),
+              kMaxSplitTokens, kMaxSplits, max_len));
     }
     tps = tokens_per_split;
   }
