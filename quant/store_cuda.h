@@ -72,8 +72,11 @@ struct StoreOptions {
   // also counts them and records the first such token in the workspace (ReadStatus); this costs
   // one memset per call.
   bool validate_slots = kValidateSlotsByDefault;
-  // Benchmarks only (tools/bench/store_bench): alternative builds of the MSE store kernel for
-  // D = 128 and bf16 inputs, to compare in one run; 0 everywhere else. See tools/bench/NOTES.md.
+  // Benchmarks and tests only: alternative builds of the MSE store kernel, to compare in one run
+  // (tools/bench/store_bench, tools/bench/NOTES.md). 0: the default choice. FWHT path with 16-bit
+  // inputs at D = 128 / 256: 3 = the narrow kernel (16 elements per lane) and 4 = the wide one
+  // (32) at any size (by default: wide from 16,384 rows). D = 128 bf16 only: 1, 2 = earlier
+  // kernels. Any other combination runs the default.
   int kernel_variant = 0;
 };
 

@@ -70,11 +70,13 @@ struct Case {
   std::optional<Codebook> codebook;
 
   std::string Name() const {
-    return fmt::format("{} D={} H={} block={} {} slots {} N={} rotation {} path {}{}", preset,
-                       head_dim, heads, block_size, DTypeName(dtype), DTypeName(slot_dtype),
-                       num_tokens, RotationKindName(rotation),
-                       static_cast<int>(options.rotation_path),
-                       options.gemm_precision == GemmPrecision::kFp32 ? "" : " low-precision GEMM");
+    return fmt::format(
+        "{} D={} H={} block={} {} slots {} N={} rotation {} path {}{}{}", preset, head_dim, heads,
+        block_size, DTypeName(dtype), DTypeName(slot_dtype), num_tokens, RotationKindName(rotation),
+        static_cast<int>(options.rotation_path),
+        options.gemm_precision == GemmPrecision::kFp32 ? "" : " low-precision GEMM",
+        options.kernel_variant == 0 ? ""
+                                    : fmt::format(" kernel variant {}", options.kernel_variant));
   }
   Quantizer MakeQuantizer() const {
     const Preset& p = PresetByName(preset);
@@ -479,6 +481,9 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
               break;
           }
           c.padding = i % 3 == 0 ? 0.0 : 0.1;
+          // Half the FWHT cases on the wide kernel (the default from 16,384 rows; these are
+          // smaller), the others on the narrow one.
+          if ((i % 5 == 0 || i % 5 == 1) && (i / 5) % 2 == 0) c.options.kernel_variant = 4;
           all += RunCase(c, Seed());
           ++i;
         }
@@ -516,6 +521,13 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
       {"turboquant_3bit_nc", 64, 8, 16384, DType::kF16, RotationKind::kHadamard,
        StoreRotationPath::kMma},
       {"turboquant_3bit_nc", 256, 4, 4096, DType::kF32, RotationKind::kHadamardSigns,
+       StoreRotationPath::kAuto},
+      // The wide FWHT kernel (16-bit inputs, D = 128 / 256, from 16,384 rows).
+      {"turboquant_3bit_nc", 128, 8, 16384, DType::kBF16, RotationKind::kHadamardSigns,
+       StoreRotationPath::kAuto},
+      {"turboquant_k3v4_nc", 256, 4, 8192, DType::kF16, RotationKind::kHadamard,
+       StoreRotationPath::kAuto},
+      {"turboquant_4bit_nc", 256, 2, 16384, DType::kBF16, RotationKind::kHadamardSigns,
        StoreRotationPath::kAuto},
       {"turboquant_k8v4", 128, 8, 65536, DType::kBF16, RotationKind::kHadamard,
        StoreRotationPath::kAuto},
@@ -683,8 +695,11 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (const char* preset : kPresets) {
     for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-      for (StoreRotationPath path :
-           {StoreRotationPath::kAuto, StoreRotationPath::kMma, StoreRotationPath::kGemm}) {
+      // kAuto twice: the narrow FWHT kernel (the default at this size) and the wide one.
+      for (int run = 0; run < 4; ++run) {
+        const StoreRotationPath path = run == 2   ? StoreRotationPath::kMma
+                                       : run == 3 ? StoreRotationPath::kGemm
+                                                  : StoreRotationPath::kAuto;
         Case c;
         c.preset = preset;
         c.dtype = dtype;
@@ -692,6 +707,7 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
         c.num_tokens = 16;
         c.padding = 0.0;
         c.options.rotation_path = path;
+        c.options.kernel_variant = run == 1 ? 4 : 0;
         std::mt19937_64 rng(Seed());
         const Quantizer q = c.MakeQuantizer();
         const StoreDeviceState state(q, c.options);

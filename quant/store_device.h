@@ -2,11 +2,12 @@
 // CPU tests check them against the reference (quant/packing.h, Codebook::Bucketize) bit for bit.
 // Included by kernel files: no fmt, no spdlog, no exceptions.
 //
-// Work split of every store kernel: one (token, head) row is handled by G = D / 16 consecutive
-// lanes ("a lane group"); lane q of the group holds 16 elements in registers e = 0..15: chunk q
-// (elements [8q, 8q + 8)) and chunk q + G (LaneElement). So each 16-byte load of a 16-bit input and
-// each 4-byte code store of one warp instruction covers consecutive bytes across the lanes of a
-// row (coalesced), and a row's FWHT still has 4 in-register and log2(G) cross-lane stages.
+// Work split of every store kernel: one (token, head) row is handled by G = D / E consecutive
+// lanes ("a lane group"), E = 16 elements per lane (kLaneElems) or 32 (the wide FWHT kernel);
+// lane q of the group holds chunks q, q + G, q + 2G, ... of 8 elements (elements [8c, 8c + 8) of
+// chunk c) in registers e = 0 .. E-1 (LaneElement). So each 16-byte load of a 16-bit input and each
+// 4-byte code store of one warp instruction covers consecutive bytes across the lanes of a row
+// (coalesced), and a row's FWHT has log2(E) in-register and log2(G) cross-lane stages.
 #pragma once
 
 #include <bit>
@@ -31,7 +32,7 @@ inline constexpr int kLaneElems = 16;        // elements of one row a lane owns
 inline constexpr int kMaxLutCells = 1024;    // bucketize lookup table limit (8 KiB of smem)
 inline constexpr int kMaxCodebookSize = 16;  // 4-bit codes
 
-// The row element held in register e (0..15) of lane q (0..lanes-1).
+// The row element held in register e (0 .. E-1) of lane q (0 .. lanes-1).
 TQKV_HOST_DEVICE constexpr int LaneElement(int q, int e, int lanes) {
   return 8 * (q + (e / 8) * lanes) + e % 8;
 }
@@ -74,6 +75,14 @@ struct PackedCodes {
   TQKV_HOST_DEVICE uint64_t Word() const {
     return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << (8 * kBits));
   }
+};
+
+// The same for any number of 8-code chunks: chunk j (codes 8j .. 8j + 7) in word j, code i at
+// bits [bits·(i mod 8), ...) of its word (PackedCodes<kBits> has w[0] = lo, w[1] = hi).
+template <int kBits, int kChunks>
+struct LaneCodes {
+  uint32_t w[kChunks] = {};
+  TQKV_HOST_DEVICE void Add(int i, uint32_t code) { w[i / 8] += code << (kBits * (i % 8)); }
 };
 
 // 3-bit codes are written as 4-byte words: the 24-bit chunks of four lanes make three words.

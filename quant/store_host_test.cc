@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -56,99 +57,122 @@ TEST(StoreDeviceHelpersTest, PackMatchesReferencePacking) {
   }
 }
 
-// The kernels' lane layout (LaneElement) with StoreCodes' word placement, emulated for one row:
-// the bytes must be the reference packing of the row's codes.
-TEST(StoreDeviceHelpersTest, LaneLayoutCodeWordsAreTheBitStream) {
-  std::mt19937 rng(std::random_device{}());
+// The kernels' lane layout (LaneElement) with StoreCodes' word placement, emulated for one row,
+// for the narrow (16 elements per lane) and the wide (32) kernels: the bytes must be the reference
+// packing of the row's codes.
+template <int kElems>
+void ExpectLaneLayoutCodeWordsAreTheBitStream(std::mt19937& rng) {
+  constexpr int kChunks = kElems / 8;
   for (int lanes : {4, 8, 16}) {
     for (int bits : {3, 4}) {
       for (int trial = 0; trial < 200; ++trial) {
-        const int d = 16 * lanes;
+        const int d = kElems * lanes;
         std::vector<uint8_t> codes(d);
         for (auto& c : codes) c = static_cast<uint8_t>(rng() & ((1u << bits) - 1));
-        std::vector<uint32_t> lo(lanes), hi(lanes);
+        std::vector<std::array<uint32_t, kChunks>> w(lanes);
         for (int q = 0; q < lanes; ++q) {
-          store::PackedCodes<4> p4;
-          store::PackedCodes<3> p3;
-          for (int e = 0; e < store::kLaneElems; ++e) {
+          store::LaneCodes<4, kChunks> p4;
+          store::LaneCodes<3, kChunks> p3;
+          store::PackedCodes<4> n4;  // the two-word form of the narrow kernel's first version
+          store::PackedCodes<3> n3;
+          for (int e = 0; e < kElems; ++e) {
             const uint8_t c = codes[store::LaneElement(q, e, lanes)];
             p4.Add(e, c);
             p3.Add(e, c);
+            if (e < 16) {
+              n4.Add(e, c);
+              n3.Add(e, c);
+            }
           }
-          lo[q] = bits == 4 ? p4.lo : p3.lo;
-          hi[q] = bits == 4 ? p4.hi : p3.hi;
+          ASSERT_EQ(p4.w[0], n4.lo);
+          ASSERT_EQ(p4.w[1], n4.hi);
+          ASSERT_EQ(p3.w[0], n3.lo);
+          ASSERT_EQ(p3.w[1], n3.hi);
+          for (int j = 0; j < kChunks; ++j) w[q][j] = bits == 4 ? p4.w[j] : p3.w[j];
         }
         std::vector<uint32_t> words(d * bits / 32, 0xDEADBEEF);
         for (int q = 0; q < lanes; ++q) {
-          if (bits == 4) {
-            words[q] = lo[q];
-            words[q + lanes] = hi[q];
-          } else if (q % 4 < 3) {  // __shfl_down_sync(..., 1): lane q + 1 of the same group of 4
-            const int r = q % 4;
-            words[3 * (q / 4) + r] = store::Join3Bit32(lo[q], lo[q + 1], r);
-            words[3 * ((q + lanes) / 4) + r] = store::Join3Bit32(hi[q], hi[q + 1], r);
+          for (int j = 0; j < kChunks; ++j) {
+            if (bits == 4) {
+              words[q + j * lanes] = w[q][j];
+            } else if (q % 4 < 3) {  // __shfl_down_sync(..., 1): lane q + 1 of the same group of 4
+              const int r = q % 4;
+              words[3 * ((q + j * lanes) / 4) + r] = store::Join3Bit32(w[q][j], w[q + 1][j], r);
+            }
           }
         }
         std::vector<uint8_t> want(d * bits / 8);
         PackCodes(codes.data(), d, bits, want.data());
         for (size_t b = 0; b < want.size(); ++b) {
           ASSERT_EQ(static_cast<uint8_t>(words[b / 4] >> (8 * (b % 4))), want[b])
-              << "lanes " << lanes << " bits " << bits << " byte " << b;
+              << "elems " << kElems << " lanes " << lanes << " bits " << bits << " byte " << b;
         }
       }
     }
   }
 }
 
-// The FWHT as the kernels run it on the lane layout (4 in-register stages, log2(G) cross-lane
-// stages), emulated in exact integers, is the Sylvester Hadamard transform of the row; and the
-// per-lane sign bits pick the signs of the right elements.
+TEST(StoreDeviceHelpersTest, LaneLayoutCodeWordsAreTheBitStream) {
+  std::mt19937 rng(std::random_device{}());
+  ExpectLaneLayoutCodeWordsAreTheBitStream<16>(rng);
+  ExpectLaneLayoutCodeWordsAreTheBitStream<32>(rng);
+}
+
+// The FWHT as the kernels run it on the lane layout (log2(E) in-register stages, log2(G)
+// cross-lane stages), emulated in exact integers, is the Sylvester Hadamard transform of the row;
+// and the per-lane sign bits pick the signs of the right elements. Narrow (E = 16) and wide (32).
 TEST(StoreDeviceHelpersTest, LaneLayoutFwhtAndSignsMatchTheMatrix) {
   std::mt19937 rng(std::random_device{}());
-  for (int lanes : {4, 8, 16}) {
-    const int d = 16 * lanes;
-    std::vector<int64_t> in(d);
-    for (auto& v : in) v = static_cast<int64_t>(rng() % 2001) - 1000;
-    std::vector<std::vector<int64_t>> x(lanes, std::vector<int64_t>(store::kLaneElems));
-    for (int q = 0; q < lanes; ++q) {
-      for (int e = 0; e < store::kLaneElems; ++e) x[q][e] = in[store::LaneElement(q, e, lanes)];
-    }
-    for (int q = 0; q < lanes; ++q) {
-      for (int h = 1; h < store::kLaneElems; h <<= 1) {
-        for (int i = 0; i < store::kLaneElems; ++i) {
-          if ((i & h) == 0) {
-            const int64_t a = x[q][i], b = x[q][i + h];
-            x[q][i] = a + b;
-            x[q][i + h] = a - b;
+  for (int elems : {16, 32}) {
+    for (int lanes : {2, 4, 8, 16}) {
+      const int d = elems * lanes;
+      if (d < 64 || d > 256) continue;
+      std::vector<int64_t> in(d);
+      for (auto& v : in) v = static_cast<int64_t>(rng() % 2001) - 1000;
+      std::vector<std::vector<int64_t>> x(lanes, std::vector<int64_t>(elems));
+      for (int q = 0; q < lanes; ++q) {
+        for (int e = 0; e < elems; ++e) x[q][e] = in[store::LaneElement(q, e, lanes)];
+      }
+      for (int q = 0; q < lanes; ++q) {
+        for (int h = 1; h < elems; h <<= 1) {
+          for (int i = 0; i < elems; ++i) {
+            if ((i & h) == 0) {
+              const int64_t a = x[q][i], b = x[q][i + h];
+              x[q][i] = a + b;
+              x[q][i + h] = a - b;
+            }
           }
         }
       }
-    }
-    for (int m = 1; m < lanes; m <<= 1) {
-      auto next = x;
-      for (int q = 0; q < lanes; ++q) {
-        for (int e = 0; e < store::kLaneElems; ++e) {
-          const int64_t other = x[q ^ m][e];
-          next[q][e] = (q & m) ? other - x[q][e] : x[q][e] + other;
+      for (int m = 1; m < lanes; m <<= 1) {
+        auto next = x;
+        for (int q = 0; q < lanes; ++q) {
+          for (int e = 0; e < elems; ++e) {
+            const int64_t other = x[q ^ m][e];
+            next[q][e] = (q & m) ? other - x[q][e] : x[q][e] + other;
+          }
         }
+        x = next;
       }
-      x = next;
-    }
-    const Rotation signs = MakeRotation(RotationKind::kHadamardSigns, d, rng());
-    uint32_t sign_words[8] = {};
-    for (int i = 0; i < d; ++i) {
-      if (signs.signs[i] < 0) sign_words[i / 32] |= 1u << (i % 32);
-    }
-    for (int q = 0; q < lanes; ++q) {
-      const int j0 = 8 * q, j1 = 8 * (q + lanes);  // as StoreKernel gathers them
-      const uint32_t lane_signs = ((sign_words[j0 / 32] >> (j0 % 32)) & 0xFFu) |
-                                  (((sign_words[j1 / 32] >> (j1 % 32)) & 0xFFu) << 8);
-      for (int e = 0; e < store::kLaneElems; ++e) {
-        const int j = store::LaneElement(q, e, lanes);
-        int64_t want = 0;
-        for (int i = 0; i < d; ++i) want += (__builtin_popcount(i & j) & 1) ? -in[i] : in[i];
-        ASSERT_EQ(x[q][e], want) << "lanes " << lanes << " q " << q << " e " << e;
-        ASSERT_EQ(((lane_signs >> e) & 1) != 0, signs.signs[j] < 0) << "q " << q << " e " << e;
+      const Rotation signs = MakeRotation(RotationKind::kHadamardSigns, d, rng());
+      uint32_t sign_words[8] = {};
+      for (int i = 0; i < d; ++i) {
+        if (signs.signs[i] < 0) sign_words[i / 32] |= 1u << (i % 32);
+      }
+      for (int q = 0; q < lanes; ++q) {
+        uint32_t lane_signs = 0;  // as StoreKernel gathers them: byte c from chunk q + c·G
+        for (int c = 0; c < elems / 8; ++c) {
+          const int j = 8 * (q + c * lanes);
+          lane_signs |= ((sign_words[j / 32] >> (j % 32)) & 0xFFu) << (8 * c);
+        }
+        for (int e = 0; e < elems; ++e) {
+          const int j = store::LaneElement(q, e, lanes);
+          int64_t want = 0;
+          for (int i = 0; i < d; ++i) want += (__builtin_popcount(i & j) & 1) ? -in[i] : in[i];
+          ASSERT_EQ(x[q][e], want)
+              << "elems " << elems << " lanes " << lanes << " q " << q << " e " << e;
+          ASSERT_EQ(((lane_signs >> e) & 1) != 0, signs.signs[j] < 0) << "q " << q << " e " << e;
+        }
       }
     }
   }

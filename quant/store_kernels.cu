@@ -35,9 +35,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Loads: 16 elements of a row per lane, kept raw (so that a loop iteration can prefetch the next
 // rows while it computes, and bf16/fp16 min/max can run on packed pairs).
 
-template <InputType T>
+template <InputType T, int N = kLaneElems>
 struct RawRow {
-  static constexpr int kWords = T == InputType::kF32 ? 4 : 2;
+  static constexpr int kWords = (N / 8) * (T == InputType::kF32 ? 2 : 1);
   uint4 w[kWords];
 };
 
@@ -103,13 +103,13 @@ struct MmaTiles {
 // The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
 // tensor of type T (16-byte aligned); zeros when !valid. 16-bit inputs: one 16-byte load per
 // chunk, consecutive across the lanes; fp32: two per chunk.
-template <InputType T, int G>
+template <InputType T, int G, int N>
 __device__ __forceinline__ void LoadRaw(const void* base, int64_t row_elem, int q, bool valid,
-                                        RawRow<T>& r) {
+                                        RawRow<T, N>& r) {
   constexpr int kSize = T == InputType::kF32 ? 4 : 2;
   const uint8_t* row = static_cast<const uint8_t*>(base) + row_elem * kSize;
 #pragma unroll
-  for (int j = 0; j < RawRow<T>::kWords; ++j) {
+  for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
     const int chunk = T == InputType::kF32 ? j / 2 : j;
     const int half = T == InputType::kF32 ? j % 2 : 0;
     r.w[j] = valid ? LoadStreaming(row + 8 * (q + chunk * G) * kSize + 16 * half)
@@ -130,10 +130,10 @@ __device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float
   }
 }
 
-template <InputType T>
-__device__ __forceinline__ void ToFloat(const RawRow<T>& r, float (&out)[kLaneElems]) {
+template <InputType T, int N>
+__device__ __forceinline__ void ToFloat(const RawRow<T, N>& r, float (&out)[N]) {
 #pragma unroll
-  for (int j = 0; j < RawRow<T>::kWords; ++j) {
+  for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
     const uint32_t w[4] = {r.w[j].x, r.w[j].y, r.w[j].z, r.w[j].w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -148,35 +148,43 @@ __device__ __forceinline__ void ToFloat(const RawRow<T>& r, float (&out)[kLaneEl
 
 // min and max of the lane's 16 elements, NaN skipped (fminf semantics); +inf / -inf if all NaN.
 // 16-bit inputs reduce as packed pairs (HMNMX2), which skip NaN the same way.
-template <InputType T>
-__device__ __forceinline__ void LaneMinMax(const RawRow<T>& r, const float (&v)[kLaneElems],
-                                           float& vmin, float& vmax) {
+template <InputType T, int N>
+__device__ __forceinline__ void LaneMinMax(const RawRow<T, N>& r, const float (&v)[N], float& vmin,
+                                           float& vmax) {
   vmin = INFINITY;
   vmax = -INFINITY;
   if constexpr (T == InputType::kF32) {
 #pragma unroll
-    for (int i = 0; i < kLaneElems; ++i) {
+    for (int i = 0; i < N; ++i) {
       vmin = fminf(vmin, v[i]);
       vmax = fmaxf(vmax, v[i]);
     }
   } else {
     using Pair = std::conditional_t<T == InputType::kBF16, __nv_bfloat162, __half2>;
-    Pair p[8];
+    constexpr int kPairs = N / 2;
+    Pair p[kPairs];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
       memcpy(&p[4 * j + 0], &r.w[j].x, 4);
       memcpy(&p[4 * j + 1], &r.w[j].y, 4);
       memcpy(&p[4 * j + 2], &r.w[j].z, 4);
       memcpy(&p[4 * j + 3], &r.w[j].w, 4);
     }
-    Pair lo[4], hi[4];
+    // Pairwise tree over the kPairs packed pairs (a power of two).
+    Pair lo[kPairs / 2], hi[kPairs / 2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kPairs / 2; ++j) {
       lo[j] = __hmin2(p[2 * j], p[2 * j + 1]);
       hi[j] = __hmax2(p[2 * j], p[2 * j + 1]);
     }
-    lo[0] = __hmin2(__hmin2(lo[0], lo[1]), __hmin2(lo[2], lo[3]));
-    hi[0] = __hmax2(__hmax2(hi[0], hi[1]), __hmax2(hi[2], hi[3]));
+#pragma unroll
+    for (int n = kPairs / 4; n >= 1; n /= 2) {  // adjacent pairs, as ((0, 1), (2, 3)) at N = 16
+#pragma unroll
+      for (int j = 0; j < n; ++j) {
+        lo[j] = __hmin2(lo[2 * j], lo[2 * j + 1]);
+        hi[j] = __hmax2(hi[2 * j], hi[2 * j + 1]);
+      }
+    }
     float a, b, c, d;
     uint32_t lw, hw;
     memcpy(&lw, &lo[0], 4);
@@ -282,22 +290,23 @@ __device__ __forceinline__ float GroupMax(float x) {
 }
 
 // ‖k‖ as the reference computes it: Σ k² in fp64 (exact products), sqrt in fp64, one rounding.
-template <int G>
-__device__ __forceinline__ float RowNorm(const float (&k)[kLaneElems]) {
+template <int G, int N>
+__device__ __forceinline__ float RowNorm(const float (&k)[N]) {
   double ss = 0.0;
 #pragma unroll
-  for (int i = 0; i < kLaneElems; ++i) ss = fma(double(k[i]), double(k[i]), ss);
+  for (int i = 0; i < N; ++i) ss = fma(double(k[i]), double(k[i]), ss);
   return static_cast<float>(sqrt(GroupSum<G>(ss)));
 }
 
 // y = FWHT(x) over the row (Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j)), unscaled.
-// Index bits 0-3 are inside the lane, bits 4.. across the lanes of the group.
-template <int G>
-__device__ __forceinline__ void Fwht(float (&x)[kLaneElems], int q) {
+// Register bits (e) are index bits 0-2 and 3 + log2(G) ..; lane bits (q) index bits 3 .. 2 +
+// log2(G).
+template <int G, int N>
+__device__ __forceinline__ void Fwht(float (&x)[N], int q) {
 #pragma unroll
-  for (int h = 1; h < kLaneElems; h <<= 1) {
+  for (int h = 1; h < N; h <<= 1) {
 #pragma unroll
-    for (int i = 0; i < kLaneElems; ++i) {
+    for (int i = 0; i < N; ++i) {
       if ((i & h) == 0) {
         const float a = x[i], b = x[i + h];
         x[i] = a + b;
@@ -311,33 +320,36 @@ __device__ __forceinline__ void Fwht(float (&x)[kLaneElems], int q) {
     // one exactly rounded add either way.
     const float sign = (q & m) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int i = 0; i < kLaneElems; ++i) {
+    for (int i = 0; i < N; ++i) {
       const float other = __shfl_xor_sync(kFullMask, x[i], m);
       x[i] = __fmaf_rn(sign, x[i], other);
     }
   }
 }
 
-// Writes a lane's 16 packed `bits`-bit codes (two chunks of 8) into the row's code region at
-// `dst` (8-aligned): 4-bit: one 4-byte word per chunk; 3-bit: three words per four chunks. The
-// lanes of a row write consecutive words.
-template <int kBits, int G>
-__device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, bool active,
+// Writes a lane's packed `bits`-bit codes (chunks q, q + G, ... of 8 codes) into the row's code
+// region at `dst` (8-aligned): 4-bit: one 4-byte word per chunk; 3-bit: three words per four
+// chunks (G is a multiple of 4, so lane q + 1 holds the next chunk). The lanes of a row write
+// consecutive words.
+template <int kBits, int G, int C>
+__device__ __forceinline__ void StoreCodes(const LaneCodes<kBits, C>& c, int q, bool active,
                                            uint8_t* dst) {
   uint32_t* const words = reinterpret_cast<uint32_t*>(dst);
   if constexpr (kBits == 4) {
     if (active) {
-      words[q] = c.lo;
-      words[q + G] = c.hi;
+#pragma unroll
+      for (int j = 0; j < C; ++j) words[q + j * G] = c.w[j];
     }
   } else {
-    static_assert(kBits == 3);
-    const uint32_t next_lo = __shfl_down_sync(kFullMask, c.lo, 1);
-    const uint32_t next_hi = __shfl_down_sync(kFullMask, c.hi, 1);
+    static_assert(kBits == 3 && G % 4 == 0);
+    uint32_t next[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) next[j] = __shfl_down_sync(kFullMask, c.w[j], 1);
     const int r = q & 3;
     if (active && r < 3) {
-      words[3 * (q >> 2) + r] = Join3Bit32(c.lo, next_lo, r);
-      words[3 * ((q + G) >> 2) + r] = Join3Bit32(c.hi, next_hi, r);
+#pragma unroll
+      for (int j = 0; j < C; ++j)
+        words[3 * ((q + j * G) >> 2) + r] = Join3Bit32(c.w[j], next[j], r);
     }
   }
 }
@@ -345,14 +357,14 @@ __device__ __forceinline__ void StoreCodes(const PackedCodes<kBits>& c, int q, b
 // Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64. The table
 // holds 2^copies_log2 interleaved copies (entry p of copy c at p · 2^copies_log2 + c) and
 // `pair_sq` points at this lane's copy.
-template <int kBits>
-__device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c, const double* pair_sq,
+template <int kBits, int C>
+__device__ __forceinline__ double CodeSquareSum(const LaneCodes<kBits, C>& c, const double* pair_sq,
                                                 int copies_log2) {
   double sum = 0.0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t half = i < 4 ? c.lo : c.hi;
-    const uint32_t pair = (half >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
+  for (int i = 0; i < 4 * C; ++i) {
+    const uint32_t word = c.w[i / 4];
+    const uint32_t pair = (word >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
     sum += pair_sq[pair << copies_log2];
   }
   return sum;
@@ -360,9 +372,9 @@ __device__ __forceinline__ double CodeSquareSum(const PackedCodes<kBits>& c, con
 
 // Values: uniform min/max over the finite fp16 range (EncodeSlot). Takes the lane's min/max,
 // returns the lane's packed codes and the row's fp16 scale and zero.
-template <int G, int kBits>
-__device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], float vmin, float vmax,
-                                               PackedCodes<kBits>& codes, uint16_t& scale_bits,
+template <int G, int kBits, int N>
+__device__ __forceinline__ void QuantizeValues(const float (&v)[N], float vmin, float vmax,
+                                               LaneCodes<kBits, N / 8>& codes, uint16_t& scale_bits,
                                                uint16_t& zero_bits) {
   const float row_min = GroupMin<G>(vmin), row_max = GroupMax<G>(vmax);
   vmin = fminf(fmaxf(row_min, -65504.0f), 65504.0f);
@@ -373,10 +385,10 @@ __device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], flo
   const float r = DivisionReciprocal(scale);  // scale is normal: 1e-8 <= scale <= 131008 / 7
   if (row_min >= -65504.0f && row_max <= 65504.0f) {  // the usual row: no cap needed
 #pragma unroll
-    for (int i = 0; i < kLaneElems; ++i) codes.Add(i, ValueCodeInRange(v[i], vmin, scale, r));
+    for (int i = 0; i < N; ++i) codes.Add(i, ValueCodeInRange(v[i], vmin, scale, r));
   } else {
 #pragma unroll
-    for (int i = 0; i < kLaneElems; ++i) codes.Add(i, ValueCode(v[i], vmin, scale, r, kLevels));
+    for (int i = 0; i < N; ++i) codes.Add(i, ValueCode(v[i], vmin, scale, r, kLevels));
   }
   scale_bits = __half_as_ushort(__float2half_rn(scale));
   zero_bits = __half_as_ushort(__float2half_rn(vmin));
@@ -388,30 +400,48 @@ __device__ __forceinline__ void QuantizeValues(const float (&v)[kLaneElems], flo
 // inputs before it computes the current one.
 //   KB: key bits (8 = FP8 E4M3 keys; 3 or 4 = MSE codes), VB: value bits.
 
-template <int D, int KB, InputType T, KeySource S>
+template <int D, int KB, InputType T, KeySource S, int N = kLaneElems>
 struct KeyInput {
   static constexpr InputType kType = (S == KeySource::kLoadY && KB != 8) ? InputType::kF32 : T;
-  using Raw = RawRow<kType>;
+  using Raw = RawRow<kType, N>;
 };
+
+// The wide FWHT kernel (kernel template variant kWide): E = 32 elements per lane instead of 16,
+// so G = D / 32 lanes per row, a warp holds twice the rows, and every per-row step (reductions,
+// norm, divisions, norm correction, value range, metadata) is shared by half as many lanes; one
+// cross-lane FWHT stage fewer. 22 % fewer instructions than the narrow kernel at D = 128; it needs
+// 128 registers, so it runs 128-thread CTAs, four per SM (at 96 registers for five it spilled and
+// was slower). The default for the FWHT path with 16-bit inputs at D = 128 and 256.
+inline constexpr int kWide = 3;
+inline constexpr int64_t kWideMinRows = 16384;
+template <int kVariant>
+inline constexpr int kLaneElemsFor = kVariant == kWide ? 32 : kLaneElems;
+template <int kVariant>
+inline constexpr int kCtaThreadsFor = kVariant == kWide ? 128 : kThreads;
 
 // Minimum CTAs per SM the kernel is compiled for (register budget): the MSE kernels need 80
 // registers for three CTAs (24 warps) per SM, which hides their dependency chains (shuffles,
-// lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound. Variants 1 and
-// 2 (D = 128, bf16 inputs only) exist for tools/bench/store_bench: 1 = the previous kernel (two
-// rows in flight per thread, ping-pong, no bound), 2 = four CTAs (64 registers, small spills).
+// lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound; the wide kernel
+// (kWide) four 128-thread CTAs. Variants 1 and 2 (D = 128, bf16 inputs only) exist for
+// tools/bench/store_bench: 1 = an earlier kernel (two rows in flight per thread, ping-pong, no
+// bound), 2 = four CTAs (64 registers, small spills).
 // Variant 1 reading y is held to two CTAs (128 registers, as it had before y went through shared
 // memory; unbounded it takes 150+ and one CTA).
 constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
   if (source == KeySource::kMma && key_bits != 8) return 2;  // ~100 KB of shared memory each
   if (variant == 1) return source == KeySource::kLoadY && key_bits != 8 ? 2 : 1;
+  if (variant == kWide) return 4;  // 128-thread CTAs (kCtaThreadsFor): 128 registers
   return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
 }
 
 template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
-__global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
+__global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, kVariant))
     StoreKernel(const StoreParams p) {
-  constexpr int G = D / kLaneElems;    // lanes per row
-  constexpr int kRows = kThreads / G;  // rows per CTA and iteration
+  constexpr int kThreads = kCtaThreadsFor<kVariant>;  // this kernel's CTA size
+  constexpr int E = kLaneElemsFor<kVariant>;          // elements per lane
+  constexpr int G = D / E;                            // lanes per row
+  constexpr int kRows = kThreads / G;                 // rows per CTA and iteration
+  static_assert(kVariant != kWide || (S == KeySource::kFwht && KB != 8 && T != InputType::kF32));
   constexpr bool kFp8 = KB == 8;
   constexpr bool kLoadY = S == KeySource::kLoadY && !kFp8;
   constexpr bool kMma = S == KeySource::kMma && !kFp8;
@@ -468,9 +498,11 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   uint32_t sign_bits = 0;
   if constexpr (S == KeySource::kFwht && !kFp8) {
     if (p.use_signs) {  // bit e = the sign of element LaneElement(q, e, G)
-      const int j0 = 8 * q, j1 = 8 * (q + G);
-      sign_bits = ((__ldg(p.tables->sign_bits + j0 / 32) >> (j0 % 32)) & 0xFFu) |
-                  (((__ldg(p.tables->sign_bits + j1 / 32) >> (j1 % 32)) & 0xFFu) << 8);
+#pragma unroll
+      for (int c = 0; c < E / 8; ++c) {
+        const int j = 8 * (q + c * G);
+        sign_bits |= ((__ldg(p.tables->sign_bits + j / 32) >> (j % 32)) & 0xFFu) << (8 * c);
+      }
     }
   }
   const int block_shift = __ffs(f.block_size) - 1;  // block sizes are powers of two
@@ -478,8 +510,8 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
   // Loads of one row (token, head): slot, key (or y and norm), value. y (fp32) is loaded as the
   // warp's contiguous tile (the rows of a warp are consecutive) and rearranged by `process`.
   struct Loaded {
-    typename KeyInput<D, KB, T, S>::Raw k;
-    RawRow<T> v;
+    typename KeyInput<D, KB, T, S, E>::Raw k;
+    RawRow<T, E> v;
     int64_t slot;
     float norm;
     float factor;  // kMma: MmaRowScale::factor
@@ -513,9 +545,9 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     uint8_t* const block_base = p.cache + block * f.block_bytes;
     uint8_t* const key_dst = block_base + f.KeyCodesOffset(pos, head);
 
-    float k[kLaneElems], v[kLaneElems];
+    float k[E], v[E];
     if constexpr (kLoadY) {
-      typename KeyInput<D, KB, T, S>::Raw y;
+      typename KeyInput<D, KB, T, S, E>::Raw y;
       TileToRows<G>(in.k.w, stage, lane, y.w);
       ToFloat<KT>(y, k);
     } else if constexpr (kMma) {  // this row of the y tile (MmaTile), in LaneElement order
@@ -565,27 +597,46 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
           post_scale = __fdiv_rn(p.fwht_scale, denom);
         } else {
 #pragma unroll
-          for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+          for (int i = 0; i < E; ++i) k[i] = __fdiv_rn(k[i], denom);
         }
         if (p.use_signs) {
 #pragma unroll
-          for (int i = 0; i < kLaneElems; ++i) {
+          for (int i = 0; i < E; ++i) {
             k[i] = __uint_as_float(__float_as_uint(k[i]) ^ ((sign_bits << (31 - i)) & 0x80000000u));
           }
         }
         Fwht<G>(k, q);
 #pragma unroll
-        for (int i = 0; i < kLaneElems; ++i) k[i] = __fmul_rn(k[i], post_scale);
+        for (int i = 0; i < E; ++i) k[i] = __fmul_rn(k[i], post_scale);
       }
       // Rows with a finite norm have |y| <= 1 (+ rounding): the lookup table's domain. NaN and
       // inf keys (NaN y) take the binary search, which sends NaN to 0 as the reference does.
-      PackedCodes<KB> codes;
+      LaneCodes<KB, E / 8> codes;
       if (p.lut.cells > 0 && norm <= 3.4e38f) {
+        // LutBucketize without its clamp (y is finite and |y| <= 1 + rounding here, inside the
+        // table's ±kLutRange), the cell's byte address in one shift-add: t's bits are 0x4B400000
+        // + cell, so (bits << 3) + (table address − (0x4B400000 << 3)) is the entry (mod 2^32).
+        // The code is packed as base_index << s plus, if y passes the cell's midpoint, 1 << s.
+        const uint32_t lut_biased = SmemAddr(lut_s) + p.lut_address_bias;
 #pragma unroll
-        for (int i = 0; i < kLaneElems; ++i) codes.Add(i, LutBucketize(k[i], lut_s, p.lut));
+        for (int i = 0; i < E; ++i) {
+          const float t = __fmaf_rn(k[i], p.lut.inv_step, p.lut.magic_bias);
+          const uint32_t at = (static_cast<uint32_t>(__float_as_int(t)) << 3) + lut_biased;
+          float next_midpoint;
+          uint32_t base_index;
+          asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=f"(next_midpoint), "=r"(base_index) : "r"(at));
+          const int s = KB * (i % 8);  // constant after unrolling
+          uint32_t& word = codes.w[i / 8];
+          word += base_index << s;
+          // + (1 << s) if y >= the cell's midpoint: one predicated add (the compiler makes it a
+          // select and an add otherwise).
+          asm("{\n .reg .pred p;\n setp.ge.f32 p, %1, %2;\n @p add.u32 %0, %0, %3;\n}\n"
+              : "+r"(word)
+              : "f"(k[i]), "f"(next_midpoint), "r"(1u << s));
+        }
       } else {
 #pragma unroll
-        for (int i = 0; i < kLaneElems; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
+        for (int i = 0; i < E; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
       }
       const double csum = GroupSum<G>(
           CodeSquareSum<KB>(codes, pair_sq_s + (lane & ((1 << pair_log2) - 1)), pair_log2));
@@ -599,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     float vmin, vmax;
     LaneMinMax<T>(in.v, v, vmin, vmax);
     uint16_t scale_bits, zero_bits;
-    PackedCodes<VB> vcodes;
+    LaneCodes<VB, E / 8> vcodes;
     QuantizeValues<G, VB>(v, vmin, vmax, vcodes, scale_bits, zero_bits);
     StoreCodes<VB, G>(vcodes, q, active, key_dst + f.key_data_bytes);
 
@@ -761,11 +812,11 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm(KB, S, kVariant))
     // The next chunk's key and value rows are prefetched into L2 meanwhile (each lane one or two
     // 32-byte sectors of each), so its loads wait for L2, not DRAM.
     constexpr int kElemBytes = T == InputType::kF32 ? 4 : 2;
-    constexpr int kLaneBytes = kLaneElems * kElemBytes;  // this lane's share of a row
+    constexpr int kLaneBytes = E * kElemBytes;  // this lane's share of a row
     for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
       Loaded a;
       load(token, head, a);
-      if constexpr (kVariant == 0 && S != KeySource::kLoadY) {
+      if constexpr ((kVariant == 0 || kVariant == kWide) && S != KeySource::kLoadY) {
         int64_t next_token = token;
         int next_head = head;
         advance(next_token, next_head);
@@ -916,7 +967,7 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
 // CTAs of `Kernel` that fit on the device at once with `smem_bytes` of dynamic shared memory
 // (one cache per kernel, whose dynamic size is fixed; the device is the current one at first
 // use). Kernels with dynamic shared memory get their limit raised to it first.
-template <auto Kernel>
+template <auto Kernel, int kCtaThreads = kThreads>
 int ResidentCtas(int smem_bytes = 0) {
   static const int ctas = [smem_bytes] {
     int device = 0, sms = 0, per_sm = 0;
@@ -925,17 +976,18 @@ int ResidentCtas(int smem_bytes = 0) {
     if (smem_bytes > 0) {
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     }
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, smem_bytes);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kCtaThreads, smem_bytes);
     return std::max(1, sms * per_sm);
   }();
   return ctas;
 }
 
-template <auto Kernel>
+template <auto Kernel, int kCtaThreads = kThreads>
 void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream,
                       int smem_bytes = 0) {
-  const int grid = static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel>(smem_bytes)));
-  Kernel<<<grid, kThreads, smem_bytes, stream>>>(p);
+  const int grid =
+      static_cast<int>(std::min<int64_t>(chunks, ResidentCtas<Kernel, kCtaThreads>(smem_bytes)));
+  Kernel<<<grid, kCtaThreads, smem_bytes, stream>>>(p);
 }
 
 template <int D, int KB, int VB, InputType T>
@@ -972,6 +1024,21 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
       return true;
     }
     return false;
+  }
+  // The wide FWHT kernel: the default for 16-bit inputs at D = 128 and 256 from kWideMinRows rows
+  // (variant 3 asks for the narrow one at any size, variant 4 for the wide one, to compare and to
+  // test). Below that the narrow kernel is as fast or
+  // faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared memory
+  // (N = 16 x 8 heads in a graph: 4.8 µs wide, 4.1 µs narrow; N = 2048: 9.2 µs both).
+  if constexpr ((D == 128 || D == 256) && T != InputType::kF32 && KB != 8) {
+    const int64_t rows = p.num_tokens * p.format.num_kv_heads;
+    const bool wide = (p.variant == 0 && rows >= kWideMinRows) || p.variant == 4;
+    if (wide && p.key_source == KeySource::kFwht) {
+      constexpr int64_t kRowsPerCta = kCtaThreadsFor<kWide> / (D / kLaneElemsFor<kWide>);
+      LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kWide>, kCtaThreadsFor<kWide>>(
+          p, (rows + kRowsPerCta - 1) / kRowsPerCta, stream);
+      return true;
+    }
   }
   if constexpr (D == 128 && T == InputType::kBF16 && KB != 8) {  // benchmark variants
     if (p.variant == 1) {

@@ -363,6 +363,7 @@ int Main(int argc, char** argv) {
     for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 3},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kMma, 0},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
                             Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
@@ -445,16 +446,19 @@ int Main(int argc, char** argv) {
                                {"frac_copy", r.min_bytes / r.us / 1e3 / ceil.copy_gbps}});
   }
 
-  // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (three
-  // CTAs per SM), 1 = two rows per thread in flight (ping-pong), 2 = four CTAs per SM. Same bytes.
+  // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (FWHT path:
+  // the wide kernel, 32 elements per lane; GEMM path: the narrow kernel, three CTAs per SM), 1 =
+  // narrow with two rows per thread in flight (ping-pong), 2 = narrow at four CTAs per SM, 3 = the
+  // narrow kernel (the FWHT default before session 6). Same bytes but for index flips at
+  // midpoints (wide and narrow run the butterflies in another order).
   for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
     if (quick && n != 65536) continue;
     const Shape s(n, dev.l2_cache_bytes, 500 + n, stream.get());
-    for (const char* preset : {"turboquant_4bit_nc", "turboquant_3bit_nc"}) {
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
       const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
       for (StoreRotationPath path : {StoreRotationPath::kFwht, StoreRotationPath::kGemm}) {
         std::vector<uint8_t> first;
-        for (int variant : {0, 1, 2}) {
+        for (int variant : {0, 1, 2, 3}) {
           StoreOptions o;
           o.rotation_path = path;
           o.validate_slots = false;
