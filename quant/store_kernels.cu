@@ -7,7 +7,8 @@
 // index may differ by one where y lies within a few ulp of a midpoint.
 //
 // Work split (quant/store_device.h): a row (token, head) is D/16 lanes, 16 elements per lane, so
-// a warp holds 32·16/D rows and a 256-thread CTA 4096/D rows. Each lane reads its 16 key and 16
+// a warp holds 32·16/D rows and a 256-thread CTA 4096/D rows; the wide FWHT kernel (kWide, the
+// default for large 16-bit stores) has 32 elements per lane and 128-thread CTAs. Each lane reads its 16 key and 16
 // value elements with 16-byte loads and writes its packed codes as 8-byte stores (lanes of a row
 // write consecutive words; rows of consecutive heads of one token are contiguous in the block).
 // The fp16 metadata of a CTA goes through shared memory and is written head-major, so that
