@@ -8,14 +8,14 @@
 //
 // Work split (quant/store_device.h): a row (token, head) is D/16 lanes, 16 elements per lane, so
 // a warp holds 32·16/D rows and a 256-thread CTA 4096/D rows; the wide FWHT kernel (kWide, the
-// default for large 16-bit stores) has 32 elements per lane and 128-thread CTAs. Each lane reads its 16 key and 16
-// value elements with 16-byte loads and writes its packed codes as 8-byte stores (lanes of a row
-// write consecutive words; rows of consecutive heads of one token are contiguous in the block).
-// The fp16 metadata of a CTA goes through shared memory and is written head-major, so that
-// consecutive tokens of one head (consecutive positions in a block during prefill) are adjacent
-// lanes. fp32 tensors of the GEMM path (y read by StoreKernel; x̂ written and fp32 keys read by
-// NormalizeKernel) move as contiguous 2 KB warp tiles through shared memory instead ("fp32 warp
-// tiles" below), so that every 16-byte access instruction covers whole sectors.
+// default for large 16-bit stores) has 32 elements per lane and 128-thread CTAs. Each lane reads
+// its 16 (32) key and value elements with 16-byte loads and writes its packed codes as 8-byte
+// stores (lanes of a row write consecutive words; rows of consecutive heads of one token are
+// contiguous in the block). The fp16 metadata of a CTA goes through shared memory and is written
+// head-major, so that consecutive tokens of one head (consecutive positions in a block during
+// prefill) are adjacent lanes. fp32 tensors of the GEMM path (y read by StoreKernel; x̂ written and
+// fp32 keys read by NormalizeKernel) move as contiguous 2 KB warp tiles through shared memory
+// instead ("fp32 warp tiles" below), so that every 16-byte access instruction covers whole sectors.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
