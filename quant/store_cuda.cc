@@ -389,6 +389,7 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
   p.lut = lut_;
   p.status = options_.validate_slots ? status : nullptr;
   p.variant = options_.kernel_variant;
+  p.fwht_on_tensor_cores = options_.kernel_variant != 5;
 
   if (path_ == StorePath::kFwht) {
     p.key_source = store::KeySource::kFwht;

@@ -481,9 +481,13 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
               break;
           }
           c.padding = i % 3 == 0 ? 0.0 : 0.1;
-          // Half the FWHT cases on the wide kernel (the default from 16,384 rows; these are
-          // smaller), the others on the narrow one.
-          if ((i % 5 == 0 || i % 5 == 1) && (i / 5) % 2 == 0) c.options.kernel_variant = 4;
+          // Half the FWHT cases on the wide kernel with its tensor-core FWHT (the default from
+          // 16,384 rows; these are smaller), a quarter on the wide kernel's fp32 butterflies
+          // (variant 5), a quarter on the narrow kernel.
+          if (i % 5 == 0 || i % 5 == 1) {
+            const int r = (i / 5) % 4;
+            c.options.kernel_variant = r == 0 || r == 2 ? 4 : (r == 1 ? 5 : 0);
+          }
           all += RunCase(c, Seed());
           ++i;
         }

@@ -31,6 +31,11 @@ namespace tqkv::store {
 inline constexpr int kLaneElems = 16;        // elements of one row a lane owns
 inline constexpr int kMaxLutCells = 1024;    // bucketize lookup table limit (8 KiB of smem)
 inline constexpr int kMaxCodebookSize = 16;  // 4-bit codes
+// The wide FWHT kernel's bucketize table holds 64 cells fewer, so that four of its CTAs (the
+// table, 16 copies of the pair table at 4-bit keys and the input tiles: 56.5 KB each, plus the
+// 1 KB the runtime reserves per CTA) fit in an SM's 228 KB; the launcher takes the narrow kernel
+// for a codebook that needs more cells (the built-in ones at D 128 and 256 do not).
+inline constexpr int kWideLutCells = kMaxLutCells - 64;
 
 // The row element held in register e (0 .. E-1) of lane q (0 .. lanes-1).
 TQKV_HOST_DEVICE constexpr int LaneElement(int q, int e, int lanes) {
@@ -84,6 +89,55 @@ struct LaneCodes {
   uint32_t w[kChunks] = {};
   TQKV_HOST_DEVICE void Add(int i, uint32_t code) { w[i / 8] += code << (kBits * (i % 8)); }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The FWHT on tensor cores (the wide FWHT kernel, 16-bit inputs, G = 4 or 8 lanes per row). A
+// lane's chunk of 8 elements is one 16-byte load: four 32-bit words, word i holding elements
+// 2i and 2i + 1. One m16n8k16 MMA per n-tile j (j = 0, 1) multiplies the chunk by H16 over the
+// row index bits {0, 1, 3, 4}; the others (bit 2, the chunk bits 5, 6 and at D = 256 bit 7) stay
+// butterflies. With g = lane / 4 and t = lane % 4 (= the chunk's index bits 3-4, since G is a
+// multiple of 4 and lanes of a row are consecutive):
+//  - A (16 × 16): row g + 8h holds element bit 2 = h of lane group g; column k has k bit 0 =
+//    element bit 0, bits 1-2 = t, bit 3 = element bit 1. So A register i (PTX: a0 row g, a1 row
+//    g + 8, a2 / a3 the same rows at columns + 8) is word MmaAWord(i) of the chunk.
+//  - B (16 × 8): H16[k][n] with n = g + 8j, ±1 (exact in bf16 and fp16): HadamardFragment.
+//  - C: register r of n-tile j (c0 / c1 row g, c2 / c3 row g + 8, columns 2t, 2t + 1) is element
+//    MmaOutputElement(j, r) of the same chunk, so the lane keeps the elements it owned.
+// The bit maps are the same on both sides, so B is the Sylvester H16 itself.
+
+TQKV_HOST_DEVICE constexpr int MmaAWord(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }
+
+TQKV_HOST_DEVICE constexpr int MmaOutputElement(int j, int r) {
+  return 2 * j + (r & 1) + 4 * (r >> 1);
+}
+
+// B register `reg` (0: k = 2t, 2t + 1; 1: k = 2t + 8, 2t + 9) of n-tile j for `lane`; `one` is
+// the 16-bit pattern of +1.0 (0x3F80 bf16, 0x3C00 fp16), −1.0 = one | 0x8000.
+TQKV_HOST_DEVICE constexpr uint32_t HadamardFragment(int lane, int j, int reg, uint32_t one) {
+  const int n = lane / 4 + 8 * j;
+  const int k = 2 * (lane % 4) + 8 * reg;
+  auto entry = [&](int kk) {
+    const int x = kk & n;  // < 16
+    const uint32_t odd = static_cast<uint32_t>((x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3)) & 1);
+    return one | (odd << 15);
+  };
+  return entry(k) | (entry(k + 1) << 16);
+}
+
+// hadamard_signs on the raw 16-bit words: `sign_bits` bit e = the sign of lane element e (32
+// elements); the spread word has the sign of element 2i at bit 15 − i and of element 2i + 1 at bit
+// 31 − i, so that word i's flip mask is one shift and AND (PairSignMask).
+TQKV_HOST_DEVICE constexpr uint32_t SpreadPairSigns(uint32_t sign_bits) {
+  uint32_t s = 0;
+  for (int i = 0; i < 16; ++i) {
+    s |= ((sign_bits >> (2 * i)) & 1u) << (15 - i);
+    s |= ((sign_bits >> (2 * i + 1)) & 1u) << (31 - i);
+  }
+  return s;
+}
+TQKV_HOST_DEVICE constexpr uint32_t PairSignMask(uint32_t spread, int i) {
+  return (spread << i) & 0x80008000u;
+}
 
 // 3-bit codes are written as 4-byte words: the 24-bit chunks of four lanes make three words.
 // Lane r (r = 0, 1, 2 within its four) writes word r from its own chunk and that of lane r + 1.

@@ -178,6 +178,127 @@ TEST(StoreDeviceHelpersTest, LaneLayoutFwhtAndSignsMatchTheMatrix) {
   }
 }
 
+// The wide kernel's FWHT on tensor cores (FwhtOnTensorCores), emulated from the PTX fragment
+// layouts of mma.m16n8k16 (a0 / a2: row g, a1 / a3: row g + 8, columns 2t, 2t + 1 and + 8; b0 / b1:
+// rows 2t, 2t + 1 and + 8 of column g; c0 / c1: row g, c2 / c3: row g + 8, columns 2t, 2t + 1) in
+// exact integers: the words the helpers pick, the H16 fragments they build, the output elements
+// they name and the remaining butterflies give the Sylvester transform of the signed row, and
+// every lane keeps the elements it owns. D = 128 (4 lanes per row) and 256 (8).
+TEST(StoreDeviceHelpersTest, TensorCoreFwhtFragmentsMatchTheMatrix) {
+  std::mt19937 rng(std::random_device{}());
+  constexpr int kElems = 32;
+  for (int lanes : {4, 8}) {
+    const int d = kElems * lanes;
+    const int rows = 32 / lanes;
+    for (uint32_t one : {0x3F80u, 0x3C00u}) {
+      // B of n-tile j as the 32 lanes hold it: entry (k, n) must be ±1 = H16[k][n].
+      int b[2][16][8] = {};
+      for (int lane = 0; lane < 32; ++lane) {
+        for (int j = 0; j < 2; ++j) {
+          for (int reg = 0; reg < 2; ++reg) {
+            const uint32_t w = store::HadamardFragment(lane, j, reg, one);
+            for (int half = 0; half < 2; ++half) {
+              const uint32_t bits = (w >> (16 * half)) & 0xFFFFu;
+              ASSERT_EQ(bits & 0x7FFFu, one);
+              const int k = 2 * (lane % 4) + half + 8 * reg, n = lane / 4;
+              b[j][k][n] = (bits & 0x8000u) ? -1 : 1;
+              ASSERT_EQ(b[j][k][n], (__builtin_popcount(k & (n + 8 * j)) & 1) ? -1 : 1);
+            }
+          }
+        }
+      }
+      // A row per lane group, random signs, and the words of each lane (two elements each).
+      std::vector<std::vector<int64_t>> in(rows, std::vector<int64_t>(d));
+      for (auto& r : in) {
+        for (auto& v : r) v = static_cast<int64_t>(rng() % 2001) - 1000;
+      }
+      const Rotation signs = MakeRotation(RotationKind::kHadamardSigns, d, rng());
+      std::vector<std::array<int64_t, kElems>> x(32);
+      for (int lane = 0; lane < 32; ++lane) {
+        const int q = lane % lanes, row = lane / lanes;
+        uint32_t lane_signs = 0;
+        for (int e = 0; e < kElems; ++e) {
+          if (signs.signs[store::LaneElement(q, e, lanes)] < 0) lane_signs |= 1u << e;
+        }
+        const uint32_t spread = store::SpreadPairSigns(lane_signs);
+        // Word i of chunk c holds elements 8c + 2i (bit 15 = its flip) and 8c + 2i + 1 (bit 31).
+        std::array<int64_t, kElems> e_in{};
+        for (int c = 0; c < 4; ++c) {
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t mask = store::PairSignMask(spread, 4 * c + i);
+            for (int h = 0; h < 2; ++h) {
+              const int e = 8 * c + 2 * i + h;
+              const int64_t v = in[row][store::LaneElement(q, e, lanes)];
+              e_in[e] = (mask >> (15 + 16 * h)) & 1 ? -v : v;
+            }
+          }
+        }
+        x[lane] = e_in;
+      }
+      // Per chunk and n-tile: A from the lanes' words, C = A · B, back to the lanes.
+      std::vector<std::array<int64_t, kElems>> y(32);
+      for (int c = 0; c < 4; ++c) {
+        int64_t a[16][16] = {};
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          for (int reg = 0; reg < 4; ++reg) {
+            const int word = store::MmaAWord(reg);
+            const int row = g + 8 * (reg & 1), col = 2 * t + 8 * (reg >> 1);
+            a[row][col] = x[lane][8 * c + 2 * word];
+            a[row][col + 1] = x[lane][8 * c + 2 * word + 1];
+          }
+        }
+        for (int j = 0; j < 2; ++j) {
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            for (int r = 0; r < 4; ++r) {
+              const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
+              int64_t acc = 0;
+              for (int k = 0; k < 16; ++k) acc += a[row][k] * b[j][k][col];
+              y[lane][8 * c + store::MmaOutputElement(j, r)] = acc;
+            }
+          }
+        }
+      }
+      // The remaining stages: register strides 4, 8, 16; lane strides from 4.
+      for (int lane = 0; lane < 32; ++lane) {
+        for (int h = 4; h < kElems; h <<= 1) {
+          for (int i = 0; i < kElems; ++i) {
+            if ((i & h) == 0) {
+              const int64_t p = y[lane][i], s = y[lane][i + h];
+              y[lane][i] = p + s;
+              y[lane][i + h] = p - s;
+            }
+          }
+        }
+      }
+      for (int m = 4; m < lanes; m <<= 1) {
+        auto next = y;
+        for (int lane = 0; lane < 32; ++lane) {
+          const int q = lane % lanes;
+          for (int e = 0; e < kElems; ++e) {
+            const int64_t other = y[lane ^ m][e];
+            next[lane][e] = (q & m) ? other - y[lane][e] : y[lane][e] + other;
+          }
+        }
+        y = next;
+      }
+      for (int lane = 0; lane < 32; ++lane) {
+        const int q = lane % lanes, row = lane / lanes;
+        for (int e = 0; e < kElems; ++e) {
+          const int jj = store::LaneElement(q, e, lanes);
+          int64_t want = 0;
+          for (int i = 0; i < d; ++i) {
+            const int64_t v = signs.signs[i] < 0 ? -in[row][i] : in[row][i];
+            want += (__builtin_popcount(i & jj) & 1) ? -v : v;
+          }
+          ASSERT_EQ(y[lane][e], want) << "lanes " << lanes << " lane " << lane << " e " << e;
+        }
+      }
+    }
+  }
+}
+
 // Every y the lookup sees: random, around every midpoint and cell edge (ulp by ulp), specials.
 void ExpectLookupMatchesBucketize(const Codebook& book, const store::BucketLutTable& lut) {
   ASSERT_GT(lut.grid.cells, 0);
@@ -225,6 +346,9 @@ TEST(StoreDeviceHelpersTest, LookupBucketizeMatchesEveryBuiltInCodebook) {
       const store::BucketLutTable lut = store::BuildBucketLut(book.midpoints);
       ASSERT_EQ(lut.entries.size(), static_cast<size_t>(lut.grid.cells));
       EXPECT_LE(lut.grid.cells, store::kMaxLutCells) << "D " << d << " bits " << bits;
+      if (d >= 128) {  // the wide kernel's smaller table (store_device.h)
+        EXPECT_LE(lut.grid.cells, store::kWideLutCells) << "D " << d << " bits " << bits;
+      }
       std::printf("D %d, %d bits: %d cells\n", d, bits, lut.grid.cells);
       ExpectLookupMatchesBucketize(book, lut);
     }

@@ -61,6 +61,26 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// 16 bytes global → shared, asynchronous (cp.async, L2 only); zeros when !valid (nothing read).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Shared slot of vector v of a wide kernel's warp tile (rows of D / 8 vectors): bit 2 flipped by
+// bit 4. A quarter-warp's 16-byte accesses then hit 8 distinct bank groups both when copying (8
+// consecutive vectors) and when reading the lane layout (at D = 128 lanes 4r .. 4r + 7 read vectors
+// q + 4c of rows r and r + 1, 16 apart; at D = 256 8 consecutive vectors of one row).
+__device__ __forceinline__ int WideTileSlot(int v) { return v ^ (((v >> 4) & 1) << 2); }
+
 // Four 8x8 fp16 matrices; lanes 8i .. 8i + 7 give the row addresses of matrix i.
 __device__ __forceinline__ void LdMatrix4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -269,8 +289,8 @@ __device__ __forceinline__ void RowsToTile(const uint4 (&r)[4], uint4* stage, in
 // Reductions over the G lanes of a row (xor butterflies: every lane gets the same value, since
 // a + b == b + a bitwise).
 
-template <int G>
-__device__ __forceinline__ double GroupSum(double x) {
+template <int G, typename V>
+__device__ __forceinline__ V GroupSum(V x) {
 #pragma unroll
   for (int m = G / 2; m >= 1; m >>= 1) x += __shfl_xor_sync(kFullMask, x, m);
   return x;
@@ -291,21 +311,45 @@ __device__ __forceinline__ float GroupMax(float x) {
 }
 
 // ‖k‖ as the reference computes it: Σ k² in fp64 (exact products), sqrt in fp64, one rounding.
+// Four partial sums (elements i mod 4) instead of one chain of N dependent DFMAs: the fp64 sum's
+// order already differs from the reference's (lanes, butterfly), which the final rounding to fp32
+// absorbs (see quant/README.md).
 template <int G, int N>
 __device__ __forceinline__ float RowNorm(const float (&k)[N]) {
-  double ss = 0.0;
+  double ss[4] = {0.0, 0.0, 0.0, 0.0};
 #pragma unroll
-  for (int i = 0; i < N; ++i) ss = fma(double(k[i]), double(k[i]), ss);
-  return static_cast<float>(sqrt(GroupSum<G>(ss)));
+  for (int i = 0; i < N; ++i) ss[i % 4] = fma(double(k[i]), double(k[i]), ss[i % 4]);
+  return static_cast<float>(sqrt(GroupSum<G>((ss[0] + ss[1]) + (ss[2] + ss[3]))));
+}
+
+// The same from the raw 16-bit words (the same products in the same partial sums).
+template <int G, InputType T, int N>
+__device__ __forceinline__ float RowNorm(const RawRow<T, N>& r) {
+  static_assert(T != InputType::kF32);
+  double ss[4] = {0.0, 0.0, 0.0, 0.0};
+#pragma unroll
+  for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
+    const uint32_t w[4] = {r.w[j].x, r.w[j].y, r.w[j].z, r.w[j].w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float a, b;
+      Unpack2(T, w[c], a, b);
+      const int i = 8 * j + 2 * c;  // element of a
+      ss[i % 4] = fma(double(a), double(a), ss[i % 4]);
+      ss[(i + 1) % 4] = fma(double(b), double(b), ss[(i + 1) % 4]);
+    }
+  }
+  return static_cast<float>(sqrt(GroupSum<G>((ss[0] + ss[1]) + (ss[2] + ss[3]))));
 }
 
 // y = FWHT(x) over the row (Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j)), unscaled.
 // Register bits (e) are index bits 0-2 and 3 + log2(G) ..; lane bits (q) index bits 3 .. 2 +
 // log2(G).
-template <int G, int N>
+// kRegFrom / kLaneFrom skip the first stages (FwhtOnTensorCores did them).
+template <int G, int N, int kRegFrom = 1, int kLaneFrom = 1>
 __device__ __forceinline__ void Fwht(float (&x)[N], int q) {
 #pragma unroll
-  for (int h = 1; h < N; h <<= 1) {
+  for (int h = kRegFrom; h < N; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if ((i & h) == 0) {
@@ -316,7 +360,7 @@ __device__ __forceinline__ void Fwht(float (&x)[N], int q) {
     }
   }
 #pragma unroll
-  for (int m = 1; m < G; m <<= 1) {
+  for (int m = kLaneFrom; m < G; m <<= 1) {
     // The lane whose bit is set keeps (partner − own), the other (own + partner); fma with ±1 is
     // one exactly rounded add either way.
     const float sign = (q & m) ? -1.0f : 1.0f;
@@ -326,6 +370,54 @@ __device__ __forceinline__ void Fwht(float (&x)[N], int q) {
       x[i] = __fmaf_rn(sign, x[i], other);
     }
   }
+}
+
+// c = a · b, m16n8k16, 16-bit inputs of type T, fp32 accumulation from zero.
+template <InputType T>
+__device__ __forceinline__ void MmaFromZero(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
+  if constexpr (T == InputType::kBF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  } else {
+    static_assert(T == InputType::kF16);
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  }
+}
+
+// The wide kernel's FWHT of a row (unscaled, as Fwht) from the raw 16-bit words of its 32 lane
+// elements: per chunk, H16 over the index bits {0, 1, 3, 4} on tensor cores (quant/store_device.h,
+// MmaAWord and below; hadamard_signs applied to the words first when kSigns), then the stages of
+// the other bits as butterflies: 2 MMAs + 24 adds per chunk instead of 56 adds, 16 shuffles and
+// 16 FMAs. The products are exact and the sums fp32, so y is within the same fp32 bound as the
+// butterflies' (the order of the sums differs). Every lane of the warp must call it.
+template <InputType T, int G, bool kSigns>
+__device__ __forceinline__ void FwhtOnTensorCores(const RawRow<T, 32>& raw, uint32_t sign_spread,
+                                                  const uint32_t (&b)[2][2], float (&x)[32],
+                                                  int q) {
+  static_assert(G % 4 == 0);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    uint32_t w[4] = {raw.w[c].x, raw.w[c].y, raw.w[c].z, raw.w[c].w};
+    if constexpr (kSigns) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] ^= PairSignMask(sign_spread, 4 * c + i);
+    }
+    const uint32_t a[4] = {w[MmaAWord(0)], w[MmaAWord(1)], w[MmaAWord(2)], w[MmaAWord(3)]};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float acc[4];
+      MmaFromZero<T>(acc, a, b[j][0], b[j][1]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) x[8 * c + MmaOutputElement(j, r)] = acc[r];
+    }
+  }
+  Fwht<G, 32, 4, 4>(x, q);
 }
 
 // Writes a lane's packed `bits`-bit codes (chunks q, q + G, ... of 8 codes) into the row's code
@@ -361,14 +453,14 @@ __device__ __forceinline__ void StoreCodes(const LaneCodes<kBits, C>& c, int q, 
 template <int kBits, int C>
 __device__ __forceinline__ double CodeSquareSum(const LaneCodes<kBits, C>& c, const double* pair_sq,
                                                 int copies_log2) {
-  double sum = 0.0;
+  double sum[4] = {0.0, 0.0, 0.0, 0.0};  // partial sums, as in RowNorm
 #pragma unroll
   for (int i = 0; i < 4 * C; ++i) {
     const uint32_t word = c.w[i / 4];
     const uint32_t pair = (word >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
-    sum += pair_sq[pair << copies_log2];
+    sum[i % 4] += pair_sq[pair << copies_log2];
   }
-  return sum;
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
 // Values: uniform min/max over the finite fp16 range (EncodeSlot). Takes the lane's min/max,
@@ -419,6 +511,8 @@ template <int kVariant>
 inline constexpr int kLaneElemsFor = kVariant == kWide ? 32 : kLaneElems;
 template <int kVariant>
 inline constexpr int kCtaThreadsFor = kVariant == kWide ? 128 : kThreads;
+inline constexpr int kWideTileVecs = 128;  // 16-byte vectors of one tensor's warp tile (2 KB)
+inline constexpr int kWideTileBytes = kCtaThreadsFor<kWide> / 32 * 2 * kWideTileVecs * 16;
 
 // Minimum CTAs per SM the kernel is compiled for (register budget): the MSE kernels need 80
 // registers for three CTAs (24 warps) per SM, which hides their dependency chains (shuffles,
@@ -435,6 +529,14 @@ constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
   return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
 }
 
+// StoreKernel's `values` argument when the values were loaded with the keys.
+struct InValues {
+  template <typename L>
+  __device__ __forceinline__ auto operator()(const L& in) const {
+    return in.v;
+  }
+};
+
 template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
 __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, kVariant))
     StoreKernel(const StoreParams p) {
@@ -450,14 +552,15 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   constexpr int kPairs = kFp8 ? 1 : 1 << (2 * KB);
   using Tiles = MmaTiles<D, T>;
 
-  __shared__ LutEntry lut_s[kFp8 ? 1 : kMaxLutCells];
+  __shared__ LutEntry lut_s[kFp8 ? 1 : (kVariant == kWide ? kWideLutCells : kMaxLutCells)];
   // The pair table, for large stores (StoreParams::pair_copies_log2) in 16 interleaved copies,
   // lane l reading copy l % 16: the 8-byte lookups of a half-warp then hit 16 distinct bank pairs
   // (one copy: ~5-way conflicts on random codes). Only the FWHT kernel: the MMA kernels spend
   // their shared memory on the rotation tiles, and the y-reading kernel's y staging would take its
   // static shared memory past 48 KB.
-  constexpr int kMaxPairCopies = S == KeySource::kFwht ? 16 : 1;
-  const int pair_log2 = kMaxPairCopies > 1 ? p.pair_copies_log2 : 0;
+  constexpr int kMaxPairCopiesLog2 = S == KeySource::kFwht ? 4 : 0;
+  constexpr int kMaxPairCopies = 1 << kMaxPairCopiesLog2;
+  const int pair_log2 = kMaxPairCopies > 1 ? min(p.pair_copies_log2, kMaxPairCopiesLog2) : 0;
   __shared__ double pair_sq_s[kPairs * kMaxPairCopies];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
@@ -467,6 +570,9 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   uint8_t* const rot_s = reinterpret_cast<uint8_t*>(mma_s);
   uint8_t* const key_s = rot_s + Tiles::kRotationBytes;
   float* const y_s = reinterpret_cast<float*>(key_s + Tiles::kKeyBytes);
+  // The wide kernel's input tiles (kWideTileBytes of dynamic shared memory): per warp, the next
+  // key and value rows (2 KB each), copied in by cp.async one iteration ahead (WideTileSlot).
+  uint4* const tile_s = mma_s;
 
   const BlockFormat& f = p.format;
   const int tid = threadIdx.x;
@@ -506,6 +612,20 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       }
     }
   }
+  // The wide kernel's FWHT on tensor cores (FwhtOnTensorCores): this lane's H16 fragments and
+  // its sign bits spread over the 16-bit words.
+  constexpr bool kTensorFwht = kVariant == kWide;
+  uint32_t hadamard_b[2][2] = {};
+  uint32_t sign_spread = 0;
+  if constexpr (kTensorFwht) {
+    constexpr uint32_t kOne = T == InputType::kBF16 ? 0x3F80u : 0x3C00u;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) hadamard_b[j][r] = HadamardFragment(lane, j, r, kOne);
+    }
+    sign_spread = SpreadPairSigns(sign_bits);
+  }
   const int block_shift = __ffs(f.block_size) - 1;  // block sizes are powers of two
 
   // Loads of one row (token, head): slot, key (or y and norm), value. y (fp32) is loaded as the
@@ -534,7 +654,9 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   };
 
   // Quantizes and writes one row.
-  auto process = [&](const Loaded& in, int64_t token, int head) {
+  // `values(in)` gives the row's raw values when the value half needs them (the wide kernel reads
+  // them from its shared tile then; the others have them in `in`).
+  auto process = [&](const Loaded& in, int64_t token, int head, auto&& values) {
     const int64_t slot = in.slot;
     if (slot >= p.num_slots && p.status != nullptr && head == 0 && q == 0) {
       atomicMax(&p.status->inverted_first_bad_token, ~static_cast<unsigned long long>(token));
@@ -563,10 +685,9 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
         k[4 * j + 2] = __fmul_rn(y4.z, in.factor);
         k[4 * j + 3] = __fmul_rn(y4.w, in.factor);
       }
-    } else {
+    } else if constexpr (!kTensorFwht) {  // the tensor-core FWHT reads the raw words
       ToFloat<KT>(in.k, k);
     }
-    ToFloat<T>(in.v, v);
     uint16_t meta0 = 0;  // k_norm (MSE)
 
     if constexpr (kFp8) {
@@ -591,22 +712,46 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
         // into the final scale, y = FWHT(k ⊙ s) · (fp32(1/√D) / denom): a few ulp from the
         // reference's fp64 product, like any fp32 rotation. Keys whose sums could overflow fp32
         // are divided first instead.
-        norm = RowNorm<G>(k);
+        if constexpr (kTensorFwht) {
+          norm = RowNorm<G>(in.k);
+        } else {
+          norm = RowNorm<G>(k);
+        }
         const float denom = norm + 1e-8f;
         float post_scale = p.fwht_scale;
-        if (norm < 1e36f) {
-          post_scale = __fdiv_rn(p.fwht_scale, denom);
-        } else {
-#pragma unroll
-          for (int i = 0; i < E; ++i) k[i] = __fdiv_rn(k[i], denom);
-        }
-        if (p.use_signs) {
-#pragma unroll
-          for (int i = 0; i < E; ++i) {
-            k[i] = __uint_as_float(__float_as_uint(k[i]) ^ ((sign_bits << (31 - i)) & 0x80000000u));
+        bool transformed = false;
+        if constexpr (kTensorFwht) {
+          // On tensor cores when every row of the warp has a norm of 0 or in [1e-24, 1e36):
+          // then no fp32 sum can overflow, and subnormal inputs (were they flushed) weigh < 2^-40
+          // of the row. Other warps (inf / NaN / huge / tiny keys) take the fp32 butterflies.
+          const bool plain = norm == 0.0f || (norm >= 1e-24f && norm < 1e36f);
+          if (p.fwht_on_tensor_cores && __all_sync(kFullMask, plain)) {
+            if (p.use_signs) {
+              FwhtOnTensorCores<T, G, true>(in.k, sign_spread, hadamard_b, k, q);
+            } else {
+              FwhtOnTensorCores<T, G, false>(in.k, sign_spread, hadamard_b, k, q);
+            }
+            post_scale = __fdiv_rn(p.fwht_scale, denom);
+            transformed = true;
           }
         }
-        Fwht<G>(k, q);
+        if (!transformed) {
+          if constexpr (kTensorFwht) ToFloat<KT>(in.k, k);
+          if (norm < 1e36f) {
+            post_scale = __fdiv_rn(p.fwht_scale, denom);
+          } else {
+#pragma unroll
+            for (int i = 0; i < E; ++i) k[i] = __fdiv_rn(k[i], denom);
+          }
+          if (p.use_signs) {
+#pragma unroll
+            for (int i = 0; i < E; ++i) {
+              k[i] = __uint_as_float(__float_as_uint(k[i]) ^
+                                     ((sign_bits << (31 - i)) & 0x80000000u));
+            }
+          }
+          Fwht<G>(k, q);
+        }
 #pragma unroll
         for (int i = 0; i < E; ++i) k[i] = __fmul_rn(k[i], post_scale);
       }
@@ -649,7 +794,9 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     }
 
     float vmin, vmax;
-    LaneMinMax<T>(in.v, v, vmin, vmax);
+    const RawRow<T, E> raw_v = values(in);
+    ToFloat<T>(raw_v, v);
+    LaneMinMax<T>(raw_v, v, vmin, vmax);
     uint16_t scale_bits, zero_bits;
     LaneCodes<VB, E / 8> vcodes;
     QuantizeValues<G, VB>(v, vmin, vmax, vcodes, scale_bits, zero_bits);
@@ -785,7 +932,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       __syncthreads();                    // key tile written
       mma_tile();
       __syncthreads();  // y tile written (and the key tile read)
-      process(cur, token, head);
+      process(cur, token, head, InValues{});
       cur = next;
       token = next_token;
       head = next_head;
@@ -800,13 +947,76 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       int head_b = head;
       advance(token_b, head_b);
       load(token_b, head_b, b);
-      process(a, token, head);
+      process(a, token, head, InValues{});
       if (chunk + gridDim.x >= num_chunks) break;
       token = token_b;
       head = head_b;
       advance(token, head);
       load(token, head, a);
-      process(b, token_b, head_b);
+      process(b, token_b, head_b, InValues{});
+    }
+  } else if constexpr (kVariant == kWide) {
+    // The warp's rows are consecutive, so its key rows (and value rows) are one contiguous 2 KB
+    // tile: cp.async copies the next iteration's tiles into the warp's shared buffers, lane L
+    // taking vectors L, L + 32, L + 64, L + 96 (512 contiguous bytes per instruction: whole lines,
+    // half the L2 requests of direct 16-byte loads at 4 lanes per row), while this iteration
+    // computes. At the top of an iteration the lanes read their chunks from the buffers.
+    static_assert(E * 32 / 8 == kWideTileVecs && T != InputType::kF32);
+    constexpr int kRowVecs = D / 8;  // 16-byte vectors per row
+    uint4* const tiles = tile_s + tid / 32 * 2 * kWideTileVecs;  // keys, then values
+    const uint32_t tiles_addr = SmemAddr(tiles);
+    // Vector v = lane + 32 i has slot WideTileSlot(lane) + 32 i (bit 4 of v is bit 4 of lane), so
+    // a whole tile is 8 copies at immediate offsets from three addresses; only the last tile of
+    // the store checks its rows.
+    const uint32_t lane_dst = tiles_addr + 16 * WideTileSlot(lane);
+    auto issue = [&](int64_t t, int h) {
+      const int64_t row0 = t * num_heads + h - lane / G;  // the warp's first row
+      if (row0 + kWideTileVecs / kRowVecs <= rows) {
+        const int64_t at = row0 * (D * 2) + 16 * lane;
+        const uint8_t* const k_src = static_cast<const uint8_t*>(p.key) + at;
+        const uint8_t* const v_src = static_cast<const uint8_t*>(p.value) + at;
+#pragma unroll
+        for (int i = 0; i < kWideTileVecs / 32; ++i) {
+          CpAsync16(lane_dst + 512 * i, k_src + 512 * i);
+          CpAsync16(lane_dst + 16 * kWideTileVecs + 512 * i, v_src + 512 * i);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kWideTileVecs / 32; ++i) {
+          const int v = lane + 32 * i;
+          const bool valid = row0 + v / kRowVecs < rows;
+          const int64_t at = valid ? row0 * D * 2 + 16 * v : 0;
+          const uint32_t dst = tiles_addr + 16 * WideTileSlot(v);
+          CpAsync16(dst, static_cast<const uint8_t*>(p.key) + at, valid);
+          CpAsync16(dst + 16 * kWideTileVecs, static_cast<const uint8_t*>(p.value) + at, valid);
+        }
+      }
+      CpAsyncCommit();
+    };
+    issue(token, head);
+    int64_t slot = token < p.num_tokens ? LoadSlot(p, token) : -1;
+    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+      CpAsyncWaitAll();
+      __syncwarp();
+      Loaded a;
+#pragma unroll
+      for (int c = 0; c < E / 8; ++c) {
+        const int v = WideTileSlot((lane / G) * kRowVecs + q + c * G);
+        a.k.w[c] = tiles[v];
+        a.v.w[c] = tiles[kWideTileVecs + v];
+      }
+      a.slot = slot;
+      a.norm = 0.0f;
+      a.factor = 0.0f;
+      __syncwarp();  // every lane has read the buffers
+      int64_t next_token = token;
+      int next_head = head;
+      advance(next_token, next_head);
+      if (chunk + gridDim.x < num_chunks) issue(next_token, next_head);  // uniform in the CTA
+      slot = next_token < p.num_tokens ? LoadSlot(p, next_token) : -1;
+      process(a, token, head, InValues{});
+      token = next_token;
+      head = next_head;
     }
   } else {
     // Loads at the top of each iteration; other warps (three or more CTAs per SM) cover them.
@@ -817,7 +1027,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
       Loaded a;
       load(token, head, a);
-      if constexpr ((kVariant == 0 || kVariant == kWide) && S != KeySource::kLoadY) {
+      if constexpr (kVariant == 0 && S != KeySource::kLoadY) {
         int64_t next_token = token;
         int next_head = head;
         advance(next_token, next_head);
@@ -833,7 +1043,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
           }
         }
       }
-      process(a, token, head);
+      process(a, token, head, InValues{});
       advance(token, head);
     }
   }
@@ -1027,17 +1237,19 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
     return false;
   }
   // The wide FWHT kernel: the default for 16-bit inputs at D = 128 and 256 from kWideMinRows rows
-  // (variant 3 asks for the narrow one at any size, variant 4 for the wide one, to compare and to
-  // test). Below that the narrow kernel is as fast or
+  // (variant 3 asks for the narrow one at any size, variant 4 for the wide one, 5 for the wide one
+  // without tensor cores, to compare and to test). Below that the narrow kernel is as fast or
   // faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared memory
   // (N = 16 x 8 heads in a graph: 4.8 µs wide, 4.1 µs narrow; N = 2048: 9.2 µs both).
   if constexpr ((D == 128 || D == 256) && T != InputType::kF32 && KB != 8) {
     const int64_t rows = p.num_tokens * p.format.num_kv_heads;
-    const bool wide = (p.variant == 0 && rows >= kWideMinRows) || p.variant == 4;
+    const bool wide =
+        ((p.variant == 0 && rows >= kWideMinRows) || p.variant == 4 || p.variant == 5) &&
+        p.lut.cells <= kWideLutCells;
     if (wide && p.key_source == KeySource::kFwht) {
       constexpr int64_t kRowsPerCta = kCtaThreadsFor<kWide> / (D / kLaneElemsFor<kWide>);
       LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kWide>, kCtaThreadsFor<kWide>>(
-          p, (rows + kRowsPerCta - 1) / kRowsPerCta, stream);
+          p, (rows + kRowsPerCta - 1) / kRowsPerCta, stream, kWideTileBytes);
       return true;
     }
   }

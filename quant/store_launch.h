@@ -69,6 +69,9 @@ struct StoreParams {
   // LaunchStore from the row count; used by the FWHT kernel, the others keep one copy).
   int pair_copies_log2 = 0;
   int variant = 0;  // StoreOptions::kernel_variant (benchmarks only)
+  // The wide FWHT kernel: H16 stages on tensor cores (FwhtOnTensorCores); false = fp32
+  // butterflies only (kernel_variant 5, for comparison).
+  bool fwht_on_tensor_cores = true;
   // −(0x4B400000 << 3) mod 2^32, added at run time to the bucketize table's shared address: as a
   // parameter it stays one register, so each lookup address is one shift-add (StoreKernel).
   uint32_t lut_address_bias = 0xA6000000u;

@@ -364,9 +364,12 @@ int Main(int argc, char** argv) {
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 3},
+                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 5},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kMma, 0},
                             Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
-                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0}}) {
+                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0},
+                            Config{"turboquant_k3v4_nc", StoreRotationPath::kFwht, 0},
+                            Config{"turboquant_3bit_nc", StoreRotationPath::kFwht, 0}}) {
       const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
       StoreOptions o;
       o.rotation_path = c.path;
@@ -449,8 +452,10 @@ int Main(int argc, char** argv) {
   // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (FWHT path:
   // the wide kernel, 32 elements per lane; GEMM path: the narrow kernel, three CTAs per SM), 1 =
   // narrow with two rows per thread in flight (ping-pong), 2 = narrow at four CTAs per SM, 3 = the
-  // narrow kernel (the FWHT default before session 6). Same bytes but for index flips at
-  // midpoints (wide and narrow run the butterflies in another order).
+  // narrow kernel (the FWHT default before session 6), 5 = the wide kernel with its FWHT as fp32
+  // butterflies only (the default before session 7; variant 0 runs its H16 stages on tensor
+  // cores). Same bytes but for index flips at midpoints (the kernels sum in other orders) and the
+  // k_norm of the rows they occur in.
   for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
     if (quick && n != 65536) continue;
     const Shape s(n, dev.l2_cache_bytes, 500 + n, stream.get());
@@ -458,7 +463,7 @@ int Main(int argc, char** argv) {
       const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
       for (StoreRotationPath path : {StoreRotationPath::kFwht, StoreRotationPath::kGemm}) {
         std::vector<uint8_t> first;
-        for (int variant : {0, 1, 2, 3}) {
+        for (int variant : {0, 1, 2, 3, 5}) {
           StoreOptions o;
           o.rotation_path = path;
           o.validate_slots = false;
