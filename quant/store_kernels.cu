@@ -73,7 +73,9 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
-__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
 
 // Shared slot of vector v of a wide kernel's warp tile (rows of D / 8 vectors): bit 2 flipped by
 // bit 4. A quarter-warp's 16-byte accesses then hit 8 distinct bank groups both when copying (8
@@ -529,14 +531,6 @@ constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
   return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
 }
 
-// StoreKernel's `values` argument when the values were loaded with the keys.
-struct InValues {
-  template <typename L>
-  __device__ __forceinline__ auto operator()(const L& in) const {
-    return in.v;
-  }
-};
-
 template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
 __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, kVariant))
     StoreKernel(const StoreParams p) {
@@ -654,9 +648,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   };
 
   // Quantizes and writes one row.
-  // `values(in)` gives the row's raw values when the value half needs them (the wide kernel reads
-  // them from its shared tile then; the others have them in `in`).
-  auto process = [&](const Loaded& in, int64_t token, int head, auto&& values) {
+  auto process = [&](const Loaded& in, int64_t token, int head) {
     const int64_t slot = in.slot;
     if (slot >= p.num_slots && p.status != nullptr && head == 0 && q == 0) {
       atomicMax(&p.status->inverted_first_bad_token, ~static_cast<unsigned long long>(token));
@@ -746,8 +738,8 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
           if (p.use_signs) {
 #pragma unroll
             for (int i = 0; i < E; ++i) {
-              k[i] = __uint_as_float(__float_as_uint(k[i]) ^
-                                     ((sign_bits << (31 - i)) & 0x80000000u));
+              k[i] =
+                  __uint_as_float(__float_as_uint(k[i]) ^ ((sign_bits << (31 - i)) & 0x80000000u));
             }
           }
           Fwht<G>(k, q);
@@ -794,9 +786,8 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     }
 
     float vmin, vmax;
-    const RawRow<T, E> raw_v = values(in);
-    ToFloat<T>(raw_v, v);
-    LaneMinMax<T>(raw_v, v, vmin, vmax);
+    ToFloat<T>(in.v, v);
+    LaneMinMax<T>(in.v, v, vmin, vmax);
     uint16_t scale_bits, zero_bits;
     LaneCodes<VB, E / 8> vcodes;
     QuantizeValues<G, VB>(v, vmin, vmax, vcodes, scale_bits, zero_bits);
@@ -932,7 +923,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       __syncthreads();                    // key tile written
       mma_tile();
       __syncthreads();  // y tile written (and the key tile read)
-      process(cur, token, head, InValues{});
+      process(cur, token, head);
       cur = next;
       token = next_token;
       head = next_head;
@@ -947,13 +938,13 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       int head_b = head;
       advance(token_b, head_b);
       load(token_b, head_b, b);
-      process(a, token, head, InValues{});
+      process(a, token, head);
       if (chunk + gridDim.x >= num_chunks) break;
       token = token_b;
       head = head_b;
       advance(token, head);
       load(token, head, a);
-      process(b, token_b, head_b, InValues{});
+      process(b, token_b, head_b);
     }
   } else if constexpr (kVariant == kWide) {
     // The warp's rows are consecutive, so its key rows (and value rows) are one contiguous 2 KB
@@ -962,7 +953,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     // half the L2 requests of direct 16-byte loads at 4 lanes per row), while this iteration
     // computes. At the top of an iteration the lanes read their chunks from the buffers.
     static_assert(E * 32 / 8 == kWideTileVecs && T != InputType::kF32);
-    constexpr int kRowVecs = D / 8;  // 16-byte vectors per row
+    constexpr int kRowVecs = D / 8;                              // 16-byte vectors per row
     uint4* const tiles = tile_s + tid / 32 * 2 * kWideTileVecs;  // keys, then values
     const uint32_t tiles_addr = SmemAddr(tiles);
     // Vector v = lane + 32 i has slot WideTileSlot(lane) + 32 i (bit 4 of v is bit 4 of lane), so
@@ -1014,7 +1005,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       advance(next_token, next_head);
       if (chunk + gridDim.x < num_chunks) issue(next_token, next_head);  // uniform in the CTA
       slot = next_token < p.num_tokens ? LoadSlot(p, next_token) : -1;
-      process(a, token, head, InValues{});
+      process(a, token, head);
       token = next_token;
       head = next_head;
     }
@@ -1043,7 +1034,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
           }
         }
       }
-      process(a, token, head, InValues{});
+      process(a, token, head);
       advance(token, head);
     }
   }
