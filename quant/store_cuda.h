@@ -75,7 +75,7 @@ struct StoreOptions {
   // Benchmarks and tests only: alternative builds of the MSE store kernel, to compare in one run
   // (tools/bench/store_bench, tools/bench/NOTES.md). 0: the default choice. FWHT path with 16-bit
   // inputs at D = 128 / 256: 3 = the narrow kernel (16 elements per lane) and 4 = the wide one
-  // (32) at any size (by default: wide from 16,384 rows), 5 = the wide one with its FWHT as fp32
+  // (32) at any size (by default: wide from 32,768 rows), 5 = the wide one with its FWHT as fp32
   // butterflies only (by default its H16 stages run on tensor cores). D = 128 bf16 only: 1, 2 =
   // earlier kernels. Any other combination runs the default.
   int kernel_variant = 0;

@@ -482,7 +482,7 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
           }
           c.padding = i % 3 == 0 ? 0.0 : 0.1;
           // Half the FWHT cases on the wide kernel with its tensor-core FWHT (the default from
-          // 16,384 rows; these are smaller), a quarter on the wide kernel's fp32 butterflies
+          // 32,768 rows; these are smaller), a quarter on the wide kernel's fp32 butterflies
           // (variant 5), a quarter on the narrow kernel.
           if (i % 5 == 0 || i % 5 == 1) {
             const int r = (i / 5) % 4;
@@ -526,7 +526,7 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
        StoreRotationPath::kMma},
       {"turboquant_3bit_nc", 256, 4, 4096, DType::kF32, RotationKind::kHadamardSigns,
        StoreRotationPath::kAuto},
-      // The wide FWHT kernel (16-bit inputs, D = 128 / 256, from 16,384 rows).
+      // The wide FWHT kernel (16-bit inputs, D = 128 / 256, from 32,768 rows).
       {"turboquant_3bit_nc", 128, 8, 16384, DType::kBF16, RotationKind::kHadamardSigns,
        StoreRotationPath::kAuto},
       {"turboquant_k3v4_nc", 256, 4, 8192, DType::kF16, RotationKind::kHadamard,

@@ -508,7 +508,7 @@ struct KeyInput {
 // 128 registers, so it runs 128-thread CTAs, four per SM (at 96 registers for five it spilled and
 // was slower). The default for the FWHT path with 16-bit inputs at D = 128 and 256.
 inline constexpr int kWide = 3;
-inline constexpr int64_t kWideMinRows = 16384;
+inline constexpr int64_t kWideMinRows = 32768;
 template <int kVariant>
 inline constexpr int kLaneElemsFor = kVariant == kWide ? 32 : kLaneElems;
 template <int kVariant>
@@ -1230,8 +1230,9 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
   // The wide FWHT kernel: the default for 16-bit inputs at D = 128 and 256 from kWideMinRows rows
   // (variant 3 asks for the narrow one at any size, variant 4 for the wide one, 5 for the wide one
   // without tensor cores, to compare and to test). Below that the narrow kernel is as fast or
-  // faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared memory
-  // (N = 16 x 8 heads in a graph: 4.8 µs wide, 4.1 µs narrow; N = 2048: 9.2 µs both).
+  // faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared memory,
+  // and with one iteration per CTA the tiles' copy has nothing to overlap (session 7, 8 heads:
+  // N = 2,048 tokens 10.4 µs narrow vs 11.8 wide; 4,096: 17.1 vs 16.8; 8,192: 25.6 vs 25.5).
   if constexpr ((D == 128 || D == 256) && T != InputType::kF32 && KB != 8) {
     const int64_t rows = p.num_tokens * p.format.num_kv_heads;
     const bool wide =

@@ -456,8 +456,10 @@ int Main(int argc, char** argv) {
   // butterflies only (the default before session 7; variant 0 runs its H16 stages on tensor
   // cores). Same bytes but for index flips at midpoints (the kernels sum in other orders) and the
   // k_norm of the rows they occur in.
-  for (int64_t n : {int64_t{16384}, int64_t{65536}}) {
-    if (quick && n != 65536) continue;
+  // N around 4,096 tokens (32,768 rows: kWideMinRows), where the default switches kernels, and up.
+  for (int64_t n : {int64_t{1024}, int64_t{2048}, int64_t{4096}, int64_t{8192}, int64_t{16384},
+                    int64_t{65536}}) {
+    if (quick && n == 16384) continue;
     const Shape s(n, dev.l2_cache_bytes, 500 + n, stream.get());
     for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
       const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
