@@ -19,7 +19,8 @@
 // slots are mapped to the d's (and tokens) that make its loads contiguous: a thread reads whole
 // 8- or 16-byte runs of one token's codes. The key codebook is applied through a shared-memory
 // table indexed by a code pair (one 64-bit load gives the fp16 pair and the pair of its
-// remainders, so keys keep ~22 bits), replicated per lane so that lookups never conflict. Values
+// remainders, so keys keep ~22 bits), replicated once per lane of a half-warp so that lookups
+// never conflict (a 64-bit shared load is served as two half-warp wavefronts). Values
 // are never dequantized inside the loop:
 // Σ_t p_t (code_t · scale_t + zero_t) = Σ_t (p_t · scale_t) · code_t + Σ_t p_t · zero_t, so the MMA
 // multiplies exact integer codes (fp16 subnormals: one AND per two codes) by p · scale, and the
@@ -251,9 +252,12 @@ struct CompressedValues {
   }
 };
 
-// The key codebook table: entry e (a pair of codes) of lane l at byte 256·e + 8·l of dynamic shared
-// memory, holding the fp16 pair (c_hi[e0], c_hi[e1]) and the pair of remainders (c_lo): a lookup
-// address is one byte-permute of the packed codes with lane_word = (window top byte) | 8·lane.
+// The key codebook table: entry e (a pair of codes) of lane l at byte 256·e + 8·(l mod 16) of
+// dynamic shared memory, holding the fp16 pair (c_hi[e0], c_hi[e1]) and the pair of remainders
+// (c_lo): a lookup address is one byte-permute of the packed codes with lane_word = (window top
+// byte) | 8·(lane mod 16). 16 replicas suffice: lanes l and l + 16 share one but sit in different
+// half-warp wavefronts of the 64-bit load (ncu, session 7: 0.3 % of shared-load wavefronts
+// conflict). The second 128 bytes of every 256-byte row are unused so far.
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
@@ -264,7 +268,7 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
   static constexpr int kKeyAlign = 16;
   static constexpr int kLutEntries = 256;  // code pairs
   // Address of the entry for byte kB of `w`: byte kB%4 of w to bits 8-15, bytes 0, 2, 3 of
-  // lane_word (8·lane; 0; the window's top byte) around it.
+  // lane_word (8·(lane mod 16); 0; the window's top byte) around it.
   template <int kB>
   __device__ __forceinline__ static uint32_t Addr(uint32_t w, uint32_t lane_word) {
     return __byte_perm(w, lane_word, 0x7604 | ((kB % 4) << 4));
@@ -402,11 +406,11 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
 
-  // Key codebook table, one replica per lane (entry e of lane l at byte 256·e + 8·l), from the
-  // decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for 4-bit keys): each thread
-  // loads its entries here and writes their 32 replicas in finish_prologue, after the first
-  // chunk's loads are out. (Copying the replicated 64 KB from L2 per CTA moved 24 MB through L2
-  // at batch 1 × 32k, 100 MB at 64 × 4k.)
+  // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
+  // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
+  // 4-bit keys): each thread loads its entries here and writes their 16 replicas in
+  // finish_prologue, after the first chunk's loads are out. (Copying the replicated table from L2
+  // per CTA moved 24 MB through L2 at batch 1 × 32k, 100 MB at 64 × 4k.)
   constexpr int kEntriesPerThread = (Traits::kLutEntries + kThreads - 1) / kThreads;
   uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;
@@ -418,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       const int e = threadIdx.x + k * kThreads;
       if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
-    lane_word = (window & 0xFF000000u) | (8u * lane);
+    lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
   }
 
   // Query fragments (B operand of the score MMA), loaded once the query prep grid is done: head
@@ -451,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       }
     }
     if constexpr (kCodebook) {
-      // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 16 of
+      // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 8 of
       // its entry's 256-byte row, so each 8-lane phase of a store covers 8 distinct bank groups.
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 #pragma unroll
@@ -459,8 +463,8 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
         const int e = threadIdx.x + k * kThreads;
         if (e < Traits::kLutEntries) {
 #pragma unroll
-          for (int c = 0; c < 16; ++c) {
-            const uint32_t at = base + 256u * e + 16u * ((c + lane) & 15);
+          for (int c = 0; c < 8; ++c) {
+            const uint32_t at = base + 256u * e + 16u * ((c + lane) & 7);
             asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at),
                          "r"(entries[k].x), "r"(entries[k].y)
                          : "memory");

@@ -71,7 +71,8 @@ struct QueryPrepParams {
 
 // The key codebook table of the split kernel: entry e = a code pair (e & (2^bits - 1), e >> bits)
 // as two words, the fp16 pair of the hi parts (low code in the low half) and the pair of the
-// remainders c - hi. The kernel replicates each entry once per lane in shared memory.
+// remainders c - hi. The kernel replicates each entry once per lane of a half-warp (16 times) in
+// shared memory.
 // `hi` and `lo` hold the 2^bits centroids as fp16 bits.
 inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, const uint16_t* lo) {
   const int n = 1 << key_bits, mask = n - 1;
