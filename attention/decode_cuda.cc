@@ -260,8 +260,16 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e);
   const int value_bits = s.bf16 ? 16 : s.format.value_bits;
+  const int out_dtype =
+      a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
+  if (plan.max_splits == 1) {  // the split kernel writes the output; no merge launch
+    sp.output = a.output;
+    sp.lse = a.lse;
+    sp.out_dtype = out_dtype;
+  }
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d,
                                      plan.num_q_heads / num_kv_heads(), stream));
+  if (plan.max_splits == 1) return;
 
   MergeParams mp;
   mp.partial_out = partial_out;
@@ -269,7 +277,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   mp.seq_lens = a.seq_lens;
   mp.output = a.output;
   mp.lse = a.lse;
-  mp.out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
+  mp.out_dtype = out_dtype;
   mp.num_seqs = plan.num_seqs;
   mp.num_q_heads = plan.num_q_heads;
   mp.head_dim = d;

@@ -378,11 +378,13 @@ TEST(CudaDecodeTest, BatchOf1024WithA131072TokenContext) {
 
 // Split lengths given by the caller (CudaDecoder::Plan's tokens_per_split): the shortest, one
 // chunk of a block size, and long ones; every split count must give the reference's results.
+// 8192 makes one split per sequence, where the split kernel writes the output itself (no merge),
+// including the zero rows and -inf LSE of an empty sequence.
 TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
-  for (int tps : {64, 128, 640, 4096}) {
+  for (int tps : {64, 128, 640, 4096, 8192}) {
     const Errors e =
-        CheckCompressed("turboquant_4bit_nc", 128, 8, 4, 16, {1, 63, 700, 4097}, false, tps);
+        CheckCompressed("turboquant_4bit_nc", 128, 8, 4, 16, {1, 63, 0, 700, 4097}, false, tps);
     EXPECT_EQ(e.bad, 0) << "tokens_per_split " << tps;
     EXPECT_LE(e.out, kOutTol) << "tokens_per_split " << tps;
     EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;

@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 
@@ -39,7 +40,7 @@
 namespace tqkv::decode_detail {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 4;  // per CTA, except the staged kernels'
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 16;     // tokens per MMA chunk
 // sm_90 starts a CTA's dynamic shared memory 1 KB into its shared window (the window's top byte is
@@ -103,6 +104,47 @@ __device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src
 __device__ __forceinline__ void CopyAsyncWait() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+// The same with a shared-window address; groups: commit, and wait until at most N are pending.
+__device__ __forceinline__ void CopyAsync16Shared(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src)
+               : "memory");
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// x, computed once and kept in a register: the compiler cannot rematerialize a value that comes
+// out of a volatile asm (it did, from the thread index, in every step of the staged loop).
+__device__ __forceinline__ uint32_t Pinned(uint32_t x) {
+  uint32_t r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+// cp.async of 16 bytes if `pred`, as one predicated instruction (no branch).
+__device__ __forceinline__ void CopyAsync16SharedIf(bool pred, uint32_t smem_dst,
+                                                    const void* gmem_src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(smem_dst),
+      "l"(gmem_src), "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void SharedLoad8(uint32_t addr, uint32_t (&w)[2]) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+}
+__device__ __forceinline__ uint32_t SharedLoad4(uint32_t addr) {
+  uint32_t w;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w) : "r"(addr));
+  return w;
+}
+template <int N>
+__device__ __forceinline__ void CopyAsyncWaitGroup() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Programmatic dependent launch (the host launches the split and merge kernels with
 // cudaLaunchAttributeProgrammaticStreamSerialization): a dependent grid may start while the grid
@@ -132,6 +174,17 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   return out;
 }
 
+
+// out[i] = x in the output dtype (0 fp32, 1 fp16, 2 bf16).
+__device__ __forceinline__ void StoreOutput(void* out, int dtype, int64_t i, float x) {
+  if (dtype == 0) {
+    static_cast<float*>(out)[i] = x;
+  } else if (dtype == 1) {
+    static_cast<__half*>(out)[i] = __float2half_rn(x);
+  } else {
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+  }
+}
 
 // Value codes enter the P·V MMA as fp16 subnormals: a small integer c in the mantissa bits of a
 // half with a zero exponent is exactly c · 2^-24 (tensor cores keep fp16 subnormals), so a code
@@ -353,13 +406,39 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
 // ------------------------------------------------------------------------------------------------
 // The split kernel.
 
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles>
+// Staged kernels (4-bit keys, D = 128, GQA group <= 4: the 128-byte slots of 4bit_nc): 8 warps
+// per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12), and each warp copies
+// its next chunks into shared memory by cp.async, kStages - 1 chunks ahead, instead of holding the
+// next chunk in registers. A stage is 16 slots at a 256-byte pitch: stages 0 and 1 of warp w are
+// the free second halves of table rows 32w + 16s .. + 15, stages 2 and 3 the two halves of rows
+// 16w .. 16w + 15 of a 32 KB region after the table; the chunk's metadata (3 runs of 16 fp16) is
+// a 128-byte cell per stage after that. Within a slot the 16-byte units are XOR-swizzled by token
+// (StageSwizzle) so that the lanes' key (16-byte) and value (8-byte) reads hit distinct banks.
+template <KeyKind kKind, int kD, bool kPacked>
+constexpr bool kHasStagedKernel = kPacked && kKind == KeyKind::kMse4 && kD == 128;
+constexpr int kStagedWarps = 8;
+constexpr int kStages = 4;
+constexpr int kStageExtraOffset = 256 * 256;                                // after the table
+constexpr int kStageMetaOffset = kStageExtraOffset + kStagedWarps * 16 * 256;
+constexpr int kStagedSmemBytes = kStageMetaOffset + kStagedWarps * kStages * 128;
+__device__ __forceinline__ uint32_t StageOffset(int warp, int s) {
+  return s < 2 ? 8192u * warp + 4096u * s + 128u
+               : uint32_t{kStageExtraOffset} + 4096u * warp + 128u * (s - 2);
+}
+// 16-byte unit swizzle of token i's slot: bits 1-2 from i >> 2, bit 2 also from (i >> 1) & 1.
+__device__ __forceinline__ uint32_t StageSwizzle(uint32_t i) {
+  return (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
+}
+
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
+  static constexpr int kCtaWarps = kStaged ? kStagedWarps : kWarps;
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
-  static constexpr int kLutBytes = Traits::kLutEntries * 256;
-  static constexpr int kMergeBytes = (kWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kWarps) * 4;
+  static constexpr int kLutBytes = kStaged ? kStagedSmemBytes : Traits::kLutEntries * 256;
+  static constexpr int kMergeBytes =
+      (kCtaWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kCtaWarps) * 4;
   static constexpr int kSmemBytes = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
 };
 
@@ -384,11 +463,15 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1 : kKind == KeyKind:
 // twice); the P·V B operand holds P'_hi of head h in column 2h and P'_lo in 2h + 1, so one P·V
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked>
-__global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged>
+__global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
+                                  kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>))
     DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && kKind != KeyKind::kBf16));
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
+  static_assert(!kStaged || kHasStagedKernel<kKind, kD, kPacked>);
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
+  constexpr int kW = Config::kCtaWarps;
+  constexpr int kT = kW * 32;
   using Traits = typename Config::Traits;
   constexpr int kKSteps = Config::kKSteps;
   constexpr int kMTiles = Config::kMTiles;
@@ -400,7 +483,17 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int len = p.seq_lens[b];
   const int begin = split * p.tokens_per_split;
-  if (begin >= len) return;  // the merge reads only splits that hold tokens
+  if (begin >= len) {  // the merge reads only splits that hold tokens
+    if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
+      const int group = p.num_q_heads / p.num_kv_heads;
+      const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
+      for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
+        StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
+        if (i % kD == 0) p.lse[row0 + i / kD] = -INFINITY;
+      }
+    }
+    return;
+  }
   const int end = min(begin + p.tokens_per_split, len);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -411,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
   // 4-bit keys): each thread loads its entries here and writes their 16 replicas in
   // finish_prologue, after the first chunk's loads are out. (Copying the replicated table from L2
   // per CTA moved 24 MB through L2 at batch 1 × 32k, 100 MB at 64 × 4k.)
-  constexpr int kEntriesPerThread = (Traits::kLutEntries + kThreads - 1) / kThreads;
+  constexpr int kEntriesPerThread = (Traits::kLutEntries + kT - 1) / kT;
   uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;
   if constexpr (kCodebook) {
@@ -419,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     if ((window & 0x00FFFFFFu) != kSmemStart) __trap();  // the lookups assume this layout
 #pragma unroll
     for (int k = 0; k < kEntriesPerThread; ++k) {
-      const int e = threadIdx.x + k * kThreads;
+      const int e = threadIdx.x + k * kT;
       if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
@@ -460,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 #pragma unroll
       for (int k = 0; k < kEntriesPerThread; ++k) {
-        const int e = threadIdx.x + k * kThreads;
+        const int e = threadIdx.x + k * kT;
         if (e < Traits::kLutEntries) {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
@@ -554,7 +647,9 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     // both, in the consecutive registers an MMA operand needs), so S = C[row g] + C[row g + 8].
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
-    constexpr int kParts = kPacked ? (kCodebook ? 2 : 1) : Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
+    // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
+    constexpr int kParts = kPacked ? (kCodebook ? (kStaged ? 4 : 2) : 1)
+                                   : Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
     for (int k = 0; k < kParts; ++k) {
@@ -571,8 +666,9 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
         Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
         Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
         if constexpr (kPacked) {  // chains k = token half; q parts are columns
-          MmaF16(sp[0][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
-          MmaF16(sp[1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
+          constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
+          MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
+          MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
         } else {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
@@ -620,8 +716,11 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
       float s[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
+        float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
                                     : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+        if constexpr (kCodebook && kParts == 4) {
+          sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
+        }
         s[r] = sum * row_scale[r];
         if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
       }
@@ -794,34 +893,118 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
     int block = block_of(warp, num_full);
     finish_prologue();
 #pragma unroll 1
-    for (int c = warp; c < num_full; c += kWarps) {
-      const int next = block_of(c + kWarps, num_full);
+    for (int c = warp; c < num_full; c += kW) {
+      const int next = block_of(c + kW, num_full);
       load(c, buf, block);
       compute.template operator()<false>(c, buf);
       block = next;
     }
+  } else if constexpr (kStaged) {
+    // Chunk c + (kStages - 1)·kW is copied into stage (k + 3) mod 4 while chunk c (this warp's
+    // k-th) is read from stage k mod 4 and computed; one commit group per chunk (empty past the
+    // end) keeps the wait count fixed. Lane l copies the 16-byte units 4·(l mod 2) + j, j = 0..3,
+    // of token l / 2 (source offsets are immediates; the destinations are swizzled, StageSwizzle),
+    // and lanes 0-5 one 16-byte half of a metadata run each.
+    const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + StageOffset(warp, s);
+    const uint32_t meta_cells = smem_base + kStageMetaOffset + 128u * kStages * warp;
+    const uint32_t copy_tok = lane >> 1;
+    const uint32_t copy_dst = Pinned(
+        256u * copy_tok + 16u * ((4u * (lane & 1)) ^ StageSwizzle(copy_tok)));  // unit j: ^ 16j
+    const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 64 * (lane & 1));
+    const bool copies_meta = Pinned(lane < 6) != 0;  // lanes 0-5: field lane / 2, half lane % 2
+    const uint32_t copy_meta =
+        Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
+               (lane >> 1) * meta_field + 16 * (lane & 1));
+    const uint32_t meta_dst_lane = Pinned(meta_cells + 16u * lane);
+    const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
+    auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
+      const uint8_t* base = p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
+      const uint8_t* src = base + (pos0 * stride_token + copy_src);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) CopyAsync16Shared(dst + (copy_dst ^ (16u * j)), src + 16 * j);
+      CopyAsync16SharedIf(copies_meta, meta_dst, base + (copy_meta + 2 * pos0));
+    };
+    // Read offsets within a stage: keys of token 2g (unit t) and 2g + 1 (+256); values of tokens
+    // 4t, 4t + 1 (+256) and 4t + 2, 4t + 3 (+256), bytes 64 + 8g; metadata of tokens 2g, 2g + 1.
+    const uint32_t read_k = Pinned(512u * g + 16u * (t ^ StageSwizzle(2 * g)));
+    const uint32_t read_v0 =
+        Pinned(1024u * t + 16u * ((4u + (g >> 1)) ^ StageSwizzle(4 * t)) + 8u * (g & 1));
+    const uint32_t read_v1 = Pinned(1024u * t + 512u +
+                                    16u * ((4u + (g >> 1)) ^ StageSwizzle(4 * t + 2)) +
+                                    8u * (g & 1));
+    const uint32_t read_meta = Pinned(meta_cells + 4u * g);
+    auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
+      SharedLoad16(st + read_k, ck.kg);
+      SharedLoad16(st + read_k + 256, ck.k8);
+      SharedLoad8(st + read_v0, ck.v[0]);
+      SharedLoad8(st + read_v0 + 256, ck.v[2]);
+      SharedLoad8(st + read_v1, ck.v[1]);
+      SharedLoad8(st + read_v1 + 256, ck.v[3]);
+      const uint32_t m = meta;
+      ck.norm = SharedLoad4(m);
+      ck.vscale = SharedLoad4(m + 32);
+      ck.vzero = SharedLoad4(m + 64);
+    };
+#pragma unroll
+    for (int k = 0; k < kStages - 1; ++k) {
+      const int cc = warp + k * kW;
+      if (cc < num_full) issue(cc, stage[k], meta_dst_lane + 128u * k, block_of(cc, num_full));
+      CopyAsyncCommit();
+    }
+    int next_block = block_of(warp + (kStages - 1) * kW, num_full);
+    finish_prologue();
+    lane_word = Pinned(lane_word);
+    Chunk cur;
+    uint32_t s = 0;  // stage of chunk c
+#pragma unroll 1
+    for (int c = warp; c < num_full; c += kW) {
+      const int ahead = c + (kStages - 1) * kW;
+      const int following = block_of(ahead + kW, num_full);
+      // The stage written here was read in the previous step; its reads fed that step's
+      // mma.sync instructions, which every lane of the warp had to reach, so it is free.
+      if (ahead < num_full) {
+        issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
+              next_block);
+      }
+      CopyAsyncCommit();
+      CopyAsyncWaitGroup<kStages - 1>();
+      __syncwarp();  // every lane's copies of chunk c are complete and visible
+      read(stage[0], read_meta + 128u * s, cur);
+      compute.template operator()<false>(c, cur);
+      next_block = following;
+      s = (s + 1) % kStages;
+      const uint32_t first = stage[0];
+#pragma unroll
+      for (int i = 0; i + 1 < kStages; ++i) stage[i] = stage[i + 1];
+      stage[kStages - 1] = first;
+    }
+    CopyAsyncWait();  // (only empty groups remain) before the merge reuses shared memory
   } else {
     // Two register buffers in turn. While chunk c is computed, the registers of chunk c + 1
     // (this warp's next) are loading and the block id of chunk c + 2 is being read.
     Chunk buf0, buf1;
     int c = warp;
-    int next1 = block_of(c + kWarps, num_full);
+    int next1 = block_of(c + kW, num_full);
     if (c < num_full) load(c, buf0, block_of(c, num_full));
     finish_prologue();
     auto step = [&](int cc, Chunk& cur, Chunk& nxt) {
-      const int next2 = block_of(cc + 2 * kWarps, num_full);
-      if (cc + kWarps < num_full) load(cc + kWarps, nxt, next1);
+      const int next2 = block_of(cc + 2 * kW, num_full);
+      if (cc + kW < num_full) load(cc + kW, nxt, next1);
       compute.template operator()<false>(cc, cur);
       next1 = next2;
     };
 #pragma unroll 1
-    for (; c < num_full; c += 2 * kWarps) {
+    for (; c < num_full; c += 2 * kW) {
       step(c, buf0, buf1);
-      if (c + kWarps >= num_full) break;
-      step(c + kWarps, buf1, buf0);
+      if (c + kW >= num_full) break;
+      step(c + kW, buf1, buf0);
     }
   }
-  if ((end - begin) % kChunk != 0 && num_full % kWarps == warp) {
+  if ((end - begin) % kChunk != 0 && num_full % kW == warp) {
     Chunk tail;
     load(num_full, tail, block_of(num_full, num_full + 1));
     compute.template operator()<true>(num_full, tail);
@@ -855,17 +1038,17 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
   // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
-  float* acc_s = reinterpret_cast<float*>(smem);  // [kWarps][kHeads][kD]
-  float* stats = acc_s + kWarps * kHeads * kD;    // [3][kWarps][kHeads]: m, l, z
+  float* acc_s = reinterpret_cast<float*>(smem);  // [kW][kHeads][kD]
+  float* stats = acc_s + kW * kHeads * kD;    // [3][kW][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
       for (int j = 0; j < (kPacked ? 1 : 2); ++j) {
         const int head = kPacked ? t : 8 * nt + 2 * t + j;
-        stats[(0 * kWarps + warp) * kHeads + head] = m[nt][j];
-        stats[(1 * kWarps + warp) * kHeads + head] = l[nt][j];
-        stats[(2 * kWarps + warp) * kHeads + head] = z[nt][j];
+        stats[(0 * kW + warp) * kHeads + head] = m[nt][j];
+        stats[(1 * kW + warp) * kHeads + head] = l[nt][j];
+        stats[(2 * kW + warp) * kHeads + head] = z[nt][j];
       }
     }
   }
@@ -888,23 +1071,29 @@ __global__ void __launch_bounds__(kThreads, (kSplitMinCtas<kKind, kD, kNTiles>))
 
   // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), lse = (max m +
   // log2 l) · ln 2, for the group's heads. A warp without tokens has m = -inf and f = 0.
-  for (int i = threadIdx.x; i < group * kD; i += kThreads) {
+  for (int i = threadIdx.x; i < group * kD; i += kT) {
     const int head = i / kD, d = i % kD;
     float mm = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
+    for (int w = 0; w < kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
     float ll = 0.0f, zz = 0.0f, aa = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < kW; ++w) {
       const float mw = stats[w * kHeads + head];
       const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mm);
-      ll += f * stats[(kWarps + w) * kHeads + head];
-      zz += f * stats[(2 * kWarps + w) * kHeads + head];
+      ll += f * stats[(kW + w) * kHeads + head];
+      zz += f * stats[(2 * kW + w) * kHeads + head];
       aa += f == 0.0f ? 0.0f : f * acc_s[(w * kHeads + head) * kD + d];
     }
     const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
-    p.partial_out[(row * p.max_splits + split) * kD + d] = (aa + zz) / ll;
-    if (d == 0) p.partial_lse[row * p.max_splits + split] = (mm + log2f(ll)) * kLn2;
+    const float out = (aa + zz) / ll, lse = (mm + log2f(ll)) * kLn2;
+    if (p.output != nullptr) {  // one split per sequence: the final output, no merge
+      StoreOutput(p.output, p.out_dtype, row * kD + d, out);
+      if (d == 0) p.lse[row] = lse;
+    } else {
+      p.partial_out[(row * p.max_splits + split) * kD + d] = out;
+      if (d == 0) p.partial_lse[row * p.max_splits + split] = lse;
+    }
   }
 }
 
@@ -974,14 +1163,7 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   float acc = 0.0f;
   for (int g = 0; g < groups; ++g) acc += reinterpret_cast<const float*>(sum_s + g * vecs)[d];
   const float out = splits > 0 ? acc / total : 0.0f;
-  const int64_t o = static_cast<int64_t>(row) * p.head_dim + d;
-  if (p.out_dtype == 0) {
-    static_cast<float*>(p.output)[o] = out;
-  } else if (p.out_dtype == 1) {
-    static_cast<__half*>(p.output)[o] = __float2half_rn(out);
-  } else {
-    static_cast<__nv_bfloat16*>(p.output)[o] = __float2bfloat16_rn(out);
-  }
+  StoreOutput(p.output, p.out_dtype, static_cast<int64_t>(row) * p.head_dim + d, out);
   if (d == 0) p.lse[row] = splits > 0 ? mx + logf(total) : -INFINITY;
 }
 
@@ -1105,10 +1287,12 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 }
 
 // Launch and occupancy of one instantiation of the split kernel.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked>
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged = false>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles>;
-  static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked>;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
+  static constexpr auto kKernel =
+      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged>;
+  static constexpr int kCtaThreads = Config::kCtaWarps * 32;
 
   // Shared memory above 48 KB must be opted into once per kernel.
   static cudaError_t Configure() {
@@ -1119,14 +1303,24 @@ struct SplitKernelOps {
   static cudaError_t Launch(const SplitParams& p, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
     return LaunchDependent(kKernel, dim3(p.max_splits, p.num_kv_heads, p.num_seqs),
-                           dim3(kThreads), Config::kSmemBytes, stream, p);
+                           dim3(kCtaThreads), Config::kSmemBytes, stream, p);
   }
   static cudaError_t CtasPerSm(int* ctas) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kKernel, kThreads,
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kKernel, kCtaThreads,
                                                          Config::kSmemBytes);
   }
 };
+
+// The staged kernels are the default where they exist; TQKV_DECODE_UNSTAGED=1 in the environment
+// selects the register-buffered ones instead (for side-by-side benchmarks). Read once.
+bool StagedKernelsEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TQKV_DECODE_UNSTAGED");
+    return v == nullptr || v[0] == '\0' || v[0] == '0';
+  }();
+  return enabled;
+}
 
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group):
 // the one place where runtime values become template arguments.
@@ -1136,6 +1330,11 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
       if constexpr (kKind != KeyKind::kBf16) {
+        if constexpr (kHasStagedKernel<kKind, kD, true>) {
+          if (group <= 4 && StagedKernelsEnabled()) {
+            return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true>{});
+          }
+        }
         if (group <= 4) return fn(SplitKernelOps<kKind, kVB, kD, 1, true>{});
       }
       return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1, false>{})

@@ -29,6 +29,12 @@ struct SplitParams {
   float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
   float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
   const uint2* codebook_table = nullptr;  // MSE keys: CodebookTable()
+  // With one split per sequence (max_splits == 1) the split kernel writes the final output and
+  // LSE itself and no merge runs: output [num_seqs, num_q_heads, head_dim] in out_dtype (0 fp32,
+  // 1 fp16, 2 bf16), lse [num_seqs, num_q_heads]. nullptr: partials for the merge.
+  void* output = nullptr;
+  float* lse = nullptr;
+  int out_dtype = 0;
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
