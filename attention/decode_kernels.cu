@@ -104,11 +104,7 @@ __device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src
 __device__ __forceinline__ void CopyAsyncWait() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
-// The same with a shared-window address; groups: commit, and wait until at most N are pending.
-__device__ __forceinline__ void CopyAsync16Shared(uint32_t smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src)
-               : "memory");
-}
+// cp.async groups: commit, and wait until at most N are pending.
 __device__ __forceinline__ void CopyAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -119,14 +115,13 @@ __device__ __forceinline__ uint32_t Pinned(uint32_t x) {
   asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
   return r;
 }
-// cp.async of 16 bytes if `pred`, as one predicated instruction (no branch).
-__device__ __forceinline__ void CopyAsync16SharedIf(bool pred, uint32_t smem_dst,
-                                                    const void* gmem_src) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
-      " @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(smem_dst),
-      "l"(gmem_src), "r"(static_cast<uint32_t>(pred))
-      : "memory");
+// cp.async of 16 bytes that reads only `src_bytes` (16 or 0) of them and zero-fills the rest:
+// with 0 nothing is read, so a copy past the end needs no branch.
+__device__ __forceinline__ void CopyAsync16Fill(uint32_t smem_dst, const void* gmem_src,
+                                                uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
 }
 __device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -914,19 +909,22 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     const uint32_t copy_dst = Pinned(
         256u * copy_tok + 16u * ((4u * (lane & 1)) ^ StageSwizzle(copy_tok)));  // unit j: ^ 16j
     const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 64 * (lane & 1));
-    const bool copies_meta = Pinned(lane < 6) != 0;  // lanes 0-5: field lane / 2, half lane % 2
+    const uint32_t meta_bytes = Pinned(lane < 6 ? 16u : 0u);  // lanes 0-5: field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
                (lane >> 1) * meta_field + 16 * (lane & 1));
-    const uint32_t meta_dst_lane = Pinned(meta_cells + 16u * lane);
+    // (Lanes 6-31 copy nothing and zero-fill bytes 96-111 of the cell, which nothing reads.)
+    const uint32_t meta_dst_lane = Pinned(meta_cells + (lane < 6 ? 16u * lane : 96u));
     const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
+    // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
     auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
+      const uint32_t bytes = cc < num_full ? 16u : 0u;
       const uint8_t* base = p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
       const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
       const uint8_t* src = base + (pos0 * stride_token + copy_src);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) CopyAsync16Shared(dst + (copy_dst ^ (16u * j)), src + 16 * j);
-      CopyAsync16SharedIf(copies_meta, meta_dst, base + (copy_meta + 2 * pos0));
+      for (int j = 0; j < 4; ++j) CopyAsync16Fill(dst + (copy_dst ^ (16u * j)), src + 16 * j, bytes);
+      CopyAsync16Fill(meta_dst, base + (copy_meta + 2 * pos0), bytes & meta_bytes);
     };
     // Read offsets within a stage: keys of token 2g (unit t) and 2g + 1 (+256); values of tokens
     // 4t, 4t + 1 (+256) and 4t + 2, 4t + 3 (+256), bytes 64 + 8g; metadata of tokens 2g, 2g + 1.
@@ -949,13 +947,15 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
       ck.vscale = SharedLoad4(m + 32);
       ck.vzero = SharedLoad4(m + 64);
     };
+    int first_blocks[kStages];  // all read before any copy waits for one
+#pragma unroll
+    for (int k = 0; k < kStages; ++k) first_blocks[k] = block_of(warp + k * kW, num_full);
 #pragma unroll
     for (int k = 0; k < kStages - 1; ++k) {
-      const int cc = warp + k * kW;
-      if (cc < num_full) issue(cc, stage[k], meta_dst_lane + 128u * k, block_of(cc, num_full));
+      issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, first_blocks[k]);
       CopyAsyncCommit();
     }
-    int next_block = block_of(warp + (kStages - 1) * kW, num_full);
+    int next_block = first_blocks[kStages - 1];
     finish_prologue();
     lane_word = Pinned(lane_word);
     Chunk cur;
@@ -964,16 +964,16 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     for (int c = warp; c < num_full; c += kW) {
       const int ahead = c + (kStages - 1) * kW;
       const int following = block_of(ahead + kW, num_full);
-      // The stage written here was read in the previous step; its reads fed that step's
-      // mma.sync instructions, which every lane of the warp had to reach, so it is free.
-      if (ahead < num_full) {
-        issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
-              next_block);
-      }
-      CopyAsyncCommit();
-      CopyAsyncWaitGroup<kStages - 1>();
+      CopyAsyncWaitGroup<kStages - 2>();
       __syncwarp();  // every lane's copies of chunk c are complete and visible
       read(stage[0], read_meta + 128u * s, cur);
+      // The stage written here was read in the previous step; its reads fed that step's
+      // mma.sync instructions, which every lane of the warp had to reach, so it is free. (Issued
+      // after this step's reads: an LDGSTS holds its address registers until the memory pipe
+      // takes it, and the reads' destinations would otherwise reuse them and wait.)
+      issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
+            next_block);
+      CopyAsyncCommit();
       compute.template operator()<false>(c, cur);
       next_block = following;
       s = (s + 1) % kStages;
