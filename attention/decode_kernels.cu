@@ -401,29 +401,61 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
 // ------------------------------------------------------------------------------------------------
 // The split kernel.
 
-// Staged kernels (4-bit keys, D = 128, GQA group <= 4: the 128-byte slots of 4bit_nc): 8 warps
-// per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12), and each warp copies
-// its next chunks into shared memory by cp.async, kStages - 1 chunks ahead, instead of holding the
-// next chunk in registers. A stage is 16 slots at a 256-byte pitch: stages 0 and 1 of warp w are
-// the free second halves of table rows 32w + 16s .. + 15, stages 2 and 3 the two halves of rows
-// 16w .. 16w + 15 of a 32 KB region after the table; the chunk's metadata (3 runs of 16 fp16) is
-// a 128-byte cell per stage after that. Within a slot the 16-byte units are XOR-swizzled by token
-// (StageSwizzle) so that the lanes' key (16-byte) and value (8-byte) reads hit distinct banks.
-template <KeyKind kKind, int kD, bool kPacked>
-constexpr bool kHasStagedKernel = kPacked && kKind == KeyKind::kMse4 && kD == 128;
+// Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
+// group <= 4: 4bit_nc and k3v4_nc): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps
+// per SM instead of 12), and each warp copies its next chunks into shared memory by cp.async,
+// kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
+// slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
+// runs of 16 fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
+// the lanes' key and value reads hit distinct banks. StagedLayout says where everything is.
+template <KeyKind kKind, int kValueBits, int kD, bool kPacked>
+constexpr bool kHasStagedKernel = kPacked && kD == 128 && kValueBits == 4 &&
+                                  (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3);
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
-constexpr int kStageExtraOffset = 256 * 256;                                // after the table
-constexpr int kStageMetaOffset = kStageExtraOffset + kStagedWarps * 16 * 256;
-constexpr int kStagedSmemBytes = kStageMetaOffset + kStagedWarps * kStages * 128;
-__device__ __forceinline__ uint32_t StageOffset(int warp, int s) {
-  return s < 2 ? 8192u * warp + 4096u * s + 128u
-               : uint32_t{kStageExtraOffset} + 4096u * warp + 128u * (s - 2);
-}
-// 16-byte unit swizzle of token i's slot: bits 1-2 from i >> 2, bit 2 also from (i >> 1) & 1.
-__device__ __forceinline__ uint32_t StageSwizzle(uint32_t i) {
-  return (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
-}
+
+template <KeyKind kKind>
+struct StagedLayout;
+
+// 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
+// halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
+// the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
+// The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
+// touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
+// 8-lane key read phase get disjoint halves).
+template <>
+struct StagedLayout<KeyKind::kMse4> {
+  static constexpr uint32_t kPitch = 256;
+  static constexpr uint32_t kExtra = 256 * 256;
+  static constexpr uint32_t kMeta = kExtra + kStagedWarps * 16 * 256;
+  static constexpr int kBytes = kMeta + kStagedWarps * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return s < 2 ? 8192u * warp + 4096u * s + 128u : kExtra + 4096u * warp + 128u * (s - 2);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    return (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
+  }
+};
+
+// 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
+// 16 KB table: 84 KB per CTA. The swizzle is a bit permutation of token / 2 (bits 2, 0, 1 -> unit
+// bits 2, 1, 0): the 8 tokens of a key read (32 lanes, 4-byte words at 12t + 4w) get 8 distinct
+// unit masks, which tile the 32 banks exactly, and the four tokens of a half-warp's value reads
+// (units 3-4 or 5-6) get masks from {0, 1, 4, 5} or {2, 3, 6, 7}, whose unit pairs are disjoint.
+template <>
+struct StagedLayout<KeyKind::kMse3> {
+  static constexpr uint32_t kPitch = 128;
+  static constexpr uint32_t kFirst = 64 * 256;
+  static constexpr uint32_t kMeta = kFirst + kStagedWarps * kStages * 16 * 128;
+  static constexpr int kBytes = kMeta + kStagedWarps * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kFirst + 2048u * (kStages * warp + s);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    const uint32_t x = i >> 1;
+    return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
+  }
+};
 
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false>
 struct SplitKernelConfig {
@@ -431,7 +463,10 @@ struct SplitKernelConfig {
   static constexpr int kCtaWarps = kStaged ? kStagedWarps : kWarps;
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
-  static constexpr int kLutBytes = kStaged ? kStagedSmemBytes : Traits::kLutEntries * 256;
+  static constexpr int kLutBytes = [] {
+    if constexpr (kStaged) return StagedLayout<kKind>::kBytes;
+    return Traits::kLutEntries * 256;
+  }();
   static constexpr int kMergeBytes =
       (kCtaWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kCtaWarps) * 4;
   static constexpr int kSmemBytes = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
@@ -463,7 +498,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
                                   kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>))
     DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && kKind != KeyKind::kBf16));
-  static_assert(!kStaged || kHasStagedKernel<kKind, kD, kPacked>);
+  static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
   constexpr int kW = Config::kCtaWarps;
   constexpr int kT = kW * 32;
@@ -898,18 +933,24 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     // Chunk c + (kStages - 1)·kW is copied into stage (k + 3) mod 4 while chunk c (this warp's
     // k-th) is read from stage k mod 4 and computed; one commit group per chunk (empty past the
     // end) keeps the wait count fixed. Lane l copies the 16-byte units 4·(l mod 2) + j, j = 0..3,
-    // of token l / 2 (source offsets are immediates; the destinations are swizzled, StageSwizzle),
-    // and lanes 0-5 one 16-byte half of a metadata run each.
+    // of token l / 2 (source offsets are immediates; the destinations are swizzled), and lanes
+    // 0-5 one 16-byte half of a metadata run each.
+    using Layout = StagedLayout<kKind>;
+    constexpr uint32_t kPitch = Layout::kPitch;
+    constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
+    static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + StageOffset(warp, s);
-    const uint32_t meta_cells = smem_base + kStageMetaOffset + 128u * kStages * warp;
+    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
+    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
     const uint32_t copy_tok = lane >> 1;
     const uint32_t copy_dst = Pinned(
-        256u * copy_tok + 16u * ((4u * (lane & 1)) ^ StageSwizzle(copy_tok)));  // unit j: ^ 16j
+        kPitch * copy_tok + 16u * ((4u * (lane & 1)) ^ Layout::Swizzle(copy_tok)));  // unit j: ^16j
     const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 64 * (lane & 1));
-    const uint32_t meta_bytes = Pinned(lane < 6 ? 16u : 0u);  // lanes 0-5: field lane / 2, half lane % 2
+    // Units past the slot (3-bit keys: unit 7 of 7 used) read nothing.
+    const uint32_t last_bytes = Pinned(64u * (lane & 1) + 48u < kKeyBytes + 64u ? 16u : 0u);
+    const uint32_t meta_bytes = Pinned(lane < 6 ? 16u : 0u);  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
                (lane >> 1) * meta_field + 16 * (lane & 1));
@@ -919,33 +960,50 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
     auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
       const uint32_t bytes = cc < num_full ? 16u : 0u;
-      const uint8_t* base = p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint8_t* base =
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
       const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
       const uint8_t* src = base + (pos0 * stride_token + copy_src);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) CopyAsync16Fill(dst + (copy_dst ^ (16u * j)), src + 16 * j, bytes);
+      for (int j = 0; j < 4; ++j) {
+        CopyAsync16Fill(dst + (copy_dst ^ (16u * j)), src + 16 * j,
+                        j < 3 || kKeyBytes + 64 == 128 ? bytes : bytes & last_bytes);
+      }
       CopyAsync16Fill(meta_dst, base + (copy_meta + 2 * pos0), bytes & meta_bytes);
     };
-    // Read offsets within a stage: keys of token 2g (unit t) and 2g + 1 (+256); values of tokens
-    // 4t, 4t + 1 (+256) and 4t + 2, 4t + 3 (+256), bytes 64 + 8g; metadata of tokens 2g, 2g + 1.
-    const uint32_t read_k = Pinned(512u * g + 16u * (t ^ StageSwizzle(2 * g)));
-    const uint32_t read_v0 =
-        Pinned(1024u * t + 16u * ((4u + (g >> 1)) ^ StageSwizzle(4 * t)) + 8u * (g & 1));
-    const uint32_t read_v1 = Pinned(1024u * t + 512u +
-                                    16u * ((4u + (g >> 1)) ^ StageSwizzle(4 * t + 2)) +
-                                    8u * (g & 1));
+    // Read offsets within a stage: keys of token 2g and 2g + 1 (+kPitch: the swizzle depends on
+    // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
+    // kKeyBytes + 8g; metadata of tokens 2g, 2g + 1.
+    auto at = [](uint32_t token, uint32_t byte) {
+      return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
+    };
+    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
+    uint32_t read_k[kKeyReads];
+#pragma unroll
+    for (int w = 0; w < kKeyReads; ++w) {
+      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
+    }
+    const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + 8u * g));
+    const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + 8u * g));
     const uint32_t read_meta = Pinned(meta_cells + 4u * g);
     auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
-      SharedLoad16(st + read_k, ck.kg);
-      SharedLoad16(st + read_k + 256, ck.k8);
+      if constexpr (kKind == KeyKind::kMse4) {
+        SharedLoad16(st + read_k[0], ck.kg);
+        SharedLoad16(st + read_k[0] + kPitch, ck.k8);
+      } else {
+#pragma unroll
+        for (int w = 0; w < kKeyReads; ++w) {
+          ck.kg[w] = SharedLoad4(st + read_k[w]);
+          ck.k8[w] = SharedLoad4(st + read_k[w] + kPitch);
+        }
+      }
       SharedLoad8(st + read_v0, ck.v[0]);
-      SharedLoad8(st + read_v0 + 256, ck.v[2]);
+      SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
       SharedLoad8(st + read_v1, ck.v[1]);
-      SharedLoad8(st + read_v1 + 256, ck.v[3]);
-      const uint32_t m = meta;
-      ck.norm = SharedLoad4(m);
-      ck.vscale = SharedLoad4(m + 32);
-      ck.vzero = SharedLoad4(m + 64);
+      SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      ck.norm = SharedLoad4(meta);
+      ck.vscale = SharedLoad4(meta + 32);
+      ck.vzero = SharedLoad4(meta + 64);
     };
     int first_blocks[kStages];  // all read before any copy waits for one
 #pragma unroll
@@ -1330,7 +1388,7 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
       if constexpr (kKind != KeyKind::kBf16) {
-        if constexpr (kHasStagedKernel<kKind, kD, true>) {
+        if constexpr (kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true>{});
           }
