@@ -260,8 +260,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e);
   const int value_bits = s.bf16 ? 16 : s.format.value_bits;
-  const int out_dtype =
-      a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
+  const int out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
   if (plan.max_splits == 1) {  // the split kernel writes the output; no merge launch
     sp.output = a.output;
     sp.lse = a.lse;

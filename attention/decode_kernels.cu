@@ -2,10 +2,11 @@
 // keys; 4/3-bit uniform values) and uncompressed bf16 blocks, plus the LSE merge and the query
 // preparation (q·Πᵀ once per step).
 //
-// One CTA = (split of the context, KV head, sequence), 4 warps; it serves all query heads of the
-// GQA group, so every compressed byte is read once. Each warp takes 16-token chunks in turn (a
-// chunk never crosses a block: block sizes are multiples of 16) and runs both products on tensor
-// cores with mma.sync m16n8k16:
+// One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
+// 4bit_nc and k3v4_nc, which copy their chunks into shared memory ahead of use: see
+// StagedLayout); it serves all query heads of the GQA group, so every compressed byte is read
+// once. Each warp takes 16-token chunks in turn (a chunk never crosses a block: block sizes are
+// multiples of 16) and runs both products on tensor cores with mma.sync m16n8k16:
 //
 //   scores  Sᵀ[token, head] = K̂[token, d] · Qᵀ[d, head]       (M = 16 tokens, N = 8 heads)
 //   output  Oᵀ[d, head]    += Vcodesᵀ[d, token] · P'ᵀ[token, head]   (M = 16 d, N = 8 heads)
@@ -169,7 +170,6 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   return out;
 }
 
-
 // out[i] = x in the output dtype (0 fp32, 1 fp16, 2 bf16).
 __device__ __forceinline__ void StoreOutput(void* out, int dtype, int64_t i, float x) {
   if (dtype == 0) {
@@ -305,7 +305,7 @@ struct CompressedValues {
 // (c_lo): a lookup address is one byte-permute of the packed codes with lane_word = (window top
 // byte) | 8·(lane mod 16). 16 replicas suffice: lanes l and l + 16 share one but sit in different
 // half-warp wavefronts of the 64-bit load (ncu, session 7: 0.3 % of shared-load wavefronts
-// conflict). The second 128 bytes of every 256-byte row are unused so far.
+// conflict). The second 128 bytes of every 256-byte row hold the staged kernels' stages 0-1.
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int len = p.seq_lens[b];
   const int begin = split * p.tokens_per_split;
-  if (begin >= len) {  // the merge reads only splits that hold tokens
+  if (begin >= len) {           // the merge reads only splits that hold tokens
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
       const int group = p.num_q_heads / p.num_kv_heads;
       const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
@@ -678,8 +678,9 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
     // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
-    constexpr int kParts = kPacked ? (kCodebook ? (kStaged ? 4 : 2) : 1)
-                                   : Traits::kBf16 ? 1 : (kCodebook ? 4 : 2);
+    constexpr int kParts = kPacked         ? (kCodebook ? (kStaged ? 4 : 2) : 1)
+                           : Traits::kBf16 ? 1
+                                           : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
     for (int k = 0; k < kParts; ++k) {
@@ -747,7 +748,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
-                                    : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+                              : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
         if constexpr (kCodebook && kParts == 4) {
           sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
         }
@@ -1097,7 +1098,7 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
   float* acc_s = reinterpret_cast<float*>(smem);  // [kW][kHeads][kD]
-  float* stats = acc_s + kW * kHeads * kD;    // [3][kW][kHeads]: m, l, z
+  float* stats = acc_s + kW * kHeads * kD;        // [3][kW][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
