@@ -8,7 +8,9 @@
 // Run launches three kernels on `stream`: q·Πᵀ for every query head (once per step, not per
 // tile), the split-KV attention kernel (one CTA per split × KV head × sequence, serving all query
 // heads of the group), and the log-sum-exp merge of the splits; the last two by programmatic
-// dependent launch, so each may start while the one before it finishes. See decode_kernels.cu.
+// dependent launch, so each may start while the one before it finishes. When the plan has one
+// split per sequence (max_splits == 1) the split kernel writes the output itself and there is no
+// merge launch. See decode_kernels.cu.
 #pragma once
 
 #include <cstdint>
