@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <numbers>
 
@@ -206,6 +207,10 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
                           fmt::format(">= {} (DecodePlan::workspace_bytes)", plan.workspace_bytes));
   }
   if (a.num_blocks < 1) throw InvalidArgument(kWhere, "num_blocks", a.num_blocks, ">= 1");
+  if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0) {  // slots are read in 16-byte copies
+    throw InvalidArgument(kWhere, "cache", fmt::format("{}", static_cast<const void*>(a.cache)),
+                          "a 16-byte aligned device pointer");
+  }
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }

@@ -78,7 +78,9 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
                      const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0) {
   const int num_seqs = static_cast<int>(s.seq_lens.size());
   const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, tokens_per_split);
-  if (tokens_per_split != 0) EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
+  if (tokens_per_split != 0) {
+    EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
+  }
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
       lse(static_cast<int64_t>(ref_lse.size()));
@@ -424,6 +426,18 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace_bytes = 16"));
+  }
+  // The kernels read slots with 16-byte copies: a cache that is not 16-byte aligned is refused.
+  DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+  a.workspace = ws.data();
+  a.workspace_bytes = plan.workspace_bytes;
+  a.cache = small.data() + 4;
+  try {
+    decoder.Run(plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("cache = "));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("16-byte aligned"));
   }
 }
 
