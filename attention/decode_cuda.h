@@ -10,7 +10,9 @@
 // heads of the group), and the log-sum-exp merge of the splits; the last two by programmatic
 // dependent launch, so each may start while the one before it finishes. When the plan has one
 // split per sequence (max_splits == 1) the split kernel writes the output itself and there is no
-// merge launch. See decode_kernels.cu.
+// merge launch. See decode_kernels.cu. For side-by-side benchmarks, TQKV_DECODE_UNSTAGED=1 in the
+// environment selects the register-buffered split kernels (v6k in tools/bench/NOTES.md) instead
+// of the staged ones that 4bit_nc and k3v4_nc use at head_dim 128 with GQA groups up to 4.
 #pragma once
 
 #include <cstdint>
