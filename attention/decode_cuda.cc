@@ -24,8 +24,10 @@ struct CudaDecoder::State {
   BlockFormat format;  // compressed
   Bf16BlockFormat bf16_format;
   int key_kind = 0;  // decode_detail::KeyKind
-  bool rotate_query = false;
-  DeviceBuffer<float> rotation;           // Πᵀ [D, D]
+  bool rotate_query = false;     // MSE keys: q·Πᵀ
+  bool fwht = false;             // Πᵀ = diag(signs)·H/√D: rotated in the split kernel
+  DeviceBuffer<float> rotation;  // dense Πᵀ [D, D] (for the query prep kernel)
+  DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
   int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
@@ -35,6 +37,11 @@ namespace {
 
 constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Workspace bytes for the query prep kernel's fp32 q·Πᵀ: only a dense Πᵀ needs that launch.
+int64_t QueryPrepBytes(bool dense_rotation, int64_t rows, int head_dim) {
+  return dense_rotation ? AlignUp(rows * head_dim * 4) : 0;
+}
 
 int DeviceSmCount() {
   const auto devices = QueryDevices();
@@ -53,8 +60,15 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
   } else {
     s.key_kind = s.format.key_bits == 4 ? 0 : 1;
     s.rotate_query = true;
-    s.rotation = DeviceBuffer<float>(int64_t{d} * d);
-    s.rotation.CopyFromHost(q.rotation().matrix);
+    const Rotation& r = q.rotation();
+    s.fwht = r.kind == RotationKind::kHadamard || r.kind == RotationKind::kHadamardSigns;
+    if (!s.fwht) {
+      s.rotation = DeviceBuffer<float>(int64_t{d} * d);
+      s.rotation.CopyFromHost(r.matrix);
+    } else if (r.kind == RotationKind::kHadamardSigns) {
+      s.signs = DeviceBuffer<float>(d);
+      s.signs.CopyFromHost(r.signs);
+    }
     // The codebook as fp16 hi + lo parts (c ≈ hi + lo to ~2^-22), laid out as the split kernel
     // reads it from shared memory.
     const auto& c = q.codebook().centroids;
@@ -175,8 +189,9 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.tokens_per_split = static_cast<int>(tps);
   plan.max_splits = static_cast<int>((max_len + tps - 1) / tps);
   const int64_t rows = int64_t{num_seqs} * num_q_heads;
-  plan.workspace_bytes = AlignUp(2 * rows * head_dim() * 2) +
-                         AlignUp(rows * plan.max_splits * head_dim() * 4) +
+  // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
+  const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
+  plan.workspace_bytes = q_bytes + AlignUp(rows * plan.max_splits * head_dim() * 4) +
                          AlignUp(rows * plan.max_splits * 4);
   return plan;
 }
@@ -219,29 +234,40 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const int d = head_dim();
   const int64_t rows = int64_t{plan.num_seqs} * plan.num_q_heads;
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-  auto* qbuf = reinterpret_cast<uint16_t*>(ws);
-  auto* partial_out = reinterpret_cast<float*>(ws + AlignUp(2 * rows * d * 2));
-  auto* partial_lse = reinterpret_cast<float*>(ws + AlignUp(2 * rows * d * 2) +
-                                               AlignUp(rows * plan.max_splits * d * 4));
+  const int64_t q_bytes = QueryPrepBytes(s.rotate_query && !s.fwht, rows, d);
+  auto* qbuf = reinterpret_cast<float*>(ws);
+  auto* partial_out = reinterpret_cast<float*>(ws + q_bytes);
+  auto* partial_lse =
+      reinterpret_cast<float*>(ws + q_bytes + AlignUp(rows * plan.max_splits * d * 4));
   const int dtype_code = [](DType t) {
     return t == DType::kF32 ? 0 : (t == DType::kF16 ? 1 : 2);
   }(a.query_dtype);
 
-  QueryPrepParams qp;
-  qp.query = a.query;
-  qp.in_dtype = dtype_code;
-  qp.rotation = s.rotate_query ? s.rotation.data() : nullptr;
-  qp.out = qbuf;
-  qp.out_bf16 = s.bf16;
-  qp.rows = static_cast<int>(rows);
-  qp.head_dim = d;
-  TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
-
   SplitParams sp;
+  // A dense Πᵀ is applied by the query prep kernel (fp32 q·Πᵀ into the workspace); a Hadamard Πᵀ
+  // (and no rotation) by each split CTA for its own heads, with no launch before it.
+  const bool query_prep = q_bytes > 0;
+  if (query_prep) {
+    QueryPrepParams qp;
+    qp.query = a.query;
+    qp.in_dtype = dtype_code;
+    qp.rotation = s.rotation.data();
+    qp.out = qbuf;
+    qp.rows = static_cast<int>(rows);
+    qp.head_dim = d;
+    TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
+    sp.query = qbuf;
+    sp.query_dtype = 0;
+  } else {
+    sp.query = a.query;
+    sp.query_dtype = dtype_code;
+    sp.query_fwht = s.fwht ? 1 : 0;
+    sp.query_signs = s.signs.data();
+    sp.query_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  }
   sp.cache = a.cache;
   sp.block_tables = a.block_tables;
   sp.seq_lens = a.seq_lens;
-  sp.query = qbuf;
   sp.partial_out = partial_out;
   sp.partial_lse = partial_lse;
   sp.codebook_table = reinterpret_cast<const uint2*>(s.codebook_table.data());
@@ -272,7 +298,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     sp.out_dtype = out_dtype;
   }
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d,
-                                     plan.num_q_heads / num_kv_heads(), stream));
+                                     plan.num_q_heads / num_kv_heads(), query_prep, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -5,14 +5,17 @@
 //   DecodePlan plan = decoder.Plan(B, Hq, max_blocks);      // host only: split layout, workspace
 //   decoder.Run(plan, args, stream);                        // never allocates; graph-capturable
 //
-// Run launches three kernels on `stream`: q·Πᵀ for every query head (once per step, not per
-// tile), the split-KV attention kernel (one CTA per split × KV head × sequence, serving all query
-// heads of the group), and the log-sum-exp merge of the splits; the last two by programmatic
-// dependent launch, so each may start while the one before it finishes. When the plan has one
-// split per sequence (max_splits == 1) the split kernel writes the output itself and there is no
-// merge launch. See decode_kernels.cu. For side-by-side benchmarks, TQKV_DECODE_UNSTAGED=1 in the
-// environment selects the register-buffered split kernels (v6k in tools/bench/NOTES.md) instead
-// of the staged ones that 4bit_nc and k3v4_nc use at head_dim 128 with GQA groups up to 4.
+// Run launches on `stream` the split-KV attention kernel (one CTA per split × KV head × sequence,
+// serving all query heads of the group) and, when the plan has more than one split per sequence,
+// the log-sum-exp merge of the splits (by programmatic dependent launch: it may start while the
+// split grid finishes); with one split (max_splits == 1) the split kernel writes the output
+// itself. The query rotation q·Πᵀ is done once per CTA in the split kernel's prologue for the
+// Hadamard rotations (a fast Walsh-Hadamard transform of the group's rows, with the random signs
+// of hadamard_signs); a dense Πᵀ (haar, custom) gets one more launch before the split kernel,
+// which computes q·Πᵀ for every query head once per step. See decode_kernels.cu. For
+// side-by-side benchmarks, TQKV_DECODE_UNSTAGED=1 in the environment selects the register-buffered
+// split kernels (v6k in tools/bench/NOTES.md) instead of the staged ones that 4bit_nc and k3v4_nc
+// use at head_dim 128 with GQA groups up to 4.
 #pragma once
 
 #include <cstdint>

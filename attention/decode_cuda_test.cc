@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string_view>
+#include <utility>
 
 #include "attention/decode_cpu.h"
 #include "attention/decode_cuda.h"
@@ -154,9 +155,9 @@ void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
 
 Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
                        std::vector<int32_t> lens, bool large_values = false,
-                       int tokens_per_split = 0) {
-  const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, 0);
+                       int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard) {
   const uint64_t seed = std::random_device{}();
+  const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
   Scenario s = Build(q, lens, hk * group, seed);
   if (large_values) UseLargeValueScales(q, s, seed + 1);
   std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
@@ -189,6 +190,30 @@ TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
         EXPECT_EQ(e.bad, 0) << preset << " D=" << d << " group=" << group << " bs=" << bs;
         EXPECT_LE(e.out, kOutTol) << preset << " D=" << d << " group=" << group << " bs=" << bs;
         EXPECT_LE(e.lse, kLseTol) << preset;
+      }
+    }
+  }
+}
+
+// The query's rotation: Hadamard kinds in the split kernel's prologue (FWHT, with the random
+// signs of hadamard_signs), a dense Πᵀ (haar) by the query prep kernel before it.
+TEST(CudaDecodeTest, EveryRotationKind) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+    for (RotationKind rotation :
+         {RotationKind::kHadamard, RotationKind::kHadamardSigns, RotationKind::kHaar}) {
+      for (int d : {64, 128, 256}) {
+        for (int group : {1, 4, 8, 16}) {
+          const Errors e =
+              CheckCompressed(preset, d, 2, group, 16, {1, 15, 17, 700, 4097}, false, 0, rotation);
+          const std::string_view name = RotationKindName(rotation);
+          std::printf("%-20s %-14.*s D=%3d group=%2d: out err %.2e, lse err %.2e, bad %lld\n",
+                      preset, static_cast<int>(name.size()), name.data(), d, group, e.out, e.lse,
+                      static_cast<long long>(e.bad));
+          EXPECT_EQ(e.bad, 0) << preset << " " << name << " D=" << d << " group=" << group;
+          EXPECT_LE(e.out, kOutTol) << preset << " " << name << " D=" << d << " group=" << group;
+          EXPECT_LE(e.lse, kLseTol) << preset << " " << name << " D=" << d << " group=" << group;
+        }
       }
     }
   }
@@ -280,37 +305,44 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
   std::mt19937 rng(std::random_device{}());
   std::vector<int32_t> lens = {1, 33000, 5, 2048, 131072 / 8};
   const Scenario s = Build(q, lens, 32, rng());
-  std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * 32);
-  // The reference sees the query rounded to bf16, as the kernel does.
-  std::vector<float> qb(s.queries.size());
-  std::vector<uint16_t> qbits(s.queries.size());
-  for (size_t i = 0; i < qb.size(); ++i) {
-    qbits[i] = FloatToBFloat16Bits(s.queries[i]);
-    qb[i] = BFloat16BitsToFloat(qbits[i]);
-  }
-  DecodeInputs in;
-  in.query = qb.data();
-  in.num_seqs = static_cast<int>(lens.size());
-  in.num_q_heads = 32;
-  in.block_tables = s.block_tables.data();
-  in.max_blocks_per_seq = s.max_blocks;
-  in.seq_lens = s.seq_lens.data();
-  DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
   const DeviceScenario dev = Upload(s, s.cache);
-  DeviceBuffer<uint16_t> query(static_cast<int64_t>(qbits.size()));
-  query.CopyFromHost(qbits);
   const CudaDecoder decoder(q);
   const DecodePlan plan = decoder.Plan(static_cast<int>(lens.size()), 32, s.max_blocks);
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
-  DeviceBuffer<uint16_t> out(static_cast<int64_t>(ref_out.size()));
-  DeviceBuffer<float> lse(static_cast<int64_t>(ref_lse.size()));
+  DeviceBuffer<uint16_t> out(static_cast<int64_t>(s.queries.size()));
+  DeviceBuffer<float> lse(static_cast<int64_t>(s.seq_lens.size() * 32));
   Stream stream;
-  for (DType out_dtype : {DType::kBF16, DType::kF16}) {
+  for (const auto& [q_dtype, out_dtype] :
+       {std::pair{DType::kBF16, DType::kBF16}, std::pair{DType::kBF16, DType::kF16},
+        std::pair{DType::kF16, DType::kBF16}}) {
+    // The reference sees the query rounded to its dtype, as the kernel does.
+    std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * 32);
+    std::vector<float> qr(s.queries.size());
+    std::vector<uint16_t> qbits(s.queries.size());
+    for (size_t i = 0; i < qr.size(); ++i) {
+      if (q_dtype == DType::kBF16) {
+        qbits[i] = FloatToBFloat16Bits(s.queries[i]);
+        qr[i] = BFloat16BitsToFloat(qbits[i]);
+      } else {
+        qbits[i] = FloatToHalfBits(s.queries[i]);
+        qr[i] = HalfBitsToFloat(qbits[i]);
+      }
+    }
+    DecodeInputs in;
+    in.query = qr.data();
+    in.num_seqs = static_cast<int>(lens.size());
+    in.num_q_heads = 32;
+    in.block_tables = s.block_tables.data();
+    in.max_blocks_per_seq = s.max_blocks;
+    in.seq_lens = s.seq_lens.data();
+    DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+    DeviceBuffer<uint16_t> query(static_cast<int64_t>(qbits.size()));
+    query.CopyFromHost(qbits);
     out.FillBytes(0xFF, stream.get());
     lse.FillBytes(0xFF, stream.get());
     CudaDecodeArgs a;
     a.query = query.data();
-    a.query_dtype = DType::kBF16;
+    a.query_dtype = q_dtype;
     a.cache = dev.cache.data();
     a.num_blocks = s.num_blocks;
     a.block_tables = dev.tables.data();
@@ -351,8 +383,8 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
         worst_out = std::max(worst_out, std::abs(double(x) - ref_out[row * 128 + i]) / scale);
       }
     }
-    std::printf("graph, %s output: out err %.2e, lse err %.2e\n", DTypeName(out_dtype).data(),
-                worst_out, worst_lse);
+    std::printf("graph, %s query, %s output: out err %.2e, lse err %.2e\n",
+                DTypeName(q_dtype).data(), DTypeName(out_dtype).data(), worst_out, worst_lse);
     // The output's own rounding (bf16: 2^-9) adds to the kernel's error.
     // Output rounding: half an ulp is 2^-8 (bf16) or 2^-11 (fp16) of an element, on top of the
     // kernel's own error (kOutTol).

@@ -1,6 +1,7 @@
 // Split-KV decode attention over paged caches: TurboQuant SoA blocks (4/3-bit codebook keys, FP8
 // keys; 4/3-bit uniform values) and uncompressed bf16 blocks, plus the LSE merge and the query
-// preparation (q·Πᵀ once per step).
+// preparation for a dense Πᵀ (q·Πᵀ once per step; Hadamard rotations are applied to the query by
+// each CTA's prologue, as a Walsh-Hadamard transform of its group's rows).
 //
 // One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
 // 4bit_nc and k3v4_nc, which copy their chunks into shared memory ahead of use: see
@@ -469,7 +470,11 @@ struct SplitKernelConfig {
   }();
   static constexpr int kMergeBytes =
       (kCtaWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kCtaWarps) * 4;
-  static constexpr int kSmemBytes = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
+  // The group's rotated query rows, fp32 [heads][kD], after everything else (the prologue writes
+  // them while the first chunks' copies land in the stages).
+  static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
+  static constexpr int kQueryHeads = kStaged ? 4 : 8 * kNTiles;
+  static constexpr int kSmemBytes = kQueryOffset + kQueryHeads * kD * 4;
 };
 
 // Token order inside a 16-token chunk (any order works for a dot product; this one makes the
@@ -548,34 +553,62 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
   }
 
-  // Query fragments (B operand of the score MMA), loaded once the query prep grid is done: head
-  // 8·nt + g. The compressed kinds carry q as fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one
-  // MMA chain each, and the codebook kinds the centroids as hi + lo rows of the A operand, so
-  // scores keep fp32 accuracy. The bf16 kind uses the (bf16) query as given.
+  // Query fragments (B operand of the score MMA): head 8·nt + g. The compressed kinds carry q as
+  // fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the codebook kinds the
+  // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The bf16 kind uses
+  // the query rounded to bf16 (exact for a bf16 query).
   constexpr int kQParts = Traits::kBf16 || kPacked ? 1 : 2;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
-  // Everything the split needs from earlier grids: waits for the query prep (programmatic launch),
-  // loads the query fragments and completes the table copy.
+  // Everything the split needs from earlier work: waits for the query prep grid where there is
+  // one (programmatic launch), rotates the group's query rows into shared memory and loads the
+  // fragments from there, and completes the table copy.
   auto finish_prologue = [&] {
     GridDependencyWait();
-    const int64_t q_part_stride = static_cast<int64_t>(p.num_seqs) * p.num_q_heads * kD;
+    // Warp w rotates rows w, w + kW, ... of the group: lane l holds elements kE·l .. kE·l + kE - 1,
+    // so the transform's first log2(kE) butterfly stages are in registers and the other five
+    // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
+    constexpr int kE = kD / 32;
+    float* q_s = reinterpret_cast<float*>(smem + Config::kQueryOffset);
+    for (int head = warp; head < group; head += kW) {
+      const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h * group + head;
+      float x[kE];
 #pragma unroll
-    for (int part = 0; part < kQParts; ++part) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        // Packed: column g holds part g % 2 of head g / 2.
-        const int head = kPacked ? (g >> 1) : 8 * nt + g;
-        const int q_part = kPacked ? (g & 1) : part;
-        const uint16_t* q = p.query + q_part * q_part_stride +
-                            (static_cast<int64_t>(b) * p.num_q_heads + h * group + head) * kD +
-                            (kD / 4) * t;
-#pragma unroll
-        for (int s = 0; s < kKSteps; ++s) {
-          qf[part][nt][s][0] = head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s) : 0u;
-          qf[part][nt][s][1] =
-              head < group ? *reinterpret_cast<const uint32_t*>(q + 4 * s + 2) : 0u;
+      for (int e = 0; e < kE; ++e) {
+        const int64_t at = row * kD + kE * lane + e;
+        if (p.query_dtype == 0) {
+          x[e] = static_cast<const float*>(p.query)[at];
+        } else if (p.query_dtype == 1) {
+          x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
+        } else {
+          x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
         }
+        if (p.query_signs != nullptr) x[e] *= p.query_signs[kE * lane + e];
       }
+      if (p.query_fwht) {
+#pragma unroll
+        for (int m = 1; m < kE; m <<= 1) {
+#pragma unroll
+          for (int e = 0; e < kE; ++e) {
+            if ((e & m) == 0) {
+              const float u = x[e], v = x[e + m];
+              x[e] = u + v;
+              x[e + m] = u - v;
+            }
+          }
+        }
+#pragma unroll
+        for (int m = 1; m < 32; m <<= 1) {
+#pragma unroll
+          for (int e = 0; e < kE; ++e) {
+            const float o = __shfl_xor_sync(0xffffffffu, x[e], m);
+            x[e] = (lane & m) ? o - x[e] : x[e] + o;
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < kE; ++e) x[e] *= p.query_scale;
+      }
+#pragma unroll
+      for (int e = 0; e < kE; ++e) q_s[head * kD + kE * lane + e] = x[e];
     }
     if constexpr (kCodebook) {
       // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 8 of
@@ -594,7 +627,35 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
           }
         }
       }
-      __syncthreads();
+    }
+    __syncthreads();  // the rotated rows and the table replicas
+    // Element d of a fragment word's low half is q[d], of its high half q[d + 1].
+    auto pack = [&](int head, int d, int q_part) -> uint32_t {
+      if (head >= group) return 0u;
+      const float2 v = *reinterpret_cast<const float2*>(q_s + head * kD + d);
+      if constexpr (Traits::kBf16) {
+        const __nv_bfloat162 r = __floats2bfloat162_rn(v.x, v.y);
+        return *reinterpret_cast<const uint32_t*>(&r);
+      }
+      const __half2 hi = __floats2half2_rn(v.x, v.y);
+      if (q_part == 0) return *reinterpret_cast<const uint32_t*>(&hi);
+      const float2 h2 = __half22float2(hi);
+      const __half2 lo = __floats2half2_rn(v.x - h2.x, v.y - h2.y);
+      return *reinterpret_cast<const uint32_t*>(&lo);
+    };
+#pragma unroll
+    for (int part = 0; part < kQParts; ++part) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        // Packed: column g holds part g % 2 of head g / 2.
+        const int head = kPacked ? (g >> 1) : 8 * nt + g;
+        const int q_part = kPacked ? (g & 1) : part;
+#pragma unroll
+        for (int s = 0; s < kKSteps; ++s) {
+          qf[part][nt][s][0] = pack(head, (kD / 4) * t + 4 * s, q_part);
+          qf[part][nt][s][1] = pack(head, (kD / 4) * t + 4 * s + 2, q_part);
+        }
+      }
     }
   };
 
@@ -1226,7 +1287,7 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   if (d == 0) p.lse[row] = splits > 0 ? mx + logf(total) : -INFINITY;
 }
 
-// q·Πᵀ (or a plain conversion) for every (sequence, query head). One CTA per kPrepRows rows and
+// q·Πᵀ for a dense Πᵀ, for every (sequence, query head), in fp32. One CTA per kPrepRows rows and
 // two threads per output element j (blockDim = 2 · head_dim), so that each element of Πᵀ is read
 // once per CTA (not once per row) and applied to all rows from shared memory; the two threads of
 // j sum over the two halves of each Πᵀ tile (half the dependent chain: 11 → ~6 µs at batch 64),
@@ -1268,61 +1329,43 @@ __global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
   }
   const int j = threadIdx.x % n, half = threadIdx.x / n;
   float y[kPrepRows];
-  if (p.rotation != nullptr) {
 #pragma unroll
-    for (int r = 0; r < kPrepRows; ++r) y[r] = 0.0f;
-    const int tile_rows = min(n, kPrepTileBytes / (n * 4));
-    for (int i0 = 0; i0 < n; i0 += tile_rows) {
-      __syncthreads();  // the rows are in q_s; the previous tile has been used
-      const int pieces = tile_rows * n / 4;  // 16-byte copies
-      for (int k = threadIdx.x; k < pieces; k += blockDim.x) {
-        CopyAsync16(r_s + 4 * k, p.rotation + static_cast<int64_t>(i0) * n + 4 * k);
-      }
-      CopyAsyncWait();
-      __syncthreads();
-      const int i_begin = half * (tile_rows / 2), i_end = i_begin + tile_rows / 2;
+  for (int r = 0; r < kPrepRows; ++r) y[r] = 0.0f;
+  const int tile_rows = min(n, kPrepTileBytes / (n * 4));
+  for (int i0 = 0; i0 < n; i0 += tile_rows) {
+    __syncthreads();                       // the rows are in q_s; the previous tile has been used
+    const int pieces = tile_rows * n / 4;  // 16-byte copies
+    for (int k = threadIdx.x; k < pieces; k += blockDim.x) {
+      CopyAsync16(r_s + 4 * k, p.rotation + static_cast<int64_t>(i0) * n + 4 * k);
+    }
+    CopyAsyncWait();
+    __syncthreads();
+    const int i_begin = half * (tile_rows / 2), i_end = i_begin + tile_rows / 2;
 #pragma unroll 8
-      for (int i = i_begin; i < i_end; ++i) {
-        const float w = r_s[i * n + j];
-        const float4 a = q_s4[2 * (i0 + i)], b = q_s4[2 * (i0 + i) + 1];
-        y[0] = fmaf(a.x, w, y[0]);
-        y[1] = fmaf(a.y, w, y[1]);
-        y[2] = fmaf(a.z, w, y[2]);
-        y[3] = fmaf(a.w, w, y[3]);
-        y[4] = fmaf(b.x, w, y[4]);
-        y[5] = fmaf(b.y, w, y[5]);
-        y[6] = fmaf(b.z, w, y[6]);
-        y[7] = fmaf(b.w, w, y[7]);
-      }
+    for (int i = i_begin; i < i_end; ++i) {
+      const float w = r_s[i * n + j];
+      const float4 a = q_s4[2 * (i0 + i)], b = q_s4[2 * (i0 + i) + 1];
+      y[0] = fmaf(a.x, w, y[0]);
+      y[1] = fmaf(a.y, w, y[1]);
+      y[2] = fmaf(a.z, w, y[2]);
+      y[3] = fmaf(a.w, w, y[3]);
+      y[4] = fmaf(b.x, w, y[4]);
+      y[5] = fmaf(b.y, w, y[5]);
+      y[6] = fmaf(b.z, w, y[6]);
+      y[7] = fmaf(b.w, w, y[7]);
     }
-    if (half == 1) {
-#pragma unroll
-      for (int r = 0; r < kPrepRows; ++r) y_s[r * n + j] = y[r];
-    }
-    __syncthreads();
-    if (!trigger_early) LaunchDependents();
-    if (half == 1) return;
-#pragma unroll
-    for (int r = 0; r < kPrepRows; ++r) y[r] += y_s[r * n + j];
-  } else {
-    __syncthreads();
-    if (!trigger_early) LaunchDependents();
-    if (half == 1) return;
-#pragma unroll
-    for (int r = 0; r < kPrepRows; ++r) y[r] = q_s[j * kPrepRows + r];
   }
+  if (half == 1) {
+#pragma unroll
+    for (int r = 0; r < kPrepRows; ++r) y_s[r * n + j] = y[r];
+  }
+  __syncthreads();
+  if (!trigger_early) LaunchDependents();
+  if (half == 1) return;
 #pragma unroll
   for (int r = 0; r < kPrepRows; ++r) {
     if (r >= rows) break;
-    const int64_t at = static_cast<int64_t>(row0 + r) * n + j;
-    if (p.out_bf16) {
-      p.out[at] = __bfloat16_as_ushort(__float2bfloat16_rn(y[r]));
-    } else {
-      const __half hi = __float2half_rn(y[r]);
-      p.out[at] = __half_as_ushort(hi);
-      p.out[static_cast<int64_t>(p.rows) * n + at] =
-          __half_as_ushort(__float2half_rn(y[r] - __half2float(hi)));
-    }
+    p.out[static_cast<int64_t>(row0 + r) * n + j] = y[r] + y_s[r * n + j];
   }
 }
 
@@ -1359,10 +1402,14 @@ struct SplitKernelOps {
         kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     return configured;
   }
-  static cudaError_t Launch(const SplitParams& p, cudaStream_t stream) {
+  static cudaError_t Launch(const SplitParams& p, bool after_query_prep, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    return LaunchDependent(kKernel, dim3(p.max_splits, p.num_kv_heads, p.num_seqs),
-                           dim3(kCtaThreads), Config::kSmemBytes, stream, p);
+    const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
+    if (after_query_prep) {
+      return LaunchDependent(kKernel, grid, dim3(kCtaThreads), Config::kSmemBytes, stream, p);
+    }
+    kKernel<<<grid, kCtaThreads, Config::kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
   }
   static cudaError_t CtasPerSm(int* ctas) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
@@ -1426,9 +1473,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
 }  // namespace
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, cudaStream_t stream) {
+                               int group, bool after_query_prep, cudaStream_t stream) {
   return Dispatch(kind, value_bits, head_dim, group,
-                  [&](auto ops) { return decltype(ops)::Launch(p, stream); });
+                  [&](auto ops) { return decltype(ops)::Launch(p, after_query_prep, stream); });
 }
 
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group,
@@ -1444,8 +1491,8 @@ cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
   static_assert(kPrepRows == 8, "the kernel reads a row group as two float4");
-  const int smem = 2 * kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) +
-                   (p.rotation != nullptr ? kPrepTileBytes : 0);
+  if (p.rotation == nullptr) return cudaErrorInvalidValue;
+  const int smem = 2 * kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) + kPrepTileBytes;
   static const cudaError_t configured = cudaFuncSetAttribute(
       QueryPrepKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
       2 * kPrepRows * 256 * static_cast<int>(sizeof(float)) + kPrepTileBytes);

@@ -23,9 +23,14 @@ struct SplitParams {
   const uint8_t* cache = nullptr;         // [num_blocks, block_bytes]
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens = nullptr;      // [num_seqs]
-  const uint16_t* query = nullptr;        // compressed: [2][num_seqs, num_q_heads, head_dim] fp16
-                                          // hi and lo parts of q·Πᵀ; bf16 cache: [num_seqs,
-                                          // num_q_heads, head_dim] bf16
+  // The query [num_seqs, num_q_heads, head_dim] in query_dtype (0 fp32, 1 fp16, 2 bf16): the
+  // caller's, rotated by each CTA in its prologue (query_fwht: y = FWHT(q ⊙ signs) · query_scale,
+  // the Hadamard kinds' q·Πᵀ; otherwise y = q), or the query prep's fp32 q·Πᵀ for dense Πᵀ.
+  const void* query = nullptr;
+  const float* query_signs = nullptr;  // [head_dim] ±1 (hadamard_signs) or nullptr
+  int query_dtype = 0;
+  int query_fwht = 0;
+  float query_scale = 1.0f;               // 1/√D with query_fwht
   float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
   float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
   const uint2* codebook_table = nullptr;  // MSE keys: CodebookTable()
@@ -64,13 +69,13 @@ struct MergeParams {
   int max_splits = 0;
 };
 
+// q·Πᵀ for a dense Πᵀ (haar, custom), as its own launch before the split kernel. (Hadamard
+// rotations and unrotated kinds need none: the split kernel's prologue does their part.)
 struct QueryPrepParams {
   const void* query = nullptr;      // [num_seqs, num_q_heads, head_dim] in in_dtype
   int in_dtype = 0;                 // 0 fp32, 1 fp16, 2 bf16
-  const float* rotation = nullptr;  // Πᵀ [head_dim, head_dim] or nullptr (no rotation)
-  uint16_t* out = nullptr;          // fp16: [2][rows, head_dim] hi then lo parts; out_bf16:
-                                    // [rows, head_dim] bf16
-  bool out_bf16 = false;
+  const float* rotation = nullptr;  // Πᵀ [head_dim, head_dim]
+  float* out = nullptr;             // [rows, head_dim] fp32
   int rows = 0;  // num_seqs * num_q_heads
   int head_dim = 0;
 };
@@ -92,9 +97,11 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
   return words;
 }
 
-// group = num_q_heads / num_kv_heads (1..16).
+// group = num_q_heads / num_kv_heads (1..16). after_query_prep: launched as a programmatic
+// dependent of LaunchQueryPrep's grid (which it then waits for before reading the query);
+// otherwise an ordinary launch, ordered after all earlier work in the stream.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, cudaStream_t stream);
+                               int group, bool after_query_prep, cudaStream_t stream);
 // How many CTAs of that split kernel fit on one SM at once (registers, shared memory).
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas);
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
