@@ -30,7 +30,8 @@ struct CudaDecoder::State {
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
+  int ctas_per_sm[17] = {};    // by GQA group, filled on first use (0 = not yet asked)
+  int warps_per_cta[17] = {};  // by GQA group, with ctas_per_sm
 };
 
 namespace {
@@ -106,13 +107,21 @@ CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 int CudaDecoder::CtasPerSm(int group) const {
   int& ctas = state_->ctas_per_sm[group];
   if (ctas == 0) {
+    int resident = 1, warps = 8;
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
     TQKV_CUDA_CHECK(
         decode_detail::DecodeSplitCtasPerSm(static_cast<decode_detail::KeyKind>(state_->key_kind),
-                                            value_bits, head_dim(), group, &ctas));
+                                            value_bits, head_dim(), group, &resident, &warps));
 #endif
-    ctas = std::max(ctas, 1);
+    // The 8-warp (staged) kernels are planned at one CTA per SM, not at every CTA that fits:
+    // measured (tools/bench/NOTES.md, v7i), a second CTA per SM does not shorten a split's
+    // streaming time but adds its fixed costs (batch 1 × 32k: 32 splits × 1,024 tokens 24.9 µs,
+    // 16 × 2,048 22.3 µs; 1 × 16k: 32 × 512 20.5 µs, 16 × 1,024 16.7 µs; 16 × 1k: 2 × 512
+    // 19.1 µs, 1 × 1,024 13.8 µs). The 4-warp kernels are latency-bound and planned at every CTA
+    // that fits (at two per SM, bf16 16 × 16k was 8 % and k8v4 64 × 4k 11 % slower).
+    ctas = warps >= 8 ? 1 : std::max(resident, 1);
+    state_->warps_per_cta[group] = warps;
   }
   return ctas;
 }
@@ -145,16 +154,20 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   // Split layout: choose the number of splits s that minimizes the estimated time
   //   waves(s) · (tokens per split + per-CTA fixed cost)
-  // where waves = ⌈CTAs / (resident CTAs per SM · SMs)⌉: short contexts at small batch get enough
-  // CTAs to fill one wave, large batches avoid a nearly empty last wave, and no split is shorter
-  // than 256 tokens (each CTA builds its codebook table and merges its four warps, worth about
-  // 256 tokens of streaming: kFixedTokens). No split is longer than kMaxSplitTokens: a warp's
-  // P·V accumulator is a chain of tensor-core fp32 additions whose rounding grows with its
-  // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave ≤ 3e-4).
-  constexpr int64_t kFixedTokens = 256, kMinSplit = 256, kMaxSplits = 256, kMaxSplitTokens = 8192;
+  // where waves = ⌈CTAs / (planned CTAs per SM · SMs)⌉ (CtasPerSm): short contexts at small
+  // batch get enough CTAs to fill one wave, large batches avoid a nearly empty last wave; each
+  // CTA's fixed work (prologue, its warps' merge, the first loads' latency) is counted as 256
+  // tokens of streaming (kFixedTokens), and no split is shorter than 256 tokens (64 for the
+  // 8-warp kernels, planned at one CTA per SM; the 4-warp ones, planned at 3-4, would otherwise
+  // take e.g. 64 splits of 64 tokens at batch 1 × 4k: bf16 measured 36 % slower). No split is
+  // longer than kMaxSplitTokens: a warp's P·V accumulator is a chain of tensor-core fp32 additions
+  // whose rounding grows with its length (measured: 8,192 tokens per warp gave 1.9e-3 relative
+  // output error, 1,024 gave ≤ 3e-4).
+  constexpr int64_t kFixedTokens = 256, kMaxSplits = 256, kMaxSplitTokens = 8192;
   const int64_t base = int64_t{num_seqs} * hk;
   const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} * CtasPerSm(num_q_heads / hk);
-  const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
+  const int64_t min_split = state_->warps_per_cta[num_q_heads / hk] >= 8 ? 64 : 256;
+  const int64_t max_s = std::clamp<int64_t>(max_len / min_split, 1, kMaxSplits);
   int64_t best_tps = 0;
   double best_cost = 0;
   const int64_t min_s = std::min(max_s, (max_len + kMaxSplitTokens - 1) / kMaxSplitTokens);

@@ -82,7 +82,9 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
-  int CtasPerSm(int group) const;  // resident split-kernel CTAs per SM (occupancy query, cached)
+  // Split-kernel CTAs per SM that Plan counts on (one for the 8-warp kernels, else as many as
+  // fit: occupancy query); cached.
+  int CtasPerSm(int group) const;
 
   struct State;
   std::unique_ptr<State> state_;

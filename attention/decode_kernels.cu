@@ -1250,6 +1250,21 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
   GridDependencyWait();  // the split grid's partials
+  // Thread (group, v) adds 4 consecutive d (one 16-byte load per split) over the splits ≡ group
+  // (mod groups); the groups' sums meet in shared memory. Its first kPreloaded partials are
+  // loaded before the LSE reduction, so that their L2 round trip overlaps it.
+  const int vecs = p.head_dim / 4, groups = blockDim.x / vecs;
+  const int v = d % vecs, group = d / vecs;
+  const float4* partial = reinterpret_cast<const float4*>(
+      p.partial_out + static_cast<int64_t>(row) * p.max_splits * p.head_dim);
+  constexpr int kPreloaded = 8;
+  float4 pre[kPreloaded];
+#pragma unroll
+  for (int i = 0; i < kPreloaded; ++i) {
+    const int s = group + i * groups;
+    pre[i] = s < splits ? partial[static_cast<int64_t>(s) * vecs + v]
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   const float* lse = p.partial_lse + static_cast<int64_t>(row) * p.max_splits;
   float mx = -INFINITY;
   for (int s = d; s < splits; s += blockDim.x) mx = fmaxf(mx, lse[s]);
@@ -1261,15 +1276,18 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
     part += w;
   }
   const float total = BlockReduce(part, scratch_s, false);  // its barriers publish weight_s
-  // Weighted sum over the splits: thread (group, v) adds 4 consecutive d (one 16-byte load per
-  // split) over the splits ≡ group (mod groups); the groups' sums meet in shared memory.
-  const int vecs = p.head_dim / 4, groups = blockDim.x / vecs;
-  const int v = d % vecs, group = d / vecs;
-  const float4* partial = reinterpret_cast<const float4*>(
-      p.partial_out + static_cast<int64_t>(row) * p.max_splits * p.head_dim);
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int i = 0; i < kPreloaded; ++i) {
+    const int s = group + i * groups;
+    const float w = s < splits ? weight_s[s] : 0.0f;
+    sum.x += w * pre[i].x;
+    sum.y += w * pre[i].y;
+    sum.z += w * pre[i].z;
+    sum.w += w * pre[i].w;
+  }
 #pragma unroll 4
-  for (int s = group; s < splits; s += groups) {
+  for (int s = group + kPreloaded * groups; s < splits; s += groups) {
     const float w = weight_s[s];
     const float4 x = partial[static_cast<int64_t>(s) * vecs + v];
     sum.x += w * x.x;
@@ -1478,10 +1496,12 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
                   [&](auto ops) { return decltype(ops)::Launch(p, after_query_prep, stream); });
 }
 
-cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group,
-                                 int* ctas) {
-  return Dispatch(kind, value_bits, head_dim, group,
-                  [&](auto ops) { return decltype(ops)::CtasPerSm(ctas); });
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,
+                                 int* warps_per_cta) {
+  return Dispatch(kind, value_bits, head_dim, group, [&](auto ops) {
+    *warps_per_cta = decltype(ops)::kCtaThreads / 32;
+    return decltype(ops)::CtasPerSm(ctas);
+  });
 }
 
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
