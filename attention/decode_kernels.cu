@@ -468,10 +468,13 @@ struct SplitKernelConfig {
     if constexpr (kStaged) return StagedLayout<kKind>::kBytes;
     return Traits::kLutEntries * 256;
   }();
+  // The warps' merge: accumulators [kCtaWarps][heads][kD], (m, l, z) [3][kCtaWarps][heads], then
+  // the per-head factors [kCtaWarps][heads], 1/l [heads] and z [heads].
   static constexpr int kMergeBytes =
-      (kCtaWarps * 8 * kNTiles * kD + 3 * 8 * kNTiles * kCtaWarps) * 4;
-  // The group's rotated query rows, fp32 [heads][kD], after everything else (the prologue writes
-  // them while the first chunks' copies land in the stages).
+      (kCtaWarps * 8 * kNTiles * kD + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
+  // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (bf16 cache:
+  // bf16 in the first array), rows past the group zero, after everything else (the prologue
+  // writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
   static constexpr int kQueryHeads = kStaged ? 4 : 8 * kNTiles;
   static constexpr int kSmemBytes = kQueryOffset + kQueryHeads * kD * 4;
@@ -568,47 +571,65 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     // so the transform's first log2(kE) butterfly stages are in registers and the other five
     // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
     constexpr int kE = kD / 32;
-    float* q_s = reinterpret_cast<float*>(smem + Config::kQueryOffset);
-    for (int head = warp; head < group; head += kW) {
-      const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h * group + head;
+    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset);
+    uint16_t* q_lo = q_hi + Config::kQueryHeads * kD;
+    for (int head = warp; head < Config::kQueryHeads; head += kW) {
       float x[kE];
 #pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        const int64_t at = row * kD + kE * lane + e;
-        if (p.query_dtype == 0) {
-          x[e] = static_cast<const float*>(p.query)[at];
-        } else if (p.query_dtype == 1) {
-          x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
-        } else {
-          x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
+      for (int e = 0; e < kE; ++e) x[e] = 0.0f;
+      if (head < group) {
+        const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h * group + head;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          const int64_t at = row * kD + kE * lane + e;
+          if (p.query_dtype == 0) {
+            x[e] = static_cast<const float*>(p.query)[at];
+          } else if (p.query_dtype == 1) {
+            x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
+          } else {
+            x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
+          }
+          if (p.query_signs != nullptr) x[e] *= p.query_signs[kE * lane + e];
         }
-        if (p.query_signs != nullptr) x[e] *= p.query_signs[kE * lane + e];
-      }
-      if (p.query_fwht) {
+        if (p.query_fwht) {
 #pragma unroll
-        for (int m = 1; m < kE; m <<= 1) {
+          for (int m = 1; m < kE; m <<= 1) {
 #pragma unroll
-          for (int e = 0; e < kE; ++e) {
-            if ((e & m) == 0) {
-              const float u = x[e], v = x[e + m];
-              x[e] = u + v;
-              x[e + m] = u - v;
+            for (int e = 0; e < kE; ++e) {
+              if ((e & m) == 0) {
+                const float u = x[e], v = x[e + m];
+                x[e] = u + v;
+                x[e + m] = u - v;
+              }
             }
           }
-        }
 #pragma unroll
-        for (int m = 1; m < 32; m <<= 1) {
+          for (int m = 1; m < 32; m <<= 1) {
 #pragma unroll
-          for (int e = 0; e < kE; ++e) {
-            const float o = __shfl_xor_sync(0xffffffffu, x[e], m);
-            x[e] = (lane & m) ? o - x[e] : x[e] + o;
+            for (int e = 0; e < kE; ++e) {
+              const float o = __shfl_xor_sync(0xffffffffu, x[e], m);
+              x[e] = (lane & m) ? o - x[e] : x[e] + o;
+            }
           }
+#pragma unroll
+          for (int e = 0; e < kE; ++e) x[e] *= p.query_scale;
         }
-#pragma unroll
-        for (int e = 0; e < kE; ++e) x[e] *= p.query_scale;
       }
+      // Fragment words hold element pairs (low half = even element), so the rows are stored as
+      // pairs.
 #pragma unroll
-      for (int e = 0; e < kE; ++e) q_s[head * kD + kE * lane + e] = x[e];
+      for (int e = 0; e < kE; e += 2) {
+        const int at = head * kD + kE * lane + e;
+        if constexpr (Traits::kBf16) {
+          const __nv_bfloat162 r = __floats2bfloat162_rn(x[e], x[e + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(q_hi + at) = r;
+        } else {
+          const __half2 hi = __floats2half2_rn(x[e], x[e + 1]);
+          const float2 hf = __half22float2(hi);
+          *reinterpret_cast<__half2*>(q_hi + at) = hi;
+          *reinterpret_cast<__half2*>(q_lo + at) = __floats2half2_rn(x[e] - hf.x, x[e + 1] - hf.y);
+        }
+      }
     }
     if constexpr (kCodebook) {
       // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 8 of
@@ -629,31 +650,17 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
       }
     }
     __syncthreads();  // the rotated rows and the table replicas
-    // Element d of a fragment word's low half is q[d], of its high half q[d + 1].
-    auto pack = [&](int head, int d, int q_part) -> uint32_t {
-      if (head >= group) return 0u;
-      const float2 v = *reinterpret_cast<const float2*>(q_s + head * kD + d);
-      if constexpr (Traits::kBf16) {
-        const __nv_bfloat162 r = __floats2bfloat162_rn(v.x, v.y);
-        return *reinterpret_cast<const uint32_t*>(&r);
-      }
-      const __half2 hi = __floats2half2_rn(v.x, v.y);
-      if (q_part == 0) return *reinterpret_cast<const uint32_t*>(&hi);
-      const float2 h2 = __half22float2(hi);
-      const __half2 lo = __floats2half2_rn(v.x - h2.x, v.y - h2.y);
-      return *reinterpret_cast<const uint32_t*>(&lo);
-    };
 #pragma unroll
     for (int part = 0; part < kQParts; ++part) {
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
         // Packed: column g holds part g % 2 of head g / 2.
         const int head = kPacked ? (g >> 1) : 8 * nt + g;
-        const int q_part = kPacked ? (g & 1) : part;
+        const uint16_t* q = ((kPacked ? (g & 1) : part) ? q_lo : q_hi) + head * kD + (kD / 4) * t;
 #pragma unroll
         for (int s = 0; s < kKSteps; ++s) {
-          qf[part][nt][s][0] = pack(head, (kD / 4) * t + 4 * s, q_part);
-          qf[part][nt][s][1] = pack(head, (kD / 4) * t + 4 * s + 2, q_part);
+          qf[part][nt][s][0] = *reinterpret_cast<const uint32_t*>(q + 4 * s);
+          qf[part][nt][s][1] = *reinterpret_cast<const uint32_t*>(q + 4 * s + 2);
         }
       }
     }
@@ -1189,30 +1196,49 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
   }
   __syncthreads();
 
-  // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), lse = (max m +
-  // log2 l) · ln 2, for the group's heads. A warp without tokens has m = -inf and f = 0.
-  for (int i = threadIdx.x; i < group * kD; i += kT) {
-    const int head = i / kD, d = i % kD;
+  // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), z = Σ_w f_w z_w,
+  // l = Σ_w f_w l_w, lse = (max m + log2 l) · ln 2, for the group's heads. A warp without tokens
+  // has m = -inf and f = 0. The per-head factors first (one thread per head), then the elements.
+  float* factor = stats + 3 * kW * kHeads;  // [kW][kHeads] f_w, [kHeads] 1/l, [kHeads] z
+  if (threadIdx.x < group) {
+    const int head = threadIdx.x;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
-    float ll = 0.0f, zz = 0.0f, aa = 0.0f;
+    float ll = 0.0f, zz = 0.0f;
 #pragma unroll
     for (int w = 0; w < kW; ++w) {
       const float mw = stats[w * kHeads + head];
       const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mm);
+      factor[w * kHeads + head] = f;
       ll += f * stats[(kW + w) * kHeads + head];
       zz += f * stats[(2 * kW + w) * kHeads + head];
+    }
+    factor[kW * kHeads + head] = 1.0f / ll;
+    factor[(kW + 1) * kHeads + head] = zz;
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
+    const float lse = (mm + log2f(ll)) * kLn2;
+    if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
+      p.lse[row] = lse;
+    } else {
+      p.partial_lse[row * p.max_splits + split] = lse;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * kD; i += kT) {
+    const int head = i / kD, d = i % kD;
+    float aa = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) {
+      const float f = factor[w * kHeads + head];
       aa += f == 0.0f ? 0.0f : f * acc_s[(w * kHeads + head) * kD + d];
     }
     const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
-    const float out = (aa + zz) / ll, lse = (mm + log2f(ll)) * kLn2;
+    const float out = (aa + factor[(kW + 1) * kHeads + head]) * factor[kW * kHeads + head];
     if (p.output != nullptr) {  // one split per sequence: the final output, no merge
       StoreOutput(p.output, p.out_dtype, row * kD + d, out);
-      if (d == 0) p.lse[row] = lse;
     } else {
       p.partial_out[(row * p.max_splits + split) * kD + d] = out;
-      if (d == 0) p.partial_lse[row * p.max_splits + split] = lse;
     }
   }
 }
