@@ -30,8 +30,7 @@ struct CudaDecoder::State {
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  int ctas_per_sm[17] = {};    // by GQA group, filled on first use (0 = not yet asked)
-  int warps_per_cta[17] = {};  // by GQA group, with ctas_per_sm
+  int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
 };
 
 namespace {
@@ -121,7 +120,6 @@ int CudaDecoder::CtasPerSm(int group) const {
     // 19.1 µs, 1 × 1,024 13.8 µs). The 4-warp kernels are latency-bound and planned at every CTA
     // that fits (at two per SM, bf16 16 × 16k was 8 % and k8v4 64 × 4k 11 % slower).
     ctas = warps >= 8 ? 1 : std::max(resident, 1);
-    state_->warps_per_cta[group] = warps;
   }
   return ctas;
 }
@@ -153,21 +151,21 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   // Split layout: choose the number of splits s that minimizes the estimated time
-  //   waves(s) · (tokens per split + per-CTA fixed cost)
+  //   waves(s) · (tokens per split + per-CTA fixed cost) + s · per-split merge cost
   // where waves = ⌈CTAs / (planned CTAs per SM · SMs)⌉ (CtasPerSm): short contexts at small
   // batch get enough CTAs to fill one wave, large batches avoid a nearly empty last wave; each
   // CTA's fixed work (prologue, its warps' merge, the first loads' latency) is counted as 256
-  // tokens of streaming (kFixedTokens), and no split is shorter than 256 tokens (64 for the
-  // 8-warp kernels, planned at one CTA per SM; the 4-warp ones, planned at 3-4, would otherwise
-  // take e.g. 64 splits of 64 tokens at batch 1 × 4k: bf16 measured 36 % slower). No split is
-  // longer than kMaxSplitTokens: a warp's P·V accumulator is a chain of tensor-core fp32 additions
-  // whose rounding grows with its length (measured: 8,192 tokens per warp gave 1.9e-3 relative
-  // output error, 1,024 gave ≤ 3e-4).
-  constexpr int64_t kFixedTokens = 256, kMaxSplits = 256, kMaxSplitTokens = 8192;
+  // tokens of streaming (kFixedTokens), and each split as 16 more (kSplitTokens: the merge's
+  // per-row work and the partials it reads; fitted to the split sweeps of session 9 in
+  // tools/bench/NOTES.md, where e.g. bf16 1 × 4k took 14.6 µs at 16 splits, 15.2 at 32, 19.9 at
+  // 64, all in one wave). No split is shorter than 64 tokens, none longer than kMaxSplitTokens: a
+  // warp's P·V accumulator is a chain of tensor-core fp32 additions whose rounding grows with its
+  // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave ≤ 3e-4).
+  constexpr int64_t kFixedTokens = 256, kSplitTokens = 16, kMinSplit = 64, kMaxSplits = 256,
+                    kMaxSplitTokens = 8192;
   const int64_t base = int64_t{num_seqs} * hk;
   const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} * CtasPerSm(num_q_heads / hk);
-  const int64_t min_split = state_->warps_per_cta[num_q_heads / hk] >= 8 ? 64 : 256;
-  const int64_t max_s = std::clamp<int64_t>(max_len / min_split, 1, kMaxSplits);
+  const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
   int64_t best_tps = 0;
   double best_cost = 0;
   const int64_t min_s = std::min(max_s, (max_len + kMaxSplitTokens - 1) / kMaxSplitTokens);
@@ -175,7 +173,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     const int64_t tps = std::max<int64_t>(64, ((max_len + s - 1) / s + 63) / 64 * 64);
     const int64_t splits = (max_len + tps - 1) / tps;
     const int64_t waves = (base * splits + capacity - 1) / capacity;
-    const double cost = double(waves) * double(tps + kFixedTokens);
+    const double cost = double(waves) * double(tps + kFixedTokens) + double(splits * kSplitTokens);
     if (best_tps == 0 || cost < best_cost) {
       best_cost = cost;
       best_tps = tps;
