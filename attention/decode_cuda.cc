@@ -106,20 +106,21 @@ CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 int CudaDecoder::CtasPerSm(int group) const {
   int& ctas = state_->ctas_per_sm[group];
   if (ctas == 0) {
-    int resident = 1, warps = 8;
+    int resident = 1;
+    bool staged = true;
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
     TQKV_CUDA_CHECK(
         decode_detail::DecodeSplitCtasPerSm(static_cast<decode_detail::KeyKind>(state_->key_kind),
-                                            value_bits, head_dim(), group, &resident, &warps));
+                                            value_bits, head_dim(), group, &resident, &staged));
 #endif
-    // The 8-warp (staged) kernels are planned at one CTA per SM, not at every CTA that fits:
-    // measured (tools/bench/NOTES.md, v7i), a second CTA per SM does not shorten a split's
-    // streaming time but adds its fixed costs (batch 1 × 32k: 32 splits × 1,024 tokens 24.9 µs,
-    // 16 × 2,048 22.3 µs; 1 × 16k: 32 × 512 20.5 µs, 16 × 1,024 16.7 µs; 16 × 1k: 2 × 512
-    // 19.1 µs, 1 × 1,024 13.8 µs). The 4-warp kernels are latency-bound and planned at every CTA
+    // The staged kernels are planned at one CTA per SM, not at every CTA that fits: measured
+    // (tools/bench/NOTES.md, v7i, v7l), a second CTA per SM does not shorten a split's streaming
+    // time but adds its fixed costs (4bit_nc 1 × 32k: 32 splits × 1,024 tokens 24.9 µs, 16 ×
+    // 2,048 22.3 µs; 16 × 1k: 2 × 512 19.1 µs, 1 × 1,024 13.8 µs; bf16 16 × 1k: 2 × 512 25.9 µs,
+    // 1 × 1,024 21.3 µs). The unstaged 4-warp kernels are latency-bound and planned at every CTA
     // that fits (at two per SM, bf16 16 × 16k was 8 % and k8v4 64 × 4k 11 % slower).
-    ctas = warps >= 8 ? 1 : std::max(resident, 1);
+    ctas = staged ? 1 : std::max(resident, 1);
   }
   return ctas;
 }

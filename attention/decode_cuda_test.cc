@@ -250,51 +250,77 @@ TEST(CudaDecodeTest, LargeValueScalesStayFiniteAndAccurate) {
 }
 
 // The bf16 paged decode against fp64 attention over the bf16-rounded K/V and query.
+Errors CheckBf16(int d, int hk, int group, int bs, std::vector<int32_t> lens,
+                 int tokens_per_split = 0) {
+  // Build the scenario with any preset for the K/V and tables; store them as bf16.
+  const Quantizer q = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+  Scenario s = Build(q, lens, hk * group, std::random_device{}());
+  const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs);
+  std::vector<uint8_t> cache(s.num_blocks * f.block_bytes, 0xFF);
+  const int hq = hk * group;
+  std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * hq);
+  for (auto& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+  for (size_t b = 0; b < s.seq_lens.size(); ++b) {
+    for (auto& x : s.keys[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    for (auto& x : s.values[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    for (int t = 0; t < s.seq_lens[b]; ++t) {
+      uint8_t* block =
+          cache.data() + int64_t{s.block_tables[b * s.max_blocks + t / bs]} * f.block_bytes;
+      for (int h = 0; h < hk; ++h) {
+        for (int i = 0; i < d; ++i) {
+          const uint16_t kb = FloatToBFloat16Bits(s.keys[b][(int64_t(t) * hk + h) * d + i]);
+          const uint16_t vb = FloatToBFloat16Bits(s.values[b][(int64_t(t) * hk + h) * d + i]);
+          std::memcpy(block + f.KeyOffset(t % bs, h) + 2 * i, &kb, 2);
+          std::memcpy(block + f.ValueOffset(t % bs, h) + 2 * i, &vb, 2);
+        }
+      }
+    }
+    std::vector<double> o(size_t(hq) * d), l(hq);
+    ReferenceAttention(s.queries.data() + b * hq * d, s.keys[b].data(), s.values[b].data(),
+                       s.seq_lens[b], hq, hk, d, 1.0 / std::sqrt(double(d)), o.data(), l.data());
+    for (int i = 0; i < hq * d; ++i) ref_out[b * hq * d + i] = static_cast<float>(o[i]);
+    for (int i = 0; i < hq; ++i) ref_lse[b * hq + i] = static_cast<float>(l[i]);
+  }
+  const DeviceScenario dev = Upload(s, cache);
+  const CudaDecoder decoder(f);
+  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split);
+}
+
+// bf16 P (2^-8 relative) instead of fp16: a looser output bound.
+constexpr double kBf16OutTol = 8e-3;
+
 TEST(CudaDecodeTest, Bf16CacheMatchesAttention) {
   TQKV_SKIP_WITHOUT_GPU();
   for (int d : {64, 128, 256}) {
-    for (int group : {1, 4, 16}) {
-      const int hk = 2, bs = d == 128 ? 16 : 64;
-      // Build the scenario with any preset for the K/V and tables; store them as bf16.
-      const Quantizer q = Quantizer::Create("turboquant_k8v4", d, hk, bs);
-      Scenario s = Build(q, EdgeLengths(bs), hk * group, std::random_device{}());
-      const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs);
-      std::vector<uint8_t> cache(s.num_blocks * f.block_bytes, 0xFF);
-      const int hq = hk * group;
-      std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * hq);
-      for (auto& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
-      for (size_t b = 0; b < s.seq_lens.size(); ++b) {
-        for (auto& x : s.keys[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
-        for (auto& x : s.values[b]) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
-        for (int t = 0; t < s.seq_lens[b]; ++t) {
-          uint8_t* block =
-              cache.data() + int64_t{s.block_tables[b * s.max_blocks + t / bs]} * f.block_bytes;
-          for (int h = 0; h < hk; ++h) {
-            for (int i = 0; i < d; ++i) {
-              const uint16_t kb = FloatToBFloat16Bits(s.keys[b][(int64_t(t) * hk + h) * d + i]);
-              const uint16_t vb = FloatToBFloat16Bits(s.values[b][(int64_t(t) * hk + h) * d + i]);
-              std::memcpy(block + f.KeyOffset(t % bs, h) + 2 * i, &kb, 2);
-              std::memcpy(block + f.ValueOffset(t % bs, h) + 2 * i, &vb, 2);
-            }
-          }
-        }
-        std::vector<double> o(size_t(hq) * d), l(hq);
-        ReferenceAttention(s.queries.data() + b * hq * d, s.keys[b].data(), s.values[b].data(),
-                           s.seq_lens[b], hq, hk, d, 1.0 / std::sqrt(double(d)), o.data(),
-                           l.data());
-        for (int i = 0; i < hq * d; ++i) ref_out[b * hq * d + i] = static_cast<float>(o[i]);
-        for (int i = 0; i < hq; ++i) ref_lse[b * hq + i] = static_cast<float>(l[i]);
-      }
-      const DeviceScenario dev = Upload(s, cache);
-      const CudaDecoder decoder(f);
-      const Errors e = RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d);
+    for (int group : {1, 4, 8, 16}) {
+      const int bs = d == 128 ? 16 : 64;
+      const Errors e = CheckBf16(d, 2, group, bs, EdgeLengths(bs));
       std::printf("bf16 D=%3d group=%2d: out err %.2e, lse err %.2e, bad %lld\n", d, group, e.out,
                   e.lse, static_cast<long long>(e.bad));
       EXPECT_EQ(e.bad, 0);
-      // bf16 P (2^-8 relative) instead of fp16: a looser output bound.
-      EXPECT_LE(e.out, 8e-3) << "D=" << d << " group=" << group;
+      EXPECT_LE(e.out, kBf16OutTol) << "D=" << d << " group=" << group;
       EXPECT_LE(e.lse, kLseTol) << "D=" << d << " group=" << group;
     }
+  }
+}
+
+// The staged bf16 kernel (D = 128, group <= 8) at every block size and at forced split lengths
+// (64: one chunk per warp or none; 8192: one split per sequence, no merge, an empty sequence).
+TEST(CudaDecodeTest, Bf16BlockSizesAndSplitLengths) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (int bs : {32, 64, 128}) {
+    const Errors e = CheckBf16(128, 8, 4, bs, EdgeLengths(bs));
+    std::printf("bf16 D=128 block %3d: out err %.2e, lse err %.2e, bad %lld\n", bs, e.out, e.lse,
+                static_cast<long long>(e.bad));
+    EXPECT_EQ(e.bad, 0) << "block size " << bs;
+    EXPECT_LE(e.out, kBf16OutTol) << "block size " << bs;
+    EXPECT_LE(e.lse, kLseTol) << "block size " << bs;
+  }
+  for (int tps : {64, 640, 8192}) {
+    const Errors e = CheckBf16(128, 8, 8, 16, {1, 63, 0, 700, 4097}, tps);
+    EXPECT_EQ(e.bad, 0) << "tokens_per_split " << tps;
+    EXPECT_LE(e.out, kBf16OutTol) << "tokens_per_split " << tps;
+    EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;
   }
 }
 

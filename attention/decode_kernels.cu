@@ -4,9 +4,9 @@
 // each CTA's prologue, as a Walsh-Hadamard transform of its group's rows).
 //
 // One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
-// 4bit_nc and k3v4_nc, which copy their chunks into shared memory ahead of use: see
-// StagedLayout); it serves all query heads of the GQA group, so every compressed byte is read
-// once. Each warp takes 16-token chunks in turn (a chunk never crosses a block: block sizes are
+// 4bit_nc and k3v4_nc; the staged kernels, those two and bf16 at D = 128, copy their chunks into
+// shared memory ahead of use: see StagedLayout); it serves all query heads of the GQA group, so
+// every compressed byte is read once. Each warp takes 16-token chunks in turn (a chunk never crosses a block: block sizes are
 // multiples of 16) and runs both products on tensor cores with mma.sync m16n8k16:
 //
 //   scores  Sᵀ[token, head] = K̂[token, d] · Qᵀ[d, head]       (M = 16 tokens, N = 8 heads)
@@ -42,8 +42,7 @@
 namespace tqkv::decode_detail {
 namespace {
 
-constexpr int kWarps = 4;  // per CTA, except the staged kernels'
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarps = 4;      // per CTA, except the staged kernels'
 constexpr int kChunk = 16;     // tokens per MMA chunk
 // sm_90 starts a CTA's dynamic shared memory 1 KB into its shared window (the window's top byte is
 // the CTA's rank in its cluster); the codebook table's lookups add it as an immediate offset.
@@ -410,8 +409,9 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
 // runs of 16 fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
 // the lanes' key and value reads hit distinct banks. StagedLayout says where everything is.
 template <KeyKind kKind, int kValueBits, int kD, bool kPacked>
-constexpr bool kHasStagedKernel = kPacked && kD == 128 && kValueBits == 4 &&
-                                  (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3);
+constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
+                                   (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3)) ||
+                                  (!kPacked && kD == 128 && kKind == KeyKind::kBf16);
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -458,10 +458,37 @@ struct StagedLayout<KeyKind::kMse3> {
   }
 };
 
+// bf16 keys and values (D = 128, GQA group <= 8): 4 warps per CTA, each with kStages 8 KB stages
+// (16 tokens x 512 bytes: the token's 256 key bytes, then its 256 value bytes) copied kStages - 1
+// chunks ahead, so that a warp keeps 16-24 KB of loads in flight instead of the unstaged
+// kernel's one 8 KB chunk at a time (which leaves small batches latency-bound). The 16-byte units
+// of a token are XOR-swizzled by Swizzle(token) (bits 0 and 2 of the unit index): a warp's reads
+// (keys: units 4j + t of tokens 2g, 2g + 1; values: units 16 + 2g + {0, 1} of tokens 4t + c) then
+// touch 8 distinct 16-byte bank groups per 8-lane phase, as do the copies (8 consecutive units of
+// one token per phase).
+template <>
+struct StagedLayout<KeyKind::kBf16> {
+  static constexpr int kWarps = 4;
+  static constexpr int kStages = 3;
+  static constexpr uint32_t kPitch = 512;
+  static constexpr uint32_t kStageBytes = 16 * kPitch;
+  static constexpr int kBytes = kWarps * kStages * kStageBytes;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kStageBytes * (kStages * warp + s);
+  }
+  // Unit bit 2 = token bit 1 ^ token bit 2, unit bit 0 = token bit 3.
+  __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
+    return (4u * (((i >> 1) ^ (i >> 2)) & 1u)) | ((i >> 3) & 1u);
+  }
+};
+
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
-  static constexpr int kCtaWarps = kStaged ? kStagedWarps : kWarps;
+  static constexpr bool kBf16Staged = kStaged && kKind == KeyKind::kBf16;
+  static constexpr int kCtaWarps = kBf16Staged ? StagedLayout<KeyKind::kBf16>::kWarps
+                                   : kStaged   ? kStagedWarps
+                                               : kWarps;
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = [] {
@@ -476,7 +503,7 @@ struct SplitKernelConfig {
   // bf16 in the first array), rows past the group zero, after everything else (the prologue
   // writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
-  static constexpr int kQueryHeads = kStaged ? 4 : 8 * kNTiles;
+  static constexpr int kQueryHeads = kStaged && !kBf16Staged ? 4 : 8 * kNTiles;
   static constexpr int kSmemBytes = kQueryOffset + kQueryHeads * kD * 4;
 };
 
@@ -502,9 +529,9 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1 : kKind == KeyKind:
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged>
-__global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
-                                  kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>))
-    DecodeSplitKernel(const SplitParams p) {
+__global__ void __launch_bounds__(
+    SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>::kCtaWarps * 32,
+    kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>)) DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && kKind != KeyKind::kBf16));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
@@ -516,6 +543,9 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
   constexpr int kKW = Traits::kKeyWords;
   constexpr int kVW = Traits::kValueWords;
   constexpr bool kCodebook = Traits::kLutEntries > 0;
+  // The staged bf16 kernel maps a thread's key words to the 16-byte units 4j + t of a token (not
+  // to 4t .. 4t + 3), so that its shared-memory reads spread over the banks (StagedLayout).
+  constexpr bool kInterleavedKeys = Config::kBf16Staged;
 
   extern __shared__ __align__(16) uint8_t smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -656,11 +686,15 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
       for (int nt = 0; nt < kNTiles; ++nt) {
         // Packed: column g holds part g % 2 of head g / 2.
         const int head = kPacked ? (g >> 1) : 8 * nt + g;
-        const uint16_t* q = ((kPacked ? (g & 1) : part) ? q_lo : q_hi) + head * kD + (kD / 4) * t;
+        const uint16_t* q = ((kPacked ? (g & 1) : part) ? q_lo : q_hi) + head * kD +
+                            (kInterleavedKeys ? 8 : kD / 4) * t;
 #pragma unroll
         for (int s = 0; s < kKSteps; ++s) {
-          qf[part][nt][s][0] = *reinterpret_cast<const uint32_t*>(q + 4 * s);
-          qf[part][nt][s][1] = *reinterpret_cast<const uint32_t*>(q + 4 * s + 2);
+          // A thread's key element i is d = (D/4)·t + i, or with interleaved keys (its units are
+          // 4j + t) d = 32·(i / 8) + 8·t + i % 8.
+          const int at = kInterleavedKeys ? 32 * (s / 2) + 4 * (s % 2) : 4 * s;
+          qf[part][nt][s][0] = *reinterpret_cast<const uint32_t*>(q + at);
+          qf[part][nt][s][1] = *reinterpret_cast<const uint32_t*>(q + at + 2);
         }
       }
     }
@@ -691,7 +725,8 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
       Traits::kBf16 ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
   const int head_off = Traits::kBf16 ? 2 * h * kD : h * p.data_per_slot;
   const int value_base = Traits::kBf16 ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
-  const int off_kg = head_off + Traits::kKeyBytes * t + 2 * g * stride_token;  // token 2g
+  const int off_kg = head_off + (kInterleavedKeys ? 16 : Traits::kKeyBytes) * t +
+                     2 * g * stride_token;                                     // token 2g
   const int off_k8 = off_kg + stride_token;                                    // token 2g + 1
   const int off_v = value_base + head_off + Traits::kValueBytes * g + 4 * t * stride_token;
   const int off_meta =
@@ -715,8 +750,18 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
     const uint32_t pos0 = t0 & (p.block_size - 1);
     const uint8_t* base = p.cache + static_cast<int64_t>(block) * p.block_bytes;
     const uint8_t* at = base + pos0 * stride_token;
-    LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_kg, ck.kg);
-    LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_k8, ck.k8);
+    if constexpr (kInterleavedKeys) {  // units 4j + t
+#pragma unroll
+      for (int j = 0; j < kKW / 4; ++j) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(at + off_kg + 64 * j));
+        const uint4 c = __ldg(reinterpret_cast<const uint4*>(at + off_k8 + 64 * j));
+        ck.kg[4 * j] = a.x, ck.kg[4 * j + 1] = a.y, ck.kg[4 * j + 2] = a.z, ck.kg[4 * j + 3] = a.w;
+        ck.k8[4 * j] = c.x, ck.k8[4 * j + 1] = c.y, ck.k8[4 * j + 2] = c.z, ck.k8[4 * j + 3] = c.w;
+      }
+    } else {
+      LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_kg, ck.kg);
+      LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_k8, ck.k8);
+    }
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v, ck.v[0]);
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 2 * stride_token, ck.v[1]);
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[2]);
@@ -985,7 +1030,113 @@ __global__ void __launch_bounds__(kStaged ? kStagedWarps * 32 : kThreads,
   // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
   // that only it pays for the end-of-sequence masks.
   const int num_full = (end - begin) / kChunk;
-  if constexpr (Traits::kBf16) {
+  if constexpr (Traits::kBf16 && kStaged) {
+    // Chunk c + (S - 1)·kW is copied into stage (k + S - 1) mod S while chunk c (this warp's k-th)
+    // is read from stage k mod S and computed, one commit group per chunk (empty past the end).
+    // Lane l copies unit l of each of the chunk's 16 tokens (units 0-15 the key, 16-31 the
+    // value): every copy instruction reads 256 contiguous key and 256 value bytes.
+    using Layout = StagedLayout<KeyKind::kBf16>;
+    constexpr int kS = Layout::kStages;
+    constexpr uint32_t kPitch = Layout::kPitch;
+    const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    uint32_t stage[kS];  // shared addresses of this warp's stages, stage[0] = the next read
+#pragma unroll
+    for (int s = 0; s < kS; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
+    // Destination of lane l's unit for each of the four swizzle masks (token bits 1-3 pick one).
+    uint32_t copy_dst[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) copy_dst[x] = Pinned(16u * (lane ^ (x & 1u) ^ (4u * (x >> 1))));
+    const uint32_t copy_src =
+        Pinned((lane < 16 ? 0u : static_cast<uint32_t>(value_base)) + head_off + 16u * (lane & 15));
+    const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
+    const uint32_t token_bytes = static_cast<uint32_t>(stride_token);
+    auto issue = [&](int cc, uint32_t dst, int block) {
+      const uint32_t bytes = cc < num_full ? 16u : 0u;
+      const uint8_t* base =
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
+      const uint8_t* src = base + (pos0 * token_bytes + copy_src);
+      uint32_t d[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) d[x] = dst + copy_dst[x];
+#pragma unroll
+      for (int tok = 0; tok < kChunk; ++tok) {
+        const uint32_t sw = Layout::Swizzle(tok);  // compile-time after unrolling
+        const uint32_t x = (sw & 1u) | ((sw >> 2) << 1);
+        CopyAsync16Fill(d[x] + kPitch * tok, src + tok * token_bytes, bytes);
+      }
+    };
+    // Reads: keys of token 2g (units 4j + t: j = 0, 1 from read_k[0], read_k[1], j = 2, 3 at
+    // +128) and 2g + 1 (+kPitch: same mask); values of token 4t + c, units 16 + 2g + hh, from
+    // read_v[c / 2][hh] (+kPitch for odd c).
+    const uint32_t key_x = t ^ Layout::Swizzle(2 * g);
+    const uint32_t read_k0 = Pinned(kPitch * (2 * g) + 16u * key_x);
+    const uint32_t read_k1 = Pinned(kPitch * (2 * g) + 16u * (key_x ^ 4u));
+    uint32_t read_v[2][2];
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      const uint32_t tok = 4 * t + 2 * c2;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        read_v[c2][hh] = Pinned(kPitch * tok + 256u + 16u * ((2u * g + hh) ^ Layout::Swizzle(tok)));
+      }
+    }
+    auto read = [&](uint32_t st, Chunk& ck) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t a = st + (j & 1 ? read_k1 : read_k0) + 128u * (j >> 1);
+        uint32_t w[4];
+        SharedLoad16(a, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ck.kg[4 * j + i] = w[i];
+        SharedLoad16(a + kPitch, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ck.k8[4 * j + i] = w[i];
+      }
+      // v[0..3] = tokens 4t, 4t + 2, 4t + 1, 4t + 3.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c2 = i & 1, odd = i >> 1;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          uint32_t w[4];
+          SharedLoad16(st + read_v[c2][hh] + kPitch * odd, w);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) ck.v[i][4 * hh + k] = w[k];
+        }
+      }
+    };
+    int first_blocks[kS];  // all read before any copy waits for one
+#pragma unroll
+    for (int k = 0; k < kS; ++k) first_blocks[k] = block_of(warp + k * kW, num_full);
+#pragma unroll
+    for (int k = 0; k < kS - 1; ++k) {
+      issue(warp + k * kW, stage[k], first_blocks[k]);
+      CopyAsyncCommit();
+    }
+    int next_block = first_blocks[kS - 1];
+    finish_prologue();
+    Chunk cur;
+#pragma unroll 1
+    for (int c = warp; c < num_full; c += kW) {
+      const int ahead = c + (kS - 1) * kW;
+      const int following = block_of(ahead + kW, num_full);
+      CopyAsyncWaitGroup<kS - 2>();
+      __syncwarp();  // every lane's copies of chunk c are complete and visible
+      read(stage[0], cur);
+      // The stage written here was read in the previous step (by mma operands every lane
+      // reached), so it is free.
+      issue(ahead, stage[kS - 1], next_block);
+      CopyAsyncCommit();
+      compute.template operator()<false>(c, cur);
+      next_block = following;
+      const uint32_t first = stage[0];
+#pragma unroll
+      for (int i = 0; i + 1 < kS; ++i) stage[i] = stage[i + 1];
+      stage[kS - 1] = first;
+    }
+    CopyAsyncWait();  // (only empty groups remain) before the merge reuses shared memory
+  } else if constexpr (Traits::kBf16) {
     // A bf16 chunk is 4x the bytes of a compressed one: one buffer, and occupancy (more warps
     // per SM) keeps enough loads in flight.
     Chunk buf;
@@ -1433,12 +1584,13 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 }
 
 // Launch and occupancy of one instantiation of the split kernel.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged = false>
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_>;
   static constexpr auto kKernel =
-      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged>;
+      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
+  static constexpr bool kStaged = kStaged_;
 
   // Shared memory above 48 KB must be opted into once per kernel.
   static cudaError_t Configure() {
@@ -1486,6 +1638,10 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
           }
         }
         if (group <= 4) return fn(SplitKernelOps<kKind, kVB, kD, 1, true>{});
+      } else if constexpr (kHasStagedKernel<kKind, kVB, kD, false>) {
+        if (group <= 8 && StagedKernelsEnabled()) {
+          return fn(SplitKernelOps<kKind, kVB, kD, 1, false, true>{});
+        }
       }
       return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1, false>{})
                         : fn(SplitKernelOps<kKind, kVB, kD, 2, false>{});
@@ -1523,9 +1679,9 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
 }
 
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,
-                                 int* warps_per_cta) {
+                                 bool* staged) {
   return Dispatch(kind, value_bits, head_dim, group, [&](auto ops) {
-    *warps_per_cta = decltype(ops)::kCtaThreads / 32;
+    *staged = decltype(ops)::kStaged;
     return decltype(ops)::CtasPerSm(ctas);
   });
 }

@@ -102,10 +102,10 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
 // otherwise an ordinary launch, ordered after all earlier work in the stream.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool after_query_prep, cudaStream_t stream);
-// How many CTAs of that split kernel fit on one SM at once (registers, shared memory), and its
-// warps per CTA.
+// How many CTAs of that split kernel fit on one SM at once (registers, shared memory), and
+// whether it is a staged kernel (cp.async stages in shared memory).
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,
-                                 int* warps_per_cta);
+                                 bool* staged);
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
 

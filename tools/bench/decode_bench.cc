@@ -7,7 +7,8 @@
 // --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA decode
 // on the same shapes, both ways, with the ratios.
 //
-//   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--hq 32]
+//   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND] [--hq
+//   32]
 //                [--tps 0,512,...]   (split lengths to time; 0 = the plan's choice)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -230,7 +231,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  std::string torch_json, json_out, only;
+  std::string torch_json, json_out, only, kind_filter;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       quick = true;
@@ -240,6 +241,8 @@ int Main(int argc, char** argv) {
       json_out = argv[++i];
     else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc)
       only = argv[++i];
+    else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc)
+      kind_filter = argv[++i];
     else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
       g_hq = std::stoi(argv[++i]);
     else if (std::strcmp(argv[i], "--tps") == 0 && i + 1 < argc) {
@@ -265,6 +268,9 @@ int Main(int argc, char** argv) {
     kinds.push_back({p, MakeBlockFormat(PresetByName(p), kD, 1, kBlock).slot_bytes});
   }
   kinds.push_back({"bf16", 4 * kD});
+  if (!kind_filter.empty()) {  // --kind KIND: every shape of one kind
+    std::erase_if(kinds, [&](const Kind& k) { return k.name != kind_filter; });
+  }
   if (!only.empty()) {  // --only KIND:BATCH:CONTEXT, e.g. for a profiler run
     const auto c1 = only.find(':'), c2 = only.rfind(':');
     const std::string name = only.substr(0, c1);
