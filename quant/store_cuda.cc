@@ -38,16 +38,21 @@ bool IsHadamardKind(RotationKind kind) {
 
 // Byte offsets of the GEMM path's buffers in the workspace.
 struct GemmLayout {
-  int64_t norms = 0, unit_keys = 0, y = 0, cublas = 0, total = 0;
+  int64_t norms = 0, factors = 0, unit_keys = 0, y = 0, cublas = 0, total = 0;
 };
 
 GemmLayout MakeGemmLayout(const Quantizer& q, const StoreOptions& options, int64_t num_tokens) {
   const BlockFormat& f = q.format();
   const int64_t rows = num_tokens * f.num_kv_heads;
-  const int64_t unit_key_bytes = options.gemm_precision == GemmPrecision::kBf16 ? 2 : 4;
+  // Per element of a row: x̂ in fp32 (SGEMM, TF32) or bf16, or (kFp32, which takes the split
+  // GEMM for bf16 keys) the larger of three bf16 copies and fp32 x̂.
+  int64_t unit_key_bytes = 4;
+  if (options.gemm_precision == GemmPrecision::kBf16) unit_key_bytes = 2;
+  if (options.gemm_precision == GemmPrecision::kFp32) unit_key_bytes = 6;
   GemmLayout l;
   l.norms = kAlign;  // after the status
-  l.unit_keys = l.norms + AlignUp(rows * 4);
+  l.factors = l.norms + AlignUp(rows * 4);
+  l.unit_keys = l.factors + AlignUp(rows * 4);
   l.y = l.unit_keys + AlignUp(rows * f.head_dim * unit_key_bytes);
   l.cublas = l.y + AlignUp(rows * f.head_dim * 4);
   l.total = l.cublas + kCublasWorkspaceBytes;
@@ -209,6 +214,20 @@ std::vector<uint16_t> SplitRotationF16(std::span<const float> pit, int d) {
   return out;
 }
 
+std::vector<uint16_t> SplitRotationBf16(std::span<const float> pit) {
+  const size_t n = pit.size();
+  std::vector<uint16_t> out(3 * n);
+  for (size_t i = 0; i < n; ++i) {
+    float rest = pit[i];
+    for (size_t part = 0; part < 3; ++part) {
+      const uint16_t b = FloatToBFloat16Bits(rest);
+      out[part * n + i] = b;
+      rest -= BFloat16BitsToFloat(b);  // exact: b is rest rounded to 8 significant bits
+    }
+  }
+  return out;
+}
+
 BucketLutTable BuildBucketLut(std::span<const float> m) {
   BucketLutTable none;
   const int n = static_cast<int>(m.size());
@@ -346,11 +365,16 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
       rotation_ = DeviceAllocation(static_cast<int64_t>(pit.size() * 4));
       rotation_.CopyFromHost(pit.data(), rotation_.size_bytes(), 0, nullptr);
     }
+    if (options_.gemm_precision == GemmPrecision::kFp32) {
+      const std::vector<uint16_t> split = store::SplitRotationBf16(pit);
+      rotation_split_ = DeviceAllocation(static_cast<int64_t>(split.size() * 2));
+      rotation_split_.CopyFromHost(split.data(), rotation_split_.size_bytes(), 0, nullptr);
+    }
     blas_ = std::make_unique<CublasHandle>();
 #if TQKV_HAVE_CUDA
     TQKV_CUBLAS_CHECK(cublasSetMathMode(
-        blas_->get(), options_.gemm_precision == GemmPrecision::kFp32 ? CUBLAS_PEDANTIC_MATH
-                                                                      : CUBLAS_DEFAULT_MATH));
+        blas_->get(), options_.gemm_precision == GemmPrecision::kSgemm ? CUBLAS_PEDANTIC_MATH
+                                                                       : CUBLAS_DEFAULT_MATH));
 #endif
   }
 #if TQKV_HAVE_CUDA
@@ -403,6 +427,8 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     const GemmLayout l = MakeGemmLayout(quantizer_, options_, in.num_tokens);
     const int64_t rows = in.num_tokens * f.num_kv_heads;
     const bool bf16 = options_.gemm_precision == GemmPrecision::kBf16;
+    // bf16 keys are exact in bf16: the fp32-accurate default multiplies them as they are.
+    const bool split = options_.gemm_precision == GemmPrecision::kFp32 && in.dtype == DType::kBF16;
     store::NormalizeParams np;
     np.key = in.key;
     np.input = p.input;
@@ -411,6 +437,8 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     np.unit_keys = ws + l.unit_keys;
     np.unit_keys_bf16 = bf16;
     np.norms = reinterpret_cast<float*>(ws + l.norms);
+    np.replicate_scaled = split;
+    np.factors = split ? reinterpret_cast<float*>(ws + l.factors) : nullptr;
     TQKV_CHECK(store::LaunchNormalize(np, stream));
     TQKV_CHECK_LAUNCH("NormalizeKernel");
 
@@ -422,8 +450,21 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     const int d = f.head_dim, n = static_cast<int>(rows);
     const float one = 1.0f, zero = 0.0f;
     float* y = reinterpret_cast<float*>(ws + l.y);
-    switch (options_.gemm_precision) {
-      case GemmPrecision::kFp32:  // true fp32 products and sums, no TF32
+    // fp16 / fp32 keys with the kFp32 default: SGEMM.
+    const GemmPrecision gemm = split ? GemmPrecision::kFp32
+                               : options_.gemm_precision == GemmPrecision::kFp32
+                                   ? GemmPrecision::kSgemm
+                                   : options_.gemm_precision;
+    switch (gemm) {
+      case GemmPrecision::kFp32:
+        // y' = [k'|k'|k'] · [hi; mid; lo]: k = 3·D, products exact (8 x 8 significant bits), fp32
+        // sums on tensor cores.
+        TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, 3 * d, &one,
+                                       rotation_split_.data(), CUDA_R_16BF, d, np.unit_keys,
+                                       CUDA_R_16BF, 3 * d, &zero, y, CUDA_R_32F, d,
+                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        break;
+      case GemmPrecision::kSgemm:  // true fp32 products and sums, no TF32
         TQKV_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, n, d, &one, rotation_.data(),
                                        CUDA_R_32F, d, np.unit_keys, CUDA_R_32F, d, &zero, y,
                                        CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC,
@@ -444,6 +485,7 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
     p.key_source = store::KeySource::kLoadY;
     p.y = y;
     p.norms = np.norms;
+    p.y_factors = np.factors;
   }
   TQKV_CHECK(store::LaunchStore(p, stream));
   TQKV_CHECK_LAUNCH("StoreKernel");

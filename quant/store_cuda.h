@@ -13,9 +13,14 @@
 //    an fp16 hi + lo split of Πᵀ held in shared memory and fp32 accumulation (fp32 keys are split
 //    too); no GEMM call, no x̂ or y in memory. quant/store_device.h, MmaScaleForNorm, has the
 //    arithmetic.
-//  - kGemm (MSE presets, any Πᵀ): a normalize kernel writes x̂ = k / (‖k‖ + 1e-8), cuBLAS computes
-//    y = x̂ · Πᵀ (fp32 SGEMM, CUBLAS_PEDANTIC_MATH: no TF32), then the store kernel bucketizes y.
-//    GemmPrecision::kTf32 / kBf16 are faster opt-ins that flip more indices (tools/bench/NOTES.md).
+//  - kGemm (MSE presets, any Πᵀ): cuBLAS computes the rotation, then the store kernel bucketizes
+//    y. By default (GemmPrecision::kFp32) the product is fp32-accurate: bf16 keys, exact in bf16,
+//    are written three times side by side (each row scaled by a power of two) and multiplied on
+//    tensor cores by Πᵀ split into three bf16 parts (hi + mid + lo = Πᵀ to 24 bits) stacked
+//    along k, with fp32 accumulation; the store kernel divides by the norm. fp16 / fp32 keys (and
+//    GemmPrecision::kSgemm) take an fp32 SGEMM (CUBLAS_PEDANTIC_MATH: no TF32) of x̂ = k / (‖k‖ +
+//    1e-8) written by a normalize kernel. GemmPrecision::kTf32 / kBf16 are faster opt-ins that
+//    flip more indices (tools/bench/NOTES.md).
 // All paths produce the bytes of StoreCpu, except that an MSE index may be one off where y lies
 // within a few ulp of a midpoint (the reference rotates in fp64, these paths in fp32); the norm
 // correction then follows the stored indices. quant/README.md lists the shared numeric choices.
@@ -49,9 +54,11 @@ enum class StoreRotationPath {
 };
 
 enum class GemmPrecision {
-  kFp32,  // SGEMM with CUBLAS_PEDANTIC_MATH (true fp32 products and sums)
-  kTf32,  // TF32 tensor cores (10-bit mantissa products): more index flips
-  kBf16,  // bf16 x̂ and Πᵀ, fp32 accumulation: even more index flips
+  kFp32,   // fp32-accurate: bf16 keys × Πᵀ as three bf16 parts on tensor cores (fp32 sums);
+           // fp16 / fp32 keys: as kSgemm
+  kSgemm,  // SGEMM with CUBLAS_PEDANTIC_MATH (true fp32 products and sums) for every key dtype
+  kTf32,   // TF32 tensor cores (10-bit mantissa products): more index flips
+  kBf16,   // bf16 x̂ and Πᵀ, fp32 accumulation: even more index flips
 };
 
 enum class StorePath { kFp8, kFwht, kMma, kGemm };
@@ -157,6 +164,9 @@ class StoreDeviceState {
   // kGemm: Πᵀ [D, D], fp32 (or bf16 for GemmPrecision::kBf16); kMma: the fp16 hi/lo of
   // store::StoreParams::rotation_f16.
   DeviceAllocation rotation_;
+  // kGemm with GemmPrecision::kFp32: the hi, mid and lo bf16 parts of Πᵀ, [3][D, D]
+  // (store::SplitRotationBf16).
+  DeviceAllocation rotation_split_;
   std::unique_ptr<CublasHandle> blas_;
 };
 
@@ -174,6 +184,11 @@ BucketLutTable BuildBucketLut(std::span<const float> midpoints);
 // lo = fp16(2^8 · Πᵀ − hi) (round to nearest even), each transposed: out[n·D + k] = hi of
 // Πᵀ[k][n], out[D² + n·D + k] = lo of it (StoreParams::rotation_f16).
 std::vector<uint16_t> SplitRotationF16(std::span<const float> pit, int d);
+
+// Πᵀ ([D, D] row-major) as three bf16 arrays, hi = bf16(Πᵀ), mid = bf16(Πᵀ − hi), lo = bf16(Πᵀ −
+// hi − mid) (round to nearest even; each difference is exact in fp32), one after the other:
+// hi + mid + lo equals Πᵀ to ~2^-24 relative (exactly for most entries).
+std::vector<uint16_t> SplitRotationBf16(std::span<const float> pit);
 
 }  // namespace store
 }  // namespace tqkv

@@ -74,7 +74,9 @@ struct Case {
         "{} D={} H={} block={} {} slots {} N={} rotation {} path {}{}{}", preset, head_dim, heads,
         block_size, DTypeName(dtype), DTypeName(slot_dtype), num_tokens, RotationKindName(rotation),
         static_cast<int>(options.rotation_path),
-        options.gemm_precision == GemmPrecision::kFp32 ? "" : " low-precision GEMM",
+        options.gemm_precision == GemmPrecision::kFp32    ? ""
+        : options.gemm_precision == GemmPrecision::kSgemm ? " SGEMM"
+                                                          : " low-precision GEMM",
         options.kernel_variant == 0 ? ""
                                     : fmt::format(" kernel variant {}", options.kernel_variant));
   }
@@ -423,8 +425,9 @@ Diff RunCase(const Case& c, uint64_t seed) {
   const std::vector<uint8_t> gpu = call.Download();
   std::vector<uint8_t> ref = PoisonedCache(call.cache_bytes + DeviceCall::kGuardBytes);
   ReferenceStore(q, HostView(in, c), ref, in.num_blocks);
-  const bool low_precision =
-      c.options.gemm_precision != GemmPrecision::kFp32 && state.path() == StorePath::kGemm;
+  const bool low_precision = (c.options.gemm_precision == GemmPrecision::kTf32 ||
+                              c.options.gemm_precision == GemmPrecision::kBf16) &&
+                             state.path() == StorePath::kGemm;
   Diff d = Compare(q, in, c, ref, gpu, low_precision ? 1e9 : 1.0);
   if (!low_precision) {
     g_total += d;
@@ -553,6 +556,37 @@ TEST(StoreCudaTest, LargeStoresMatchTheReference) {
                 c.Name().c_str(), static_cast<long long>(d.indices),
                 static_cast<long long>(d.flips), d.indices ? double(d.flips) / d.indices : 0.0,
                 d.max_flip_ulps);
+  }
+}
+
+// The GEMM path's two fp32-accurate products: the default (bf16 keys as three bf16 copies times
+// the three-part Πᵀ on tensor cores; fp16 / fp32 keys by SGEMM) and SGEMM for every dtype. Both
+// must give the reference's bytes up to rare midpoint flips (RunCase: <= 1e-4 of the indices),
+// for every MSE preset, dtype and head_dim, with padding and poison.
+TEST(StoreCudaTest, Fp32AccurateGemmPrecisionsMatchTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (GemmPrecision precision : {GemmPrecision::kFp32, GemmPrecision::kSgemm}) {
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+      for (int d : {64, 128, 256}) {
+        for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+          Case c;
+          c.preset = preset;
+          c.head_dim = d;
+          c.dtype = dtype;
+          c.num_tokens = d == 128 && dtype == DType::kBF16 ? 8192 : 1000;
+          c.rotation = RotationKind::kHaar;
+          c.options.rotation_path = StoreRotationPath::kGemm;
+          c.options.gemm_precision = precision;
+          const Diff diff = RunCase(c, Seed());
+          if (d == 128 && dtype == DType::kBF16) {
+            std::printf("%s %s: %lld of %lld indices flipped (%.2e)\n",
+                        precision == GemmPrecision::kFp32 ? "default (3-part bf16)" : "SGEMM",
+                        preset, static_cast<long long>(diff.flips),
+                        static_cast<long long>(diff.indices), double(diff.flips) / diff.indices);
+          }
+        }
+      }
+    }
   }
 }
 

@@ -230,10 +230,12 @@ struct MmaRowScale {
 // overflowed fp32 (finite elements, exponent field 255) gets s = −123, which keeps every element
 // below 2^5, and factor 0: y = 0, as the reference's k / inf. inf or NaN elements make the MMA
 // sum inf or NaN and y NaN (factor 0 or NaN), as the reference's x̂ = k / inf.
-TQKV_HOST_DEVICE inline MmaRowScale MmaScaleForNorm(float norm) {
+// (`rotation_shift` 0: the GEMM path's replicated bf16 keys, NormalizeParams::replicate_scaled.)
+TQKV_HOST_DEVICE inline MmaRowScale MmaScaleForNorm(float norm,
+                                                    int rotation_shift = kMmaRotationShift) {
   const int biased = (FloatBits(norm) >> 23) & 0xff;
   const int s = 132 - biased < 126 ? 132 - biased : 126;
-  const int ex = -s - kMmaRotationShift;  // in [-134, 115]: two factors, each a normal float
+  const int ex = -s - rotation_shift;  // in [-134, 123]: two factors, each a normal float
   const int ea = ex / 2, eb = ex - ea;
   const float inv = 1.0f / (norm + 1e-8f);  // IEEE division (no fast-math in the kernels)
   return {Exp2i(s), inv * Exp2i(ea) * Exp2i(eb)};

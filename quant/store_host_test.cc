@@ -528,14 +528,59 @@ TEST(StoreHostTest, WorkspaceBytes) {
   EXPECT_EQ(StoreWorkspaceBytes(haar, {}, 65536), 256);  // MMA: the status only
   StoreOptions gemm;
   gemm.rotation_path = StoreRotationPath::kGemm;
-  // status + norms + x̂ + y + cuBLAS workspace
+  // status + norms + row factors + GEMM input (three bf16 copies of the keys, or fp32 x̂) + y +
+  // cuBLAS workspace
   const int64_t rows = 1000 * 8;
   EXPECT_EQ(StoreWorkspaceBytes(mse, gemm, 1000),
-            256 + rows * 4 + rows * 128 * 4 + rows * 128 * 4 + (int64_t{32} << 20));
+            256 + 2 * rows * 4 + rows * 128 * 6 + rows * 128 * 4 + (int64_t{32} << 20));
+  gemm.gemm_precision = GemmPrecision::kSgemm;
+  EXPECT_EQ(StoreWorkspaceBytes(mse, gemm, 1000),
+            256 + 2 * rows * 4 + rows * 128 * 4 + rows * 128 * 4 + (int64_t{32} << 20));
   gemm.gemm_precision = GemmPrecision::kBf16;
   EXPECT_EQ(StoreWorkspaceBytes(mse, gemm, 1000),
-            256 + rows * 4 + rows * 128 * 2 + rows * 128 * 4 + (int64_t{32} << 20));
+            256 + 2 * rows * 4 + rows * 128 * 2 + rows * 128 * 4 + (int64_t{32} << 20));
   EXPECT_THROW(StoreWorkspaceBytes(mse, gemm, -1), Error);
+}
+
+// The GEMM path's three-part bf16 Πᵀ (SplitRotationBf16): hi + mid + lo is Πᵀ to 2^-26, and a
+// key row of bf16 numbers times the parts, summed in fp64 as exact products, is x · Πᵀ to the same
+// relative level (what the tensor cores' fp32 sums then round).
+TEST(StoreHostTest, ThreePartBf16RotationIsFp32Accurate) {
+  for (int d : {64, 128, 256}) {
+    const Rotation r = MakeRotation(RotationKind::kHaar, d, 17);
+    const std::vector<float>& pit = r.matrix;
+    const std::vector<uint16_t> split = store::SplitRotationBf16(pit);
+    ASSERT_EQ(split.size(), 3 * pit.size());
+    double worst = 0;
+    for (size_t i = 0; i < pit.size(); ++i) {
+      double sum = 0;
+      for (size_t part = 0; part < 3; ++part) {
+        const uint16_t b = split[part * pit.size() + i];
+        EXPECT_TRUE(std::isfinite(BFloat16BitsToFloat(b)));
+        sum += BFloat16BitsToFloat(b);
+      }
+      if (pit[i] != 0) worst = std::max(worst, std::abs(sum - pit[i]) / std::abs(pit[i]));
+    }
+    EXPECT_LE(worst, std::ldexp(1.0, -26)) << "D=" << d;
+    // A bf16 key row: Σ_parts Σ_j k_j · part[j][i] (exact products) against Σ_j k_j · Πᵀ[j][i].
+    std::mt19937 rng(d);
+    std::normal_distribution<float> normal;
+    std::vector<double> k(d);
+    for (auto& x : k) x = BFloat16BitsToFloat(FloatToBFloat16Bits(normal(rng)));
+    double err = 0, scale = 0;
+    for (int i = 0; i < d; ++i) {
+      double exact = 0, parts = 0;
+      for (int j = 0; j < d; ++j) {
+        exact += k[j] * pit[size_t(j) * d + i];
+        for (size_t part = 0; part < 3; ++part) {
+          parts += k[j] * BFloat16BitsToFloat(split[part * pit.size() + size_t(j) * d + i]);
+        }
+        scale += std::abs(k[j] * pit[size_t(j) * d + i]);
+      }
+      err = std::max(err, std::abs(parts - exact));
+    }
+    EXPECT_LE(err, std::ldexp(scale / d, -25)) << "D=" << d;
+  }
 }
 
 struct FakeCall {

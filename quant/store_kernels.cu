@@ -639,11 +639,12 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     if constexpr (kLoadY) {
       LoadTile<D>(p.y, row - lane / G, rows, lane, n.k.w);
       n.norm = in_range ? __ldg(p.norms + row) : 0.0f;
+      n.factor = p.y_factors != nullptr && in_range ? __ldg(p.y_factors + row) : 0.0f;
     } else {
       LoadRaw<KT, G>(p.key, row_elem, q, in_range, n.k);
       n.norm = 0.0f;
     }
-    n.factor = 0.0f;
+    if constexpr (!kLoadY) n.factor = 0.0f;
     LoadRaw<T, G>(p.value, row_elem, q, in_range, n.v);
   };
 
@@ -665,6 +666,10 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       typename KeyInput<D, KB, T, S, E>::Raw y;
       TileToRows<G>(in.k.w, stage, lane, y.w);
       ToFloat<KT>(y, k);
+      if (p.y_factors != nullptr) {  // y of the scaled keys (replicate_scaled), as kMma's
+#pragma unroll
+        for (int i = 0; i < E; ++i) k[i] = __fmul_rn(k[i], in.factor);
+      }
     } else if constexpr (kMma) {  // this row of the y tile (MmaTile), in LaneElement order
       const int r = tid / G;
       const float* const y_row = y_s + r * D;
@@ -1065,16 +1070,21 @@ constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems
 template <int D, InputType T>
 constexpr int kNormalizeMinCtas = (T == InputType::kF32 && D == 256) ? 2 : 3;
 
-template <int D, InputType T, bool kBf16Out>
+// kOut: 0 = x̂ in fp32, 1 = x̂ in bf16, 2 = three copies of k · 2^s in bf16 and the row factors
+// (NormalizeParams::replicate_scaled; bf16 keys only).
+template <int D, InputType T, int kOut>
 __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
     NormalizeKernel(const NormalizeParams p) {
+  constexpr bool kBf16Out = kOut == 1;
+  constexpr bool kReplicate = kOut == 2;
+  static_assert(!kReplicate || T == InputType::kBF16);
   constexpr int G = D / kLaneElems;
   constexpr int kWarpRows = 32 / G;  // rows of one group
   constexpr int kGroups = kNormalizeGroups<D, T>;
   constexpr int kTileRows = kNormalizeTileRows<D, T>;
   constexpr int kWarps = kThreads / 32;
   constexpr bool kTileIn = T == InputType::kF32;
-  constexpr bool kTileOut = !kBf16Out;
+  constexpr bool kTileOut = kOut == 0;
   static_assert(kTileRows <= 32 && kTileRows * 4 >= 32);
   // A group's raw key: the contiguous tile (fp32) or LoadRaw's words (16-bit).
   constexpr int kInWords = kTileIn ? 4 : RawRow<T>::kWords;
@@ -1122,13 +1132,41 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
       ToFloat<T>(raw, k);
       const float norm = RowNorm<G>(k);
       const float denom = norm + 1e-8f;
+      if constexpr (kReplicate) {
+        // k · 2^s is exact in bf16 (a power-of-two scaling) except for elements below ~2^-133 of
+        // the norm, which weigh nothing in y.
+        const MmaRowScale scale = MmaScaleForNorm(norm, 0);
 #pragma unroll
-      for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+        for (int i = 0; i < kLaneElems; ++i) k[i] = __fmul_rn(k[i], scale.up);
+        if (q == 0 && row < rows) p.factors[row] = scale.factor;
+      } else {
+#pragma unroll
+        for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
+      }
 
       const float n = __shfl_sync(kFullMask, norm, (lane % kWarpRows) * G);
       if (lane / kWarpRows == u) tile_norm = n;
 
-      if constexpr (kBf16Out) {
+      if constexpr (kReplicate) {
+        if (row < rows) {
+#pragma unroll
+          for (int chunk = 0; chunk < 2; ++chunk) {  // in the key's layout (LaneElement)
+            const float* x = k + 8 * chunk;
+            uint32_t w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+              memcpy(&w[j], &b, sizeof(uint32_t));
+            }
+            __nv_bfloat16* const dst =
+                static_cast<__nv_bfloat16*>(p.unit_keys) + row * (3 * D) + 8 * (q + chunk * G);
+#pragma unroll
+            for (int part = 0; part < 3; ++part) {
+              StoreVector(dst + part * D, make_uint4(w[0], w[1], w[2], w[3]));
+            }
+          }
+        }
+      } else if constexpr (kBf16Out) {
         if (row < rows) {
 #pragma unroll
           for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the key's layout (LaneElement)
@@ -1300,26 +1338,26 @@ int GridFor(int64_t rows, int head_dim) {
   return static_cast<int>((rows + rows_per_cta - 1) / rows_per_cta);
 }
 
-template <int D, InputType T, bool kBf16Out>
+template <int D, InputType T, int kOut>
 void LaunchNormalizeTyped(const NormalizeParams& p, StreamHandle stream) {
-  constexpr auto kKernel = NormalizeKernel<D, T, kBf16Out>;
+  constexpr auto kKernel = NormalizeKernel<D, T, kOut>;
   constexpr int64_t kRowsPerCta = int64_t{kNormalizeTileRows<D, T>} * (kThreads / 32);
   const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, ResidentCtas<kKernel>()));
   kKernel<<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <int D, bool kBf16Out>
+template <int D, int kOut>
 bool LaunchNormalizeOut(const NormalizeParams& p, StreamHandle stream) {
   switch (p.input) {
     case InputType::kF32:
-      LaunchNormalizeTyped<D, InputType::kF32, kBf16Out>(p, stream);
+      LaunchNormalizeTyped<D, InputType::kF32, kOut>(p, stream);
       return true;
     case InputType::kF16:
-      LaunchNormalizeTyped<D, InputType::kF16, kBf16Out>(p, stream);
+      LaunchNormalizeTyped<D, InputType::kF16, kOut>(p, stream);
       return true;
     case InputType::kBF16:
-      LaunchNormalizeTyped<D, InputType::kBF16, kBf16Out>(p, stream);
+      LaunchNormalizeTyped<D, InputType::kBF16, kOut>(p, stream);
       return true;
   }
   return false;
@@ -1327,8 +1365,13 @@ bool LaunchNormalizeOut(const NormalizeParams& p, StreamHandle stream) {
 
 template <int D>
 bool LaunchNormalizeDim(const NormalizeParams& p, StreamHandle stream) {
-  return p.unit_keys_bf16 ? LaunchNormalizeOut<D, true>(p, stream)
-                          : LaunchNormalizeOut<D, false>(p, stream);
+  if (p.replicate_scaled) {
+    if (p.input != InputType::kBF16 || p.factors == nullptr) return false;
+    LaunchNormalizeTyped<D, InputType::kBF16, 2>(p, stream);
+    return true;
+  }
+  return p.unit_keys_bf16 ? LaunchNormalizeOut<D, 1>(p, stream)
+                          : LaunchNormalizeOut<D, 0>(p, stream);
 }
 
 }  // namespace

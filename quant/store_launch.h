@@ -56,6 +56,9 @@ struct StoreParams {
   bool norm_correction = true;
   const float* y = nullptr;      // kLoadY: [num_tokens · H, D] fp32
   const float* norms = nullptr;  // kLoadY: [num_tokens · H] fp32 key norms
+  // kLoadY: nullptr when y = x̂ · Πᵀ; otherwise y holds (k · 2^s) · Πᵀ and the row's y is y · its
+  // factor (NormalizeParams::replicate_scaled).
+  const float* y_factors = nullptr;
   const DeviceTables* tables = nullptr;
   BucketLut lut;
   bool use_signs = false;  // kFwht: multiply by hadamard_signs' s before the transform
@@ -86,6 +89,11 @@ struct NormalizeParams {
   void* unit_keys = nullptr;  // [rows, D] fp32, or bf16 when unit_keys_bf16
   bool unit_keys_bf16 = false;
   float* norms = nullptr;  // [rows]
+  // bf16 keys only: instead of x̂, write unit_keys [rows, 3·D] bf16 = three copies of k · 2^s, and
+  // factors[row] = 2^-s / (‖k‖ + 1e-8), so that y = (unit row · Πᵀ parts) · factor (StoreParams::
+  // y_factors). s as MmaScaleForNorm's (without its rotation shift).
+  bool replicate_scaled = false;
+  float* factors = nullptr;  // [rows]
 };
 
 // Each returns false (launching nothing) for a combination the kernels do not instantiate; the

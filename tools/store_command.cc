@@ -60,13 +60,15 @@ StoreOptions ParseStoreOptions(const StoreFlags& flags) {
   }
   if (flags.gemm_precision == "fp32") {
     o.gemm_precision = GemmPrecision::kFp32;
+  } else if (flags.gemm_precision == "sgemm") {
+    o.gemm_precision = GemmPrecision::kSgemm;
   } else if (flags.gemm_precision == "tf32") {
     o.gemm_precision = GemmPrecision::kTf32;
   } else if (flags.gemm_precision == "bf16") {
     o.gemm_precision = GemmPrecision::kBf16;
   } else {
     throw InvalidArgument("tqkv store", "--gemm-precision", flags.gemm_precision,
-                          "fp32, tf32, bf16");
+                          "fp32, sgemm, tf32, bf16");
   }
   return o;
 }
@@ -182,7 +184,9 @@ void AddStoreCommand(CLI::App& app) {
                   "otherwise tensor cores in the store kernel at head_dim 64/128 and cuBLAS at "
                   "256), fwht, mma, gemm");
   cmd->add_option("--gemm-precision", flags->gemm_precision,
-                  "--device cuda, GEMM path: fp32 (default), tf32, bf16 (more index flips)");
+                  "--device cuda, GEMM path: fp32 (default: fp32-accurate; bf16 keys as a 3-part "
+                  "bf16 tensor-core GEMM), sgemm (fp32 SGEMM for every dtype), tf32, bf16 (more "
+                  "index flips)");
   cmd->callback([flags] { RunStore(*flags); });
 }
 

@@ -563,9 +563,10 @@ int Main(int argc, char** argv) {
         static_cast<long long>(n), fp32, tf32, bf16, read_y);
     report["gemm_alone"] = {
         {"n", n}, {"fp32_us", fp32}, {"tf32_us", tf32}, {"bf16_us", bf16}, {"read_y_us", read_y}};
-    // The GEMM path in its lower precisions, for the record.
+    // The GEMM path with SGEMM for bf16 keys too, and in its lower precisions, for the record.
     const Shape s(n, dev.l2_cache_bytes, 99, stream.get());
-    for (GemmPrecision precision : {GemmPrecision::kTf32, GemmPrecision::kBf16}) {
+    for (GemmPrecision precision :
+         {GemmPrecision::kSgemm, GemmPrecision::kTf32, GemmPrecision::kBf16}) {
       const Quantizer q = Quantizer::Create("turboquant_4bit_nc", kHeadDim, kHeads, kBlock);
       StoreOptions o;
       o.rotation_path = StoreRotationPath::kGemm;
@@ -580,7 +581,9 @@ int Main(int argc, char** argv) {
                         {ws.data(), ws.size_bytes()}, stream.get());
           },
           stream.get());
-      const char* name = precision == GemmPrecision::kTf32 ? "tf32" : "bf16";
+      const char* name = precision == GemmPrecision::kSgemm  ? "sgemm"
+                         : precision == GemmPrecision::kTf32 ? "tf32"
+                                                             : "bf16";
       std::printf("4bit_nc gemm-%s N=%lld: %.1f us\n", name, static_cast<long long>(n), us);
       report["gemm_precision_us"][name] = us;
     }
@@ -601,6 +604,7 @@ int Main(int argc, char** argv) {
            {Variant{"fwht", StoreRotationPath::kFwht, GemmPrecision::kFp32},
             Variant{"mma", StoreRotationPath::kMma, GemmPrecision::kFp32},
             Variant{"gemm-fp32", StoreRotationPath::kGemm, GemmPrecision::kFp32},
+            Variant{"gemm-sgemm", StoreRotationPath::kGemm, GemmPrecision::kSgemm},
             Variant{"gemm-tf32", StoreRotationPath::kGemm, GemmPrecision::kTf32},
             Variant{"gemm-bf16", StoreRotationPath::kGemm, GemmPrecision::kBf16}}) {
         StoreOptions o;
