@@ -7,8 +7,8 @@
 // --torch-json (from torch_decode_bench.py in the same device call), PyTorch's bf16 SDPA decode
 // on the same shapes, both ways, with the ratios.
 //
-//   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND] [--hq
-//   32]
+//   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND]
+//                [--hq 32] [--batches 1,16] [--contexts 1024,4096]
 //                [--tps 0,512,...]   (split lengths to time; 0 = the plan's choice)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -231,7 +231,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  std::string torch_json, json_out, only, kind_filter;
+  std::string torch_json, json_out, only, kind_filter, batch_list, context_list;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       quick = true;
@@ -243,6 +243,10 @@ int Main(int argc, char** argv) {
       only = argv[++i];
     else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc)
       kind_filter = argv[++i];
+    else if (std::strcmp(argv[i], "--batches") == 0 && i + 1 < argc)
+      batch_list = argv[++i];
+    else if (std::strcmp(argv[i], "--contexts") == 0 && i + 1 < argc)
+      context_list = argv[++i];
     else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
       g_hq = std::stoi(argv[++i]);
     else if (std::strcmp(argv[i], "--tps") == 0 && i + 1 < argc) {
@@ -268,6 +272,14 @@ int Main(int argc, char** argv) {
     kinds.push_back({p, MakeBlockFormat(PresetByName(p), kD, 1, kBlock).slot_bytes});
   }
   kinds.push_back({"bf16", 4 * kD});
+  auto ints = [](const std::string& list) {
+    std::vector<int> v;
+    std::stringstream in(list);
+    for (std::string item; std::getline(in, item, ',');) v.push_back(std::stoi(item));
+    return v;
+  };
+  if (!batch_list.empty()) batches = ints(batch_list);       // --batches 1,16
+  if (!context_list.empty()) contexts = ints(context_list);  // --contexts 1024,4096
   if (!kind_filter.empty()) {  // --kind KIND: every shape of one kind
     std::erase_if(kinds, [&](const Kind& k) { return k.name != kind_filter; });
   }
