@@ -1147,10 +1147,12 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
       const float n = __shfl_sync(kFullMask, norm, (lane % kWarpRows) * G);
       if (lane / kWarpRows == u) tile_norm = n;
 
-      if constexpr (kReplicate) {
+      if constexpr (kReplicate || kBf16Out) {
+        // bf16 rows in the key's layout (LaneElement): x̂, or the scaled key three times.
+        constexpr int kCopies = kReplicate ? 3 : 1;
         if (row < rows) {
 #pragma unroll
-          for (int chunk = 0; chunk < 2; ++chunk) {  // in the key's layout (LaneElement)
+          for (int chunk = 0; chunk < 2; ++chunk) {
             const float* x = k + 8 * chunk;
             uint32_t w[4];
 #pragma unroll
@@ -1158,27 +1160,12 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
               const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
               memcpy(&w[j], &b, sizeof(uint32_t));
             }
-            __nv_bfloat16* const dst =
-                static_cast<__nv_bfloat16*>(p.unit_keys) + row * (3 * D) + 8 * (q + chunk * G);
+            __nv_bfloat16* const dst = static_cast<__nv_bfloat16*>(p.unit_keys) +
+                                       row * (kCopies * D) + 8 * (q + chunk * G);
 #pragma unroll
-            for (int part = 0; part < 3; ++part) {
-              StoreVector(dst + part * D, make_uint4(w[0], w[1], w[2], w[3]));
+            for (int copy = 0; copy < kCopies; ++copy) {
+              StoreVector(dst + copy * D, make_uint4(w[0], w[1], w[2], w[3]));
             }
-          }
-        }
-      } else if constexpr (kBf16Out) {
-        if (row < rows) {
-#pragma unroll
-          for (int chunk = 0; chunk < 2; ++chunk) {  // x̂ in the key's layout (LaneElement)
-            const float* x = k + 8 * chunk;
-            uint32_t w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
-              memcpy(&w[j], &b, sizeof(uint32_t));
-            }
-            StoreVector(static_cast<__nv_bfloat16*>(p.unit_keys) + row * D + 8 * (q + chunk * G),
-                        make_uint4(w[0], w[1], w[2], w[3]));
           }
         }
       } else {
