@@ -304,8 +304,9 @@ TEST(CudaDecodeTest, Bf16CacheMatchesAttention) {
   }
 }
 
-// The staged bf16 kernel (D = 128, group <= 8) at every block size and at forced split lengths
-// (64: one chunk per warp or none; 8192: one split per sequence, no merge, an empty sequence).
+// The staged bf16 kernel (D = 128) at every block size and at forced split lengths (64: one chunk
+// per warp or none; 8192: one split per sequence, no merge, an empty sequence), with GQA groups
+// of one and two query-head tiles (8 and 16).
 TEST(CudaDecodeTest, Bf16BlockSizesAndSplitLengths) {
   TQKV_SKIP_WITHOUT_GPU();
   for (int bs : {32, 64, 128}) {
@@ -316,11 +317,13 @@ TEST(CudaDecodeTest, Bf16BlockSizesAndSplitLengths) {
     EXPECT_LE(e.out, kBf16OutTol) << "block size " << bs;
     EXPECT_LE(e.lse, kLseTol) << "block size " << bs;
   }
-  for (int tps : {64, 640, 8192}) {
-    const Errors e = CheckBf16(128, 8, 8, 16, {1, 63, 0, 700, 4097}, tps);
-    EXPECT_EQ(e.bad, 0) << "tokens_per_split " << tps;
-    EXPECT_LE(e.out, kBf16OutTol) << "tokens_per_split " << tps;
-    EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;
+  for (int group : {8, 16}) {
+    for (int tps : {64, 640, 8192}) {
+      const Errors e = CheckBf16(128, 8, group, 16, {1, 63, 0, 700, 4097}, tps);
+      EXPECT_EQ(e.bad, 0) << "group " << group << " tokens_per_split " << tps;
+      EXPECT_LE(e.out, kBf16OutTol) << "group " << group << " tokens_per_split " << tps;
+      EXPECT_LE(e.lse, kLseTol) << "group " << group << " tokens_per_split " << tps;
+    }
   }
 }
 

@@ -458,7 +458,7 @@ struct StagedLayout<KeyKind::kMse3> {
   }
 };
 
-// bf16 keys and values (D = 128, GQA group <= 8): 4 warps per CTA, each with kStages 8 KB stages
+// bf16 keys and values (D = 128, any GQA group): 4 warps per CTA, each with kStages 8 KB stages
 // (16 tokens x 512 bytes: the token's 256 key bytes, then its 256 value bytes) copied kStages - 1
 // chunks ahead, so that a warp keeps 16-24 KB of loads in flight instead of the unstaged
 // kernel's one 8 KB chunk at a time (which leaves small batches latency-bound). The 16-byte units
@@ -1659,8 +1659,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
         }
         if (group <= 4) return fn(SplitKernelOps<kKind, kVB, kD, 1, true>{});
       } else if constexpr (kHasStagedKernel<kKind, kVB, kD, false>) {
-        if (group <= 8 && StagedKernelsEnabled()) {
-          return fn(SplitKernelOps<kKind, kVB, kD, 1, false, true>{});
+        if (StagedKernelsEnabled()) {
+          return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1, false, true>{})
+                            : fn(SplitKernelOps<kKind, kVB, kD, 2, false, true>{});
         }
       }
       return group <= 8 ? fn(SplitKernelOps<kKind, kVB, kD, 1, false>{})

@@ -7,6 +7,7 @@ Small shapes rotate among several K/V sets (> 1 GiB in all) so that HBM, not L2,
 µs per call: 10 calls back to back on the stream, and 16 calls captured into one CUDA graph and
 replayed (as engines run decode steps); median of 7.
 Writes {"results": [{"batch", "context", "us", "graph_us"}]} to the path given.
+  torch_decode_bench.py OUT.json [--quick] [--hq 32]   (--hq: query heads, as decode_bench --hq)
 """
 import json
 import sys
@@ -48,6 +49,8 @@ def main():
     batches = [1, 64] if quick else [1, 16, 64, 256]
     contexts = [4096, 32768] if quick else [1024, 4096, 16384, 32768]
     hq, hk, d = 32, 8, 128
+    if "--hq" in sys.argv:  # query heads (GQA group hq / 8), as decode_bench --hq
+        hq = int(sys.argv[sys.argv.index("--hq") + 1])
     results = []
     for b in batches:
         for ctx in contexts:
