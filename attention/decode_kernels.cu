@@ -6,8 +6,9 @@
 // One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
 // 4bit_nc and k3v4_nc; the staged kernels, those two and bf16 at D = 128, copy their chunks into
 // shared memory ahead of use: see StagedLayout); it serves all query heads of the GQA group, so
-// every compressed byte is read once. Each warp takes 16-token chunks in turn (a chunk never crosses a block: block sizes are
-// multiples of 16) and runs both products on tensor cores with mma.sync m16n8k16:
+// every compressed byte is read once. Each warp takes 16-token chunks in turn (a chunk never
+// crosses a block: block sizes are multiples of 16) and runs both products on tensor cores with
+// mma.sync m16n8k16:
 //
 //   scores  Sᵀ[token, head] = K̂[token, d] · Qᵀ[d, head]       (M = 16 tokens, N = 8 heads)
 //   output  Oᵀ[d, head]    += Vcodesᵀ[d, token] · P'ᵀ[token, head]   (M = 16 d, N = 8 heads)

@@ -1131,7 +1131,6 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
       float k[kLaneElems];
       ToFloat<T>(raw, k);
       const float norm = RowNorm<G>(k);
-      const float denom = norm + 1e-8f;
       if constexpr (kReplicate) {
         // k · 2^s is exact in bf16 (a power-of-two scaling) except for elements below ~2^-133 of
         // the norm, which weigh nothing in y.
@@ -1140,6 +1139,7 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
         for (int i = 0; i < kLaneElems; ++i) k[i] = __fmul_rn(k[i], scale.up);
         if (q == 0 && row < rows) p.factors[row] = scale.factor;
       } else {
+        const float denom = norm + 1e-8f;
 #pragma unroll
         for (int i = 0; i < kLaneElems; ++i) k[i] = __fdiv_rn(k[i], denom);
       }
