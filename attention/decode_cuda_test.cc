@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -304,9 +305,9 @@ TEST(CudaDecodeTest, Bf16CacheMatchesAttention) {
   }
 }
 
-// The staged bf16 kernel (D = 128) at every block size and at forced split lengths (64: one chunk
-// per warp or none; 8192: one split per sequence, no merge, an empty sequence), with GQA groups
-// of one and two query-head tiles (8 and 16).
+// The staged bf16 kernels (D = 64, 128) at every block size and at forced split lengths (64: one
+// chunk per warp or none; 8192: one split per sequence, no merge, an empty sequence), with GQA
+// groups of one and two query-head tiles (8 and 16).
 TEST(CudaDecodeTest, Bf16BlockSizesAndSplitLengths) {
   TQKV_SKIP_WITHOUT_GPU();
   for (int bs : {32, 64, 128}) {
@@ -317,12 +318,13 @@ TEST(CudaDecodeTest, Bf16BlockSizesAndSplitLengths) {
     EXPECT_LE(e.out, kBf16OutTol) << "block size " << bs;
     EXPECT_LE(e.lse, kLseTol) << "block size " << bs;
   }
-  for (int group : {8, 16}) {
+  for (const auto& [d, group] : {std::pair{128, 8}, std::pair{128, 16}, std::pair{64, 4}}) {
     for (int tps : {64, 640, 8192}) {
-      const Errors e = CheckBf16(128, 8, group, 16, {1, 63, 0, 700, 4097}, tps);
-      EXPECT_EQ(e.bad, 0) << "group " << group << " tokens_per_split " << tps;
-      EXPECT_LE(e.out, kBf16OutTol) << "group " << group << " tokens_per_split " << tps;
-      EXPECT_LE(e.lse, kLseTol) << "group " << group << " tokens_per_split " << tps;
+      const Errors e = CheckBf16(d, 8, group, 16, {1, 63, 0, 700, 4097}, tps);
+      const std::string what = fmt::format("D {} group {} tokens_per_split {}", d, group, tps);
+      EXPECT_EQ(e.bad, 0) << what;
+      EXPECT_LE(e.out, kBf16OutTol) << what;
+      EXPECT_LE(e.lse, kLseTol) << what;
     }
   }
 }

@@ -412,7 +412,7 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
 template <KeyKind kKind, int kValueBits, int kD, bool kPacked>
 constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
                                    (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3)) ||
-                                  (!kPacked && kD == 128 && kKind == KeyKind::kBf16);
+                                  (!kPacked && kD <= 128 && kKind == KeyKind::kBf16);
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -459,27 +459,32 @@ struct StagedLayout<KeyKind::kMse3> {
   }
 };
 
-// bf16 keys and values (D = 128, any GQA group): 4 warps per CTA, each with kStages 8 KB stages
-// (16 tokens x 512 bytes: the token's 256 key bytes, then its 256 value bytes) copied kStages - 1
-// chunks ahead, so that a warp keeps 16-24 KB of loads in flight instead of the unstaged
-// kernel's one 8 KB chunk at a time (which leaves small batches latency-bound). The 16-byte units
-// of a token are XOR-swizzled by Swizzle(token) (bits 0 and 2 of the unit index): a warp's reads
-// (keys: units 4j + t of tokens 2g, 2g + 1; values: units 16 + 2g + {0, 1} of tokens 4t + c) then
-// touch 8 distinct 16-byte bank groups per 8-lane phase, as do the copies (8 consecutive units of
-// one token per phase).
-template <>
-struct StagedLayout<KeyKind::kBf16> {
+// bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
+// spilled, so D = 256 keeps the unstaged kernel): 4 warps per CTA, each with kStages stages of
+// 16 tokens × 4·D bytes (a token's 2·D key bytes, then its 2·D value bytes: 8 KB at D = 128)
+// copied kStages - 1 chunks ahead, so that a warp keeps 2 chunks of loads in flight instead of the
+// unstaged kernel's one chunk at a time (which leaves small batches latency-bound). A thread's key
+// words are the 16-byte units 4j + t of its two tokens (not 4t·D/32 ..: the query fragments follow
+// the same d order), its value words the units (D/64)·g + hh of tokens 4t + c. The units of a token
+// are XOR-swizzled by Swizzle(token) (unit bits 0-2) so that every 8-lane phase of those reads
+// touches 8 distinct 16-byte bank groups: bit 2 = token bits 1 ⊕ 2 separates the two tokens of a
+// key read (4q, 4q + 2); the four tokens 4t + c of a value read differ in token bits 2-3, which go
+// to the unit bits that the lane's g leaves free (D = 64: bits 1-2; 128: bits 0 and 2). The
+// copies (8 consecutive units of one token per phase) are conflict-free under any XOR.
+template <int kD>
+struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
   static constexpr int kWarps = 4;
   static constexpr int kStages = 3;
-  static constexpr uint32_t kPitch = 512;
+  static constexpr uint32_t kPitch = 4 * kD;  // bytes per token
+  static constexpr int kUnits = kD / 4;       // 16-byte units per token
   static constexpr uint32_t kStageBytes = 16 * kPitch;
   static constexpr int kBytes = kWarps * kStages * kStageBytes;
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kStageBytes * (kStages * warp + s);
   }
-  // Unit bit 2 = token bit 1 ^ token bit 2, unit bit 0 = token bit 3.
   __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
-    return (4u * (((i >> 1) ^ (i >> 2)) & 1u)) | ((i >> 3) & 1u);
+    const uint32_t b1 = (i >> 1) & 1u, b2 = (i >> 2) & 1u, b3 = (i >> 3) & 1u;
+    return kD == 64 ? (4u * (b1 ^ b2) | 2u * b3) : (4u * (b1 ^ b2) | b3);
   }
 };
 
@@ -487,14 +492,23 @@ template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = fal
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kBf16Staged = kStaged && kKind == KeyKind::kBf16;
-  static constexpr int kCtaWarps = kBf16Staged ? StagedLayout<KeyKind::kBf16>::kWarps
-                                   : kStaged   ? kStagedWarps
-                                               : kWarps;
+  static constexpr int kCtaWarps = [] {
+    if constexpr (kBf16Staged) {
+      return Bf16StagedLayout<kD>::kWarps;
+    } else {
+      return kStaged ? kStagedWarps : kWarps;
+    }
+  }();
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = [] {
-    if constexpr (kStaged) return StagedLayout<kKind>::kBytes;
-    return Traits::kLutEntries * 256;
+    if constexpr (kBf16Staged) {
+      return Bf16StagedLayout<kD>::kBytes;
+    } else if constexpr (kStaged) {
+      return StagedLayout<kKind>::kBytes;
+    } else {
+      return Traits::kLutEntries * 256;
+    }
   }();
   // The warps' merge: accumulators [kCtaWarps][heads][kD], (m, l, z) [3][kCtaWarps][heads], then
   // the per-head factors [kCtaWarps][heads], 1/l [heads] and z [heads].
@@ -1034,21 +1048,30 @@ __global__ void __launch_bounds__(
   if constexpr (Traits::kBf16 && kStaged) {
     // Chunk c + (S - 1)·kW is copied into stage (k + S - 1) mod S while chunk c (this warp's k-th)
     // is read from stage k mod S and computed, one commit group per chunk (empty past the end).
-    // Lane l copies unit l of each of the chunk's 16 tokens (units 0-15 the key, 16-31 the
-    // value): every copy instruction reads 256 contiguous key and 256 value bytes.
-    using Layout = StagedLayout<KeyKind::kBf16>;
+    // Copy instruction i covers units 32·i .. 32·i + 31 of the chunk's 16 × kU units (token by
+    // token): lane l copies unit e % kU of token e / kU, e = 32·i + l (D = 64: two tokens per
+    // instruction), so each instruction reads whole runs of 128 or 256 key or value bytes.
+    using Layout = Bf16StagedLayout<kD>;
     constexpr int kS = Layout::kStages;
     constexpr uint32_t kPitch = Layout::kPitch;
+    constexpr int kU = Layout::kUnits;
+    constexpr int kCopies = 16 * kU / 32;
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kS];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
     for (int s = 0; s < kS; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
-    // Destination of lane l's unit for each of the four swizzle masks (token bits 1-3 pick one).
-    uint32_t copy_dst[4];
+    // Lane l's unit and its token within the instruction.
+    const uint32_t lane_unit = lane % kU;
+    const uint32_t lane_token = lane / kU;
+    // Destination of lane l's unit for each swizzle mask x (the mask is a compile-time function
+    // of the token, so each instruction picks one of these).
+    uint32_t copy_dst[8];
 #pragma unroll
-    for (int x = 0; x < 4; ++x) copy_dst[x] = Pinned(16u * (lane ^ (x & 1u) ^ (4u * (x >> 1))));
+    for (int x = 0; x < 8; ++x) copy_dst[x] = kPitch * lane_token + 16u * (lane_unit ^ x);
+    // Source of lane l's unit: a key unit below kU / 2, a value unit above.
     const uint32_t copy_src =
-        Pinned((lane < 16 ? 0u : static_cast<uint32_t>(value_base)) + head_off + 16u * (lane & 15));
+        Pinned((lane_unit < kU / 2 ? 0u : static_cast<uint32_t>(value_base)) + head_off +
+               16u * (lane_unit % (kU / 2)) + lane_token * static_cast<uint32_t>(stride_token));
     const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
     const uint32_t token_bytes = static_cast<uint32_t>(stride_token);
     auto issue = [&](int cc, uint32_t dst, int block) {
@@ -1056,35 +1079,37 @@ __global__ void __launch_bounds__(
       const uint8_t* base =
           p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
       const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
-      const uint8_t* src = base + (pos0 * token_bytes + copy_src);
-      uint32_t d[4];
+      const uint8_t* src = base + pos0 * token_bytes;
 #pragma unroll
-      for (int x = 0; x < 4; ++x) d[x] = dst + copy_dst[x];
-#pragma unroll
-      for (int tok = 0; tok < kChunk; ++tok) {
-        const uint32_t sw = Layout::Swizzle(tok);  // compile-time after unrolling
-        const uint32_t x = (sw & 1u) | ((sw >> 2) << 1);
-        CopyAsync16Fill(d[x] + kPitch * tok, src + tok * token_bytes, bytes);
+      for (int i = 0; i < kCopies; ++i) {
+        // The instruction's first token and its swizzle mask (compile-time after unrolling; the
+        // mask ignores token bit 0, so both tokens of a D = 64 instruction share it).
+        const int tok = (32 * i) / kU;
+        const uint32_t x = Layout::Swizzle(tok);
+        CopyAsync16Fill(dst + copy_dst[x] + kPitch * tok, src + copy_src + tok * token_bytes,
+                        bytes);
       }
     };
-    // Reads: keys of token 2g (units 4j + t: j = 0, 1 from read_k[0], read_k[1], j = 2, 3 at
-    // +128) and 2g + 1 (+kPitch: same mask); values of token 4t + c, units 16 + 2g + hh, from
-    // read_v[c / 2][hh] (+kPitch for odd c).
+    // Reads: keys of token 2g (units 4j + t: from read_k[j % 2] + 64·(j - j % 2)) and 2g + 1
+    // (+kPitch: same mask); values of token 4t + c, units (D/64)·g + hh, from read_v[c / 2][hh]
+    // (+kPitch for odd c).
+    constexpr int kKeyUnits = kD / 32, kValueUnits = kD / 64;
     const uint32_t key_x = t ^ Layout::Swizzle(2 * g);
     const uint32_t read_k0 = Pinned(kPitch * (2 * g) + 16u * key_x);
     const uint32_t read_k1 = Pinned(kPitch * (2 * g) + 16u * (key_x ^ 4u));
-    uint32_t read_v[2][2];
+    uint32_t read_v[2][kValueUnits];
 #pragma unroll
     for (int c2 = 0; c2 < 2; ++c2) {
       const uint32_t tok = 4 * t + 2 * c2;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        read_v[c2][hh] = Pinned(kPitch * tok + 256u + 16u * ((2u * g + hh) ^ Layout::Swizzle(tok)));
+      for (int hh = 0; hh < kValueUnits; ++hh) {
+        read_v[c2][hh] =
+            Pinned(kPitch * tok + 2u * kD + 16u * ((kValueUnits * g + hh) ^ Layout::Swizzle(tok)));
       }
     }
     auto read = [&](uint32_t st, Chunk& ck) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kKeyUnits; ++j) {
         const uint32_t a = st + (j & 1 ? read_k1 : read_k0) + 128u * (j >> 1);
         uint32_t w[4];
         SharedLoad16(a, w);
@@ -1099,7 +1124,7 @@ __global__ void __launch_bounds__(
       for (int i = 0; i < 4; ++i) {
         const int c2 = i & 1, odd = i >> 1;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
+        for (int hh = 0; hh < kValueUnits; ++hh) {
           uint32_t w[4];
           SharedLoad16(st + read_v[c2][hh] + kPitch * odd, w);
 #pragma unroll

@@ -8,7 +8,7 @@
 // on the same shapes, both ways, with the ratios.
 //
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND]
-//                [--hq 32] [--batches 1,16] [--contexts 1024,4096]
+//                [--hq 32] [--head-dim 128] [--batches 1,16] [--contexts 1024,4096]
 //                [--tps 0,512,...]   (split lengths to time; 0 = the plan's choice)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -40,7 +40,8 @@
 namespace tqkv::bench {
 namespace {
 
-constexpr int kHk = 8, kD = 128, kBlock = 16;
+constexpr int kHk = 8, kBlock = 16;
+int g_d = 128;  // --head-dim
 int g_hq = 32;  // query heads, --hq: 64 gives GQA group 8 (the unpacked kernel)
 // Split lengths to time, --tps 0,512,1024: 0 is the plan's own choice (CudaDecoder::Plan).
 std::vector<int> g_tps = {0};
@@ -123,11 +124,11 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
   std::optional<CudaDecoder> decoder;
   int64_t block_bytes;
   if (bf16) {
-    const Bf16BlockFormat f = MakeBf16BlockFormat(kD, kHk, kBlock);
+    const Bf16BlockFormat f = MakeBf16BlockFormat(g_d, kHk, kBlock);
     block_bytes = f.block_bytes;
     decoder.emplace(f);
   } else {
-    quantizer.emplace(Quantizer::Create(kind.name, kD, kHk, kBlock));
+    quantizer.emplace(Quantizer::Create(kind.name, g_d, kHk, kBlock));
     block_bytes = quantizer->format().block_bytes;
     decoder.emplace(*quantizer);
   }
@@ -168,9 +169,9 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         std::vector<int32_t> lens(batch, context);
         DeviceBuffer<int32_t> d_lens(batch);
         d_lens.CopyFromHost(lens);
-        DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * kD);
+        DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * g_d);
         FillRandomBf16(query.data(), query.size(), 11, stream.get());
-        DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * kD);
+        DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * g_d);
         DeviceBuffer<float> lse(int64_t{batch} * g_hq);
         DecodePlan plan;
         try {
@@ -249,6 +250,8 @@ int Main(int argc, char** argv) {
       context_list = argv[++i];
     else if (std::strcmp(argv[i], "--hq") == 0 && i + 1 < argc)
       g_hq = std::stoi(argv[++i]);
+    else if (std::strcmp(argv[i], "--head-dim") == 0 && i + 1 < argc)
+      g_d = std::stoi(argv[++i]);
     else if (std::strcmp(argv[i], "--tps") == 0 && i + 1 < argc) {
       g_tps.clear();
       std::stringstream list(argv[++i]);
@@ -269,9 +272,9 @@ int Main(int argc, char** argv) {
   }
   std::vector<Kind> kinds;
   for (const char* p : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
-    kinds.push_back({p, MakeBlockFormat(PresetByName(p), kD, 1, kBlock).slot_bytes});
+    kinds.push_back({p, MakeBlockFormat(PresetByName(p), g_d, 1, kBlock).slot_bytes});
   }
-  kinds.push_back({"bf16", 4 * kD});
+  kinds.push_back({"bf16", 4 * g_d});
   auto ints = [](const std::string& list) {
     std::vector<int> v;
     std::stringstream in(list);

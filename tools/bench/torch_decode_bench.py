@@ -7,7 +7,7 @@ Small shapes rotate among several K/V sets (> 1 GiB in all) so that HBM, not L2,
 µs per call: 10 calls back to back on the stream, and 16 calls captured into one CUDA graph and
 replayed (as engines run decode steps); median of 7.
 Writes {"results": [{"batch", "context", "us", "graph_us"}]} to the path given.
-  torch_decode_bench.py OUT.json [--quick] [--hq 32]   (--hq: query heads, as decode_bench --hq)
+  torch_decode_bench.py OUT.json [--quick] [--hq 32] [--head-dim 128]   (as decode_bench's)
 """
 import json
 import sys
@@ -51,6 +51,8 @@ def main():
     hq, hk, d = 32, 8, 128
     if "--hq" in sys.argv:  # query heads (GQA group hq / 8), as decode_bench --hq
         hq = int(sys.argv[sys.argv.index("--hq") + 1])
+    if "--head-dim" in sys.argv:  # as decode_bench --head-dim
+        d = int(sys.argv[sys.argv.index("--head-dim") + 1])
     results = []
     for b in batches:
         for ctx in contexts:
