@@ -17,10 +17,10 @@
 //    y. By default (GemmPrecision::kFp32) the product is fp32-accurate: bf16 keys, exact in bf16,
 //    are written three times side by side (each row scaled by a power of two) and multiplied on
 //    tensor cores by Πᵀ split into three bf16 parts (hi + mid + lo = Πᵀ to 24 bits) stacked
-//    along k, with fp32 accumulation; the store kernel divides by the norm. fp16 / fp32 keys (and
-//    GemmPrecision::kSgemm) take an fp32 SGEMM (CUBLAS_PEDANTIC_MATH: no TF32) of x̂ = k / (‖k‖ +
-//    1e-8) written by a normalize kernel. GemmPrecision::kTf32 / kBf16 are faster opt-ins that
-//    flip more indices (tools/bench/NOTES.md).
+//    along k, with fp32 accumulation; the store kernel scales y by 2^-s / (‖k‖ + 1e-8). fp16 /
+//    fp32 keys (and GemmPrecision::kSgemm) take an fp32 SGEMM (CUBLAS_PEDANTIC_MATH: no TF32) of
+//    x̂ = k / (‖k‖ + 1e-8) written by a normalize kernel. GemmPrecision::kTf32 / kBf16 are faster
+//    opt-ins that flip more indices (tools/bench/NOTES.md).
 // All paths produce the bytes of StoreCpu, except that an MSE index may be one off where y lies
 // within a few ulp of a midpoint (the reference rotates in fp64, these paths in fp32); the norm
 // correction then follows the stored indices. quant/README.md lists the shared numeric choices.
