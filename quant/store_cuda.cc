@@ -165,8 +165,16 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
         kWhere, "num_tokens", in.num_tokens,
         fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads, f.num_kv_heads));
   }
-  if (cache.num_blocks > std::numeric_limits<int64_t>::max() / f.block_bytes) {
-    throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, "a cache size that fits int64");
+  // The kernels address a row as block id (32 bits) x block_bytes + an offset in the block (32
+  // bits).
+  if (cache.num_blocks > std::numeric_limits<uint32_t>::max()) {
+    throw InvalidArgument(
+        kWhere, "num_blocks", cache.num_blocks,
+        fmt::format("0 to {} (32-bit block ids)", std::numeric_limits<uint32_t>::max()));
+  }
+  if (f.block_bytes > std::numeric_limits<int32_t>::max()) {
+    throw Error(fmt::format("{}: blocks of {} bytes are too large (the store kernels take < 2^31)",
+                            kWhere, f.block_bytes));
   }
   const int64_t needed = StoreWorkspaceBytes(quantizer, options, in.num_tokens);
   if (workspace.size_bytes < needed) {

@@ -94,22 +94,19 @@ struct LaneCodes {
 // The FWHT on tensor cores (the wide FWHT kernel, 16-bit inputs, G = 4 or 8 lanes per row). A
 // lane's chunk of 8 elements is one 16-byte load: four 32-bit words, word i holding elements
 // 2i and 2i + 1. One m16n8k16 MMA per n-tile j (j = 0, 1) multiplies the chunk by H16 over the
-// row index bits {0, 1, 3, 4}; the others (bit 2, the chunk bits 5, 6 and at D = 256 bit 7) stay
+// row index bits {0, 2, 3, 4}; the others (bit 1, the chunk bits 5, 6 and at D = 256 bit 7) stay
 // butterflies. With g = lane / 4 and t = lane % 4 (= the chunk's index bits 3-4, since G is a
 // multiple of 4 and lanes of a row are consecutive):
-//  - A (16 × 16): row g + 8h holds element bit 2 = h of lane group g; column k has k bit 0 =
-//    element bit 0, bits 1-2 = t, bit 3 = element bit 1. So A register i (PTX: a0 row g, a1 row
-//    g + 8, a2 / a3 the same rows at columns + 8) is word MmaAWord(i) of the chunk.
+//  - A (16 × 16): row g + 8h holds element bit 1 = h of lane group g; column k has k bit 0 =
+//    element bit 0, bits 1-2 = t, bit 3 = element bit 2. So A register i (PTX: a0 row g, a1 row
+//    g + 8, a2 / a3 the same rows at columns + 8) is word i of the chunk, as loaded: the MMA
+//    takes the load's registers with no moves.
 //  - B (16 × 8): H16[k][n] with n = g + 8j, ±1 (exact in bf16 and fp16): HadamardFragment.
 //  - C: register r of n-tile j (c0 / c1 row g, c2 / c3 row g + 8, columns 2t, 2t + 1) is element
-//    MmaOutputElement(j, r) of the same chunk, so the lane keeps the elements it owned.
+//    MmaOutputElement(j, r) = 4j + r of the same chunk, so the lane keeps the elements it owned.
 // The bit maps are the same on both sides, so B is the Sylvester H16 itself.
 
-TQKV_HOST_DEVICE constexpr int MmaAWord(int i) { return i == 1 ? 2 : (i == 2 ? 1 : i); }
-
-TQKV_HOST_DEVICE constexpr int MmaOutputElement(int j, int r) {
-  return 2 * j + (r & 1) + 4 * (r >> 1);
-}
+TQKV_HOST_DEVICE constexpr int MmaOutputElement(int j, int r) { return 4 * j + r; }
 
 // B register `reg` (0: k = 2t, 2t + 1; 1: k = 2t + 8, 2t + 9) of n-tile j for `lane`; `one` is
 // the 16-bit pattern of +1.0 (0x3F80 bf16, 0x3C00 fp16), −1.0 = one | 0x8000.
@@ -140,9 +137,14 @@ TQKV_HOST_DEVICE constexpr uint32_t PairSignMask(uint32_t spread, int i) {
 }
 
 // 3-bit codes are written as 4-byte words: the 24-bit chunks of four lanes make three words.
-// Lane r (r = 0, 1, 2 within its four) writes word r from its own chunk and that of lane r + 1.
+// Lane r (r = 0, 1, 2 within its four) writes word r from its own chunk and that of lane r + 1:
+// bits [8r + 8, 8r + 40) of the 64-bit (next : own << 8), one funnel shift.
 TQKV_HOST_DEVICE inline uint32_t Join3Bit32(uint32_t own, uint32_t next, int r) {
-  return (own >> (8 * r)) | (next << (24 - 8 * r));
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_r(own << 8, next, 8 * r + 8);
+#else
+  return static_cast<uint32_t>(((static_cast<uint64_t>(next) << 32) | (own << 8)) >> (8 * r + 8));
+#endif
 }
 
 TQKV_HOST_DEVICE inline int32_t FloatBits(float f) {

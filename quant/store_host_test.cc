@@ -242,7 +242,7 @@ TEST(StoreDeviceHelpersTest, TensorCoreFwhtFragmentsMatchTheMatrix) {
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane / 4, t = lane % 4;
           for (int reg = 0; reg < 4; ++reg) {
-            const int word = store::MmaAWord(reg);
+            const int word = reg;  // A register i is word i of the chunk
             const int row = g + 8 * (reg & 1), col = 2 * t + 8 * (reg >> 1);
             a[row][col] = x[lane][8 * c + 2 * word];
             a[row][col + 1] = x[lane][8 * c + 2 * word + 1];
@@ -260,9 +260,10 @@ TEST(StoreDeviceHelpersTest, TensorCoreFwhtFragmentsMatchTheMatrix) {
           }
         }
       }
-      // The remaining stages: register strides 4, 8, 16; lane strides from 4.
+      // The remaining stages: register strides 2, 8, 16; lane strides from 4.
       for (int lane = 0; lane < 32; ++lane) {
-        for (int h = 4; h < kElems; h <<= 1) {
+        for (int h = 2; h < kElems; h <<= 1) {
+          if (h == 4) continue;
           for (int i = 0; i < kElems; ++i) {
             if ((i & h) == 0) {
               const int64_t p = y[lane][i], s = y[lane][i + h];
@@ -651,6 +652,12 @@ TEST(StoreHostTest, ValidationNamesTheBadArgument) {
     FakeCall c;
     c.cache.num_blocks = -1;
     EXPECT_THAT(ValidationError(q, options, c), HasSubstr("num_blocks = -1"));
+  }
+  {
+    FakeCall c;  // block ids are 32-bit on the device
+    c.cache.num_blocks = int64_t{1} << 32;
+    EXPECT_THAT(ValidationError(q, options, c),
+                AllOf(HasSubstr("num_blocks = 4294967296"), HasSubstr("0 to 4294967295")));
   }
   {
     FakeCall c;

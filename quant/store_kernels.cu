@@ -153,6 +153,24 @@ __device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float
   }
 }
 
+// The two 16-bit elements of a word straight to fp64 (exact; one conversion each, from the
+// word's halves: no unpacking to fp32 first).
+template <InputType T>
+__device__ __forceinline__ void Unpack2F64(uint32_t w, double& a, double& b) {
+  static_assert(T == InputType::kBF16 || T == InputType::kF16);
+  if constexpr (T == InputType::kBF16) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f64.bf16 %0, lo;\n"
+        " cvt.f64.bf16 %1, hi;\n}\n"
+        : "=d"(a), "=d"(b)
+        : "r"(w));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f64.f16 %0, lo;\n"
+        " cvt.f64.f16 %1, hi;\n}\n"
+        : "=d"(a), "=d"(b)
+        : "r"(w));
+  }
+}
+
 template <InputType T, int N>
 __device__ __forceinline__ void ToFloat(const RawRow<T, N>& r, float (&out)[N]) {
 #pragma unroll
@@ -334,11 +352,11 @@ __device__ __forceinline__ float RowNorm(const RawRow<T, N>& r) {
     const uint32_t w[4] = {r.w[j].x, r.w[j].y, r.w[j].z, r.w[j].w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      float a, b;
-      Unpack2(T, w[c], a, b);
+      double a, b;
+      Unpack2F64<T>(w[c], a, b);
       const int i = 8 * j + 2 * c;  // element of a
-      ss[i % 4] = fma(double(a), double(a), ss[i % 4]);
-      ss[(i + 1) % 4] = fma(double(b), double(b), ss[(i + 1) % 4]);
+      ss[i % 4] = fma(a, a, ss[i % 4]);
+      ss[(i + 1) % 4] = fma(b, b, ss[(i + 1) % 4]);
     }
   }
   return static_cast<float>(sqrt(GroupSum<G>((ss[0] + ss[1]) + (ss[2] + ss[3]))));
@@ -347,11 +365,12 @@ __device__ __forceinline__ float RowNorm(const RawRow<T, N>& r) {
 // y = FWHT(x) over the row (Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j)), unscaled.
 // Register bits (e) are index bits 0-2 and 3 + log2(G) ..; lane bits (q) index bits 3 .. 2 +
 // log2(G).
-// kRegFrom / kLaneFrom skip the first stages (FwhtOnTensorCores did them).
-template <int G, int N, int kRegFrom = 1, int kLaneFrom = 1>
+// kRegSkip (register strides) and kLaneFrom skip stages that FwhtOnTensorCores did.
+template <int G, int N, int kRegSkip = 0, int kLaneFrom = 1>
 __device__ __forceinline__ void Fwht(float (&x)[N], int q) {
 #pragma unroll
-  for (int h = kRegFrom; h < N; h <<= 1) {
+  for (int h = 1; h < N; h <<= 1) {
+    if (h & kRegSkip) continue;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if ((i & h) == 0) {
@@ -392,16 +411,18 @@ __device__ __forceinline__ void MmaFromZero(float (&c)[4], const uint32_t (&a)[4
   }
 }
 
-// The wide kernel's FWHT of a row (unscaled, as Fwht) from the raw 16-bit words of its 32 lane
-// elements: per chunk, H16 over the index bits {0, 1, 3, 4} on tensor cores (quant/store_device.h,
-// MmaAWord and below; hadamard_signs applied to the words first when kSigns), then the stages of
-// the other bits as butterflies: 2 MMAs + 24 adds per chunk instead of 56 adds, 16 shuffles and
-// 16 FMAs. The products are exact and the sums fp32, so y is within the same fp32 bound as the
-// butterflies' (the order of the sums differs). Every lane of the warp must call it.
+// The wide kernel's FWHT of a row, scaled by `scale` (as Fwht, then · scale), from the raw 16-bit
+// words of its 32 lane elements: per chunk, H16 over the index bits {0, 2, 3, 4} on tensor cores
+// (quant/store_device.h, MmaOutputElement and above; hadamard_signs applied to the words first
+// when kSigns), then the stages of the other bits as butterflies: 2 MMAs + 24 adds per chunk
+// instead of 56 adds, 16 shuffles and 16 FMAs. The last stage (register stride 16) takes the scale
+// in: (a + b)·s, (a − b)·s as a·s ± fl(b·s), three operations per pair instead of four. The
+// products are exact and the sums fp32, so y is within the same few-ulp bound as the butterflies'
+// (the order of the sums and the scaling's rounding differ). Every lane of the warp must call it.
 template <InputType T, int G, bool kSigns>
 __device__ __forceinline__ void FwhtOnTensorCores(const RawRow<T, 32>& raw, uint32_t sign_spread,
-                                                  const uint32_t (&b)[2][2], float (&x)[32],
-                                                  int q) {
+                                                  const uint32_t (&b)[2][2], float scale,
+                                                  float (&x)[32], int q) {
   static_assert(G % 4 == 0);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -410,16 +431,24 @@ __device__ __forceinline__ void FwhtOnTensorCores(const RawRow<T, 32>& raw, uint
 #pragma unroll
       for (int i = 0; i < 4; ++i) w[i] ^= PairSignMask(sign_spread, 4 * c + i);
     }
-    const uint32_t a[4] = {w[MmaAWord(0)], w[MmaAWord(1)], w[MmaAWord(2)], w[MmaAWord(3)]};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       float acc[4];
-      MmaFromZero<T>(acc, a, b[j][0], b[j][1]);
+      MmaFromZero<T>(acc, w, b[j][0], b[j][1]);
 #pragma unroll
       for (int r = 0; r < 4; ++r) x[8 * c + MmaOutputElement(j, r)] = acc[r];
     }
   }
-  Fwht<G, 32, 4, 4>(x, q);
+  // Element bits 0 and 2 (register strides 1, 4) and t were done; strides 2 and 8 and the lane
+  // strides from 4 (D = 256) now, stride 16 last with the scale.
+  Fwht<G, 32, 1 | 4 | 16, 4>(x, q);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float bs = __fmul_rn(x[i + 16], scale);
+    const float a = x[i];
+    x[i] = __fmaf_rn(a, scale, bs);
+    x[i + 16] = __fmaf_rn(a, scale, -bs);
+  }
 }
 
 // Writes a lane's packed `bits`-bit codes (chunks q, q + G, ... of 8 codes) into the row's code
@@ -442,25 +471,51 @@ __device__ __forceinline__ void StoreCodes(const LaneCodes<kBits, C>& c, int q, 
     for (int j = 0; j < C; ++j) next[j] = __shfl_down_sync(kFullMask, c.w[j], 1);
     const int r = q & 3;
     if (active && r < 3) {
+      // Chunk q + jG's four lanes write words 3·((q + jG) / 4) .. + 2: (q + jG) / 4 = q / 4 +
+      // j·G / 4, so one address and immediate offsets.
+      uint32_t* const at = words + 3 * (q >> 2) + r;
 #pragma unroll
-      for (int j = 0; j < C; ++j)
-        words[3 * ((q + j * G) >> 2) + r] = Join3Bit32(c.w[j], next[j], r);
+      for (int j = 0; j < C; ++j) at[3 * (G / 4) * j] = Join3Bit32(c.w[j], next[j], r);
     }
   }
 }
 
-// Σ c[idx]² over a lane's 16 packed codes, by pairs (DeviceTables::pair_sq), in fp64. The table
-// holds 2^copies_log2 interleaved copies (entry p of copy c at p · 2^copies_log2 + c) and
+// Σ c[idx]² over a lane's 16 (32) packed codes, by pairs (DeviceTables::pair_sq), in fp64. The
+// table holds 2^copies_log2 interleaved copies (entry p of copy c at p · 2^copies_log2 + c) and
 // `pair_sq` points at this lane's copy.
 template <int kBits, int C>
 __device__ __forceinline__ double CodeSquareSum(const LaneCodes<kBits, C>& c, const double* pair_sq,
                                                 int copies_log2) {
-  double sum[4] = {0.0, 0.0, 0.0, 0.0};  // partial sums, as in RowNorm
+  double sum[4];  // partial sums, as in RowNorm
 #pragma unroll
   for (int i = 0; i < 4 * C; ++i) {
     const uint32_t word = c.w[i / 4];
     const uint32_t pair = (word >> (2 * kBits * (i % 4))) & ((1u << (2 * kBits)) - 1);
-    sum[i % 4] += pair_sq[pair << copies_log2];
+    const double v = pair_sq[pair << copies_log2];
+    sum[i % 4] = i < 4 ? v : sum[i % 4] + v;
+  }
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
+// The same with 2^kCopiesLog2 copies fixed at compile time, `table` the whole (shared) table and
+// `lane_bytes` = 8 · this lane's copy: entry p of the lane's copy is at byte
+// (p << (3 + kCopiesLog2)) | lane_bytes, so each lookup address is one shift and one LOP3 of the
+// code word (the table's address is an immediate of the load), not five instructions.
+template <int kBits, int C, int kCopiesLog2>
+__device__ __forceinline__ double CodeSquareSumFixedCopies(const LaneCodes<kBits, C>& c,
+                                                           const double* table,
+                                                           uint32_t lane_bytes) {
+  constexpr int kShift = 3 + kCopiesLog2;
+  constexpr uint32_t kMask = ((1u << (2 * kBits)) - 1) << kShift;
+  const char* const base = reinterpret_cast<const char*>(table);
+  double sum[4];
+#pragma unroll
+  for (int i = 0; i < 4 * C; ++i) {
+    const uint32_t word = c.w[i / 4];
+    const int sh = 2 * kBits * (i % 4) - kShift;  // constant after unrolling
+    const uint32_t x = sh >= 0 ? word >> sh : word << -sh;
+    const double v = *reinterpret_cast<const double*>(base + ((x & kMask) | lane_bytes));
+    sum[i % 4] = i < 4 ? v : sum[i % 4] + v;
   }
   return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
@@ -554,7 +609,11 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   // static shared memory past 48 KB.
   constexpr int kMaxPairCopiesLog2 = S == KeySource::kFwht ? 4 : 0;
   constexpr int kMaxPairCopies = 1 << kMaxPairCopiesLog2;
-  const int pair_log2 = kMaxPairCopies > 1 ? min(p.pair_copies_log2, kMaxPairCopiesLog2) : 0;
+  // The wide kernel (large stores only) always fills the 16 copies: its lookups then address
+  // them with compile-time shifts (CodeSquareSumFixedCopies).
+  const int pair_log2 = kVariant == kWide    ? kMaxPairCopiesLog2
+                        : kMaxPairCopies > 1 ? min(p.pair_copies_log2, kMaxPairCopiesLog2)
+                                             : 0;
   __shared__ double pair_sq_s[kPairs * kMaxPairCopies];
   __shared__ double centroid_sq_s[kMaxCodebookSize];
   __shared__ float midpoints_s[kMaxCodebookSize];
@@ -656,10 +715,16 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       atomicAdd(&p.status->num_bad_tokens, 1ull);
     }
     const bool active = slot >= 0 && slot < p.num_slots;  // never write outside the cache
-    const int64_t block = active ? (slot >> block_shift) : 0;
-    const int pos = active ? static_cast<int>(slot & (f.block_size - 1)) : 0;
-    uint8_t* const block_base = p.cache + block * f.block_bytes;
-    uint8_t* const key_dst = block_base + f.KeyCodesOffset(pos, head);
+    // Block ids and offsets within a block fit 32 bits (StoreDeviceState::Store checks the
+    // cache: fewer than 2^32 blocks of fewer than 2^31 bytes), so a row's addresses are one
+    // 32 x 32 -> 64-bit multiply-add from the block id (64-bit products cost ~35 instructions
+    // per row).
+    const uint32_t block = active ? static_cast<uint32_t>(slot >> block_shift) : 0u;
+    const uint32_t pos = active ? static_cast<uint32_t>(slot) & (f.block_size - 1) : 0u;
+    uint8_t* const block_base =
+        p.cache + static_cast<uint64_t>(block) * static_cast<uint32_t>(f.block_bytes);
+    const uint32_t dps = static_cast<uint32_t>(f.data_per_slot);
+    uint8_t* const key_dst = block_base + (pos * static_cast<uint32_t>(num_heads) + head) * dps;
 
     float k[E], v[E];
     if constexpr (kLoadY) {
@@ -723,13 +788,13 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
           // of the row. Other warps (inf / NaN / huge / tiny keys) take the fp32 butterflies.
           const bool plain = norm == 0.0f || (norm >= 1e-24f && norm < 1e36f);
           if (p.fwht_on_tensor_cores && __all_sync(kFullMask, plain)) {
-            if (p.use_signs) {
-              FwhtOnTensorCores<T, G, true>(in.k, sign_spread, hadamard_b, k, q);
-            } else {
-              FwhtOnTensorCores<T, G, false>(in.k, sign_spread, hadamard_b, k, q);
-            }
             post_scale = __fdiv_rn(p.fwht_scale, denom);
-            transformed = true;
+            if (p.use_signs) {
+              FwhtOnTensorCores<T, G, true>(in.k, sign_spread, hadamard_b, post_scale, k, q);
+            } else {
+              FwhtOnTensorCores<T, G, false>(in.k, sign_spread, hadamard_b, post_scale, k, q);
+            }
+            transformed = true;  // and scaled
           }
         }
         if (!transformed) {
@@ -748,9 +813,9 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
             }
           }
           Fwht<G>(k, q);
-        }
 #pragma unroll
-        for (int i = 0; i < E; ++i) k[i] = __fmul_rn(k[i], post_scale);
+          for (int i = 0; i < E; ++i) k[i] = __fmul_rn(k[i], post_scale);
+        }
       }
       // Rows with a finite norm have |y| <= 1 (+ rounding): the lookup table's domain. NaN and
       // inf keys (NaN y) take the binary search, which sends NaN to 0 as the reference does.
@@ -781,8 +846,14 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
 #pragma unroll
         for (int i = 0; i < E; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
       }
-      const double csum = GroupSum<G>(
-          CodeSquareSum<KB>(codes, pair_sq_s + (lane & ((1 << pair_log2) - 1)), pair_log2));
+      double csum;
+      if constexpr (kVariant == kWide) {
+        csum = GroupSum<G>(CodeSquareSumFixedCopies<KB, E / 8, kMaxPairCopiesLog2>(
+            codes, pair_sq_s, 8u * (lane & (kMaxPairCopies - 1))));
+      } else {
+        csum = GroupSum<G>(
+            CodeSquareSum<KB>(codes, pair_sq_s + (lane & ((1 << pair_log2) - 1)), pair_log2));
+      }
       StoreCodes<KB, G>(codes, q, active, key_dst);
       float stored =
           p.norm_correction ? static_cast<float>(double(norm) / sqrt(csum + 1e-16)) : norm;
@@ -804,8 +875,14 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       const MetaField first = kFp8 ? MetaField::kValueScale : MetaField::kKeyNorm;
       const uint16_t bits = kFp8 ? (q == 0 ? scale_bits : zero_bits)
                                  : (q == 0 ? meta0 : (q == 1 ? scale_bits : zero_bits));
-      *reinterpret_cast<uint16_t*>(block_base + f.MetaOffset(first, pos, head) +
-                                   2 * q * f.block_size) = bits;
+      // f.MetaOffset(first, pos, head) + 2 q · block_size, in 32 bits.
+      const uint32_t bs = static_cast<uint32_t>(f.block_size);
+      const uint32_t at = static_cast<uint32_t>(f.meta_offset) +
+                          2u * ((head * static_cast<uint32_t>(f.num_meta) +
+                                 static_cast<uint32_t>(f.MetaFieldIndex(first)) + q) *
+                                    bs +
+                                pos);
+      *reinterpret_cast<uint16_t*>(block_base + at) = bits;
     }
   };
 

@@ -7,8 +7,9 @@
 // and input/output files for tools/bench/store_seed_bench.py (the vLLM Triton seed on the same
 // inputs).
 //
-// Usage: store_bench [--out DIR] [--seed-dir DIR] [--quick]
-//   DIR defaults to $LOG_DIR or "."; --seed-dir defaults to /tmp/store_bench.
+// Usage: store_bench [--out DIR] [--seed-dir DIR] [--quick] [--fwht-only]
+//   DIR defaults to $LOG_DIR or "."; --seed-dir defaults to /tmp/store_bench. --fwht-only: the
+//   default path of every preset at N = 16 (graph) and 65,536, three rounds, for A/B runs.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -332,7 +333,7 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
 int Main(int argc, char** argv) {
   std::string out_dir = std::getenv("LOG_DIR") ? std::getenv("LOG_DIR") : ".";
   std::string seed_dir = "/tmp/store_bench";
-  bool quick = false, profile = false;
+  bool quick = false, profile = false, fwht_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--profile") {
@@ -343,9 +344,12 @@ int Main(int argc, char** argv) {
       seed_dir = argv[++i];
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--fwht-only") {
+      fwht_only = true;
     } else {
       std::fprintf(stderr,
-                   "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick] [--profile]\n");
+                   "usage: store_bench [--out DIR] [--seed-dir DIR] [--quick] [--profile] "
+                   "[--fwht-only]\n");
       return 2;
     }
   }
@@ -397,6 +401,35 @@ int Main(int argc, char** argv) {
   report["device"] = dev.name;
   report["copy_gbps"] = ceil.copy_gbps;
   report["read_gbps"] = ceil.read_gbps;
+
+  if (fwht_only) {  // the default path (FWHT for the MSE presets), three rounds
+    for (int round = 0; round < 3; ++round) {
+      for (int64_t n : {int64_t{16}, int64_t{65536}}) {
+        const Shape s(n, dev.l2_cache_bytes, 1000 + n, stream.get());
+        for (const char* preset : kPresets) {
+          const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
+          StoreOptions o;
+          o.validate_slots = false;
+          const StoreDeviceState state(q, o);
+          DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
+          cache.FillBytes(0, stream.get());
+          DeviceAllocation ws(state.WorkspaceBytes(n));
+          auto call = [&](int i) {
+            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+                        {ws.data(), ws.size_bytes()}, stream.get());
+          };
+          const double min_bytes = double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes);
+          const double us =
+              n <= 256 ? GraphUs(call, 100, stream.get()) : TimeUs(call, stream.get());
+          std::printf("round %d %-20s %-5s N=%6lld  %9.2f us%s  %5.1f%% of copy\n", round, preset,
+                      StorePathName(state.path()).data(), static_cast<long long>(n), us,
+                      n <= 256 ? " (graph)" : "", 100.0 * min_bytes / us / 1e3 / ceil.copy_gbps);
+          std::fflush(stdout);
+        }
+      }
+    }
+    return 0;
+  }
 
   std::vector<int64_t> sizes = {16, 64, 256, 2048, 16384, 65536};
   if (quick) sizes = {16, 2048, 65536};
