@@ -499,8 +499,9 @@ __device__ __forceinline__ double CodeSquareSum(const LaneCodes<kBits, C>& c, co
 
 // The same with 2^kCopiesLog2 copies fixed at compile time, `table` the whole (shared) table and
 // `lane_bytes` = 8 · this lane's copy: entry p of the lane's copy is at byte
-// (p << (3 + kCopiesLog2)) | lane_bytes, so each lookup address is one shift and one LOP3 of the
-// code word (the table's address is an immediate of the load), not five instructions.
+// (p << (3 + kCopiesLog2)) | lane_bytes, so a lookup's address is a shift and a LOP3 of the
+// code word plus the table's base (five instructions per pair with the load and the add, where
+// the runtime copy count took seven).
 template <int kBits, int C, int kCopiesLog2>
 __device__ __forceinline__ double CodeSquareSumFixedCopies(const LaneCodes<kBits, C>& c,
                                                            const double* table,
@@ -715,7 +716,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       atomicAdd(&p.status->num_bad_tokens, 1ull);
     }
     const bool active = slot >= 0 && slot < p.num_slots;  // never write outside the cache
-    // Block ids and offsets within a block fit 32 bits (StoreDeviceState::Store checks the
+    // Block ids and offsets within a block fit 32 bits (ValidateStoreArguments checks the
     // cache: fewer than 2^32 blocks of fewer than 2^31 bytes), so a row's addresses are one
     // 32 x 32 -> 64-bit multiply-add from the block id (64-bit products cost ~35 instructions
     // per row).
