@@ -30,7 +30,8 @@ struct CudaDecoder::State {
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  int ctas_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
+  int resident_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
+  bool staged[17] = {};
 };
 
 namespace {
@@ -103,26 +104,21 @@ CudaDecoder::~CudaDecoder() = default;
 CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 
-int CudaDecoder::CtasPerSm(int group) const {
-  int& ctas = state_->ctas_per_sm[group];
-  if (ctas == 0) {
-    int resident = 1;
+CudaDecoder::Occupancy CudaDecoder::SplitOccupancy(int group) const {
+  int& resident = state_->resident_per_sm[group];
+  if (resident == 0) {
+    int fit = 1;
     bool staged = true;
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
     TQKV_CUDA_CHECK(
         decode_detail::DecodeSplitCtasPerSm(static_cast<decode_detail::KeyKind>(state_->key_kind),
-                                            value_bits, head_dim(), group, &resident, &staged));
+                                            value_bits, head_dim(), group, &fit, &staged));
 #endif
-    // The staged kernels are planned at one CTA per SM, not at every CTA that fits: measured
-    // (tools/bench/NOTES.md, v7i, v7l), a second CTA per SM does not shorten a split's streaming
-    // time but adds its fixed costs (4bit_nc 1 × 32k: 32 splits × 1,024 tokens 24.9 µs, 16 ×
-    // 2,048 22.3 µs; 16 × 1k: 2 × 512 19.1 µs, 1 × 1,024 13.8 µs; bf16 16 × 1k: 2 × 512 25.9 µs,
-    // 1 × 1,024 21.3 µs). The unstaged 4-warp kernels are latency-bound and planned at every CTA
-    // that fits (at two per SM, bf16 16 × 16k was 8 % and k8v4 64 × 4k 11 % slower).
-    ctas = staged ? 1 : std::max(resident, 1);
+    state_->staged[group] = staged;
+    resident = std::max(fit, 1);
   }
-  return ctas;
+  return {resident, state_->staged[group]};
 }
 
 int CudaDecoder::head_dim() const {
@@ -151,21 +147,38 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
-  // Split layout: choose the number of splits s that minimizes the estimated time
-  //   waves(s) · (tokens per split + per-CTA fixed cost) + s · per-split merge cost
-  // where waves = ⌈CTAs / (planned CTAs per SM · SMs)⌉ (CtasPerSm): short contexts at small
-  // batch get enough CTAs to fill one wave, large batches avoid a nearly empty last wave; each
-  // CTA's fixed work (prologue, its warps' merge, the first loads' latency) is counted as 256
-  // tokens of streaming (kFixedTokens), and each split as 16 more (kSplitTokens: the merge's
-  // per-row work and the partials it reads; fitted to the split sweeps of session 9 in
-  // tools/bench/NOTES.md, where e.g. bf16 1 × 4k took 14.6 µs at 16 splits, 15.2 at 32, 19.9 at
-  // 64, all in one wave). No split is shorter than 64 tokens, none longer than kMaxSplitTokens: a
+  // Split layout: choose the number of splits s that minimizes the estimated time, in tokens of
+  // one warp's streaming:
+  //   rounds(s) · (tokens per split + per-CTA fixed cost) + merge cost(s).
+  // - The 4-warp kernels are latency-bound and gain from every CTA an SM holds (at two per SM,
+  //   planned at one, bf16 16 × 16k was 8 % and k8v4 64 × 4k 11 % slower): rounds = ⌈CTAs /
+  //   (CTAs that fit per SM · SMs)⌉; a CTA's fixed work (prologue, its warps' merge, the first
+  //   loads' latency) counts as kFixedTokens = 256 and each split as kSplitTokens = 16 more (the
+  //   merge's per-row work and the partials it reads; e.g. bf16 1 × 4k took 14.6 µs at 16 splits,
+  //   15.2 at 32, 19.9 at 64, all in one wave).
+  // - The staged bf16 kernel: the same terms at one CTA per SM (v7l). The pair model below made
+  //   its mid-batch plans 1-3 % slower (session 11: bf16 16 × 8k 2 × 4,096 tokens 128.7 µs vs
+  //   1 × 8,192 124.5; 8 × 16k 128.4 vs 126.3).
+  // - The 8-warp staged kernels (4bit_nc, k3v4_nc; two CTAs fit per SM) run near their issue
+  //   limit: rounds = 1 while no SM holds a second CTA, kPairCost = 1.6 per pair of CTAs on an SM
+  //   beyond that; a CTA's fixed work counts as kStagedFixedTokens = 1,024 and a merge kernel
+  //   (s > 1) as kMergeTokens = 500 once, besides kSplitTokens. The three were fitted to every
+  //   pairwise preference of the 4bit_nc split sweeps in tools/bench/NOTES.md (sessions 9 and
+  //   11, graph µs; e.g. 4 × 32k: 8 × 4,096 tokens 50.3 vs 4 × 8,192 55.3; 16 × 4k: 1 × 4,096
+  //   31.0 vs 2 × 2,048 33.5; 1 × 32k: 16 × 2,048 20.6 vs 32 × 1,024 21.3; 256 × 32k: 4 × 8,192
+  //   3,059 vs 5 × 6,592 3,100; 1 × 1k: 8 × 128 8.9 vs 4 × 256 9.4), which a range of values meets
+  //   (fixed 736-2,048, merge 150-750, pair 1.4-1.65).
+  // Short contexts at small batch get enough CTAs to fill the SMs; large batches avoid a nearly
+  // empty last round. No split is shorter than 64 tokens, none longer than kMaxSplitTokens: a
   // warp's P·V accumulator is a chain of tensor-core fp32 additions whose rounding grows with its
-  // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave ≤ 3e-4).
-  constexpr int64_t kFixedTokens = 256, kSplitTokens = 16, kMinSplit = 64, kMaxSplits = 256,
-                    kMaxSplitTokens = 8192;
+  // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave
+  // ≤ 3e-4).
+  constexpr int64_t kFixedTokens = 256, kStagedFixedTokens = 1024, kSplitTokens = 16,
+                    kMergeTokens = 500, kMinSplit = 64, kMaxSplits = 256, kMaxSplitTokens = 8192;
+  constexpr double kPairCost = 1.6;
   const int64_t base = int64_t{num_seqs} * hk;
-  const int64_t capacity = int64_t{std::max(state_->sm_count, 1)} * CtasPerSm(num_q_heads / hk);
+  const int64_t sms = std::max(state_->sm_count, 1);
+  const Occupancy occupancy = SplitOccupancy(num_q_heads / hk);
   const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
   int64_t best_tps = 0;
   double best_cost = 0;
@@ -173,8 +186,19 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   for (int64_t s = min_s; s <= max_s; ++s) {
     const int64_t tps = std::max<int64_t>(64, ((max_len + s - 1) / s + 63) / 64 * 64);
     const int64_t splits = (max_len + tps - 1) / tps;
-    const int64_t waves = (base * splits + capacity - 1) / capacity;
-    const double cost = double(waves) * double(tps + kFixedTokens) + double(splits * kSplitTokens);
+    const int64_t ctas = base * splits;
+    double cost;
+    if (occupancy.staged && !state_->bf16) {
+      const bool pairs = occupancy.resident >= 2 && ctas > sms;
+      const double rounds = pairs ? kPairCost * double((ctas + 2 * sms - 1) / (2 * sms))
+                                  : double((ctas + sms - 1) / sms);
+      cost = rounds * double(tps + kStagedFixedTokens) + double(splits * kSplitTokens) +
+             (splits > 1 ? double(kMergeTokens) : 0.0);
+    } else {
+      const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident);
+      cost = double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) +
+             double(splits * kSplitTokens);
+    }
     if (best_tps == 0 || cost < best_cost) {
       best_cost = cost;
       best_tps = tps;

@@ -82,9 +82,13 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
-  // Split-kernel CTAs per SM that Plan counts on (one for the 8-warp kernels, else as many as
-  // fit: occupancy query); cached.
-  int CtasPerSm(int group) const;
+  // How the split kernel for a GQA group occupies an SM (cached): the CTAs that fit (occupancy
+  // query) and whether it is a staged kernel (copies its chunks ahead through shared memory).
+  struct Occupancy {
+    int resident = 1;
+    bool staged = false;
+  };
+  Occupancy SplitOccupancy(int group) const;
 
   struct State;
   std::unique_ptr<State> state_;
