@@ -104,7 +104,7 @@ CudaDecoder::~CudaDecoder() = default;
 CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 
-CudaDecoder::Occupancy CudaDecoder::SplitOccupancy(int group) const {
+SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   int& resident = state_->resident_per_sm[group];
   if (resident == 0) {
     int fit = 1;
@@ -118,7 +118,7 @@ CudaDecoder::Occupancy CudaDecoder::SplitOccupancy(int group) const {
     state_->staged[group] = staged;
     resident = std::max(fit, 1);
   }
-  return {resident, state_->staged[group]};
+  return {resident, state_->staged[group], state_->bf16};
 }
 
 int CudaDecoder::head_dim() const {
@@ -131,22 +131,14 @@ int CudaDecoder::block_size() const {
   return state_->bf16 ? state_->bf16_format.block_size : state_->format.block_size;
 }
 
-DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
-                             int tokens_per_split) const {
-  constexpr const char* kWhere = "CudaDecoder::Plan";
-  const int hk = num_kv_heads();
-  if (num_seqs < 1 || num_seqs > 65535) {
-    throw InvalidArgument(kWhere, "num_seqs", num_seqs, "1 to 65535");
-  }
-  if (num_q_heads < hk || num_q_heads % hk != 0 || num_q_heads / hk > 16) {
-    throw InvalidArgument(
-        kWhere, "num_q_heads", num_q_heads,
-        fmt::format("a multiple of num_kv_heads = {} with a group of at most 16", hk));
-  }
-  if (max_blocks_per_seq < 1) {
-    throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
-  }
-  const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
+namespace {
+// Split limits (ChooseTokensPerSplit says why): at most this many splits per sequence, and
+// tokens per split.
+constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;
+}  // namespace
+
+int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
+                             const SplitKernelOccupancy& occupancy) {
   // Split layout: choose the number of splits s that minimizes the estimated time, in tokens of
   // one warp's streaming:
   //   rounds(s) · (tokens per split + per-CTA fixed cost) + merge cost(s).
@@ -174,11 +166,10 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   // length (measured: 8,192 tokens per warp gave 1.9e-3 relative output error, 1,024 gave
   // ≤ 3e-4).
   constexpr int64_t kFixedTokens = 256, kStagedFixedTokens = 1024, kSplitTokens = 16,
-                    kMergeTokens = 500, kMinSplit = 64, kMaxSplits = 256, kMaxSplitTokens = 8192;
+                    kMergeTokens = 500, kMinSplit = 64;
   constexpr double kPairCost = 1.6;
-  const int64_t base = int64_t{num_seqs} * hk;
-  const int64_t sms = std::max(state_->sm_count, 1);
-  const Occupancy occupancy = SplitOccupancy(num_q_heads / hk);
+  const int64_t base = seq_heads;
+  const int64_t sms = std::max(sm_count, 1);
   const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
   int64_t best_tps = 0;
   double best_cost = 0;
@@ -188,14 +179,14 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     const int64_t splits = (max_len + tps - 1) / tps;
     const int64_t ctas = base * splits;
     double cost;
-    if (occupancy.staged && !state_->bf16) {
-      const bool pairs = occupancy.resident >= 2 && ctas > sms;
+    if (occupancy.staged && !occupancy.bf16) {
+      const bool pairs = occupancy.resident_per_sm >= 2 && ctas > sms;
       const double rounds = pairs ? kPairCost * double((ctas + 2 * sms - 1) / (2 * sms))
                                   : double((ctas + sms - 1) / sms);
       cost = rounds * double(tps + kStagedFixedTokens) + double(splits * kSplitTokens) +
              (splits > 1 ? double(kMergeTokens) : 0.0);
     } else {
-      const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident);
+      const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
       cost = double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) +
              double(splits * kSplitTokens);
     }
@@ -204,7 +195,27 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
       best_tps = tps;
     }
   }
-  int64_t tps = best_tps;
+  return best_tps;
+}
+
+DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
+                             int tokens_per_split) const {
+  constexpr const char* kWhere = "CudaDecoder::Plan";
+  const int hk = num_kv_heads();
+  if (num_seqs < 1 || num_seqs > 65535) {
+    throw InvalidArgument(kWhere, "num_seqs", num_seqs, "1 to 65535");
+  }
+  if (num_q_heads < hk || num_q_heads % hk != 0 || num_q_heads / hk > 16) {
+    throw InvalidArgument(
+        kWhere, "num_q_heads", num_q_heads,
+        fmt::format("a multiple of num_kv_heads = {} with a group of at most 16", hk));
+  }
+  if (max_blocks_per_seq < 1) {
+    throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
+  }
+  const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
+  int64_t tps = ChooseTokensPerSplit(max_len, int64_t{num_seqs} * hk, state_->sm_count,
+                                     SplitOccupancy(num_q_heads / hk));
   if (tokens_per_split != 0) {
     if (tokens_per_split < 64 || tokens_per_split > kMaxSplitTokens || tokens_per_split % 64 != 0 ||
         (max_len + tokens_per_split - 1) / tokens_per_split > kMaxSplits) {

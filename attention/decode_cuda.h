@@ -29,6 +29,19 @@
 
 namespace tqkv {
 
+// How a split kernel occupies an SM, as CudaDecoder::Plan's cost model sees it.
+struct SplitKernelOccupancy {
+  int resident_per_sm = 1;  // CTAs of it that fit on one SM (occupancy query)
+  bool staged = false;      // chunks copied ahead through shared memory (decode_kernels.cu)
+  bool bf16 = false;        // the uncompressed kernel
+};
+
+// The tokens per split that CudaDecoder::Plan picks for sequences of up to max_len tokens,
+// num_seqs · num_kv_heads = seq_heads CTAs per split, on sm_count SMs (a multiple of 64 from 64
+// to 8,192; at most 256 splits). Host only; exposed for tests (attention/decode_plan_test.cc).
+int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
+                             const SplitKernelOccupancy& occupancy);
+
 // The split layout of one decode shape, fixed at plan time so the launch is the same every step.
 struct DecodePlan {
   int num_seqs = 0;
@@ -82,13 +95,8 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
-  // How the split kernel for a GQA group occupies an SM (cached): the CTAs that fit (occupancy
-  // query) and whether it is a staged kernel (copies its chunks ahead through shared memory).
-  struct Occupancy {
-    int resident = 1;
-    bool staged = false;
-  };
-  Occupancy SplitOccupancy(int group) const;
+  // How the split kernel for a GQA group occupies an SM (cached).
+  SplitKernelOccupancy SplitOccupancy(int group) const;
 
   struct State;
   std::unique_ptr<State> state_;

@@ -1,0 +1,75 @@
+// The split-length choice of CudaDecoder::Plan (ChooseTokensPerSplit), on the host: the limits
+// every plan keeps, and the plans that the split sweeps in tools/bench/NOTES.md measured fastest
+// on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the cost model that
+// moves one of them shows up here before it is measured.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+
+#include "attention/decode_cuda.h"
+
+namespace tqkv {
+namespace {
+
+constexpr int kSms = 132;
+constexpr int kKvHeads = 8;
+// 4bit_nc / k3v4_nc at D = 128, GQA 4: the 8-warp staged kernel, two CTAs fit per SM.
+constexpr SplitKernelOccupancy kStagedCompressed{2, true, false};
+constexpr SplitKernelOccupancy kStagedBf16{2, true, true};
+constexpr SplitKernelOccupancy kUnstaged{3, false, false};
+
+int64_t Tps(int64_t batch, int64_t context, const SplitKernelOccupancy& o) {
+  return ChooseTokensPerSplit(context, batch * kKvHeads, kSms, o);
+}
+
+TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int64_t> len(1, 131072), seqs(1, 1024);
+  std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
+    const SplitKernelOccupancy o{resident(rng), trial % 2 == 0, trial % 3 == 0};
+    const int64_t tps = ChooseTokensPerSplit(max_len, seq_heads, sms(rng), o);
+    ASSERT_EQ(tps % 64, 0) << max_len;
+    ASSERT_GE(tps, 64);
+    ASSERT_LE(tps, 8192);
+    ASSERT_LE((max_len + tps - 1) / tps, 256) << max_len << " tokens in splits of " << tps;
+  }
+}
+
+TEST(DecodePlanTest, StagedCompressedKernelsGetTheMeasuredBestSplits) {
+  // One CTA per SM where a second one does not pay (batch 1, short splits) ...
+  EXPECT_EQ(Tps(1, 1024, kStagedCompressed), 128);     // 8.9 µs vs 9.4 at 256, 9.2 at 64
+  EXPECT_EQ(Tps(1, 4096, kStagedCompressed), 256);     // 11.2 vs 11.6 at 384, 14.4 at 128
+  EXPECT_EQ(Tps(1, 16384, kStagedCompressed), 1024);   // 14.8 vs 16.6 at 512, 19.2 at 2,048
+  EXPECT_EQ(Tps(1, 32768, kStagedCompressed), 2048);   // 20.6 vs 21.3 at 1,024, 25.2 at 3,072
+  EXPECT_EQ(Tps(16, 1024, kStagedCompressed), 1024);   // 13.8 vs 19.1 at 512
+  EXPECT_EQ(Tps(16, 4096, kStagedCompressed), 4096);   // 31.0 vs 33.5 at 2,048
+  // ... two where the splits are long (session 11, v7v).
+  EXPECT_EQ(Tps(4, 32768, kStagedCompressed), 4096);   // 50.3 vs 55.3 at 8,192
+  EXPECT_EQ(Tps(2, 65536, kStagedCompressed), 4096);   // 50.3 vs 55.5 at 8,192
+  EXPECT_EQ(Tps(8, 16384, kStagedCompressed), 4096);   // 50.5 vs 55.4 at 8,192
+  EXPECT_EQ(Tps(16, 8192, kStagedCompressed), 4096);   // 50.7 vs 53.8 at 8,192
+  EXPECT_EQ(Tps(64, 4096, kStagedCompressed), 4096);   // one split: no merge
+  EXPECT_EQ(Tps(256, 32768, kStagedCompressed), 8192); // 3,059 vs 3,100 at 6,592
+  EXPECT_EQ(Tps(128, 32768, kStagedCompressed), 8192); // 1,521 vs 1,538 at 6,592
+}
+
+TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {
+  // The pair model measured 1-3 % slower for bf16: 16 × 8k one split 124.5 µs vs 128.7 at 4,096.
+  EXPECT_EQ(Tps(16, 8192, kStagedBf16), 8192);
+  EXPECT_EQ(Tps(4, 32768, kStagedBf16), 8192);
+  EXPECT_EQ(Tps(16, 8192, kStagedCompressed), 4096);  // the same shape, compressed
+}
+
+TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
+  // 64 × 4k: 512 CTAs per split fill 396 slots (3 per SM) in two rounds at three splits, where
+  // one split would leave the second round a quarter full.
+  const int64_t tps = Tps(64, 4096, kUnstaged);
+  EXPECT_LT(tps, 4096);
+  EXPECT_EQ(Tps(64, 4096, SplitKernelOccupancy{1, false, false}), 4096);
+}
+
+}  // namespace
+}  // namespace tqkv
