@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numbers>
 
@@ -47,6 +48,17 @@ int64_t QueryPrepBytes(bool dense_rotation, int64_t rows, int head_dim) {
 int DeviceSmCount() {
   const auto devices = QueryDevices();
   return devices.empty() ? 0 : devices.front().sm_count;
+}
+
+// The split kernel as a programmatic dependent of the kernel before it (the default);
+// TQKV_DECODE_PDL=0 in the environment launches it as an ordinary kernel, for side-by-side
+// benchmarks. Read once.
+[[maybe_unused]] bool DependentLaunchEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TQKV_DECODE_PDL");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled;
 }
 
 }  // namespace
@@ -344,8 +356,19 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     sp.lse = a.lse;
     sp.out_dtype = out_dtype;
   }
-  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d,
-                                     plan.num_q_heads / num_kv_heads(), query_prep, stream));
+  // Without a query prep the split kernel is still a programmatic dependent of whatever kernel
+  // precedes it (an engine's store, the previous step's merge), and waits for it at its start.
+  const bool programmatic = query_prep || DependentLaunchEnabled();
+  sp.wait_at_start = query_prep ? 0 : 1;
+  // Without a merge the next kernel may be this decoder's next step: let it launch early only
+  // when this grid fills every SM's room for split CTAs (then the next one's CTAs take the room
+  // as it frees, evenly); a smaller grid's successor waits for all of its CTAs to exit.
+  const int group = plan.num_q_heads / num_kv_heads();
+  const int64_t ctas = int64_t{plan.max_splits} * num_kv_heads() * plan.num_seqs;
+  sp.trigger_dependents =
+      plan.max_splits > 1 || ctas >= int64_t{s.sm_count} * SplitOccupancy(group).resident_per_sm;
+  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
+                                     programmatic, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -12,10 +12,14 @@
 // itself. The query rotation q·Πᵀ is done once per CTA in the split kernel's prologue for the
 // Hadamard rotations (a fast Walsh-Hadamard transform of the group's rows, with the random signs
 // of hadamard_signs); a dense Πᵀ (haar, custom) gets one more launch before the split kernel,
-// which computes q·Πᵀ for every query head once per step. See decode_kernels.cu. For
-// side-by-side benchmarks, TQKV_DECODE_UNSTAGED=1 in the environment selects the register-buffered
-// split kernels (v6k in tools/bench/NOTES.md) instead of the staged ones that 4bit_nc and k3v4_nc
-// use at head_dim 128 with GQA groups up to 4.
+// which computes q·Πᵀ for every query head once per step. The split kernel is itself launched
+// as a programmatic dependent of whatever kernel precedes it in the stream (an engine's store,
+// the previous step's merge): its launch overlaps that kernel's tail, and it waits for that
+// kernel to finish before it reads or writes anything. See decode_kernels.cu. For side-by-side
+// benchmarks, TQKV_DECODE_UNSTAGED=1 in the environment selects the register-buffered split
+// kernels (v6k in tools/bench/NOTES.md) instead of the staged ones that 4bit_nc and k3v4_nc use
+// at head_dim 128 with GQA groups up to 4, and TQKV_DECODE_PDL=0 launches the split kernel as an
+// ordinary kernel.
 #pragma once
 
 #include <cstdint>

@@ -250,6 +250,126 @@ TEST(CudaDecodeTest, LargeValueScalesStayFiniteAndAccurate) {
   }
 }
 
+// Steps chained on one stream with no host synchronization in between: each call's query is the
+// previous call's fp32 output. The split kernel is launched as a programmatic dependent of the
+// kernel before it, so a split kernel that read its inputs (or wrote the workspace) before that
+// kernel finished would see the NaN poison of the next output buffer, or corrupt the partials
+// the previous merge still reads. Planned splits (a merge kernel between split kernels) and one
+// split per sequence (split kernel after split kernel), in a stream and captured in a graph; a
+// staged (4bit_nc) and a register-buffered (k8v4) kernel.
+TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
+  TQKV_SKIP_WITHOUT_GPU();
+  constexpr int kSteps = 4, kD = 128, kHk = 8, kHq = 32;
+  const std::vector<int32_t> lens = {4097, 700, 1, 8000};
+  const int num_seqs = static_cast<int>(lens.size());
+  const int64_t rows = int64_t{num_seqs} * kHq;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
+    const uint64_t seed = std::random_device{}();
+    const Quantizer q = Quantizer::Create(preset, kD, kHk, 16, RotationKind::kHadamard, seed);
+    const Scenario s = Build(q, lens, kHq, seed);
+    const DeviceScenario dev = Upload(s, s.cache);
+    const CudaDecoder decoder(q);
+    for (const int tps : {0, 8192}) {
+      for (const bool graph : {false, true}) {
+        const std::string what =
+            fmt::format("{} tokens_per_split {} {}", preset, tps, graph ? "graph" : "stream");
+        const DecodePlan plan = decoder.Plan(num_seqs, kHq, s.max_blocks, tps);
+        ASSERT_EQ(plan.max_splits > 1, tps == 0) << what;
+        DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
+        ws.FillBytes(0xFF);
+        std::vector<DeviceBuffer<float>> outs;
+        for (int i = 0; i < kSteps; ++i) {
+          outs.emplace_back(rows * kD);
+          outs.back().FillBytes(0xFF);
+        }
+        DeviceBuffer<float> lse(kSteps * rows);
+        lse.FillBytes(0xFF);
+        TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+        Stream stream;
+        auto run_steps = [&] {
+          for (int i = 0; i < kSteps; ++i) {
+            CudaDecodeArgs a;
+            a.query = i == 0 ? dev.query.data() : outs[i - 1].data();
+            a.query_dtype = DType::kF32;
+            a.cache = dev.cache.data();
+            a.num_blocks = s.num_blocks;
+            a.block_tables = dev.tables.data();
+            a.seq_lens = dev.lens.data();
+            a.output = outs[i].data();
+            a.output_dtype = DType::kF32;
+            a.lse = lse.data() + i * rows;
+            a.workspace = ws.data();
+            a.workspace_bytes = ws.size_bytes();
+            decoder.Run(plan, a, stream.get());
+          }
+        };
+        if (graph) {
+          cudaGraph_t g;
+          cudaGraphExec_t exec;
+          TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+          run_steps();
+          TQKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &g));
+          TQKV_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+          TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+          stream.Synchronize();
+          TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+          TQKV_CUDA_CHECK(cudaGraphDestroy(g));
+        } else {
+          run_steps();
+          stream.Synchronize();
+        }
+        std::vector<float> all_lse(static_cast<size_t>(kSteps * rows));
+        lse.CopyToHost(all_lse);
+        // Step i against the CPU reference with the query the device step read: the device's
+        // output of step i - 1.
+        std::vector<float> query = s.queries;
+        for (int i = 0; i < kSteps; ++i) {
+          std::vector<float> ref_out(query.size()), ref_lse(static_cast<size_t>(rows));
+          DecodeInputs in;
+          in.query = query.data();
+          in.num_seqs = num_seqs;
+          in.num_q_heads = kHq;
+          in.block_tables = s.block_tables.data();
+          in.max_blocks_per_seq = s.max_blocks;
+          in.seq_lens = s.seq_lens.data();
+          DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+          std::vector<float> o(query.size());
+          outs[i].CopyToHost(o);
+          int64_t bad = 0;
+          double worst_out = 0, worst_lse = 0;
+          for (int64_t row = 0; row < rows; ++row) {
+            const float l = all_lse[i * rows + row];
+            if (!std::isfinite(l)) {
+              ++bad;
+            } else {
+              worst_lse = std::max(worst_lse, std::abs(double(l) - ref_lse[row]) /
+                                                  std::max(1.0, std::abs(double(ref_lse[row]))));
+            }
+            double scale = 1e-30, worst = 0;
+            for (int e = 0; e < kD; ++e)
+              scale = std::max(scale, std::abs(double(ref_out[row * kD + e])));
+            for (int e = 0; e < kD; ++e) {
+              const float x = o[row * kD + e];
+              if (!std::isfinite(x)) {
+                ++bad;
+              } else {
+                worst = std::max(worst, std::abs(double(x) - ref_out[row * kD + e]));
+              }
+            }
+            worst_out = std::max(worst_out, worst / scale);
+          }
+          std::printf("%s step %d: out err %.2e, lse err %.2e, bad %lld\n", what.c_str(), i,
+                      worst_out, worst_lse, static_cast<long long>(bad));
+          EXPECT_EQ(bad, 0) << what << " step " << i;
+          EXPECT_LE(worst_out, kOutTol) << what << " step " << i;
+          EXPECT_LE(worst_lse, kLseTol) << what << " step " << i;
+          query = std::move(o);
+        }
+      }
+    }
+  }
+}
+
 // The bf16 paged decode against fp64 attention over the bf16-rounded K/V and query.
 Errors CheckBf16(int d, int hk, int group, int bs, std::vector<int32_t> lens,
                  int tokens_per_split = 0) {

@@ -125,6 +125,16 @@ __device__ __forceinline__ void CopyAsync16Fill(uint32_t smem_dst, const void* g
                "r"(src_bytes)
                : "memory");
 }
+// CopyAsync16Fill where `issue`, else nothing at all (a zero-filling copy still writes shared
+// memory: many lanes zero-filling one address serialize).
+__device__ __forceinline__ void CopyAsync16FillIf(bool issue, uint32_t smem_dst,
+                                                  const void* gmem_src, uint32_t src_bytes) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.cg.shared.global [%1], [%2], 16, %3;\n}\n" ::"r"(static_cast<uint32_t>(issue)),
+      "r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
+      : "memory");
+}
 __device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
@@ -419,12 +429,24 @@ constexpr int kStages = 4;
 template <KeyKind kKind>
 struct StagedLayout;
 
+// The token whose 16-byte units 4·(l mod 2) + j lane l copies in copy instruction j (j = 0..3):
+// lanes 2p and 2p + 1 take token 2·(p mod 2) + 4·((p / 2) mod 2) + (p / 4) mod 2 + 8·(p / 8), so
+// the four tokens of an 8-lane phase differ in token bits 1 and 2, which both layouts' swizzles
+// map to unit bits 0 and 1: with the lane pair's units j and j + 4 (unit bit 2), the phase's 8
+// units land in 8 distinct bank groups. (Lane pairs in token order put two tokens with one
+// swizzle in each phase: a 4-way conflict for 4-bit keys, 2-way for 3-bit, in every copy.)
+__device__ __forceinline__ uint32_t CopyTokenOf(uint32_t lane) {
+  const uint32_t p = lane >> 1;
+  return 2u * (p & 1u) + 4u * ((p >> 1) & 1u) + ((p >> 2) & 1u) + 8u * (p >> 3);
+}
+
 // 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
 // halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
 // the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
 // The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
 // touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
-// 8-lane key read phase get disjoint halves).
+// 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (for the copies: see
+// CopyToken). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus the pitch.
 template <>
 struct StagedLayout<KeyKind::kMse4> {
   static constexpr uint32_t kPitch = 256;
@@ -435,8 +457,9 @@ struct StagedLayout<KeyKind::kMse4> {
     return s < 2 ? 8192u * warp + 4096u * s + 128u : kExtra + 4096u * warp + 128u * (s - 2);
   }
   __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
-    return (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
+    return ((i >> 1) & 1u) ^ (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
   }
+  __device__ __forceinline__ static uint32_t CopyToken(uint32_t lane) { return CopyTokenOf(lane); }
 };
 
 // 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
@@ -457,6 +480,7 @@ struct StagedLayout<KeyKind::kMse3> {
     const uint32_t x = i >> 1;
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
   }
+  __device__ __forceinline__ static uint32_t CopyToken(uint32_t lane) { return CopyTokenOf(lane); }
 };
 
 // bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
@@ -564,23 +588,7 @@ __global__ void __launch_bounds__(
 
   extern __shared__ __align__(16) uint8_t smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int len = p.seq_lens[b];
-  const int begin = split * p.tokens_per_split;
-  if (begin >= len) {           // the merge reads only splits that hold tokens
-    if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
-      const int group = p.num_q_heads / p.num_kv_heads;
-      const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
-      for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
-        StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
-        if (i % kD == 0) p.lse[row0 + i / kD] = -INFINITY;
-      }
-    }
-    return;
-  }
-  const int end = min(begin + p.tokens_per_split, len);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int group = p.num_q_heads / p.num_kv_heads;
 
   // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
   // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
@@ -600,6 +608,28 @@ __global__ void __launch_bounds__(
     }
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
   }
+  // Launched as a programmatic dependent of whatever kernel precedes it in the stream (the
+  // default without a query prep: CudaDecoder::Run), the CTA may be resident before that kernel
+  // has finished; everything below reads inputs it may have written (query, seq_lens, tables,
+  // cache) or writes what it may still read (workspace, output), so it waits here. Only the
+  // launch and the table loads above (decoder-owned constants) overlap the kernel before.
+  if (p.wait_at_start) GridDependencyWait();
+  const int len = p.seq_lens[b];
+  const int begin = split * p.tokens_per_split;
+  if (begin >= len) {           // the merge reads only splits that hold tokens
+    if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
+      const int group = p.num_q_heads / p.num_kv_heads;
+      const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
+      for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
+        StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
+        if (i % kD == 0) p.lse[row0 + i / kD] = -INFINITY;
+      }
+    }
+    return;
+  }
+  const int end = min(begin + p.tokens_per_split, len);
+  const int g = lane >> 2, t = lane & 3;
+  const int group = p.num_q_heads / p.num_kv_heads;
 
   // Query fragments (B operand of the score MMA): head 8·nt + g. The compressed kinds carry q as
   // fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the codebook kinds the
@@ -1179,8 +1209,11 @@ __global__ void __launch_bounds__(
     // Chunk c + (kStages - 1)·kW is copied into stage (k + 3) mod 4 while chunk c (this warp's
     // k-th) is read from stage k mod 4 and computed; one commit group per chunk (empty past the
     // end) keeps the wait count fixed. Lane l copies the 16-byte units 4·(l mod 2) + j, j = 0..3,
-    // of token l / 2 (source offsets are immediates; the destinations are swizzled), and lanes
-    // 0-5 one 16-byte half of a metadata run each.
+    // of token Layout::CopyToken(l) (source offsets are immediates; the destinations are
+    // swizzled, and no 8-lane phase has a bank conflict), and lanes 0-5 one 16-byte half of a
+    // metadata run each; the other lanes issue no metadata copy. (Copying whole 32-byte sectors
+    // per instruction instead, units 2j and 2j + 1, halved the L2 sectors read but made 4bit_nc
+    // 64 × 4k 8 % slower: NOTES, v7x.)
     using Layout = StagedLayout<kKind>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
@@ -1190,18 +1223,17 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
     const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
-    const uint32_t copy_tok = lane >> 1;
+    const uint32_t copy_tok = Layout::CopyToken(lane);
     const uint32_t copy_dst = Pinned(
         kPitch * copy_tok + 16u * ((4u * (lane & 1)) ^ Layout::Swizzle(copy_tok)));  // unit j: ^16j
     const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 64 * (lane & 1));
     // Units past the slot (3-bit keys: unit 7 of 7 used) read nothing.
     const uint32_t last_bytes = Pinned(64u * (lane & 1) + 48u < kKeyBytes + 64u ? 16u : 0u);
-    const uint32_t meta_bytes = Pinned(lane < 6 ? 16u : 0u);  // field lane / 2, half lane % 2
+    const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
                (lane >> 1) * meta_field + 16 * (lane & 1));
-    // (Lanes 6-31 copy nothing and zero-fill bytes 96-111 of the cell, which nothing reads.)
-    const uint32_t meta_dst_lane = Pinned(meta_cells + (lane < 6 ? 16u * lane : 96u));
+    const uint32_t meta_dst_lane = Pinned(meta_cells + 16u * lane);
     const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
     // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
     auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
@@ -1215,7 +1247,7 @@ __global__ void __launch_bounds__(
         CopyAsync16Fill(dst + (copy_dst ^ (16u * j)), src + 16 * j,
                         j < 3 || kKeyBytes + 64 == 128 ? bytes : bytes & last_bytes);
       }
-      CopyAsync16Fill(meta_dst, base + (copy_meta + 2 * pos0), bytes & meta_bytes);
+      CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
     // Read offsets within a stage: keys of token 2g and 2g + 1 (+kPitch: the swizzle depends on
     // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
@@ -1314,7 +1346,13 @@ __global__ void __launch_bounds__(
     compute.template operator()<true>(num_full, tail);
   }
 
-  LaunchDependents();  // the merge grid may start (it waits for this grid to finish)
+  // The merge grid (or, without one, the next kernel) may start; it waits for this grid to finish
+  // before it reads anything. Not when the next kernel may be a split grid smaller than the SMs'
+  // room (p.trigger_dependents = 0): CTAs launched while this grid's last ones still ran were
+  // placed next to them, two on some SMs, and a one-wave grid is as slow as its slowest SM
+  // (batch 1 × 32k: 20.5 -> 27 µs with the merge's early trigger, measured); then the next
+  // kernel is launched when every CTA of this grid has exited.
+  if (p.trigger_dependents) LaunchDependents();
 
   if constexpr (kPacked) {  // columns 2t, 2t + 1 hold the P'_hi and P'_lo sums of head t
 #pragma unroll
@@ -1454,6 +1492,9 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const int len = p.seq_lens[b];
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
+  // (No early trigger for the kernel after this one: a next step's split kernel launched while
+  // these CTAs and the split grid's last ones still ran took 4-7 µs longer at batch 1, see
+  // LaunchDependents in the split kernel.)
   GridDependencyWait();  // the split grid's partials
   // Thread (group, v) adds 4 consecutive d (one 16-byte load per split) over the splits ≡ group
   // (mod groups); the groups' sums meet in shared memory. Its first kPreloaded partials are
@@ -1644,10 +1685,10 @@ struct SplitKernelOps {
         kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     return configured;
   }
-  static cudaError_t Launch(const SplitParams& p, bool after_query_prep, cudaStream_t stream) {
+  static cudaError_t Launch(const SplitParams& p, bool programmatic, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
     const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
-    if (after_query_prep) {
+    if (programmatic) {
       return LaunchDependent(kKernel, grid, dim3(kCtaThreads), Config::kSmemBytes, stream, p);
     }
     kKernel<<<grid, kCtaThreads, Config::kSmemBytes, stream>>>(p);
@@ -1720,9 +1761,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
 }  // namespace
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool after_query_prep, cudaStream_t stream) {
+                               int group, bool programmatic, cudaStream_t stream) {
   return Dispatch(kind, value_bits, head_dim, group,
-                  [&](auto ops) { return decltype(ops)::Launch(p, after_query_prep, stream); });
+                  [&](auto ops) { return decltype(ops)::Launch(p, programmatic, stream); });
 }
 
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,

@@ -53,6 +53,12 @@ struct SplitParams {
   int tokens_per_split = 0;  // a multiple of 64
   int max_splits = 0;
   float score_scale = 0.0f;  // softmax scale · log2(e)
+  // Launched as a programmatic dependent of the kernel before it in the stream (not a query
+  // prep): wait for it (GridDependencyWait) before reading any input or writing anything.
+  int wait_at_start = 0;
+  // Let the kernel after this one launch once every CTA has finished its chunks (griddepcontrol
+  // .launch_dependents): the merge, or a next split grid that fills the SMs anyway.
+  int trigger_dependents = 1;
 };
 
 struct MergeParams {
@@ -97,11 +103,13 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
   return words;
 }
 
-// group = num_q_heads / num_kv_heads (1..16). after_query_prep: launched as a programmatic
-// dependent of LaunchQueryPrep's grid (which it then waits for before reading the query);
-// otherwise an ordinary launch, ordered after all earlier work in the stream.
+// group = num_q_heads / num_kv_heads (1..16). programmatic: launched as a programmatic dependent
+// of the kernel before it in the stream, so that its launch overlaps that kernel's tail: after
+// LaunchQueryPrep (p.wait_at_start = 0: it reads the cache before it waits for the query prep's
+// q·Πᵀ, which an ordinary launch of the query prep makes safe), or after any kernel with
+// p.wait_at_start = 1. Otherwise an ordinary launch, ordered after all earlier work in the stream.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool after_query_prep, cudaStream_t stream);
+                               int group, bool programmatic, cudaStream_t stream);
 // How many CTAs of that split kernel fit on one SM at once (registers, shared memory), and
 // whether it is a staged kernel (cp.async stages in shared memory).
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,
