@@ -536,8 +536,18 @@ struct SplitKernelConfig {
   }();
   // The warps' merge: accumulators [kCtaWarps][heads][kD], (m, l, z) [3][kCtaWarps][heads], then
   // the per-head factors [kCtaWarps][heads], 1/l [heads] and z [heads].
+  // An accumulator row (one warp's head) holds element d at d + d / 32 and rows are kAccStride
+  // floats apart (≡ 4 mod 32 words for D ≤ 128): the fragment stores of a packed warp — lane
+  // (g, t) writes d = 16g + 2·mt (+1) of head t — then hit 32 distinct banks (unpadded rows of
+  // 128 floats put all 32 lanes on 2 banks), and the final pass's reads of consecutive d stay
+  // conflict-free. D = 256 keeps plain rows (its merge region would outgrow the table).
+  static constexpr int kAccRow = kD <= 128 ? kD + kD / 32 : kD;
+  static constexpr int kAccStride = kD <= 128 ? kAccRow + (36 - kAccRow % 32) % 32 : kD;
+  __host__ __device__ static constexpr int AccAt(int row, int d) {
+    return row * kAccStride + (kD <= 128 ? d + d / 32 : d);
+  }
   static constexpr int kMergeBytes =
-      (kCtaWarps * 8 * kNTiles * kD + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
+      (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
   // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (bf16 cache:
   // bf16 in the first array), rows past the group zero, after everything else (the prologue
   // writes them while the first chunks' copies land in the stages).
@@ -1380,8 +1390,8 @@ __global__ void __launch_bounds__(
   // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
-  float* acc_s = reinterpret_cast<float*>(smem);  // [kW][kHeads][kD]
-  float* stats = acc_s + kW * kHeads * kD;        // [3][kW][kHeads]: m, l, z
+  float* acc_s = reinterpret_cast<float*>(smem);            // [kW][kHeads] rows, Config::AccAt
+  float* stats = acc_s + kW * kHeads * Config::kAccStride;  // [3][kW][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -1394,7 +1404,7 @@ __global__ void __launch_bounds__(
       }
     }
   }
-  float* my_acc = acc_s + warp * kHeads * kD;
+  float* my_acc = acc_s + Config::AccAt(warp * kHeads, 0);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const int d0 = Traits::D0(g, mt);
@@ -1404,7 +1414,7 @@ __global__ void __launch_bounds__(
       for (int i = 0; i < 4; ++i) {
         if (kPacked && i % 2 == 1) continue;  // folded into i - 1
         const int head = kPacked ? t : 8 * nt + 2 * t + (i % 2);
-        my_acc[head * kD + d0 + i / 2] =
+        my_acc[Config::AccAt(head, d0 + i / 2)] =
             acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Traits::kOddRowScale);
       }
     }
@@ -1446,7 +1456,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int w = 0; w < kW; ++w) {
       const float f = factor[w * kHeads + head];
-      aa += f == 0.0f ? 0.0f : f * acc_s[(w * kHeads + head) * kD + d];
+      aa += f == 0.0f ? 0.0f : f * acc_s[Config::AccAt(w * kHeads + head, d)];
     }
     const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
     const float out = (aa + factor[(kW + 1) * kHeads + head]) * factor[kW * kHeads + head];
