@@ -21,7 +21,7 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv
   echo "== decode GPU tests"
-  timeout 240 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
+  timeout 420 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
   echo "decode_cuda_test exit ${PIPESTATUS[0]}"
   echo "== PyTorch SDPA"
   timeout 200 python3 "$here/torch_decode_bench.py" "$out/torch.json" $quick
