@@ -1312,7 +1312,9 @@ __global__ void __launch_bounds__(
       const int following = block_of(ahead + kW, num_full);
       CopyAsyncWaitGroup<kStages - 2>();
       __syncwarp();  // every lane's copies of chunk c are complete and visible
+#ifndef TQKV_DECODE_COPY_ONLY  // a measurement build: the copies alone (tools/bench/NOTES.md)
       read(stage[0], read_meta + 128u * s, cur);
+#endif
       // The stage written here was read in the previous step; its reads fed that step's
       // mma.sync instructions, which every lane of the warp had to reach, so it is free. (Issued
       // after this step's reads: an LDGSTS holds its address registers until the memory pipe
@@ -1320,7 +1322,9 @@ __global__ void __launch_bounds__(
       issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
             next_block);
       CopyAsyncCommit();
+#ifndef TQKV_DECODE_COPY_ONLY
       compute.template operator()<false>(c, cur);
+#endif
       next_block = following;
       s = (s + 1) % kStages;
       const uint32_t first = stage[0];
