@@ -429,24 +429,14 @@ constexpr int kStages = 4;
 template <KeyKind kKind>
 struct StagedLayout;
 
-// The token whose 16-byte units 4·(l mod 2) + j lane l copies in copy instruction j (j = 0..3):
-// lanes 2p and 2p + 1 take token 2·(p mod 2) + 4·((p / 2) mod 2) + (p / 4) mod 2 + 8·(p / 8), so
-// the four tokens of an 8-lane phase differ in token bits 1 and 2, which both layouts' swizzles
-// map to unit bits 0 and 1: with the lane pair's units j and j + 4 (unit bit 2), the phase's 8
-// units land in 8 distinct bank groups. (Lane pairs in token order put two tokens with one
-// swizzle in each phase: a 4-way conflict for 4-bit keys, 2-way for 3-bit, in every copy.)
-__device__ __forceinline__ uint32_t CopyTokenOf(uint32_t lane) {
-  const uint32_t p = lane >> 1;
-  return 2u * (p & 1u) + 4u * ((p >> 1) & 1u) + ((p >> 2) & 1u) + 8u * (p >> 3);
-}
-
 // 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
 // halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
 // the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
 // The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
 // touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
-// 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (for the copies: see
-// CopyToken). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus the pitch.
+// 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
+// the reads do not mind). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus
+// the pitch. The copies (one token's 8 units per 8-lane phase) are conflict-free under any XOR.
 template <>
 struct StagedLayout<KeyKind::kMse4> {
   static constexpr uint32_t kPitch = 256;
@@ -459,7 +449,6 @@ struct StagedLayout<KeyKind::kMse4> {
   __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
     return ((i >> 1) & 1u) ^ (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
   }
-  __device__ __forceinline__ static uint32_t CopyToken(uint32_t lane) { return CopyTokenOf(lane); }
 };
 
 // 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
@@ -480,7 +469,6 @@ struct StagedLayout<KeyKind::kMse3> {
     const uint32_t x = i >> 1;
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
   }
-  __device__ __forceinline__ static uint32_t CopyToken(uint32_t lane) { return CopyTokenOf(lane); }
 };
 
 // bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
@@ -1218,12 +1206,13 @@ __global__ void __launch_bounds__(
   } else if constexpr (kStaged) {
     // Chunk c + (kStages - 1)·kW is copied into stage (k + 3) mod 4 while chunk c (this warp's
     // k-th) is read from stage k mod 4 and computed; one commit group per chunk (empty past the
-    // end) keeps the wait count fixed. Lane l copies the 16-byte units 4·(l mod 2) + j, j = 0..3,
-    // of token Layout::CopyToken(l) (source offsets are immediates; the destinations are
-    // swizzled, and no 8-lane phase has a bank conflict), and lanes 0-5 one 16-byte half of a
-    // metadata run each; the other lanes issue no metadata copy. (Copying whole 32-byte sectors
-    // per instruction instead, units 2j and 2j + 1, halved the L2 sectors read but made 4bit_nc
-    // 64 × 4k 8 % slower: NOTES, v7x.)
+    // end) keeps the wait count fixed. In copy instruction j (j = 0..3) lane l copies the 16-byte
+    // unit l mod 8 of token 4j + l / 8, so each 8-lane phase moves one token's whole slot: one
+    // L2 request per 128-byte line of the slot (two where a 112-byte slot of 3-bit keys crosses a
+    // line), where lane pairs over 16 tokens (v7y) made four per line, and twice that for the
+    // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
+    // (NOTES, v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
+    // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
     using Layout = StagedLayout<kKind>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
@@ -1233,12 +1222,15 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
     const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
-    const uint32_t copy_tok = Layout::CopyToken(lane);
-    const uint32_t copy_dst = Pinned(
-        kPitch * copy_tok + 16u * ((4u * (lane & 1)) ^ Layout::Swizzle(copy_tok)));  // unit j: ^16j
-    const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 64 * (lane & 1));
-    // Units past the slot (3-bit keys: unit 7 of 7 used) read nothing.
-    const uint32_t last_bytes = Pinned(64u * (lane & 1) + 48u < kKeyBytes + 64u ? 16u : 0u);
+    const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
+    // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
+    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
+    const uint32_t copy_dst =
+        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
+    const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 16u * copy_unit);
+    const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
+    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
+    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -1251,11 +1243,16 @@ __global__ void __launch_bounds__(
       const uint8_t* base =
           p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
       const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
-      const uint8_t* src = base + (pos0 * stride_token + copy_src);
+      const uint32_t src = pos0 * stride_token + copy_src;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        CopyAsync16Fill(dst + (copy_dst ^ (16u * j)), src + 16 * j,
-                        j < 3 || kKeyBytes + 64 == 128 ? bytes : bytes & last_bytes);
+        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
+        const uint8_t* from = base + (src + copy_step * j);
+        if constexpr (kKeyBytes + 64 == 128) {
+          CopyAsync16Fill(to, from, bytes);
+        } else {
+          CopyAsync16FillIf(copy_lane, to, from, bytes);
+        }
       }
       CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
