@@ -106,9 +106,12 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
 
 CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_unique<State>()) {
   RequireCudaDevice("CudaDecoder");
+  if (format.dtype != DType::kBF16 && format.dtype != DType::kF16) {
+    throw InvalidArgument("CudaDecoder", "format.dtype", DTypeName(format.dtype), "BF16 or F16");
+  }
   state_->bf16 = true;
   state_->bf16_format = format;
-  state_->key_kind = 3;
+  state_->key_kind = format.dtype == DType::kF16 ? 4 : 3;
   state_->sm_count = DeviceSmCount();
 }
 

@@ -1,5 +1,6 @@
 // Decode attention on a CUDA device over a paged cache: TurboQuant SoA blocks (all four presets)
-// or uncompressed bf16 blocks (Bf16BlockFormat). Plan on the host, run on the device:
+// or uncompressed bf16 or fp16 blocks (Bf16BlockFormat, its dtype). Plan on the host, run on the
+// device:
 //
 //   CudaDecoder decoder(quantizer);                         // once: uploads Πᵀ and the codebook
 //   DecodePlan plan = decoder.Plan(B, Hq, max_blocks);      // host only: split layout, workspace
@@ -75,7 +76,7 @@ class CudaDecoder {
  public:
   // For a compressed cache written by `quantizer` (its format, rotation and codebook).
   explicit CudaDecoder(const Quantizer& quantizer);
-  // For an uncompressed bf16 cache.
+  // For an uncompressed cache of format.dtype elements (BF16 or F16; anything else throws).
   explicit CudaDecoder(const Bf16BlockFormat& format);
   ~CudaDecoder();
   CudaDecoder(CudaDecoder&&) noexcept;

@@ -1,7 +1,8 @@
 // Split-KV decode attention over paged caches: TurboQuant SoA blocks (4/3-bit codebook keys, FP8
-// keys; 4/3-bit uniform values) and uncompressed bf16 blocks, plus the LSE merge and the query
-// preparation for a dense Πᵀ (q·Πᵀ once per step; Hadamard rotations are applied to the query by
-// each CTA's prologue, as a Walsh-Hadamard transform of its group's rows).
+// keys; 4/3-bit uniform values) and uncompressed bf16 or fp16 blocks (the "plain" kinds: one
+// kernel family with bf16 or fp16 MMAs), plus the LSE merge and the query preparation for a dense
+// Πᵀ (q·Πᵀ once per step; Hadamard rotations are applied to the query by each CTA's prologue, as
+// a Walsh-Hadamard transform of its group's rows).
 //
 // One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
 // 4bit_nc and k3v4_nc; the staged kernels, those two and bf16 at D = 128, copy their chunks into
@@ -81,6 +82,29 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The uncompressed kinds' MMA: fp16 or bf16 operands, fp32 accumulation.
+template <bool kFp16>
+__device__ __forceinline__ void MmaPlain(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (kFp16) {
+    MmaF16(c, a, b0, b1);
+  } else {
+    MmaBf16(c, a, b0, b1);
+  }
+}
+
+// (x, y) rounded to fp16 or bf16, x in the low half.
+template <bool kFp16>
+__device__ __forceinline__ uint32_t PackPlain(float x, float y) {
+  if constexpr (kFp16) {
+    const __half2 r = __floats2half2_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __nv_bfloat162 r = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
 }
 
 // Transpose of an 8x8 matrix of 16-bit elements held as an MMA fragment (thread 4·g + t holds row
@@ -320,7 +344,7 @@ struct CompressedValues {
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
-  static constexpr bool kBf16 = false;
+  static constexpr bool kPlain = false;
   static constexpr bool kHasNorm = true;
   static constexpr int kKeyBytes = kD / 8;  // 32 codes of 4 bits per thread (D = 128)
   static constexpr int kKeyWords = kKeyBytes / 4 + (kKeyBytes % 4 != 0);
@@ -344,7 +368,7 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits, kD> {
-  static constexpr bool kBf16 = false;
+  static constexpr bool kPlain = false;
   static constexpr bool kHasNorm = true;
   static constexpr int kKeyBytes = 3 * kD / 32;  // 32 codes of 3 bits per thread (D = 128)
   static constexpr int kKeyWords = (kKeyBytes + 3) / 4;
@@ -360,7 +384,7 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits, kD> {
-  static constexpr bool kBf16 = false;
+  static constexpr bool kPlain = false;
   static constexpr bool kHasNorm = false;
   static constexpr int kKeyBytes = kD / 4;
   static constexpr int kKeyWords = kKeyBytes / 4;
@@ -381,7 +405,8 @@ template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
   static constexpr float kEvenRowScale = 1.0f;
   static constexpr float kOddRowScale = 1.0f;
-  static constexpr bool kBf16 = true;
+  static constexpr bool kPlain = true;  // uncompressed 16-bit K and V
+  static constexpr bool kFp16 = false;  // bf16 elements (CacheTraits<kF16>: fp16)
   static constexpr bool kHasNorm = false;
   static constexpr int kKeyBytes = kD / 2;  // D/4 bf16 elements per thread
   static constexpr int kKeyWords = kKeyBytes / 4;
@@ -409,6 +434,12 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
   __device__ __forceinline__ static int D0(int g, int mt) { return 2 * ((kD / 16) * g + mt); }
 };
 
+// Uncompressed fp16 K and V: the bf16 kind's layout and loads, fp16 MMAs.
+template <int kValueBits, int kD>
+struct CacheTraits<KeyKind::kF16, kValueBits, kD> : CacheTraits<KeyKind::kBf16, kValueBits, kD> {
+  static constexpr bool kFp16 = true;
+};
+
 // ------------------------------------------------------------------------------------------------
 // The split kernel.
 
@@ -422,7 +453,7 @@ struct CacheTraits<KeyKind::kBf16, kValueBits, kD> {
 template <KeyKind kKind, int kValueBits, int kD, bool kPacked>
 constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
                                    (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3)) ||
-                                  (!kPacked && kD <= 128 && kKind == KeyKind::kBf16);
+                                  (!kPacked && kD <= 128 && IsPlain(kKind));
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -503,9 +534,9 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
-  static constexpr bool kBf16Staged = kStaged && kKind == KeyKind::kBf16;
+  static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
   static constexpr int kCtaWarps = [] {
-    if constexpr (kBf16Staged) {
+    if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kWarps;
     } else {
       return kStaged ? kStagedWarps : kWarps;
@@ -514,7 +545,7 @@ struct SplitKernelConfig {
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = [] {
-    if constexpr (kBf16Staged) {
+    if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
     } else if constexpr (kStaged) {
       return StagedLayout<kKind>::kBytes;
@@ -536,11 +567,11 @@ struct SplitKernelConfig {
   }
   static constexpr int kMergeBytes =
       (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
-  // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (bf16 cache:
-  // bf16 in the first array), rows past the group zero, after everything else (the prologue
-  // writes them while the first chunks' copies land in the stages).
+  // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (plain caches:
+  // the cache's type in the first array), rows past the group zero, after everything else (the
+  // prologue writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
-  static constexpr int kQueryHeads = kStaged && !kBf16Staged ? 4 : 8 * kNTiles;
+  static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;
   static constexpr int kSmemBytes = kQueryOffset + kQueryHeads * kD * 4;
 };
 
@@ -556,7 +587,9 @@ struct SplitKernelConfig {
 // capped at 128 for four they spilled and ran 20-35 % slower (measured, k3v4_nc and k8v4), and
 // the 4-bit table (64 KB) allows three anyway.
 template <KeyKind kKind, int kD, int kNTiles>
-constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1 : kKind == KeyKind::kBf16 ? 4 : 3;
+constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
+                              : IsPlain(kKind)           ? 4
+                                                         : 3;
 
 //
 // Packed heads (kPacked: compressed kinds, GQA group ≤ 4): column 2h of the score MMA's N = 8
@@ -569,7 +602,7 @@ template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>::kCtaWarps * 32,
     kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>)) DecodeSplitKernel(const SplitParams p) {
-  static_assert(!kPacked || (kNTiles == 1 && kKind != KeyKind::kBf16));
+  static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
   constexpr int kW = Config::kCtaWarps;
@@ -582,7 +615,7 @@ __global__ void __launch_bounds__(
   constexpr bool kCodebook = Traits::kLutEntries > 0;
   // The staged bf16 kernel maps a thread's key words to the 16-byte units 4j + t of a token (not
   // to 4t .. 4t + 3), so that its shared-memory reads spread over the banks (StagedLayout).
-  constexpr bool kInterleavedKeys = Config::kBf16Staged;
+  constexpr bool kInterleavedKeys = Config::kPlainStaged;
 
   extern __shared__ __align__(16) uint8_t smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -631,9 +664,9 @@ __global__ void __launch_bounds__(
 
   // Query fragments (B operand of the score MMA): head 8·nt + g. The compressed kinds carry q as
   // fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the codebook kinds the
-  // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The bf16 kind uses
-  // the query rounded to bf16 (exact for a bf16 query).
-  constexpr int kQParts = Traits::kBf16 || kPacked ? 1 : 2;
+  // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The plain kinds use
+  // the query rounded to the cache's type (exact for a query of that type).
+  constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
   // Everything the split needs from earlier work: waits for the query prep grid where there is
   // one (programmatic launch), rotates the group's query rows into shared memory and loads the
@@ -693,9 +726,8 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int e = 0; e < kE; e += 2) {
         const int at = head * kD + kE * lane + e;
-        if constexpr (Traits::kBf16) {
-          const __nv_bfloat162 r = __floats2bfloat162_rn(x[e], x[e + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(q_hi + at) = r;
+        if constexpr (Traits::kPlain) {  // the cache's element type
+          *reinterpret_cast<uint32_t*>(q_hi + at) = PackPlain<Traits::kFp16>(x[e], x[e + 1]);
         } else {
           const __half2 hi = __floats2half2_rn(x[e], x[e + 1]);
           const float2 hf = __half22float2(hi);
@@ -765,9 +797,9 @@ __global__ void __launch_bounds__(
   // Per-thread byte offsets within a block (block_bytes < 2^31), computed once; per chunk only the
   // block pointer and the position change.
   const int stride_token =
-      Traits::kBf16 ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
-  const int head_off = Traits::kBf16 ? 2 * h * kD : h * p.data_per_slot;
-  const int value_base = Traits::kBf16 ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
+      Traits::kPlain ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
+  const int head_off = Traits::kPlain ? 2 * h * kD : h * p.data_per_slot;
+  const int value_base = Traits::kPlain ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
   const int off_kg = head_off + (kInterleavedKeys ? 16 : Traits::kKeyBytes) * t +
                      2 * g * stride_token;                                     // token 2g
   const int off_k8 = off_kg + stride_token;                                    // token 2g + 1
@@ -809,7 +841,7 @@ __global__ void __launch_bounds__(
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 2 * stride_token, ck.v[1]);
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[2]);
     LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 3 * stride_token, ck.v[3]);
-    if constexpr (!Traits::kBf16) {
+    if constexpr (!Traits::kPlain) {
       const uint8_t* meta = base + off_meta + 2 * pos0;
       constexpr int kScaleField = Traits::kHasNorm ? 1 : 0;
       ck.norm = Traits::kHasNorm ? __ldg(reinterpret_cast<const uint32_t*>(meta)) : 0u;
@@ -834,9 +866,9 @@ __global__ void __launch_bounds__(
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
     // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
-    constexpr int kParts = kPacked         ? (kCodebook ? (kStaged ? 4 : 2) : 1)
-                           : Traits::kBf16 ? 1
-                                           : (kCodebook ? 4 : 2);
+    constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
+                           : Traits::kPlain ? 1
+                                            : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
     for (int k = 0; k < kParts; ++k) {
@@ -870,8 +902,8 @@ __global__ void __launch_bounds__(
         Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          if constexpr (Traits::kBf16) {
-            MmaBf16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          if constexpr (Traits::kPlain) {
+            MmaPlain<Traits::kFp16>(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
           } else if constexpr (kPacked) {
             MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
           } else {
@@ -888,8 +920,9 @@ __global__ void __launch_bounds__(
                          ? HalfBitsToFloat(static_cast<uint16_t>(cur.norm >> (16 * i))) *
                                p.score_scale
                          : p.score_scale;
-      vs[i] = Traits::kBf16 ? 1.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vscale >> (16 * i)));
-      vz[i] = Traits::kBf16 ? 0.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vzero >> (16 * i)));
+      vs[i] =
+          Traits::kPlain ? 1.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vscale >> (16 * i)));
+      vz[i] = Traits::kPlain ? 0.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vzero >> (16 * i)));
       if constexpr (kTail) {  // metadata of slots past the end may be NaN garbage (0 · NaN = NaN)
         vs[i] = valid[i] ? vs[i] : 0.0f;
         vz[i] = valid[i] ? vz[i] : 0.0f;
@@ -965,7 +998,7 @@ __global__ void __launch_bounds__(
       // Rescale only when some score of the warp passes its head's running maximum by more than
       // kLazyMax (a few times per split), or by anything when a value scale of the chunk is too
       // large for p ≤ 2^kLazyMax; then m becomes the exact maximum so far.
-      const bool exact = !Traits::kBf16 && fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      const bool exact = !Traits::kPlain && fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
       const float thr0 = exact ? m[nt][0] : m_thr[nt][0];
       const float thr1 = exact ? m[nt][1] : m_thr[nt][1];
       if (__any_sync(0xffffffffu, mx[0] > thr0 || mx[1] > thr1)) {
@@ -997,7 +1030,7 @@ __global__ void __launch_bounds__(
         // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
         const float pr = FastExp2(s[i] - m[nt][j]);
         l[nt][j] += pr;
-        if constexpr (!Traits::kBf16) z[nt][j] += pr * vz[r];
+        if constexpr (!Traits::kPlain) z[nt][j] += pr * vz[r];
         pw[i] = pr * vs[r];
       }
       // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
@@ -1007,9 +1040,8 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         uint32_t packed, packed_lo = 0;
-        if constexpr (Traits::kBf16) {  // bf16 P', as flash-attention kernels round it
-          const __nv_bfloat162 x = __floats2bfloat162_rn(pw[2 * r], pw[2 * r + 1]);
-          packed = *reinterpret_cast<const uint32_t*>(&x);
+        if constexpr (Traits::kPlain) {  // P' in the cache's type, as flash-attention rounds it
+          packed = PackPlain<Traits::kFp16>(pw[2 * r], pw[2 * r + 1]);
         } else {
           const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
           const __half2 y =
@@ -1018,14 +1050,14 @@ __global__ void __launch_bounds__(
           packed_lo = *reinterpret_cast<const uint32_t*>(&y);
         }
         pb[nt][r] = Transpose8x8(packed);
-        pb_lo[nt][r] = Traits::kBf16 ? 0u : Transpose8x8(packed_lo);
+        pb_lo[nt][r] = Traits::kPlain ? 0u : Transpose8x8(packed_lo);
       }
     }
     }
 
-    // Bf16 values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
+    // Plain values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
     // 0 · NaN is NaN). Codes of the compressed kinds are always finite.
-    if constexpr (Traits::kBf16 && kTail) {
+    if constexpr (Traits::kPlain && kTail) {
       const bool vvalid[4] = {t0 + 4 * t < end, t0 + 4 * t + 2 < end, t0 + 4 * t + 1 < end,
                               t0 + 4 * t + 3 < end};
 #pragma unroll
@@ -1035,7 +1067,7 @@ __global__ void __launch_bounds__(
       }
     }
     // Oᵀ[d, head] += Vᵀ[d, token] · P'ᵀ[token, head].
-    if constexpr (!Traits::kBf16 && kValueBits == 4) {
+    if constexpr (!Traits::kPlain && kValueBits == 4) {
       StaticFor<kMTiles / 2>([&](auto pair_c) {
         constexpr int mt = 2 * decltype(pair_c)::value;
         uint32_t r01[2][2], r89[2][2];  // [m-tile][row g / g+8]
@@ -1059,8 +1091,8 @@ __global__ void __launch_bounds__(
         Traits::template Rows<mt>(cur.v[2], cur.v[3], a[2], a[3]);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          if constexpr (Traits::kBf16) {
-            MmaBf16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+          if constexpr (Traits::kPlain) {
+            MmaPlain<Traits::kFp16>(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
           } else {
             MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
             if constexpr (!kPacked) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
@@ -1073,7 +1105,7 @@ __global__ void __launch_bounds__(
   // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
   // that only it pays for the end-of-sequence masks.
   const int num_full = (end - begin) / kChunk;
-  if constexpr (Traits::kBf16 && kStaged) {
+  if constexpr (Traits::kPlain && kStaged) {
     // Chunk c + (S - 1)·kW is copied into stage (k + S - 1) mod S while chunk c (this warp's k-th)
     // is read from stage k mod S and computed, one commit group per chunk (empty past the end).
     // Copy instruction i covers units 32·i .. 32·i + 31 of the chunk's 16 × kU units (token by
@@ -1190,7 +1222,7 @@ __global__ void __launch_bounds__(
       stage[kS - 1] = first;
     }
     CopyAsyncWait();  // (only empty groups remain) before the merge reuses shared memory
-  } else if constexpr (Traits::kBf16) {
+  } else if constexpr (Traits::kPlain) {
     // A bf16 chunk is 4x the bytes of a compressed one: one buffer, and occupancy (more warps
     // per SM) keeps enough loads in flight.
     Chunk buf;
@@ -1729,7 +1761,7 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
-      if constexpr (kKind != KeyKind::kBf16) {
+      if constexpr (!IsPlain(kKind)) {
         if constexpr (kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true>{});
@@ -1746,9 +1778,12 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
                         : fn(SplitKernelOps<kKind, kVB, kD, 2, false>{});
     };
     switch (head_dim) {
-      case 64: return by_tiles.template operator()<64>();
-      case 128: return by_tiles.template operator()<128>();
-      case 256: return by_tiles.template operator()<256>();
+      case 64:
+        return by_tiles.template operator()<64>();
+      case 128:
+        return by_tiles.template operator()<128>();
+      case 256:
+        return by_tiles.template operator()<256>();
     }
     return cudaErrorInvalidValue;
   };
@@ -1765,6 +1800,8 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
       break;
     case KeyKind::kBf16:
       return by_dim.template operator()<KeyKind::kBf16, 16>();
+    case KeyKind::kF16:
+      return by_dim.template operator()<KeyKind::kF16, 16>();
   }
   return cudaErrorInvalidValue;
 }

@@ -16,7 +16,16 @@ enum class KeyKind : int {
   kMse3 = 1,  // 3-bit codebook indices + fp16 norm (turboquant_k3v4_nc, turboquant_3bit_nc)
   kFp8 = 2,   // FP8 E4M3 per element (turboquant_k8v4)
   kBf16 = 3,  // uncompressed bf16 K and V (the baseline layout of Bf16BlockFormat)
+  kF16 = 4,   // uncompressed fp16 K and V (Bf16BlockFormat with dtype F16)
 };
+
+// The uncompressed kinds (one kernel family, fp16 or bf16 MMAs).
+// clang-format off
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr bool IsPlain(KeyKind k) { return k == KeyKind::kBf16 || k == KeyKind::kF16; }
+// clang-format on
 
 // Everything one decode launch needs. Pointers are device pointers.
 struct SplitParams {

@@ -27,7 +27,7 @@ std::string ToHex(const BlockHash& hash);
 
 // What makes cached bytes of one format unusable by another. The block size is the manager's.
 struct FormatTag {
-  std::string preset;  // a TurboQuant preset name, or "bf16"
+  std::string preset;  // a TurboQuant preset name, "bf16" or "fp16"
   int head_dim = 0;
   int block_size = 0;        // tokens per block
   uint64_t rotation_id = 0;  // identifies the rotation (kind + seed); 0 for formats without one

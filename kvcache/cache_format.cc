@@ -14,9 +14,10 @@ CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_head
   f.head_dim = head_dim;
   f.num_kv_heads = num_kv_heads;
   f.block_size = block_size;
-  if (name == kBf16FormatName) {
+  if (name == kBf16FormatName || name == kFp16FormatName) {
     f.bf16 = true;
-    f.bf16_format = MakeBf16BlockFormat(head_dim, num_kv_heads, block_size);
+    f.bf16_format = MakeBf16BlockFormat(head_dim, num_kv_heads, block_size,
+                                        name == kFp16FormatName ? DType::kF16 : DType::kBF16);
     f.block_bytes = f.bf16_format.block_bytes;
     f.slot_bytes = f.bf16_format.SlotBytes();
     return f;
@@ -26,8 +27,9 @@ CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_head
     if (p.name == name) preset = &p;
   }
   if (preset == nullptr) {
-    throw InvalidArgument("MakeCacheFormat", "format", fmt::format("\"{}\"", name),
-                          fmt::format("{}, {}", kBf16FormatName, PresetNames()));
+    throw InvalidArgument(
+        "MakeCacheFormat", "format", fmt::format("\"{}\"", name),
+        fmt::format("{}, {}, {}", kBf16FormatName, kFp16FormatName, PresetNames()));
   }
   f.turboquant = MakeBlockFormat(*preset, head_dim, num_kv_heads, block_size);
   f.block_bytes = f.turboquant.block_bytes;

@@ -1,8 +1,9 @@
 // Cache formats KVCache can hold, and the capacity arithmetic behind `tqkv info --memory`.
 //
-// A cache format is either a TurboQuant preset (the SoA block of quant/block_format.h) or the
-// uncompressed bf16 baseline below. Either way a layer's cache is [num_blocks, block_bytes] uint8
-// and block ids mean the same thing in every layer.
+// A cache format is either a TurboQuant preset (the SoA block of quant/block_format.h) or an
+// uncompressed 16-bit one: "bf16" (the baseline) or "fp16", the same layout with fp16 elements.
+// Either way a layer's cache is [num_blocks, block_bytes] uint8 and block ids mean the same thing
+// in every layer.
 #pragma once
 
 #include <cstdint>
@@ -18,10 +19,12 @@ namespace tqkv {
 // Bf16BlockFormat (the uncompressed layout) lives in quant/block_format.h with the TurboQuant one.
 
 inline constexpr std::string_view kBf16FormatName = "bf16";
+inline constexpr std::string_view kFp16FormatName = "fp16";
 
 struct CacheFormat {
-  std::string name;             // a preset name or "bf16"
-  bool bf16 = false;            // which of the two below is valid
+  std::string name;             // a preset name, "bf16" or "fp16"
+  bool bf16 = false;            // uncompressed (bf16 or fp16: bf16_format.dtype); which of the
+                                // two below is valid
   BlockFormat turboquant;       // !bf16
   Bf16BlockFormat bf16_format;  // bf16
   int head_dim = 0;
@@ -31,8 +34,8 @@ struct CacheFormat {
   int64_t slot_bytes = 0;   // one token of one head (K + V + metadata)
 };
 
-// `name` is "bf16" or a TurboQuant preset; anything else throws tqkv::Error listing them. The
-// sizes are validated by MakeBlockFormat / MakeBf16BlockFormat.
+// `name` is "bf16", "fp16" or a TurboQuant preset; anything else throws tqkv::Error listing them.
+// The sizes are validated by MakeBlockFormat / MakeBf16BlockFormat.
 CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_heads, int block_size);
 
 // The prefix-cache format tag of a cache format (rotation_id: the rotation's kind and seed as
@@ -59,7 +62,7 @@ struct CapacityReport {
   CapacityRow bf16;    // the bf16 baseline (equal to `format` when that is bf16)
 };
 
-// How many blocks and tokens of `format` ("bf16" or a preset) fit in memory_bytes of cache
+// How many blocks and tokens of `format` ("bf16", "fp16" or a preset) fit in memory_bytes of cache
 // memory, next to bf16. Throws tqkv::Error for a negative memory size, num_layers < 1 or an
 // invalid format.
 CapacityReport ComputeCapacity(int64_t memory_bytes, std::string_view format, int num_layers,

@@ -60,6 +60,18 @@ TEST(CacheFormatTest, PresetsUseTheTurboQuantBlockFormat) {
   const CacheFormat b = MakeCacheFormat("bf16", 128, 8, 16);
   EXPECT_TRUE(b.bf16);
   EXPECT_EQ(b.block_bytes, 16 * 8 * 512);
+  EXPECT_EQ(b.bf16_format.dtype, DType::kBF16);
+  // fp16: the same layout and sizes, fp16 elements, its own name (so prefix-cache tags differ).
+  const CacheFormat h = MakeCacheFormat("fp16", 128, 8, 16);
+  EXPECT_TRUE(h.bf16);
+  EXPECT_EQ(h.bf16_format.dtype, DType::kF16);
+  EXPECT_EQ(h.block_bytes, b.block_bytes);
+  EXPECT_EQ(h.slot_bytes, b.slot_bytes);
+  EXPECT_NE(HashFormatTag(MakeFormatTag(h, 0)), HashFormatTag(MakeFormatTag(b, 0)));
+  const CapacityReport r = ComputeCapacity(int64_t{1} << 30, "fp16", 32, 8, 128);
+  EXPECT_EQ(r.format.num_tokens, r.bf16.num_tokens);
+  EXPECT_DOUBLE_EQ(r.format.vs_bf16, 1.0);
+  EXPECT_THAT(FormatCapacityTable(r), HasSubstr("fp16"));
 }
 
 TEST(CacheFormatTest, UnknownNameListsBf16AndThePresets) {
@@ -67,7 +79,7 @@ TEST(CacheFormatTest, UnknownNameListsBf16AndThePresets) {
     MakeCacheFormat("fp8", 128, 8, 16);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("format = \"fp8\""), HasSubstr("bf16"),
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("format = \"fp8\""), HasSubstr("bf16"), HasSubstr("fp16"),
                                 HasSubstr("turboquant_4bit_nc")));
   }
   EXPECT_THROW(MakeCacheFormat("turboquant_4bit_nc", 96, 8, 16), Error);  // head_dim

@@ -25,12 +25,16 @@ void ValidateShape(const char* where, int head_dim, int num_kv_heads, int block_
 
 }  // namespace
 
-Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size) {
+Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size, DType dtype) {
   ValidateShape("MakeBf16BlockFormat", head_dim, num_kv_heads, block_size);
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    throw InvalidArgument("MakeBf16BlockFormat", "dtype", DTypeName(dtype), "BF16 or F16");
+  }
   Bf16BlockFormat f;
   f.head_dim = head_dim;
   f.num_kv_heads = num_kv_heads;
   f.block_size = block_size;
+  f.dtype = dtype;
   f.value_offset = 2 * static_cast<int64_t>(block_size) * num_kv_heads * head_dim;
   f.block_bytes = 2 * f.value_offset;
   return f;

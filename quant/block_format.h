@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "quant/preset.h"
+#include "runtime/dtype.h"
 #include "runtime/host_device.h"
 
 namespace tqkv {
@@ -68,7 +69,8 @@ struct Bf16BlockFormat {
   int head_dim = 0;
   int num_kv_heads = 0;
   int block_size = 0;
-  int64_t value_offset = 0;  // bytes
+  DType dtype = DType::kBF16;  // the elements: kBF16 or kF16
+  int64_t value_offset = 0;    // bytes
   int64_t block_bytes = 0;   // 4 * block_size * H * D
 
   TQKV_HOST_DEVICE int64_t KeyOffset(int pos, int h) const {
@@ -80,8 +82,9 @@ struct Bf16BlockFormat {
   TQKV_HOST_DEVICE int SlotBytes() const { return 4 * head_dim; }  // K + V of one token-head
 };
 
-// Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads).
-Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size);
+// Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads); dtype kBF16 or kF16.
+Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size,
+                                    DType dtype = DType::kBF16);
 
 // Validates and computes a format. Throws tqkv::Error naming the argument and the allowed values:
 // head_dim in {64, 128, 256}; block_size in {16, 32, 64, 128}; num_kv_heads in [1, 256];

@@ -139,6 +139,19 @@ TEST(Bf16BlockFormatTest, KeysThenValuesTokenMajor) {
   EXPECT_EQ(f.ValueOffset(5, 3), f.value_offset + 2 * (5 * 8 + 3) * 128);
   EXPECT_THROW(MakeBf16BlockFormat(96, 8, 16), Error);
   EXPECT_THROW(MakeBf16BlockFormat(128, 8, 8), Error);
+  EXPECT_EQ(f.dtype, DType::kBF16);
+  // fp16 elements: the same layout.
+  const Bf16BlockFormat h = MakeBf16BlockFormat(128, 8, 16, DType::kF16);
+  EXPECT_EQ(h.dtype, DType::kF16);
+  EXPECT_EQ(h.block_bytes, f.block_bytes);
+  EXPECT_EQ(h.ValueOffset(5, 3), f.ValueOffset(5, 3));
+  try {
+    MakeBf16BlockFormat(128, 8, 16, DType::kF32);
+    ADD_FAILURE() << "an F32 element type was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("dtype = F32"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("BF16 or F16"));
+  }
 }
 
 }  // namespace

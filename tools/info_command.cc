@@ -64,7 +64,7 @@ void AddInfoCommand(CLI::App& app) {
       "info", "Version, CUDA devices and preset sizes; with --memory, what fits in that memory");
   cmd->add_option("--memory", flags->memory_gib, "KV-cache memory in GiB: print blocks and tokens "
                                                  "that fit, next to bf16");
-  cmd->add_option("--preset", flags->preset, "a preset or bf16")->capture_default_str();
+  cmd->add_option("--preset", flags->preset, "a preset, bf16 or fp16")->capture_default_str();
   cmd->add_option("--layers", flags->layers, "layers")->capture_default_str();
   cmd->add_option("--kv-heads", flags->kv_heads, "KV heads")->capture_default_str();
   cmd->add_option("--head-dim", flags->head_dim, "head dim")->capture_default_str();

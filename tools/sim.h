@@ -22,7 +22,7 @@ struct SimConfig {
   int q_heads = 32;
   int kv_heads = 8;
   int head_dim = 128;
-  std::string preset = "turboquant_4bit_nc";  // a preset name or "bf16"
+  std::string preset = "turboquant_4bit_nc";  // a preset name, "bf16" or "fp16"
   int block_size = 16;
   int64_t num_blocks = 0;     // 0: from kv_memory_gib, else sized so that preemption happens
   double kv_memory_gib = 0;   // KV memory for all layers (alternative to num_blocks)

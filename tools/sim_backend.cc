@@ -17,9 +17,17 @@
 namespace tqkv::sim {
 namespace {
 
-// The CPU reference: Quantizer::StoreCpu / DecodeCpu for TurboQuant; for bf16, the values are
-// rounded to bf16 into the Bf16BlockFormat layout and attention is computed over them in fp64.
+// The CPU reference: Quantizer::StoreCpu / DecodeCpu for TurboQuant; for bf16 / fp16, the values
+// are rounded to the format's type into the Bf16BlockFormat layout and attention is computed over
+// them in fp64.
 class CpuBackend : public Backend {
+  static uint16_t Bits(const Bf16BlockFormat& f, float x) {
+    return f.dtype == DType::kF16 ? FloatToHalfBits(x) : FloatToBFloat16Bits(x);
+  }
+  static float Value(const Bf16BlockFormat& f, uint16_t bits) {
+    return f.dtype == DType::kF16 ? HalfBitsToFloat(bits) : BFloat16BitsToFloat(bits);
+  }
+
  public:
   CpuBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks)
       : format_(format), q_(q), cache_(format, layers, blocks, CacheDevice::kCpu) {}
@@ -46,7 +54,7 @@ class CpuBackend : public Backend {
       for (int h = 0; h < f.num_kv_heads; ++h) {
         for (int i = 0; i < d; ++i) {
           const size_t at = (t * f.num_kv_heads + h) * d + i;
-          const uint16_t kb = FloatToBFloat16Bits(k[at]), vb = FloatToBFloat16Bits(v[at]);
+          const uint16_t kb = Bits(f, k[at]), vb = Bits(f, v[at]);
           std::memcpy(block + f.KeyOffset(pos, h) + 2 * i, &kb, 2);
           std::memcpy(block + f.ValueOffset(pos, h) + 2 * i, &vb, 2);
         }
@@ -85,8 +93,8 @@ class CpuBackend : public Backend {
             uint16_t kb, vb;
             std::memcpy(&kb, block + f.KeyOffset(t % f.block_size, h) + 2 * i, 2);
             std::memcpy(&vb, block + f.ValueOffset(t % f.block_size, h) + 2 * i, 2);
-            k.push_back(BFloat16BitsToFloat(kb));
-            v.push_back(BFloat16BitsToFloat(vb));
+            k.push_back(Value(f, kb));
+            v.push_back(Value(f, vb));
           }
         }
       }
@@ -201,8 +209,9 @@ std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat&
   }
   RequireCudaDevice("tqkv sim --device cuda");
   if (quantizer == nullptr) {
-    throw Error("tqkv sim: --device cuda runs the TurboQuant presets; the bf16 format runs on "
-                "--device cpu (there is no bf16 store kernel yet)");
+    throw Error(
+        "tqkv sim: --device cuda runs the TurboQuant presets; the bf16 and fp16 formats "
+        "run on --device cpu (there is no store kernel for them yet)");
   }
 #if TQKV_HAVE_CUDA
   return std::make_unique<CudaBackend>(format, quantizer, num_layers, num_blocks);

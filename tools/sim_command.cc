@@ -22,7 +22,7 @@ void AddSimCommand(CLI::App& app) {
   cmd->add_option("--head-dim", config->head_dim, "64, 128, 256")->capture_default_str();
   cmd->add_option("--preset", config->preset,
                   "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc, "
-                  "or bf16")
+                  "bf16 or fp16 (uncompressed)")
       ->capture_default_str();
   cmd->add_option("--block-size", config->block_size, "16, 32, 64, 128")->capture_default_str();
   cmd->add_option("--num-blocks", config->num_blocks,

@@ -74,6 +74,19 @@ TEST(SimTest, Bf16IsExactToBf16Rounding) {
   EXPECT_GT(r.cosine_mean, 0.9999);
 }
 
+// fp16 keeps 3 more mantissa bits than bf16: its attention outputs are closer to the unrounded
+// ones (1 - cosine about 64x smaller), so a path that rounded fp16 caches to bf16 fails here.
+TEST(SimTest, Fp16IsCloserThanBf16) {
+  SimConfig c = Small();
+  c.preset = "bf16";
+  const SimReport b = RunSim(c);
+  c.preset = "fp16";
+  const SimReport h = RunSim(c);
+  EXPECT_EQ(h.kv_bytes_per_token, h.bf16_bytes_per_token);
+  EXPECT_GT(h.cosine_mean, 0.99999);
+  EXPECT_LT(1.0 - h.cosine_mean, (1.0 - b.cosine_mean) / 8);
+}
+
 TEST(SimTest, InvalidFlagsNameTheFlag) {
   auto message = [](SimConfig c) -> std::string {
     try {

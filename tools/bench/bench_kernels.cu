@@ -54,11 +54,14 @@ __global__ void FixCompressedKernel(uint8_t* cache, int64_t num_blocks, int64_t 
   }
 }
 
-__global__ void FillRandomBf16Kernel(uint16_t* dst, int64_t count, uint64_t seed) {
+template <bool kFp16>
+__global__ void FillRandom16Kernel(uint16_t* dst, int64_t count, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float u = (Mix(seed ^ (i * 0x9E3779B97F4A7C15ull)) >> 40) * (1.0f / 16777216.0f);
-    dst[i] = __bfloat16_as_ushort(__float2bfloat16_rn(4.0f * u - 2.0f));
+    const float x = 4.0f * u - 2.0f;
+    dst[i] =
+        kFp16 ? __half_as_ushort(__float2half_rn(x)) : __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
 }
 
@@ -88,7 +91,11 @@ void FixCompressedCache(uint8_t* cache, int64_t num_blocks, int64_t block_bytes,
 }
 
 void FillRandomBf16(uint16_t* dst, int64_t count, uint64_t seed, StreamHandle stream) {
-  FillRandomBf16Kernel<<<2048, 256, 0, stream>>>(dst, count, seed);
+  FillRandom16Kernel<false><<<2048, 256, 0, stream>>>(dst, count, seed);
+}
+
+void FillRandomF16(uint16_t* dst, int64_t count, uint64_t seed, StreamHandle stream) {
+  FillRandom16Kernel<true><<<2048, 256, 0, stream>>>(dst, count, seed);
 }
 
 void ReadAll(const uint8_t* src, int64_t num_bytes, uint32_t* sink, int sink_len,

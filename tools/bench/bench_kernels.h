@@ -17,6 +17,8 @@ void FixCompressedCache(uint8_t* cache, int64_t num_blocks, int64_t block_bytes,
                         int key_bytes, int data_per_slot, bool fp8_keys, StreamHandle stream);
 // Random bf16 values in [-2, 2).
 void FillRandomBf16(uint16_t* dst, int64_t count, uint64_t seed, StreamHandle stream);
+// The same values as fp16.
+void FillRandomF16(uint16_t* dst, int64_t count, uint64_t seed, StreamHandle stream);
 // Reads num_bytes (a multiple of 16) with 128-bit loads and writes one word per CTA to sink.
 void ReadAll(const uint8_t* src, int64_t num_bytes, uint32_t* sink, int sink_len,
              StreamHandle stream);

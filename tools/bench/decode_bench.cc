@@ -1,5 +1,6 @@
 // Decode attention benchmark on the GPU, Llama-3-8B layer shape (Hq 32, Hk 8, D 128, block 16):
-// turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and the bf16 kernel for batch 1, 16,
+// turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and the bf16 and fp16 kernels (the
+// uncompressed ones; both compared with PyTorch's bf16 decode, the same bytes) for batch 1, 16,
 // 64, 256 x context 1k, 4k, 16k, 32k. Reports µs per call (query rotation + split kernel + merge)
 // launched back to back on a stream and replayed from a CUDA graph (as engines run decode steps;
 // at small shapes the stream figure is the host's launch rate), the cache bytes read, GB/s and
@@ -83,7 +84,7 @@ Ceilings MeasureCeilings(Stream& stream) {
 }
 
 struct Kind {
-  std::string name;        // preset or "bf16"
+  std::string name;        // preset, "bf16" or "fp16"
   int64_t slot_bytes = 0;  // per token per KV head
 };
 
@@ -119,12 +120,15 @@ double GraphUs(const std::function<void(int)>& run, int calls, StreamHandle stre
 std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                             const std::vector<int>& contexts, const Ceilings& ceil,
                             Stream& stream) {
-  const bool bf16 = kind.name == "bf16";
+  const bool fp16 = kind.name == "fp16";
+  const bool bf16 = kind.name == "bf16" || fp16;  // an uncompressed cache
+  auto fill16 = fp16 ? FillRandomF16 : FillRandomBf16;
   std::optional<Quantizer> quantizer;
   std::optional<CudaDecoder> decoder;
   int64_t block_bytes;
   if (bf16) {
-    const Bf16BlockFormat f = MakeBf16BlockFormat(g_d, kHk, kBlock);
+    const Bf16BlockFormat f =
+        MakeBf16BlockFormat(g_d, kHk, kBlock, fp16 ? DType::kF16 : DType::kBF16);
     block_bytes = f.block_bytes;
     decoder.emplace(f);
   } else {
@@ -141,8 +145,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
   const int64_t pool_blocks = std::max(max_blocks, (int64_t{1} << 30) / block_bytes);
   DeviceBuffer<uint8_t> pool(pool_blocks * block_bytes);
   if (bf16) {
-    FillRandomBf16(reinterpret_cast<uint16_t*>(pool.data()), pool.size_bytes() / 2, 7,
-                   stream.get());
+    fill16(reinterpret_cast<uint16_t*>(pool.data()), pool.size_bytes() / 2, 7, stream.get());
   } else {
     const BlockFormat& f = quantizer->format();
     FillRandomBytes(pool.data(), pool.size_bytes(), 7, stream.get());
@@ -170,7 +173,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         DeviceBuffer<int32_t> d_lens(batch);
         d_lens.CopyFromHost(lens);
         DeviceBuffer<uint16_t> query(int64_t{batch} * g_hq * g_d);
-        FillRandomBf16(query.data(), query.size(), 11, stream.get());
+        fill16(query.data(), query.size(), 11, stream.get());
         DeviceBuffer<uint16_t> out(int64_t{batch} * g_hq * g_d);
         DeviceBuffer<float> lse(int64_t{batch} * g_hq);
         DecodePlan plan;
@@ -183,12 +186,12 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
         CudaDecodeArgs a;
         a.query = query.data();
-        a.query_dtype = DType::kBF16;
+        a.query_dtype = fp16 ? DType::kF16 : DType::kBF16;
         a.cache = pool.data();
         a.num_blocks = pool_blocks;
         a.seq_lens = d_lens.data();
         a.output = out.data();
-        a.output_dtype = DType::kBF16;
+        a.output_dtype = fp16 ? DType::kF16 : DType::kBF16;
         a.lse = lse.data();
         a.workspace = ws.data();
         a.workspace_bytes = ws.size_bytes();
@@ -275,6 +278,7 @@ int Main(int argc, char** argv) {
     kinds.push_back({p, MakeBlockFormat(PresetByName(p), g_d, 1, kBlock).slot_bytes});
   }
   kinds.push_back({"bf16", 4 * g_d});
+  kinds.push_back({"fp16", 4 * g_d});
   auto ints = [](const std::string& list) {
     std::vector<int> v;
     std::stringstream in(list);

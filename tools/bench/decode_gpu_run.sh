@@ -27,7 +27,7 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
   timeout 200 python3 "$here/torch_decode_bench.py" "$out/torch.json" $quick
   echo "torch exit $?"
   echo "== decode_bench"
-  timeout 200 "$here/bin/tools/bench/decode_bench" $quick --torch-json "$out/torch.json" \
+  timeout 300 "$here/bin/tools/bench/decode_bench" $quick --torch-json "$out/torch.json" \
     --json "$out/decode_bench.json"
   echo "decode_bench exit $?"
   if [ -n "$ncu_shape" ] && command -v ncu >/dev/null; then
