@@ -1325,8 +1325,13 @@ __global__ void __launch_bounds__(
     int first_blocks[kStages];  // all read before any copy waits for one
 #pragma unroll
     for (int k = 0; k < kStages; ++k) first_blocks[k] = block_of(warp + k * kW, num_full);
+#ifdef TQKV_DECODE_COMPUTE_ONLY  // a measurement build: every stage copied once, then reused
+    constexpr int kPrologueStages = kStages;
+#else
+    constexpr int kPrologueStages = kStages - 1;
+#endif
 #pragma unroll
-    for (int k = 0; k < kStages - 1; ++k) {
+    for (int k = 0; k < kPrologueStages; ++k) {
       issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, first_blocks[k]);
       CopyAsyncCommit();
     }
@@ -1348,8 +1353,10 @@ __global__ void __launch_bounds__(
       // mma.sync instructions, which every lane of the warp had to reach, so it is free. (Issued
       // after this step's reads: an LDGSTS holds its address registers until the memory pipe
       // takes it, and the reads' destinations would otherwise reuse them and wait.)
+#ifndef TQKV_DECODE_COMPUTE_ONLY
       issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
             next_block);
+#endif
       CopyAsyncCommit();
 #ifndef TQKV_DECODE_COPY_ONLY
       compute.template operator()<false>(c, cur);

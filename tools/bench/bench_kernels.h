@@ -23,4 +23,9 @@ void FillRandomF16(uint16_t* dst, int64_t count, uint64_t seed, StreamHandle str
 void ReadAll(const uint8_t* src, int64_t num_bytes, uint32_t* sink, int sink_len,
              StreamHandle stream);
 
+// The fewest-frills read of num_bytes (a multiple of 16) in one launch: one 32 KB tile per CTA,
+// every load issued up front. sink (>= 1,024 words) is written only for an improbable checksum.
+// The floor that any one-kernel decode reading the same bytes is held to, launch included.
+void ReadFloor(const uint8_t* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream);
+
 }  // namespace tqkv::bench

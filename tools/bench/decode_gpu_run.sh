@@ -27,9 +27,42 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
   timeout 200 python3 "$here/torch_decode_bench.py" "$out/torch.json" $quick
   echo "torch exit $?"
   echo "== decode_bench"
+  # The SM clock, power and throttle reasons sampled while it runs, so that each shape's line can
+  # say what clock it ran at: sustained large shapes reach the board's power cap (session 15).
+  ( while :; do
+      echo "$(date +%s.%N) $(nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active \
+        --format=csv,noheader,nounits 2>/dev/null)"
+      sleep 0.1
+    done ) >"$out/clocks.txt" &
+  sampler=$!
   timeout 300 "$here/bin/tools/bench/decode_bench" $quick --torch-json "$out/torch.json" \
-    --json "$out/decode_bench.json"
-  echo "decode_bench exit $?"
+    --json "$out/decode_bench.json" | while IFS= read -r line; do echo "$(date +%s.%N) $line"; done \
+    >"$out/decode_bench.txt"
+  echo "decode_bench exit ${PIPESTATUS[0]}"
+  kill "$sampler" 2>/dev/null
+  python3 - "$out/decode_bench.txt" "$out/clocks.txt" <<'PY'
+import sys
+samples = []
+for l in open(sys.argv[2]):
+    f = l.replace(",", " ").split()
+    if len(f) >= 4:
+        try:
+            samples.append((float(f[0]), float(f[1]), float(f[2]), int(f[3], 16)))
+        except ValueError:
+            pass
+prev = None
+for l in open(sys.argv[1]):
+    ts, _, text = l.rstrip("\n").partition(" ")
+    t = float(ts)
+    if prev is not None and "B=" in text:
+        s = [x for x in samples if prev <= x[0] <= t]
+        if s:
+            capped = sum(1 for x in s if x[3] & 0x4)
+            text += "  [SM %d-%d MHz, <= %.0f W, power-capped %d of %d samples]" % (
+                min(x[1] for x in s), max(x[1] for x in s), max(x[2] for x in s), capped, len(s))
+    print(text)
+    prev = t
+PY
   if [ -n "$ncu_shape" ] && command -v ncu >/dev/null; then
     echo "== ncu $ncu_shape"
     timeout 150 ncu --clock-control none -k regex:"DecodeSplitKernel|QueryPrep|DecodeMerge" -c 3 \
