@@ -639,12 +639,36 @@ __global__ void __launch_bounds__(
     }
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
   }
+  // The random signs of the query rotation are the decoder's constants: read before the wait.
+  constexpr int kE = kD / 32;  // query elements per lane in finish_prologue
+  float q_sign[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) {
+    q_sign[e] = p.query_signs != nullptr && warp < Config::kQueryHeads
+                    ? __ldg(p.query_signs + kE * lane + e)
+                    : 1.0f;
+  }
   // Launched as a programmatic dependent of whatever kernel precedes it in the stream (the
   // default without a query prep: CudaDecoder::Run), the CTA may be resident before that kernel
   // has finished; everything below reads inputs it may have written (query, seq_lens, tables,
   // cache) or writes what it may still read (workspace, output), so it waits here. Only the
-  // launch and the table loads above (decoder-owned constants) overlap the kernel before.
+  // launch and the table and sign loads above (decoder-owned constants) overlap the kernel before.
   if (p.wait_at_start) GridDependencyWait();
+  // The first query row this warp rotates in finish_prologue (head = warp), for 16-bit queries:
+  // its load is issued here, beside the sequence length's, so that its latency overlaps the
+  // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
+  // the warps waited as long for the query as for the first block ids).
+  uint32_t q_pre[kE / 2];
+  const bool q_prefetched = p.wait_at_start && p.query_dtype != 0 &&
+                            warp < p.num_q_heads / p.num_kv_heads && warp < Config::kQueryHeads;
+  if (q_prefetched) {
+    const int64_t row =
+        static_cast<int64_t>(b) * p.num_q_heads + h * (p.num_q_heads / p.num_kv_heads) + warp;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.query) +
+                                                            row * kD + kE * lane);
+#pragma unroll
+    for (int w = 0; w < kE / 2; ++w) q_pre[w] = src[w];
+  }
   const int len = p.seq_lens[b];
   const int begin = split * p.tokens_per_split;
   if (begin >= len) {           // the merge reads only splits that hold tokens
@@ -676,7 +700,6 @@ __global__ void __launch_bounds__(
     // Warp w rotates rows w, w + kW, ... of the group: lane l holds elements kE·l .. kE·l + kE - 1,
     // so the transform's first log2(kE) butterfly stages are in registers and the other five
     // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
-    constexpr int kE = kD / 32;
     uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset);
     uint16_t* q_lo = q_hi + Config::kQueryHeads * kD;
     for (int head = warp; head < Config::kQueryHeads; head += kW) {
@@ -688,14 +711,18 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int e = 0; e < kE; ++e) {
           const int64_t at = row * kD + kE * lane + e;
-          if (p.query_dtype == 0) {
+          if (head == warp && q_prefetched) {
+            const auto bits = static_cast<uint16_t>(q_pre[e / 2] >> (16 * (e % 2)));
+            x[e] = p.query_dtype == 1 ? __half2float(__ushort_as_half(bits))
+                                      : __bfloat162float(__ushort_as_bfloat16(bits));
+          } else if (p.query_dtype == 0) {
             x[e] = static_cast<const float*>(p.query)[at];
           } else if (p.query_dtype == 1) {
             x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
           } else {
             x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
           }
-          if (p.query_signs != nullptr) x[e] *= p.query_signs[kE * lane + e];
+          x[e] *= q_sign[e];  // 1 without signs
         }
         if (p.query_fwht) {
 #pragma unroll
