@@ -51,7 +51,7 @@ std::vector<int> g_tps = {0};
 
 // read_gbs, the ceiling a decode is judged against, is the faster of two read-only kernels
 // over 4 GiB: ReadAll (a grid-stride reduction, the only one until session 15) and ReadFloor
-// (one 32 KB tile per CTA, every load issued up front), which reads ~5 % faster; the bf16 decode
+// (one 32 KB tile per CTA, every load issued up front), which reads 3-4 % faster; the bf16 decode
 // itself had read 2-3 % faster than ReadAll at 64 x 32k.
 struct Ceilings {
   double copy_gbs = 0, read_gbs = 0, read_all_gbs = 0, read_tiles_gbs = 0;

@@ -3,7 +3,9 @@
 # reference before anything is timed), PyTorch's bf16 SDPA decode (torch_decode_bench.py) and
 # tools/bench/decode_bench in the same call, and optionally an ncu summary of one shape.
 # Expects the bundle of tools/gpu_bundle.sh. Writes into $OUT (default /tmp/decode_out):
-# all_logs.txt, torch.json, decode_bench.json.
+# all_logs.txt (decode_bench's lines annotated with the SM clock, power and power-cap samples
+# taken while each shape ran), torch.json, decode_bench.json, decode_bench.txt (its raw output,
+# timestamped) and clocks.txt (the samples).
 #   decode_gpu_run.sh [--quick] [--ncu KIND:BATCH:CONTEXT]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
