@@ -33,6 +33,7 @@ struct CudaDecoder::State {
   int sm_count = 0;
   int resident_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
   bool staged[17] = {};
+  int narrow_resident_per_sm[17] = {};
 };
 
 namespace {
@@ -59,6 +60,18 @@ int DeviceSmCount() {
     return v == nullptr || v[0] != '0';
   }();
   return enabled;
+}
+
+// The split kernel's variant as the plan's cost model picks it; TQKV_DECODE_NARROW=0 or 1 in the
+// environment makes every plan take the 8-warp kernel or (where it exists) the narrow one, for
+// side-by-side benchmarks. Read once: -1 = the cost model.
+int NarrowOverride() {
+  static const int value = [] {
+    const char* v = std::getenv("TQKV_DECODE_NARROW");
+    if (v == nullptr || v[0] == '\0') return -1;
+    return v[0] == '0' ? 0 : 1;
+  }();
+  return value;
 }
 
 }  // namespace
@@ -122,18 +135,22 @@ CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   int& resident = state_->resident_per_sm[group];
   if (resident == 0) {
-    int fit = 1;
+    int fit = 1, narrow_fit = 0;
     bool staged = true;
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
-    TQKV_CUDA_CHECK(
-        decode_detail::DecodeSplitCtasPerSm(static_cast<decode_detail::KeyKind>(state_->key_kind),
-                                            value_bits, head_dim(), group, &fit, &staged));
+    const auto kind = static_cast<decode_detail::KeyKind>(state_->key_kind);
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, false,
+                                                        &fit, &staged));
+    bool narrow_staged = false;
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, true,
+                                                        &narrow_fit, &narrow_staged));
 #endif
     state_->staged[group] = staged;
+    state_->narrow_resident_per_sm[group] = narrow_fit;
     resident = std::max(fit, 1);
   }
-  return {resident, state_->staged[group], state_->bf16};
+  return {resident, state_->staged[group], state_->bf16, state_->narrow_resident_per_sm[group]};
 }
 
 int CudaDecoder::head_dim() const {
@@ -147,13 +164,13 @@ int CudaDecoder::block_size() const {
 }
 
 namespace {
-// Split limits (ChooseTokensPerSplit says why): at most this many splits per sequence, and
+// Split limits (ChooseSplitLayout says why): at most this many splits per sequence, and
 // tokens per split.
 constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;
 }  // namespace
 
-int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
-                             const SplitKernelOccupancy& occupancy) {
+SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
+                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split) {
   // Split layout: choose the number of splits s that minimizes the estimated time, in tokens of
   // one warp's streaming:
   //   rounds(s) · (tokens per split + per-CTA fixed cost) + merge cost(s).
@@ -175,6 +192,11 @@ int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
   //   31.0 vs 2 × 2,048 33.5; 1 × 32k: 16 × 2,048 20.6 vs 32 × 1,024 21.3; 256 × 32k: 4 × 8,192
   //   3,059 vs 5 × 6,592 3,100; 1 × 1k: 8 × 128 8.9 vs 4 × 256 9.4), which a range of values meets
   //   (fixed 736-2,048, merge 150-750, pair 1.4-1.65).
+  // - The narrow variant (4-warp CTAs of k3v4_nc, up to four per SM: the same 16 warps): a CTA of
+  //   tps tokens gives each warp the chunks of an 8-warp CTA of 2·tps, so it costs as that one,
+  //   rounds = ⌈CTAs / (4 · SMs)⌉, with kPairCost where its fullest SM holds more than 8 warps.
+  //   It wins where the 8-warp kernel needs a second round of pairs (64 × 4k: one round of 512
+  //   narrow CTAs instead of two of 264 wide ones, each paying the fixed prologue and epilogue).
   // Short contexts at small batch get enough CTAs to fill the SMs; large batches avoid a nearly
   // empty last round. No split is shorter than 64 tokens, none longer than kMaxSplitTokens: a
   // warp's P·V accumulator is a chain of tensor-core fp32 additions whose rounding grows with its
@@ -183,34 +205,49 @@ int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
   constexpr int64_t kFixedTokens = 256, kStagedFixedTokens = 1024, kSplitTokens = 16,
                     kMergeTokens = 500, kMinSplit = 64;
   constexpr double kPairCost = 1.6;
-  const int64_t base = seq_heads;
   const int64_t sms = std::max(sm_count, 1);
-  const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
-  int64_t best_tps = 0;
-  double best_cost = 0;
-  const int64_t min_s = std::min(max_s, (max_len + kMaxSplitTokens - 1) / kMaxSplitTokens);
-  for (int64_t s = min_s; s <= max_s; ++s) {
-    const int64_t tps = std::max<int64_t>(64, ((max_len + s - 1) / s + 63) / 64 * 64);
+  auto cost = [&](int64_t tps, bool narrow) {
     const int64_t splits = (max_len + tps - 1) / tps;
-    const int64_t ctas = base * splits;
-    double cost;
+    const int64_t ctas = seq_heads * splits;
+    const double split_terms =
+        double(splits * kSplitTokens) +
+        (occupancy.staged && !occupancy.bf16 && splits > 1 ? double(kMergeTokens) : 0.0);
+    if (narrow) {
+      const int64_t per_sm = occupancy.narrow_resident_per_sm;
+      const int64_t fullest = std::min(per_sm, (ctas + sms - 1) / sms);
+      const double rounds = double((ctas + per_sm * sms - 1) / (per_sm * sms));
+      return rounds * (fullest > 2 ? kPairCost : 1.0) * double(2 * tps + kStagedFixedTokens) +
+             split_terms;
+    }
     if (occupancy.staged && !occupancy.bf16) {
       const bool pairs = occupancy.resident_per_sm >= 2 && ctas > sms;
       const double rounds = pairs ? kPairCost * double((ctas + 2 * sms - 1) / (2 * sms))
                                   : double((ctas + sms - 1) / sms);
-      cost = rounds * double(tps + kStagedFixedTokens) + double(splits * kSplitTokens) +
-             (splits > 1 ? double(kMergeTokens) : 0.0);
-    } else {
-      const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
-      cost = double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) +
-             double(splits * kSplitTokens);
+      return rounds * double(tps + kStagedFixedTokens) + split_terms;
     }
-    if (best_tps == 0 || cost < best_cost) {
-      best_cost = cost;
-      best_tps = tps;
+    const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
+    return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
+  };
+  const int forced = NarrowOverride();
+  const bool can_narrow = occupancy.narrow_resident_per_sm > 0 && forced != 0;
+  auto variant = [&](int64_t tps) {
+    return can_narrow && (forced == 1 || cost(tps, true) < cost(tps, false));
+  };
+  if (tokens_per_split != 0) return {tokens_per_split, variant(tokens_per_split)};
+  const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
+  const int64_t min_s = std::min(max_s, (max_len + kMaxSplitTokens - 1) / kMaxSplitTokens);
+  SplitLayout best;
+  double best_cost = 0;
+  for (int64_t s = min_s; s <= max_s; ++s) {
+    const int64_t tps = std::max<int64_t>(64, ((max_len + s - 1) / s + 63) / 64 * 64);
+    const bool narrow = variant(tps);
+    const double c = cost(tps, narrow);
+    if (best.tokens_per_split == 0 || c < best_cost) {
+      best_cost = c;
+      best = {tps, narrow};
     }
   }
-  return best_tps;
+  return best;
 }
 
 DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
@@ -229,8 +266,6 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
-  int64_t tps = ChooseTokensPerSplit(max_len, int64_t{num_seqs} * hk, state_->sm_count,
-                                     SplitOccupancy(num_q_heads / hk));
   if (tokens_per_split != 0) {
     if (tokens_per_split < 64 || tokens_per_split > kMaxSplitTokens || tokens_per_split % 64 != 0 ||
         (max_len + tokens_per_split - 1) / tokens_per_split > kMaxSplits) {
@@ -242,14 +277,17 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
               std::max<int64_t>(64, ((max_len + kMaxSplits - 1) / kMaxSplits + 63) / 64 * 64),
               kMaxSplitTokens, kMaxSplits, max_len));
     }
-    tps = tokens_per_split;
   }
+  const SplitLayout layout = ChooseSplitLayout(max_len, int64_t{num_seqs} * hk, state_->sm_count,
+                                               SplitOccupancy(num_q_heads / hk), tokens_per_split);
+  const int64_t tps = layout.tokens_per_split;
   DecodePlan plan;
   plan.num_seqs = num_seqs;
   plan.num_q_heads = num_q_heads;
   plan.max_blocks_per_seq = max_blocks_per_seq;
   plan.tokens_per_split = static_cast<int>(tps);
   plan.max_splits = static_cast<int>((max_len + tps - 1) / tps);
+  plan.narrow = layout.narrow;
   const int64_t rows = int64_t{num_seqs} * num_q_heads;
   // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
   const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
@@ -368,10 +406,13 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   // as it frees, evenly); a smaller grid's successor waits for all of its CTAs to exit.
   const int group = plan.num_q_heads / num_kv_heads();
   const int64_t ctas = int64_t{plan.max_splits} * num_kv_heads() * plan.num_seqs;
+  const SplitKernelOccupancy occupancy = SplitOccupancy(group);
   sp.trigger_dependents =
-      plan.max_splits > 1 || ctas >= int64_t{s.sm_count} * SplitOccupancy(group).resident_per_sm;
+      plan.max_splits > 1 ||
+      ctas >= int64_t{s.sm_count} *
+                  (plan.narrow ? occupancy.narrow_resident_per_sm : occupancy.resident_per_sm);
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
-                                     programmatic, stream));
+                                     plan.narrow, programmatic, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

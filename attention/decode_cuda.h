@@ -39,13 +39,23 @@ struct SplitKernelOccupancy {
   int resident_per_sm = 1;  // CTAs of it that fit on one SM (occupancy query)
   bool staged = false;      // chunks copied ahead through shared memory (decode_kernels.cu)
   bool bf16 = false;        // the uncompressed kernel
+  // CTAs of its narrow variant (4 warps instead of 8 per CTA; k3v4_nc) that fit on one SM, 0
+  // where there is none.
+  int narrow_resident_per_sm = 0;
 };
 
-// The tokens per split that CudaDecoder::Plan picks for sequences of up to max_len tokens,
-// num_seqs · num_kv_heads = seq_heads CTAs per split, on sm_count SMs (a multiple of 64 from 64
-// to 8,192; at most 256 splits). Host only; exposed for tests (attention/decode_plan_test.cc).
-int64_t ChooseTokensPerSplit(int64_t max_len, int64_t seq_heads, int sm_count,
-                             const SplitKernelOccupancy& occupancy);
+// A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
+// whether the narrow variant of the split kernel runs it.
+struct SplitLayout {
+  int64_t tokens_per_split = 0;
+  bool narrow = false;
+};
+
+// The split layout that CudaDecoder::Plan picks for sequences of up to max_len tokens,
+// num_seqs · num_kv_heads = seq_heads CTAs per split, on sm_count SMs; with tokens_per_split != 0
+// only the variant is chosen. Host only; exposed for tests (attention/decode_plan_test.cc).
+SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
+                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split = 0);
 
 // The split layout of one decode shape, fixed at plan time so the launch is the same every step.
 struct DecodePlan {
@@ -54,6 +64,7 @@ struct DecodePlan {
   int max_blocks_per_seq = 0;
   int tokens_per_split = 0;  // a multiple of 64
   int max_splits = 0;        // upper bound on the splits of any sequence
+  bool narrow = false;       // the split kernel's narrow variant (SplitKernelOccupancy)
   int64_t workspace_bytes = 0;
 };
 

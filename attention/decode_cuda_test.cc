@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -78,12 +79,14 @@ DeviceScenario Upload(const Scenario& s, const std::vector<uint8_t>& cache) {
 // Runs the decoder with fp32 query and output and compares with (ref_out, ref_lse).
 Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const DeviceScenario& d,
                      int64_t num_blocks, const std::vector<float>& ref_out,
-                     const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0) {
+                     const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0,
+                     std::optional<bool> narrow = std::nullopt) {
   const int num_seqs = static_cast<int>(s.seq_lens.size());
   const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, tokens_per_split);
   if (tokens_per_split != 0) {
     EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
   }
+  if (narrow) EXPECT_EQ(plan.narrow, *narrow) << "the plan's split kernel variant";
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
       lse(static_cast<int64_t>(ref_lse.size()));
@@ -157,7 +160,8 @@ void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
 
 Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
                        std::vector<int32_t> lens, bool large_values = false,
-                       int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard) {
+                       int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard,
+                       std::optional<bool> narrow = std::nullopt) {
   const uint64_t seed = std::random_device{}();
   const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
   Scenario s = Build(q, lens, hk * group, seed);
@@ -173,7 +177,8 @@ Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
   DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
   const DeviceScenario dev = Upload(s, s.cache);
   const CudaDecoder decoder(q);
-  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split);
+  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split,
+                       narrow);
 }
 
 std::vector<int32_t> EdgeLengths(int bs) { return {1, bs - 1, bs, bs + 1, 4097, 700}; }
@@ -589,6 +594,34 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
     EXPECT_EQ(e.bad, 0) << "tokens_per_split " << tps;
     EXPECT_LE(e.out, kOutTol) << "tokens_per_split " << tps;
     EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;
+  }
+}
+
+// k3v4_nc's narrow split kernel (4-warp CTAs, four per SM), which the plan picks where the 8-warp
+// kernel would need a second round of CTA pairs: 64 sequences (512 CTAs per split) of mixed
+// lengths up to 1,024 tokens, by the plan's own split length (one split: the kernel writes the
+// output) and by forced ones (merged partials), at two block sizes. The edge lengths and an empty
+// sequence are among them.
+TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> len(1, 1024);
+  for (int bs : {16, 64}) {
+    std::vector<int32_t> lens(64);
+    for (auto& l : lens) l = len(rng);
+    const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
+    std::copy(edges.begin(), edges.end(), lens.begin());
+    std::shuffle(lens.begin(), lens.end(), rng);
+    for (int tps : {0, 64, 320}) {
+      const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, 8, 4, bs, lens, false, tps,
+                                       RotationKind::kHadamard, true);
+      std::printf(
+          "k3v4_nc narrow bs=%3d tokens_per_split %4d: out err %.2e, lse err %.2e, bad %lld\n", bs,
+          tps, e.out, e.lse, static_cast<long long>(e.bad));
+      EXPECT_EQ(e.bad, 0) << "bs " << bs << " tokens_per_split " << tps;
+      EXPECT_LE(e.out, kOutTol) << "bs " << bs << " tokens_per_split " << tps;
+      EXPECT_LE(e.lse, kLseTol) << "bs " << bs << " tokens_per_split " << tps;
+    }
   }
 }
 

@@ -445,7 +445,10 @@ struct CacheTraits<KeyKind::kF16, kValueBits, kD> : CacheTraits<KeyKind::kBf16, 
 
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
 // group <= 4: 4bit_nc and k3v4_nc): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps
-// per SM instead of 12), and each warp copies its next chunks into shared memory by cp.async,
+// per SM instead of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
+// (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
+// the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant), and each
+// warp copies its next chunks into shared memory by cp.async,
 // kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
 // slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
 // runs of 16 fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
@@ -457,7 +460,7 @@ constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
-template <KeyKind kKind>
+template <KeyKind kKind, int kW>  // kW: warps per CTA
 struct StagedLayout;
 
 // 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
@@ -468,8 +471,9 @@ struct StagedLayout;
 // 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
 // the reads do not mind). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus
 // the pitch. The copies (one token's 8 units per 8-lane phase) are conflict-free under any XOR.
-template <>
-struct StagedLayout<KeyKind::kMse4> {
+template <int kW>
+struct StagedLayout<KeyKind::kMse4, kW> {
+  static_assert(kW == kStagedWarps, "the stages fill the table rows' halves of 8 warps");
   static constexpr uint32_t kPitch = 256;
   static constexpr uint32_t kExtra = 256 * 256;
   static constexpr uint32_t kMeta = kExtra + kStagedWarps * 16 * 256;
@@ -483,16 +487,17 @@ struct StagedLayout<KeyKind::kMse4> {
 };
 
 // 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
-// 16 KB table: 84 KB per CTA. The swizzle is a bit permutation of token / 2 (bits 2, 0, 1 -> unit
-// bits 2, 1, 0): the 8 tokens of a key read (32 lanes, 4-byte words at 12t + 4w) get 8 distinct
-// unit masks, which tile the 32 banks exactly, and the four tokens of a half-warp's value reads
-// (units 3-4 or 5-6) get masks from {0, 1, 4, 5} or {2, 3, 6, 7}, whose unit pairs are disjoint.
-template <>
-struct StagedLayout<KeyKind::kMse3> {
+// 16 KB table: 84 KB per CTA (8 warps), 50 KB (4 warps). The swizzle is a bit permutation of token
+// / 2 (bits 2, 0, 1 -> unit bits 2, 1, 0): the 8 tokens of a key read (32 lanes, 4-byte words at
+// 12t + 4w) get 8 distinct unit masks, which tile the 32 banks exactly, and the four tokens of a
+// half-warp's value reads (units 3-4 or 5-6) get masks from {0, 1, 4, 5} or {2, 3, 6, 7}, whose
+// unit pairs are disjoint.
+template <int kW>
+struct StagedLayout<KeyKind::kMse3, kW> {
   static constexpr uint32_t kPitch = 128;
   static constexpr uint32_t kFirst = 64 * 256;
-  static constexpr uint32_t kMeta = kFirst + kStagedWarps * kStages * 16 * 128;
-  static constexpr int kBytes = kMeta + kStagedWarps * kStages * 128;
+  static constexpr uint32_t kMeta = kFirst + kW * kStages * 16 * 128;
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kStages * warp + s);
   }
@@ -531,7 +536,9 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
   }
 };
 
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false>
+// kSW: warps per CTA of a staged compressed kernel (kStagedWarps, or 4 for the narrow variant).
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false,
+          int kSW = kStagedWarps>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
@@ -539,7 +546,7 @@ struct SplitKernelConfig {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kWarps;
     } else {
-      return kStaged ? kStagedWarps : kWarps;
+      return kStaged ? kSW : kWarps;
     }
   }();
   static constexpr int kKSteps = kD / 16;
@@ -548,7 +555,7 @@ struct SplitKernelConfig {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
     } else if constexpr (kStaged) {
-      return StagedLayout<kKind>::kBytes;
+      return StagedLayout<kKind, kSW>::kBytes;
     } else {
       return Traits::kLutEntries * 256;
     }
@@ -598,13 +605,16 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // twice); the P·V B operand holds P'_hi of head h in column 2h and P'_lo in 2h + 1, so one P·V
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged>
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
+          int kSW = kStagedWarps>
 __global__ void __launch_bounds__(
-    SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>::kCtaWarps * 32,
-    kStaged ? 2 : (kSplitMinCtas<kKind, kD, kNTiles>)) DecodeSplitKernel(const SplitParams p) {
+    SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
+    kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
+    DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged>;
+  static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>;
   constexpr int kW = Config::kCtaWarps;
   constexpr int kT = kW * 32;
   using Traits = typename Config::Traits;
@@ -669,8 +679,20 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int w = 0; w < kE / 2; ++w) q_pre[w] = src[w];
   }
-  const int len = p.seq_lens[b];
+  // The block ids of this warp's first chunks, read beside the sequence length instead of after
+  // it (one memory round trip less before the first copies): where they lie past the sequence's
+  // blocks they are still inside the table's row (max_blocks_per_seq entries) and are dropped by
+  // first_block below.
   const int begin = split * p.tokens_per_split;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
+  const int block_shift = 31 - __clz(p.block_size);
+  int first_block_ids[kStages];
+#pragma unroll
+  for (int k = 0; k < kStages; ++k) {
+    const int at = (begin + (warp + k * kW) * kChunk) >> block_shift;
+    first_block_ids[k] = at < p.max_blocks_per_seq ? __ldg(table + at) : 0;
+  }
+  const int len = p.seq_lens[b];
   if (begin >= len) {           // the merge reads only splits that hold tokens
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
       const int group = p.num_q_heads / p.num_kv_heads;
@@ -820,7 +842,6 @@ __global__ void __launch_bounds__(
     }
   }
 
-  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   // Per-thread byte offsets within a block (block_bytes < 2^31), computed once; per chunk only the
   // block pointer and the position change.
   const int stride_token =
@@ -834,7 +855,6 @@ __global__ void __launch_bounds__(
   const int off_meta =
       static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + 2 * g);
   const int meta_field = 2 * p.block_size;  // bytes between fields of one head
-  const int block_shift = 31 - __clz(p.block_size);
 
   // Registers of one chunk.
   struct Chunk {
@@ -1132,6 +1152,8 @@ __global__ void __launch_bounds__(
   // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
   // that only it pays for the end-of-sequence masks.
   const int num_full = (end - begin) / kChunk;
+  // block_of(warp + k·kW, num_full) for the chunks read in the prologue (k < kStages).
+  auto first_block = [&](int k) { return warp + k * kW < num_full ? first_block_ids[k] : 0; };
   if constexpr (Traits::kPlain && kStaged) {
     // Chunk c + (S - 1)·kW is copied into stage (k + S - 1) mod S while chunk c (this warp's k-th)
     // is read from stage k mod S and computed, one commit group per chunk (empty past the end).
@@ -1221,7 +1243,7 @@ __global__ void __launch_bounds__(
     };
     int first_blocks[kS];  // all read before any copy waits for one
 #pragma unroll
-    for (int k = 0; k < kS; ++k) first_blocks[k] = block_of(warp + k * kW, num_full);
+    for (int k = 0; k < kS; ++k) first_blocks[k] = first_block(k);
 #pragma unroll
     for (int k = 0; k < kS - 1; ++k) {
       issue(warp + k * kW, stage[k], first_blocks[k]);
@@ -1253,7 +1275,7 @@ __global__ void __launch_bounds__(
     // A bf16 chunk is 4x the bytes of a compressed one: one buffer, and occupancy (more warps
     // per SM) keeps enough loads in flight.
     Chunk buf;
-    int block = block_of(warp, num_full);
+    int block = first_block(0);
     finish_prologue();
 #pragma unroll 1
     for (int c = warp; c < num_full; c += kW) {
@@ -1272,7 +1294,7 @@ __global__ void __launch_bounds__(
     // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
     // (NOTES, v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
     // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
-    using Layout = StagedLayout<kKind>;
+    using Layout = StagedLayout<kKind, kSW>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
     static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
@@ -1351,7 +1373,7 @@ __global__ void __launch_bounds__(
     };
     int first_blocks[kStages];  // all read before any copy waits for one
 #pragma unroll
-    for (int k = 0; k < kStages; ++k) first_blocks[k] = block_of(warp + k * kW, num_full);
+    for (int k = 0; k < kStages; ++k) first_blocks[k] = first_block(k);
 #ifdef TQKV_DECODE_COMPUTE_ONLY  // a measurement build: every stage copied once, then reused
     constexpr int kPrologueStages = kStages;
 #else
@@ -1401,8 +1423,8 @@ __global__ void __launch_bounds__(
     // (this warp's next) are loading and the block id of chunk c + 2 is being read.
     Chunk buf0, buf1;
     int c = warp;
-    int next1 = block_of(c + kW, num_full);
-    if (c < num_full) load(c, buf0, block_of(c, num_full));
+    int next1 = first_block(1);
+    if (c < num_full) load(c, buf0, first_block(0));
     finish_prologue();
     auto step = [&](int cc, Chunk& cur, Chunk& nxt) {
       const int next2 = block_of(cc + 2 * kW, num_full);
@@ -1748,11 +1770,12 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 }
 
 // Launch and occupancy of one instantiation of the split kernel.
-template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false>
+template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false,
+          int kSW = kStagedWarps>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_>;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW>;
   static constexpr auto kKernel =
-      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_>;
+      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
   static constexpr bool kStaged = kStaged_;
 
@@ -1788,13 +1811,22 @@ bool StagedKernelsEnabled() {
   return enabled;
 }
 
-// Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group):
-// the one place where runtime values become template arguments.
+// Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
+// and, with narrow, its narrow variant (4-warp staged CTAs; fn(nullptr) where there is none): the
+// one place where runtime values become template arguments.
 template <typename Fn>
-cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&& fn) {
+cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow, Fn&& fn) {
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
+      if (narrow) {
+        if constexpr (kKind == KeyKind::kMse3 && kHasStagedKernel<kKind, kVB, kD, true>) {
+          if (group <= 4 && StagedKernelsEnabled()) {
+            return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4>{});
+          }
+        }
+        return fn(nullptr);
+      }
       if constexpr (!IsPlain(kKind)) {
         if constexpr (kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
@@ -1843,16 +1875,27 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, Fn&&
 }  // namespace
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool programmatic, cudaStream_t stream) {
-  return Dispatch(kind, value_bits, head_dim, group,
-                  [&](auto ops) { return decltype(ops)::Launch(p, programmatic, stream); });
+                               int group, bool narrow, bool programmatic, cudaStream_t stream) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
+    if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
+      return cudaErrorInvalidValue;  // no narrow variant
+    } else {
+      return decltype(ops)::Launch(p, programmatic, stream);
+    }
+  });
 }
 
-cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, int* ctas,
-                                 bool* staged) {
-  return Dispatch(kind, value_bits, head_dim, group, [&](auto ops) {
-    *staged = decltype(ops)::kStaged;
-    return decltype(ops)::CtasPerSm(ctas);
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
+                                 int* ctas, bool* staged) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
+    if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
+      *ctas = 0;
+      *staged = false;
+      return cudaSuccess;
+    } else {
+      *staged = decltype(ops)::kStaged;
+      return decltype(ops)::CtasPerSm(ctas);
+    }
   });
 }
 

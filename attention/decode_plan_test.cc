@@ -1,4 +1,4 @@
-// The split-length choice of CudaDecoder::Plan (ChooseTokensPerSplit), on the host: the limits
+// The split layout choice of CudaDecoder::Plan (ChooseSplitLayout), on the host: the limits
 // every plan keeps, and the plans that the split sweeps in tools/bench/NOTES.md measured fastest
 // on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the cost model that
 // moves one of them shows up here before it is measured.
@@ -16,11 +16,16 @@ constexpr int kSms = 132;
 constexpr int kKvHeads = 8;
 // 4bit_nc / k3v4_nc at D = 128, GQA 4: the 8-warp staged kernel, two CTAs fit per SM.
 constexpr SplitKernelOccupancy kStagedCompressed{2, true, false};
+// k3v4_nc: the same, and its narrow variant (4-warp CTAs, four fit per SM).
+constexpr SplitKernelOccupancy kStagedK3v4{2, true, false, 4};
 constexpr SplitKernelOccupancy kStagedBf16{2, true, true};
 constexpr SplitKernelOccupancy kUnstaged{3, false, false};
 
 int64_t Tps(int64_t batch, int64_t context, const SplitKernelOccupancy& o) {
-  return ChooseTokensPerSplit(context, batch * kKvHeads, kSms, o);
+  return ChooseSplitLayout(context, batch * kKvHeads, kSms, o).tokens_per_split;
+}
+bool Narrow(int64_t batch, int64_t context, const SplitKernelOccupancy& o, int64_t tps = 0) {
+  return ChooseSplitLayout(context, batch * kKvHeads, kSms, o, tps).narrow;
 }
 
 TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
@@ -29,8 +34,11 @@ TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
   std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
-    const SplitKernelOccupancy o{resident(rng), trial % 2 == 0, trial % 3 == 0};
-    const int64_t tps = ChooseTokensPerSplit(max_len, seq_heads, sms(rng), o);
+    const SplitKernelOccupancy o{resident(rng), trial % 2 == 0, trial % 3 == 0,
+                                 trial % 4 == 0 ? 4 : 0};
+    const SplitLayout layout = ChooseSplitLayout(max_len, seq_heads, sms(rng), o);
+    const int64_t tps = layout.tokens_per_split;
+    ASSERT_TRUE(!layout.narrow || o.narrow_resident_per_sm > 0);
     ASSERT_EQ(tps % 64, 0) << max_len;
     ASSERT_GE(tps, 64);
     ASSERT_LE(tps, 8192);
@@ -54,6 +62,26 @@ TEST(DecodePlanTest, StagedCompressedKernelsGetTheMeasuredBestSplits) {
   EXPECT_EQ(Tps(64, 4096, kStagedCompressed), 4096);   // one split: no merge
   EXPECT_EQ(Tps(256, 32768, kStagedCompressed), 8192); // 3,059 vs 3,100 at 6,592
   EXPECT_EQ(Tps(128, 32768, kStagedCompressed), 8192); // 1,521 vs 1,538 at 6,592
+}
+
+TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
+  // 64 × 4k: 512 CTAs of one split are one round of narrow CTAs (4 per SM), two of wide pairs.
+  EXPECT_EQ(Tps(64, 4096, kStagedK3v4), 4096);
+  EXPECT_TRUE(Narrow(64, 4096, kStagedK3v4));
+  EXPECT_TRUE(Narrow(256, 4096, kStagedK3v4));
+  EXPECT_TRUE(Narrow(64, 1024, kStagedK3v4));
+  // One round of wide CTAs already: the 8-warp kernel and its measured best splits.
+  EXPECT_FALSE(Narrow(16, 4096, kStagedK3v4));
+  EXPECT_EQ(Tps(16, 4096, kStagedK3v4), 4096);
+  EXPECT_FALSE(Narrow(1, 32768, kStagedK3v4));
+  EXPECT_EQ(Tps(1, 32768, kStagedK3v4), 2048);
+  EXPECT_FALSE(Narrow(1, 1024, kStagedK3v4));
+  // A given split length: only the variant is chosen.
+  EXPECT_TRUE(Narrow(64, 4096, kStagedK3v4, 1024));   // 2,048 CTAs: 4 rounds, not 8 of pairs
+  EXPECT_FALSE(Narrow(16, 4096, kStagedK3v4, 4096));  // 128 CTAs: one wide CTA per SM
+  // No narrow variant, no narrow plan.
+  EXPECT_FALSE(Narrow(64, 4096, kStagedCompressed));
+  EXPECT_FALSE(Narrow(64, 4096, kStagedCompressed, 4096));
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {
