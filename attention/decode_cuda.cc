@@ -166,7 +166,10 @@ int CudaDecoder::block_size() const {
 namespace {
 // Split limits (ChooseSplitLayout says why): at most this many splits per sequence, and
 // tokens per split.
-constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;
+constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;  // decode_launch.h's too
+#if TQKV_HAVE_CUDA
+static_assert(kMaxSplitTokens == decode_detail::kMaxSplitTokens);
+#endif
 }  // namespace
 
 SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,

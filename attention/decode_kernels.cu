@@ -579,7 +579,16 @@ struct SplitKernelConfig {
   // prologue writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
   static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;
-  static constexpr int kSmemBytes = kQueryOffset + kQueryHeads * kD * 4;
+  // The 8-warp staged compressed kernels: the split's block ids (int32, after the query rows):
+  // at most one per 16 tokens, one more for a split that starts inside a block, and room for
+  // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
+  // Not the narrow kernel: measured 8-18 % slower with them at one round of 512 CTAs (k3v4_nc
+  // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; session 16, not understood).
+  static constexpr int kIdsOffset = kQueryOffset + kQueryHeads * kD * 4;
+  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps
+                                     ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
+                                     : 0;
+  static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
 };
 
 // Token order inside a 16-token chunk (any order works for a dot product; this one makes the
@@ -692,6 +701,23 @@ __global__ void __launch_bounds__(
     const int at = (begin + (warp + k * kW) * kChunk) >> block_shift;
     first_block_ids[k] = at < p.max_blocks_per_seq ? __ldg(table + at) : 0;
   }
+  // The 8-warp staged compressed kernels read the block ids of their later chunks from shared
+  // memory (ids_s, written in finish_prologue) instead of from global memory one chunk ahead of
+  // each copy: 10 instructions less per chunk; 1-12 % faster from batch 16 or 32k tokens up
+  // (16 × 4k the most), 0.1-0.2 µs slower at batch 1 × 1k-4k (v11d in tools/bench/NOTES.md).
+  // Loaded here into registers, beside the first ids; entries past the sequence as above
+  // (Config::kMaxIds: none in the other kernels).
+  constexpr int kIdsPerThread = (Config::kMaxIds + kT - 1) / kT;
+  const int id0 = begin >> block_shift;
+  const int num_ids =
+      min(((begin + p.tokens_per_split - 1) >> block_shift) + 1, p.max_blocks_per_seq) - id0;
+  int ids_pre[kIdsPerThread > 0 ? kIdsPerThread : 1];
+#pragma unroll
+  for (int k = 0; k < kIdsPerThread; ++k) {
+    const int i = threadIdx.x + k * kT;
+    ids_pre[k] = i < num_ids ? __ldg(table + id0 + i) : 0;
+  }
+  int* const ids_s = reinterpret_cast<int*>(smem + Config::kIdsOffset);
   const int len = p.seq_lens[b];
   if (begin >= len) {           // the merge reads only splits that hold tokens
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
@@ -803,7 +829,12 @@ __global__ void __launch_bounds__(
         }
       }
     }
-    __syncthreads();  // the rotated rows and the table replicas
+#pragma unroll
+    for (int k = 0; k < kIdsPerThread; ++k) {
+      const int i = threadIdx.x + k * kT;
+      if (i < num_ids) ids_s[i] = ids_pre[k];
+    }
+    __syncthreads();  // the rotated rows, the table replicas and the block ids
 #pragma unroll
     for (int part = 0; part < kQParts; ++part) {
 #pragma unroll
@@ -1384,15 +1415,30 @@ __global__ void __launch_bounds__(
       issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, first_blocks[k]);
       CopyAsyncCommit();
     }
-    int next_block = first_blocks[kStages - 1];
+    // The narrow kernel: block ids from global memory, each read one chunk before its copy.
+    [[maybe_unused]] int next_block = first_blocks[kStages - 1];
     finish_prologue();
     lane_word = Pinned(lane_word);
+    // The 8-warp kernels: block id of chunk cc from the split's ids in shared memory (read there
+    // past the end too, inside Config::kMaxIds, and dropped), 0 past its full chunks.
+    const uint32_t ids_lane = Pinned(static_cast<uint32_t>(__cvta_generic_to_shared(ids_s)) -
+                                     4u * static_cast<uint32_t>(id0));
+    auto staged_block = [&](int cc) -> int {
+      const uint32_t at =
+          ids_lane + 4u * static_cast<uint32_t>((begin + cc * kChunk) >> block_shift);
+      return cc < num_full ? static_cast<int>(SharedLoad4(at)) : 0;
+    };
     Chunk cur;
     uint32_t s = 0;  // stage of chunk c
 #pragma unroll 1
     for (int c = warp; c < num_full; c += kW) {
       const int ahead = c + (kStages - 1) * kW;
-      const int following = block_of(ahead + kW, num_full);
+      int following = 0;
+      if constexpr (Config::kMaxIds > 0) {
+        next_block = staged_block(ahead);
+      } else {
+        following = block_of(ahead + kW, num_full);
+      }
       CopyAsyncWaitGroup<kStages - 2>();
       __syncwarp();  // every lane's copies of chunk c are complete and visible
 #ifndef TQKV_DECODE_COPY_ONLY  // a measurement build: the copies alone (tools/bench/NOTES.md)
@@ -1410,7 +1456,7 @@ __global__ void __launch_bounds__(
 #ifndef TQKV_DECODE_COPY_ONLY
       compute.template operator()<false>(c, cur);
 #endif
-      next_block = following;
+      if constexpr (Config::kMaxIds == 0) next_block = following;
       s = (s + 1) % kStages;
       const uint32_t first = stage[0];
 #pragma unroll

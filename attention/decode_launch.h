@@ -27,6 +27,10 @@ __host__ __device__
 constexpr bool IsPlain(KeyKind k) { return k == KeyKind::kBf16 || k == KeyKind::kF16; }
 // clang-format on
 
+// The longest split CudaDecoder::Plan makes (tokens): the staged kernels size their shared-memory
+// copy of a split's block ids by it.
+inline constexpr int kMaxSplitTokens = 8192;
+
 // Everything one decode launch needs. Pointers are device pointers.
 struct SplitParams {
   const uint8_t* cache = nullptr;         // [num_blocks, block_bytes]

@@ -6,14 +6,17 @@
 # all_logs.txt (decode_bench's lines annotated with the SM clock, power and power-cap samples
 # taken while each shape ran), torch.json, decode_bench.json, decode_bench.txt (its raw output,
 # timestamped) and clocks.txt (the samples).
-#   decode_gpu_run.sh [--quick] [--ncu KIND:BATCH:CONTEXT]
+#   decode_gpu_run.sh [--quick] [--skip-tests] [--ncu KIND:BATCH:CONTEXT]
+# (--skip-tests: the benchmarks only, for a call whose tests ran in the call before on the same
+# bundle; the decode_cuda_test alone takes ~5 minutes.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/decode_out}
-quick="" ncu_shape=""
+quick="" ncu_shape="" skip_tests=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=--quick ;;
+    --skip-tests) skip_tests=1 ;;
     --ncu) ncu_shape=$2; shift ;;
   esac
   shift
@@ -22,9 +25,11 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv
-  echo "== decode GPU tests"
-  timeout 420 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
-  echo "decode_cuda_test exit ${PIPESTATUS[0]}"
+  if [ -z "$skip_tests" ]; then
+    echo "== decode GPU tests"
+    timeout 420 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
+    echo "decode_cuda_test exit ${PIPESTATUS[0]}"
+  fi
   echo "== PyTorch SDPA"
   timeout 200 python3 "$here/torch_decode_bench.py" "$out/torch.json" $quick
   echo "torch exit $?"
