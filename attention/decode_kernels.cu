@@ -1339,7 +1339,16 @@ __global__ void __launch_bounds__(
     // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
     const uint32_t copy_dst =
         Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
-    const uint32_t copy_src = Pinned(copy_tok * stride_token + head_off + 16u * copy_unit);
+#ifdef TQKV_DECODE_ALIGNED_COPIES
+    // A measurement build, with TQKV_DECODE_COPY_ONLY (wrong bytes, the copies' speed only): each
+    // 3-bit slot is read from the 128-byte aligned line 128·(h mod 7) of its token row instead of
+    // from 112·h, where the slots of heads 1-6 straddle two lines (heads 0 and 7 share line 0).
+    const uint32_t copy_head =
+        kKind == KeyKind::kMse3 ? 128u * static_cast<uint32_t>(h % 7) : head_off;
+#else
+    const uint32_t copy_head = head_off;
+#endif
+    const uint32_t copy_src = Pinned(copy_tok * stride_token + copy_head + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
     // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
     const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
