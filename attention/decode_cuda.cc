@@ -332,6 +332,11 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
+  if (plan.narrow &&
+      SplitOccupancy(plan.num_q_heads / num_kv_heads()).narrow_resident_per_sm == 0) {
+    throw InvalidArgument(kWhere, "plan.narrow", "true",
+                          "false for this cache and group (it has no narrow split kernel)");
+  }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
   const int d = head_dim();

@@ -680,6 +680,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("cache = "));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("16-byte aligned"));
   }
+  // A plan for the narrow split kernel, which only k3v4_nc has, is refused for 4bit_nc.
+  a.cache = ws.data();
+  DecodePlan narrow = plan;
+  narrow.narrow = true;
+  try {
+    decoder.Run(narrow, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.narrow = true"));
+  }
 }
 
 #else
