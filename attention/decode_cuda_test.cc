@@ -606,21 +606,27 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
-  for (int bs : {16, 64}) {
-    std::vector<int32_t> lens(64);
-    for (auto& l : lens) l = len(rng);
-    const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
-    std::copy(edges.begin(), edges.end(), lens.begin());
-    std::shuffle(lens.begin(), lens.end(), rng);
-    for (int tps : {0, 64, 320}) {
-      const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, 8, 4, bs, lens, false, tps,
-                                       RotationKind::kHadamard, true);
-      std::printf(
-          "k3v4_nc narrow bs=%3d tokens_per_split %4d: out err %.2e, lse err %.2e, bad %lld\n", bs,
-          tps, e.out, e.lse, static_cast<long long>(e.bad));
-      EXPECT_EQ(e.bad, 0) << "bs " << bs << " tokens_per_split " << tps;
-      EXPECT_LE(e.out, kOutTol) << "bs " << bs << " tokens_per_split " << tps;
-      EXPECT_LE(e.lse, kLseTol) << "bs " << bs << " tokens_per_split " << tps;
+  // Its CTA serves 4 KV heads (hk = 8), 2 (hk = 6) or 1 (hk = 3), copying their slots together.
+  for (const auto [hk, group] : {std::pair{8, 4}, std::pair{6, 2}, std::pair{3, 3}}) {
+    for (int bs : {16, 64}) {
+      std::vector<int32_t> lens(64);
+      for (auto& l : lens) l = len(rng);
+      const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
+      std::copy(edges.begin(), edges.end(), lens.begin());
+      std::shuffle(lens.begin(), lens.end(), rng);
+      for (int tps : {0, 64, 320}) {
+        const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, hk, group, bs, lens, false, tps,
+                                         RotationKind::kHadamard, true);
+        std::printf(
+            "k3v4_nc narrow hk=%d group=%d bs=%3d tokens_per_split %4d: out err %.2e, lse err "
+            "%.2e, bad %lld\n",
+            hk, group, bs, tps, e.out, e.lse, static_cast<long long>(e.bad));
+        const std::string where =
+            fmt::format("hk {} group {} bs {} tokens_per_split {}", hk, group, bs, tps);
+        EXPECT_EQ(e.bad, 0) << where;
+        EXPECT_LE(e.out, kOutTol) << where;
+        EXPECT_LE(e.lse, kLseTol) << where;
+      }
     }
   }
 }
