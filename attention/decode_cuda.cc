@@ -140,11 +140,11 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
 #if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
     const auto kind = static_cast<decode_detail::KeyKind>(state_->key_kind);
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group,
-                                                        num_kv_heads(), false, &fit, &staged));
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, false,
+                                                        &fit, &staged));
     bool narrow_staged = false;
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(
-        kind, value_bits, head_dim(), group, num_kv_heads(), true, &narrow_fit, &narrow_staged));
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, true,
+                                                        &narrow_fit, &narrow_staged));
 #endif
     state_->staged[group] = staged;
     state_->narrow_resident_per_sm[group] = narrow_fit;

@@ -606,7 +606,7 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
-  // Its CTA serves 4 KV heads (hk = 8), 2 (hk = 6) or 1 (hk = 3), copying their slots together.
+  // Three head layouts: groups of 4, 2 and 3 query heads per KV head (packed heads, ≤ 4).
   for (const auto [hk, group] : {std::pair{8, 4}, std::pair{6, 2}, std::pair{3, 3}}) {
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);

@@ -498,10 +498,10 @@ struct StagedLayout<KeyKind::kMse3, kW> {
   static constexpr uint32_t kFirst = 64 * 256;
   static constexpr uint32_t kMeta = kFirst + kW * kStages * 16 * 128;
   static constexpr int kBytes = kMeta + kW * kStages * 128;
-  __host__ __device__ static constexpr uint32_t Stage(int warp, int s) {
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kStages * warp + s);
   }
-  __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
     const uint32_t x = i >> 1;
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
   }
@@ -536,32 +536,26 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
   }
 };
 
-// kSW: warps per KV head of a staged compressed kernel (kStagedWarps, or 4 for the narrow
-// variant); kHG: KV heads per CTA (1, or 2 and 4 for the grouped narrow variants, whose CTA holds
-// kHG narrow CTAs' warps and copies the adjacent slots of its heads together: 3-bit slots of
-// 112 bytes at 112·h straddle 128-byte lines, and a copy request per slot and line held the copies
-// of k3v4_nc to 67 % of the read ceiling where line-aligned requests reach 84 %; NOTES, v12).
+// kSW: warps per CTA of a staged compressed kernel (kStagedWarps, or 4 for the narrow variant).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false,
-          int kSW = kStagedWarps, int kHG = 1>
+          int kSW = kStagedWarps>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
-  // Warps per KV head.
-  static constexpr int kHeadWarps = [] {
+  static constexpr int kCtaWarps = [] {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kWarps;
     } else {
       return kStaged ? kSW : kWarps;
     }
   }();
-  static constexpr int kCtaWarps = kHeadWarps * kHG;
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = [] {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
     } else if constexpr (kStaged) {
-      return StagedLayout<kKind, kSW * kHG>::kBytes;
+      return StagedLayout<kKind, kSW>::kBytes;
     } else {
       return Traits::kLutEntries * 256;
     }
@@ -578,23 +572,20 @@ struct SplitKernelConfig {
   __host__ __device__ static constexpr int AccAt(int row, int d) {
     return row * kAccStride + (kD <= 128 ? d + d / 32 : d);
   }
-  // Per KV head (the heads of a grouped CTA merge in their own regions, one after the other).
-  static constexpr int kHeadMergeBytes =
-      (kHeadWarps * 8 * kNTiles * kAccStride + (4 * kHeadWarps + 2) * 8 * kNTiles) * 4;
-  static constexpr int kMergeBytes = kHG * kHeadMergeBytes;
+  static constexpr int kMergeBytes =
+      (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
   // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (plain caches:
   // the cache's type in the first array), rows past the group zero, after everything else (the
   // prologue writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
   static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;
-  static constexpr int kQueryBytes = kQueryHeads * kD * 4;  // per KV head
   // The 8-warp staged compressed kernels: the split's block ids (int32, after the query rows):
   // at most one per 16 tokens, one more for a split that starts inside a block, and room for
   // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
   // Not the narrow kernel: measured 8-18 % slower with them at one round of 512 CTAs (k3v4_nc
   // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; session 16, not understood).
-  static constexpr int kIdsOffset = kQueryOffset + kHG * kQueryBytes;
-  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps && kHG == 1
+  static constexpr int kIdsOffset = kQueryOffset + kQueryHeads * kD * 4;
+  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps
                                      ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
                                      : 0;
   static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
@@ -624,19 +615,17 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
-          int kSW = kStagedWarps, int kHG = 1>
+          int kSW = kStagedWarps>
 __global__ void __launch_bounds__(
-    SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kHG>::kCtaWarps * 32,
-    kStaged ? (IsPlain(kKind) ? 2 : 16 / (kSW * kHG)) : (kSplitMinCtas<kKind, kD, kNTiles>))
+    SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
+    kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
     DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
-  static_assert(kHG == 1 || (kSW == 4 && (kHG == 2 || kHG == 4)));
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kHG>;
-  constexpr int kW = Config::kHeadWarps;  // warps per KV head
-  constexpr int kT = kW * 32;             // threads per KV head
-  constexpr int kCtaT = kT * kHG;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>;
+  constexpr int kW = Config::kCtaWarps;
+  constexpr int kT = kW * 32;
   using Traits = typename Config::Traits;
   constexpr int kKSteps = Config::kKSteps;
   constexpr int kMTiles = Config::kMTiles;
@@ -648,20 +637,15 @@ __global__ void __launch_bounds__(
   constexpr bool kInterleavedKeys = Config::kPlainStaged;
 
   extern __shared__ __align__(16) uint8_t smem[];
-  // A grouped CTA's warps kW·j .. kW·j + kW - 1 serve KV head kHG·blockIdx.y + j; `warp` and
-  // `tid` count within the head's warps.
-  const int lane = threadIdx.x & 31, cta_warp = threadIdx.x >> 5;
-  const int head_in_cta = kHG == 1 ? 0 : cta_warp / kW;
-  const int warp = kHG == 1 ? cta_warp : cta_warp % kW;
-  const int tid = static_cast<int>(threadIdx.x) - kT * head_in_cta;
-  const int split = blockIdx.x, h = kHG * blockIdx.y + head_in_cta, b = blockIdx.z;
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
   // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
   // 4-bit keys): each thread loads its entries here and writes their 16 replicas in
   // finish_prologue, after the first chunk's loads are out. (Copying the replicated table from L2
   // per CTA moved 24 MB through L2 at batch 1 × 32k, 100 MB at 64 × 4k.)
-  constexpr int kEntriesPerThread = (Traits::kLutEntries + kCtaT - 1) / kCtaT;
+  constexpr int kEntriesPerThread = (Traits::kLutEntries + kT - 1) / kT;
   uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;
   if constexpr (kCodebook) {
@@ -669,7 +653,7 @@ __global__ void __launch_bounds__(
     if ((window & 0x00FFFFFFu) != kSmemStart) __trap();  // the lookups assume this layout
 #pragma unroll
     for (int k = 0; k < kEntriesPerThread; ++k) {
-      const int e = threadIdx.x + k * kCtaT;
+      const int e = threadIdx.x + k * kT;
       if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
@@ -739,7 +723,7 @@ __global__ void __launch_bounds__(
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
       const int group = p.num_q_heads / p.num_kv_heads;
       const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
-      for (int i = tid; i < group * kD; i += kT) {
+      for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
         StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
         if (i % kD == 0) p.lse[row0 + i / kD] = -INFINITY;
       }
@@ -764,8 +748,7 @@ __global__ void __launch_bounds__(
     // Warp w rotates rows w, w + kW, ... of the group: lane l holds elements kE·l .. kE·l + kE - 1,
     // so the transform's first log2(kE) butterfly stages are in registers and the other five
     // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
-    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset +
-                                                 Config::kQueryBytes * head_in_cta);
+    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset);
     uint16_t* q_lo = q_hi + Config::kQueryHeads * kD;
     for (int head = warp; head < Config::kQueryHeads; head += kW) {
       float x[kE];
@@ -834,7 +817,7 @@ __global__ void __launch_bounds__(
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 #pragma unroll
       for (int k = 0; k < kEntriesPerThread; ++k) {
-        const int e = threadIdx.x + k * kCtaT;
+        const int e = threadIdx.x + k * kT;
         if (e < Traits::kLutEntries) {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
@@ -1342,38 +1325,20 @@ __global__ void __launch_bounds__(
     // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
     // (NOTES, v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
     // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
-    using Layout = StagedLayout<kKind, kSW * kHG>;
+    using Layout = StagedLayout<kKind, kSW>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
     static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(cta_warp, s);
-    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * cta_warp;
-    // Tokens per copy instruction: 4 (one 8-lane phase per token), or in a grouped CTA 4 / kHG,
-    // each lane a 16-byte unit of the group's adjacent slots (kHG·112 bytes per token row).
-    constexpr uint32_t kTokensPerCopy = 4 / kHG;
-    constexpr uint32_t kLanesPerToken = 32 / kTokensPerCopy;
-    const uint32_t copy_tok = lane / kLanesPerToken, copy_unit = lane % kLanesPerToken;
-    // The swizzles are XOR-linear in the token's bits, so token kTokensPerCopy·j + r's destination
-    // is r's with Swizzle(kTokensPerCopy·j) applied (kPitch is a multiple of 128 and the stages
-    // 2 KB apart: the XOR touches only the unit bits).
-    uint32_t copy_dst;
-    if constexpr (kHG == 1) {
-      copy_dst = Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
-    } else {
-      // Grouped: the kHG warps with the same `warp` (one per head) take the same chunks; the one
-      // of head j copies tokens (16 / kHG)·j .. of each chunk for every head of the group, unit u
-      // of a token's run into the same stage of the warp of head u / 7 (relative to this warp's:
-      // whole multiples of kW · kStages stages), and the kHG warps meet at a named barrier before
-      // reading (the loop below).
-      const uint32_t tok = (16u / kHG) * static_cast<uint32_t>(head_in_cta) + copy_tok;
-      const uint32_t slot = copy_unit / 7u, unit = copy_unit % 7u;
-      constexpr uint32_t kHeadStages = Layout::Stage(kW, 0) - Layout::Stage(0, 0);
-      copy_dst = Pinned(kHeadStages * (slot - static_cast<uint32_t>(head_in_cta)) + kPitch * tok +
-                        16u * (unit ^ Layout::Swizzle(tok)));
-    }
+    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
+    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
+    const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
+    // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
+    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
+    const uint32_t copy_dst =
+        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
 #ifdef TQKV_DECODE_ALIGNED_COPIES
     // A measurement build, with TQKV_DECODE_COPY_ONLY (wrong bytes, the copies' speed only): each
     // 3-bit slot is read from the 128-byte aligned line 128·(h mod 7) of its token row instead of
@@ -1381,15 +1346,12 @@ __global__ void __launch_bounds__(
     const uint32_t copy_head =
         kKind == KeyKind::kMse3 ? 128u * static_cast<uint32_t>(h % 7) : head_off;
 #else
-    // (Grouped: the first head's slot; a token's copies start at the first head of the group.)
-    const uint32_t copy_head = head_off - head_in_cta * p.data_per_slot;
+    const uint32_t copy_head = head_off;
 #endif
-    const uint32_t copy_tok0 = kHG == 1 ? copy_tok : (16u / kHG) * head_in_cta + copy_tok;
-    const uint32_t copy_src = Pinned(copy_tok0 * stride_token + copy_head + 16u * copy_unit);
-    const uint32_t copy_step = Pinned(kTokensPerCopy * static_cast<uint32_t>(stride_token));
-    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot, as are units 7·kHG .. of a grouped
-    // lane's token: that lane copies nothing.
-    const bool copy_lane = 16u * copy_unit < kHG * (kKeyBytes + 64u);
+    const uint32_t copy_src = Pinned(copy_tok * stride_token + copy_head + 16u * copy_unit);
+    const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
+    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
+    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -1405,8 +1367,7 @@ __global__ void __launch_bounds__(
       const uint32_t src = pos0 * stride_token + copy_src;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t to = dst + kTokensPerCopy * kPitch * j +
-                            (copy_dst ^ (16u * Layout::Swizzle(kTokensPerCopy * j)));
+        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
         const uint8_t* from = base + (src + copy_step * j);
         if constexpr (kKeyBytes + 64 == 128) {
           CopyAsync16Fill(to, from, bytes);
@@ -1488,17 +1449,7 @@ __global__ void __launch_bounds__(
         following = block_of(ahead + kW, num_full);
       }
       CopyAsyncWaitGroup<kStages - 2>();
-      if constexpr (kHG == 1) {
-        __syncwarp();  // every lane's copies of chunk c are complete and visible
-      } else {
-        // The group's warps of chunk c (one per head): every copy into this warp's stage is
-        // complete and visible, and every read of the stage the copies below overwrite is done.
-#ifdef TQKV_DECODE_GROUP_NOSYNC  // a measurement build: wrong results, the barrier's cost only
-        __syncwarp();
-#else
-        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + warp), "n"(32 * kHG) : "memory");
-#endif
-      }
+      __syncwarp();  // every lane's copies of chunk c are complete and visible
 #ifndef TQKV_DECODE_COPY_ONLY  // a measurement build: the copies alone (tools/bench/NOTES.md)
       read(stage[0], read_meta + 128u * s, cur);
 #endif
@@ -1583,8 +1534,7 @@ __global__ void __launch_bounds__(
   // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
-  float* acc_s = reinterpret_cast<float*>(smem + Config::kHeadMergeBytes * head_in_cta);
-  // acc_s: [kW][kHeads] rows, Config::AccAt
+  float* acc_s = reinterpret_cast<float*>(smem);            // [kW][kHeads] rows, Config::AccAt
   float* stats = acc_s + kW * kHeads * Config::kAccStride;  // [3][kW][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
@@ -1619,8 +1569,8 @@ __global__ void __launch_bounds__(
   // l = Σ_w f_w l_w, lse = (max m + log2 l) · ln 2, for the group's heads. A warp without tokens
   // has m = -inf and f = 0. The per-head factors first (one thread per head), then the elements.
   float* factor = stats + 3 * kW * kHeads;  // [kW][kHeads] f_w, [kHeads] 1/l, [kHeads] z
-  if (tid < group) {
-    const int head = tid;
+  if (threadIdx.x < group) {
+    const int head = threadIdx.x;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
@@ -1644,7 +1594,7 @@ __global__ void __launch_bounds__(
     }
   }
   __syncthreads();
-  for (int i = tid; i < group * kD; i += kT) {
+  for (int i = threadIdx.x; i < group * kD; i += kT) {
     const int head = i / kD, d = i % kD;
     float aa = 0.0f;
 #pragma unroll
@@ -1876,14 +1826,13 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 
 // Launch and occupancy of one instantiation of the split kernel.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false,
-          int kSW = kStagedWarps, int kHG = 1>
+          int kSW = kStagedWarps>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW, kHG>;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW>;
   static constexpr auto kKernel =
-      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW, kHG>;
+      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
   static constexpr bool kStaged = kStaged_;
-  static constexpr int kHeadsPerCta = kHG;
 
   // Shared memory above 48 KB must be opted into once per kernel.
   static cudaError_t Configure() {
@@ -1893,21 +1842,17 @@ struct SplitKernelOps {
   }
   static cudaError_t Launch(const SplitParams& p, bool programmatic, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    if (p.num_kv_heads % kHG != 0) return cudaErrorInvalidValue;
-    const dim3 grid(p.max_splits, p.num_kv_heads / kHG, p.num_seqs);
+    const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
     if (programmatic) {
       return LaunchDependent(kKernel, grid, dim3(kCtaThreads), Config::kSmemBytes, stream, p);
     }
     kKernel<<<grid, kCtaThreads, Config::kSmemBytes, stream>>>(p);
     return cudaGetLastError();
   }
-  // In KV heads' CTAs: a grouped CTA counts kHG times.
   static cudaError_t CtasPerSm(int* ctas) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kKernel, kCtaThreads,
-                                                                        Config::kSmemBytes);
-    *ctas *= kHG;
-    return e;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kKernel, kCtaThreads,
+                                                         Config::kSmemBytes);
   }
 };
 
@@ -1924,29 +1869,14 @@ bool StagedKernelsEnabled() {
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
 // and, with narrow, its narrow variant (4-warp staged CTAs; fn(nullptr) where there is none): the
 // one place where runtime values become template arguments.
-// KV heads per CTA of the narrow variant: TQKV_DECODE_GROUP=1, 2 or 4 where it divides
-// num_kv_heads, otherwise the largest of 4, 2 that does (1 if none). Read once.
-int NarrowGroupHeads(int num_kv_heads) {
-  static const int forced = [] {
-    const char* v = std::getenv("TQKV_DECODE_GROUP");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  if ((forced == 1 || forced == 2 || forced == 4) && num_kv_heads % forced == 0) return forced;
-  return num_kv_heads % 4 == 0 ? 4 : num_kv_heads % 2 == 0 ? 2 : 1;
-}
-
 template <typename Fn>
-cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, int num_kv_heads,
-                     bool narrow, Fn&& fn) {
+cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow, Fn&& fn) {
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
       if (narrow) {
         if constexpr (kKind == KeyKind::kMse3 && kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
-            const int heads = NarrowGroupHeads(num_kv_heads);
-            if (heads == 4) return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4, 4>{});
-            if (heads == 2) return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4, 2>{});
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4>{});
           }
         }
@@ -2001,7 +1931,7 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, int 
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool narrow, bool programmatic, cudaStream_t stream) {
-  return Dispatch(kind, value_bits, head_dim, group, p.num_kv_heads, narrow, [&](auto ops) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       return cudaErrorInvalidValue;  // no narrow variant
     } else {
@@ -2010,9 +1940,9 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
   });
 }
 
-cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group,
-                                 int num_kv_heads, bool narrow, int* ctas, bool* staged) {
-  return Dispatch(kind, value_bits, head_dim, group, num_kv_heads, narrow, [&](auto ops) {
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
+                                 int* ctas, bool* staged) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       *ctas = 0;
       *staged = false;

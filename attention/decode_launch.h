@@ -121,16 +121,15 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
 // LaunchQueryPrep (p.wait_at_start = 0: it reads the cache before it waits for the query prep's
 // q·Πᵀ, which an ordinary launch of the query prep makes safe), or after any kernel with
 // p.wait_at_start = 1. Otherwise an ordinary launch, ordered after all earlier work in the stream.
-// narrow: the narrow variant of the staged kernel (4 warps per KV head instead of 8; 3-bit keys,
-// 4-bit values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere). Its CTA serves 4 or 2
-// adjacent KV heads where they divide p.num_kv_heads (copying their slots together), else one.
+// narrow: the narrow variant of the staged kernel (4 warps per CTA instead of 8; 3-bit keys, 4-bit
+// values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere).
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool narrow, bool programmatic, cudaStream_t stream);
 // How many CTAs of that split kernel (or of its narrow variant: 0 where there is none) fit on one
-// SM at once (registers, shared memory), counted in KV heads (a CTA serving several counts as
-// that many), and whether it is a staged kernel (cp.async stages in shared memory).
-cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group,
-                                 int num_kv_heads, bool narrow, int* ctas, bool* staged);
+// SM at once (registers, shared memory), and whether it is a staged kernel (cp.async stages in
+// shared memory).
+cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
+                                 int* ctas, bool* staged);
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
 
