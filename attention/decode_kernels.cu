@@ -1348,32 +1348,41 @@ __global__ void __launch_bounds__(
 #else
     const uint32_t copy_head = head_off;
 #endif
-    const uint32_t copy_src = Pinned(copy_tok * stride_token + copy_head + 16u * copy_unit);
+    // A warp's chunks lie kW·16 tokens apart; in the 8-warp kernels that is 128 tokens, a multiple
+    // of every block size (16-128), so the position of each of its chunks in its block is the
+    // same (kFixedPos: folded into copy_src once, no per-chunk position arithmetic).
+    constexpr bool kFixedPos = kW * kChunk == 128;
+    const uint32_t warp_pos =
+        kFixedPos ? (static_cast<uint32_t>(begin + warp * kChunk) & (p.block_size - 1)) : 0u;
+    const uint32_t copy_src =
+        Pinned((warp_pos + copy_tok) * stride_token + copy_head + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
     // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
     const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
-               (lane >> 1) * meta_field + 16 * (lane & 1));
+               (lane >> 1) * meta_field + 16 * (lane & 1) + 2 * warp_pos);
     const uint32_t meta_dst_lane = Pinned(meta_cells + 16u * lane);
     const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
     // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
+    // (One 64-bit address per chunk, then 64-bit steps: a 64-bit product and sum per copy cost
+    // 7 more instructions per chunk.)
     auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
       const uint32_t bytes = cc < num_full ? 16u : 0u;
       const uint8_t* base =
           p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
-      const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
-      const uint32_t src = pos0 * stride_token + copy_src;
+      const uint32_t pos0 = kFixedPos ? 0u : (begin + cc * kChunk) & (p.block_size - 1);
+      const uint8_t* from = base + (pos0 * stride_token + copy_src);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        const uint8_t* from = base + (src + copy_step * j);
         if constexpr (kKeyBytes + 64 == 128) {
           CopyAsync16Fill(to, from, bytes);
         } else {
           CopyAsync16FillIf(copy_lane, to, from, bytes);
         }
+        from += copy_step;
       }
       CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
@@ -1448,8 +1457,10 @@ __global__ void __launch_bounds__(
       } else {
         following = block_of(ahead + kW, num_full);
       }
+#ifndef TQKV_DECODE_NO_WAIT  // a measurement build: wrong results, the loop never waits for data
       CopyAsyncWaitGroup<kStages - 2>();
-      __syncwarp();  // every lane's copies of chunk c are complete and visible
+#endif
+      __syncwarp();            // every lane's copies of chunk c are complete and visible
 #ifndef TQKV_DECODE_COPY_ONLY  // a measurement build: the copies alone (tools/bench/NOTES.md)
       read(stage[0], read_meta + 128u * s, cur);
 #endif
