@@ -374,7 +374,6 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     sp.query_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   }
   sp.cache = a.cache;
-  sp.num_blocks = a.num_blocks;
   sp.block_tables = a.block_tables;
   sp.seq_lens = a.seq_lens;
   sp.partial_out = partial_out;

@@ -159,18 +159,6 @@ __device__ __forceinline__ void CopyAsync16FillIf(bool issue, uint32_t smem_dst,
       "r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
       : "memory");
 }
-// Waits until the mbarrier at `bar` has completed the phase with parity `phase`.
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t phase) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(phase)
-        : "memory");
-  } while (done == 0);
-}
 __device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
@@ -471,15 +459,6 @@ constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
                                   (!kPacked && kD <= 128 && IsPlain(kKind));
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
-// TQKV_DECODE_TMA (an experiment, session 17): the 3-bit-key staged kernels copy each chunk's
-// slots with one TMA tensor copy issued by lane 0 (an mbarrier per stage) instead of four
-// cp.async instructions per lane; the stage rows then follow TMA's 128-byte swizzle, and token
-// 2g / 2g + 1 of the MMA order sit in rows g / g + 8 (conflict-free key and value reads).
-#ifdef TQKV_DECODE_TMA
-constexpr bool kTmaBuild = true;
-#else
-constexpr bool kTmaBuild = false;
-#endif
 
 template <KeyKind kKind, int kW>  // kW: warps per CTA
 struct StagedLayout;
@@ -518,8 +497,7 @@ struct StagedLayout<KeyKind::kMse3, kW> {
   static constexpr uint32_t kPitch = 128;
   static constexpr uint32_t kFirst = 64 * 256;
   static constexpr uint32_t kMeta = kFirst + kW * kStages * 16 * 128;
-  static constexpr uint32_t kBars = kMeta + kW * kStages * 128;  // TMA builds: 8-byte mbarriers
-  static constexpr int kBytes = kBars + (kTmaBuild ? kW * kStages * 8 : 0);
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kStages * warp + s);
   }
@@ -641,7 +619,7 @@ template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
     kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
-    DecodeSplitKernel(const __grid_constant__ SplitParams p) {
+    DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
@@ -1356,20 +1334,6 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
     const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
-    // TMA copies (kTmaBuild, 3-bit keys): this warp's mbarriers, one per stage.
-    constexpr bool kTma = kTmaBuild && kKind == KeyKind::kMse3;
-    uint32_t bars = 0;
-    if constexpr (kTma) {
-      bars = smem_base + Layout::kBars + 8u * kStages * warp;
-      if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < kStages; ++k) {
-          asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8u * k) : "memory");
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-      }
-      __syncwarp();
-    }
     const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
     // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
@@ -1404,43 +1368,21 @@ __global__ void __launch_bounds__(
     // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
     // (One 64-bit address per chunk, then 64-bit steps: a 64-bit product and sum per copy cost
     // 7 more instructions per chunk.)
-    const uint64_t map_addr = reinterpret_cast<uint64_t>(&p.cache_map);
-    auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, uint32_t bar, int block) {
+    auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
       const uint32_t bytes = cc < num_full ? 16u : 0u;
       const uint8_t* base =
           p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
       const uint32_t pos0 = kFixedPos ? 0u : (begin + cc * kChunk) & (p.block_size - 1);
       const uint8_t* from = base + (pos0 * stride_token + copy_src);
-      if constexpr (kTma) {
-        // The chunk's 16 token rows, 128 bytes from the slot's start (the next head's first
-        // unit, or zeros past the row), into the stage; past the split's full chunks the stage's
-        // phase completes without a copy.
-        if (lane == 0) {
-          if (cc < num_full) {
-            const int pos = kFixedPos ? static_cast<int>(warp_pos) : static_cast<int>(pos0);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                         "n"(16 * 128)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-                "l"(map_addr), "r"(head_off), "r"(pos), "r"(block), "r"(bar)
-                : "memory");
-          } else {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-          }
-        }
-      } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-          if constexpr (kKeyBytes + 64 == 128) {
-            CopyAsync16Fill(to, from, bytes);
-          } else {
-            CopyAsync16FillIf(copy_lane, to, from, bytes);
-          }
-          from += copy_step;
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
+        if constexpr (kKeyBytes + 64 == 128) {
+          CopyAsync16Fill(to, from, bytes);
+        } else {
+          CopyAsync16FillIf(copy_lane, to, from, bytes);
         }
+        from += copy_step;
       }
       CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
@@ -1448,14 +1390,8 @@ __global__ void __launch_bounds__(
     // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
     // kKeyBytes + 8g; metadata of tokens 2g, 2g + 1.
     auto at = [](uint32_t token, uint32_t byte) {
-      if constexpr (kTma) {  // token 2g in row g, 2g + 1 in row g + 8; TMA's 128-byte swizzle
-        const uint32_t row = (token >> 1) + 8u * (token & 1u);
-        return kPitch * row + 16u * ((byte >> 4) ^ (row & 7u)) + (byte & 15u);
-      }
       return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
     };
-    // Token 2m + 1's read is token 2m's plus this.
-    constexpr uint32_t kOdd = kTma ? 8u * kPitch : kPitch;
     constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
     uint32_t read_k[kKeyReads];
 #pragma unroll
@@ -1464,8 +1400,7 @@ __global__ void __launch_bounds__(
     }
     const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + 8u * g));
     const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + 8u * g));
-    // (TMA: tokens 2g and 2g + 1 are rows g and g + 8, whose metadata is not adjacent.)
-    const uint32_t read_meta = Pinned(meta_cells + (kTma ? 2u : 4u) * g);
+    const uint32_t read_meta = Pinned(meta_cells + 4u * g);
     auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
       if constexpr (kKind == KeyKind::kMse4) {
         SharedLoad16(st + read_k[0], ck.kg);
@@ -1474,28 +1409,16 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int w = 0; w < kKeyReads; ++w) {
           ck.kg[w] = SharedLoad4(st + read_k[w]);
-          ck.k8[w] = SharedLoad4(st + read_k[w] + kOdd);
+          ck.k8[w] = SharedLoad4(st + read_k[w] + kPitch);
         }
       }
       SharedLoad8(st + read_v0, ck.v[0]);
-      SharedLoad8(st + read_v0 + kOdd, ck.v[2]);
+      SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
       SharedLoad8(st + read_v1, ck.v[1]);
-      SharedLoad8(st + read_v1 + kOdd, ck.v[3]);
-      if constexpr (kTma) {
-        auto pair = [](uint32_t at) {
-          uint32_t lo, hi;
-          asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(lo) : "r"(at));
-          asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(hi) : "r"(at + 16u));
-          return __byte_perm(lo, hi, 0x5410);
-        };
-        ck.norm = pair(meta);
-        ck.vscale = pair(meta + 32);
-        ck.vzero = pair(meta + 64);
-      } else {
-        ck.norm = SharedLoad4(meta);
-        ck.vscale = SharedLoad4(meta + 32);
-        ck.vzero = SharedLoad4(meta + 64);
-      }
+      SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      ck.norm = SharedLoad4(meta);
+      ck.vscale = SharedLoad4(meta + 32);
+      ck.vzero = SharedLoad4(meta + 64);
     };
     int first_blocks[kStages];  // all read before any copy waits for one
 #pragma unroll
@@ -1507,7 +1430,7 @@ __global__ void __launch_bounds__(
 #endif
 #pragma unroll
     for (int k = 0; k < kPrologueStages; ++k) {
-      issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, bars + 8u * k, first_blocks[k]);
+      issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, first_blocks[k]);
       CopyAsyncCommit();
     }
     // The narrow kernel: block ids from global memory, each read one chunk before its copy.
@@ -1524,8 +1447,7 @@ __global__ void __launch_bounds__(
       return cc < num_full ? static_cast<int>(SharedLoad4(at)) : 0;
     };
     Chunk cur;
-    uint32_t s = 0;      // stage of chunk c
-    uint32_t phase = 0;  // TMA: parity of the stage's mbarrier phase for chunk c
+    uint32_t s = 0;  // stage of chunk c
 #pragma unroll 1
     for (int c = warp; c < num_full; c += kW) {
       const int ahead = c + (kStages - 1) * kW;
@@ -1537,7 +1459,6 @@ __global__ void __launch_bounds__(
       }
 #ifndef TQKV_DECODE_NO_WAIT  // a measurement build: wrong results, the loop never waits for data
       CopyAsyncWaitGroup<kStages - 2>();
-      if constexpr (kTma) MbarWait(bars + 8u * s, phase);
 #endif
       __syncwarp();            // every lane's copies of chunk c are complete and visible
 #ifndef TQKV_DECODE_COPY_ONLY  // a measurement build: the copies alone (tools/bench/NOTES.md)
@@ -1549,7 +1470,7 @@ __global__ void __launch_bounds__(
       // takes it, and the reads' destinations would otherwise reuse them and wait.)
 #ifndef TQKV_DECODE_COMPUTE_ONLY
       issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
-            bars + 8u * ((s + kStages - 1) % kStages), next_block);
+            next_block);
 #endif
       CopyAsyncCommit();
 #ifndef TQKV_DECODE_COPY_ONLY
@@ -1557,7 +1478,6 @@ __global__ void __launch_bounds__(
 #endif
       if constexpr (Config::kMaxIds == 0) next_block = following;
       s = (s + 1) % kStages;
-      if constexpr (kTma) phase ^= s == 0 ? 1u : 0u;
       const uint32_t first = stage[0];
 #pragma unroll
       for (int i = 0; i + 1 < kStages; ++i) stage[i] = stage[i + 1];
@@ -2020,49 +1940,12 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
 
 }  // namespace
 
-// The TMA build's tensor map of a 3-bit-key cache: [num_blocks][block_size][token row bytes],
-// boxes of 16 tokens × 128 bytes, 128-byte swizzle, zeros past a row.
-cudaError_t EncodeCacheMap(SplitParams& p) {
-  using Encode =
-      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const uint64_t row = static_cast<uint64_t>(p.num_kv_heads) * p.data_per_slot;
-  const cuuint64_t dims[3] = {row, static_cast<cuuint64_t>(p.block_size),
-                              static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[2] = {row, static_cast<cuuint64_t>(p.block_bytes)};
-  const cuuint32_t box[3] = {128, 16, 1}, unit[3] = {1, 1, 1};
-  const CUresult r =
-      encode(&p.cache_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(p.cache), dims,
-             strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool narrow, bool programmatic, cudaStream_t stream) {
   return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       return cudaErrorInvalidValue;  // no narrow variant
     } else {
-      if constexpr (kTmaBuild && decltype(ops)::kStaged) {
-        if (kind == KeyKind::kMse3) {
-          SplitParams q = p;
-          if (const cudaError_t e = EncodeCacheMap(q); e != cudaSuccess) return e;
-          return decltype(ops)::Launch(q, programmatic, stream);
-        }
-      }
       return decltype(ops)::Launch(p, programmatic, stream);
     }
   });

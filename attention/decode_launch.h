@@ -3,7 +3,6 @@
 // the host launcher (decode_cuda.cc) in CUDA builds only. No fmt, no exceptions here.
 #pragma once
 
-#include <cuda.h>  // CUtensorMap (a plain struct; no driver library is linked)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -73,10 +72,6 @@ struct SplitParams {
   // Let the kernel after this one launch once every CTA has finished its chunks (griddepcontrol
   // .launch_dependents): the merge, or a next split grid that fills the SMs anyway.
   int trigger_dependents = 1;
-  int64_t num_blocks = 0;  // blocks in the cache (the TMA copy engine's tensor map)
-  // Filled by LaunchDecodeSplits where the kernel copies by TMA (3-bit keys, TQKV_DECODE_TMA
-  // builds): the cache as [num_blocks][block_size][token row bytes].
-  CUtensorMap cache_map = {};
 };
 
 struct MergeParams {
