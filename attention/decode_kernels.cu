@@ -458,7 +458,16 @@ constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
                                    (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3)) ||
                                   (!kPacked && kD <= 128 && IsPlain(kKind));
 constexpr int kStagedWarps = 8;
+// TQKV_DECODE_NARROW5: an experiment build for session 18 (not yet measured; NOTES "Next"): the
+// narrow kernel compiled for five CTAs per SM (20 warps at 96 registers, 88 bytes of spills) and
+// every staged kernel with 3 stages, so that five narrow CTAs' shared memory fits an SM.
+#ifdef TQKV_DECODE_NARROW5
+constexpr int kNarrowCtas = 5;
+constexpr int kStages = 3;
+#else
+constexpr int kNarrowCtas = 4;
 constexpr int kStages = 4;
+#endif
 
 template <KeyKind kKind, int kW>  // kW: warps per CTA
 struct StagedLayout;
@@ -618,8 +627,8 @@ template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool
           int kSW = kStagedWarps>
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
-    kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
-    DecodeSplitKernel(const SplitParams p) {
+    kStaged ? (IsPlain(kKind) ? 2 : (kNarrowCtas > 4 && kSW == 4 ? kNarrowCtas : 16 / kSW))
+            : (kSplitMinCtas<kKind, kD, kNTiles>)) DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
