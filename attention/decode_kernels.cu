@@ -380,36 +380,6 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
     LutLoad((Bits<12 * kS, 6>(w) << 8) | lane_word, a[0], a[1]);
     LutLoad((Bits<12 * kS + 6, 6>(w) << 8) | lane_word, a[2], a[3]);
   }
-  // The 8-warp staged kernel's table has a row for every byte value (256 rows, row v = entry
-  // v mod 64: the top two bits are the next code's), so that, as for 4-bit keys, a lookup
-  // address is one byte-permute of a 32-bit window of the thread's 96 key bits. Pair p (bits
-  // 6p .. 6p + 5) is the low 6 bits of byte 3·(q mod 2) of the window that starts at bit
-  // 48·(q / 2) + 6·(p mod 4), q = p / 4: eight windows (one funnel shift each, the first free)
-  // serve the 16 pairs, where a masked pair costs a shift and a LOP3 of its own.
-  template <int kP>
-  __device__ __forceinline__ static uint32_t Window(const uint32_t (&w)[kKeyWords]) {
-    static_assert(kD == 128);
-    constexpr int kStart = 48 * (kP / 8) + 6 * (kP % 4);
-    constexpr int kWord = kStart / 32, kShift = kStart % 32;
-    if constexpr (kShift == 0) {
-      return w[kWord];
-    } else if constexpr (kWord + 1 < kKeyWords) {
-      return __funnelshift_r(w[kWord], w[kWord + 1], kShift);
-    } else {
-      return w[kWord] >> kShift;
-    }
-  }
-  template <int kP>
-  __device__ __forceinline__ static uint32_t ByteAddr(const uint32_t (&w)[kKeyWords],
-                                                      uint32_t lane_word) {
-    return __byte_perm(Window<kP>(w), lane_word, 0x7604 | ((3 * ((kP / 4) % 2)) << 4));
-  }
-  template <int kS>
-  __device__ __forceinline__ static void KeyFragByte(const uint32_t (&w)[kKeyWords],
-                                                     uint32_t lane_word, uint32_t (&a)[4]) {
-    LutLoad(ByteAddr<2 * kS>(w, lane_word), a[0], a[1]);
-    LutLoad(ByteAddr<2 * kS + 1>(w, lane_word), a[2], a[3]);
-  }
 };
 
 template <int kValueBits, int kD>
@@ -510,7 +480,9 @@ struct StagedLayout;
 // 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
 // the reads do not mind). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus
 // the pitch. The copies (one token's 8 units per 8-lane phase) are conflict-free under any XOR.
-struct ByteTableStages {  // the stages around a 256-row table (8 warps)
+template <int kW>
+struct StagedLayout<KeyKind::kMse4, kW> {
+  static_assert(kW == kStagedWarps, "the stages fill the table rows' halves of 8 warps");
   static constexpr uint32_t kPitch = 256;
   static constexpr uint32_t kExtra = 256 * 256;
   static constexpr uint32_t kMeta = kExtra + kStagedWarps * 16 * 256;
@@ -518,10 +490,6 @@ struct ByteTableStages {  // the stages around a 256-row table (8 warps)
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return s < 2 ? 8192u * warp + 4096u * s + 128u : kExtra + 4096u * warp + 128u * (s - 2);
   }
-};
-template <int kW>
-struct StagedLayout<KeyKind::kMse4, kW> : ByteTableStages {
-  static_assert(kW == kStagedWarps, "the stages fill the table rows' halves of 8 warps");
   __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
     return ((i >> 1) & 1u) ^ (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
   }
@@ -533,14 +501,8 @@ struct StagedLayout<KeyKind::kMse4, kW> : ByteTableStages {
 // 12t + 4w) get 8 distinct unit masks, which tile the 32 banks exactly, and the four tokens of a
 // half-warp's value reads (units 3-4 or 5-6) get masks from {0, 1, 4, 5} or {2, 3, 6, 7}, whose
 // unit pairs are disjoint.
-struct Mse3Swizzle {
-  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
-    const uint32_t x = i >> 1;
-    return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
-  }
-};
 template <int kW>
-struct StagedLayout<KeyKind::kMse3, kW> : Mse3Swizzle {  // the narrow kernel (4 warps)
+struct StagedLayout<KeyKind::kMse3, kW> {
   static constexpr uint32_t kPitch = 128;
   static constexpr uint32_t kFirst = 64 * 256;
   static constexpr uint32_t kMeta = kFirst + kW * kStages * 16 * 128;
@@ -548,12 +510,11 @@ struct StagedLayout<KeyKind::kMse3, kW> : Mse3Swizzle {  // the narrow kernel (4
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kStages * warp + s);
   }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    const uint32_t x = i >> 1;
+    return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
+  }
 };
-// The 8-warp kernel: its table has 256 rows (byte-indexed lookups, CacheTraits<kMse3>::Window),
-// so it takes the 4-bit layout around it, each 112-byte slot in the first 112 bytes of a
-// 128-byte half row (the same banks as at a 128-byte pitch): 100 KB per CTA, two per SM.
-template <>
-struct StagedLayout<KeyKind::kMse3, kStagedWarps> : ByteTableStages, Mse3Swizzle {};
 
 // bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
 // spilled, so D = 256 keeps the unstaged kernel): 4 warps per CTA, each with kStages stages of
@@ -599,10 +560,6 @@ struct SplitKernelConfig {
   }();
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
-  // 3-bit keys in the 8-warp staged kernel: lookups by whole bytes (CacheTraits<kMse3>::Window),
-  // the table with a row per byte value.
-  static constexpr bool kByteKeys = kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps;
-  static constexpr int kLutRows = kByteKeys ? 256 : Traits::kLutEntries;
   static constexpr int kLutBytes = [] {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
@@ -697,7 +654,7 @@ __global__ void __launch_bounds__(
   // 4-bit keys): each thread loads its entries here and writes their 16 replicas in
   // finish_prologue, after the first chunk's loads are out. (Copying the replicated table from L2
   // per CTA moved 24 MB through L2 at batch 1 × 32k, 100 MB at 64 × 4k.)
-  constexpr int kEntriesPerThread = (Config::kLutRows + kT - 1) / kT;
+  constexpr int kEntriesPerThread = (Traits::kLutEntries + kT - 1) / kT;
   uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;
   if constexpr (kCodebook) {
@@ -706,7 +663,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int k = 0; k < kEntriesPerThread; ++k) {
       const int e = threadIdx.x + k * kT;
-      if (e < Config::kLutRows) entries[k] = __ldg(p.codebook_table + e % Traits::kLutEntries);
+      if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
     lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
   }
@@ -870,7 +827,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int k = 0; k < kEntriesPerThread; ++k) {
         const int e = threadIdx.x + k * kT;
-        if (e < Config::kLutRows) {
+        if (e < Traits::kLutEntries) {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
             const uint32_t at = base + 256u * e + 16u * ((c + lane) & 7);
@@ -1012,13 +969,8 @@ __global__ void __launch_bounds__(
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kCodebook) {
         uint32_t a0[4], a1[4];
-        if constexpr (Config::kByteKeys) {
-          Traits::template KeyFragByte<ks>(cur.kg, lane_word, a0);
-          Traits::template KeyFragByte<ks>(cur.k8, lane_word, a1);
-        } else {
-          Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
-          Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
-        }
+        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
+        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
         if constexpr (kPacked) {  // chains k = token half; q parts are columns
           constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
           MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
@@ -1382,11 +1334,6 @@ __global__ void __launch_bounds__(
     // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
     // (NOTES, v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
     // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
-    // A 112-byte slot (3-bit keys) is copied as the four whole 32-byte sectors that hold it: 8
-    // units from 112·h rounded down to 32, the unit that belongs to a neighbouring head going to
-    // the row's unused unit 7 (odd h: the first one copied, from the head before). With unit 7's
-    // lane idle instead, the L2 requests per slot rose from ~1.8 to 2.6 and L2 sent 383 MB to the
-    // SMs for 248 MB of slots at 64 × 4k (ncu, v17 in NOTES): copies alone 76.1 → 74.1 µs.
     using Layout = StagedLayout<kKind, kSW>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
@@ -1399,16 +1346,16 @@ __global__ void __launch_bounds__(
     const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
     // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
+    const uint32_t copy_dst =
+        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
 #ifdef TQKV_DECODE_ALIGNED_COPIES
     // A measurement build, with TQKV_DECODE_COPY_ONLY (wrong bytes, the copies' speed only): each
     // 3-bit slot is read from the 128-byte aligned line 128·(h mod 7) of its token row instead of
     // from 112·h, where the slots of heads 1-6 straddle two lines (heads 0 and 7 share line 0).
     const uint32_t copy_head =
         kKind == KeyKind::kMse3 ? 128u * static_cast<uint32_t>(h % 7) : head_off;
-    const uint32_t lead = 0;
 #else
-    const uint32_t lead = (static_cast<uint32_t>(head_off) & 31u) / 16u;  // 3-bit slots: 0 or 1
-    const uint32_t copy_head = head_off - 16u * lead;
+    const uint32_t copy_head = head_off;
 #endif
     // A warp's chunks lie kW·16 tokens apart; in the 8-warp kernels that is 128 tokens, a multiple
     // of every block size (16-128), so the position of each of its chunks in its block is the
@@ -1419,8 +1366,8 @@ __global__ void __launch_bounds__(
     const uint32_t copy_src =
         Pinned((warp_pos + copy_tok) * stride_token + copy_head + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
-    const uint32_t copy_dst =
-        Pinned(kPitch * copy_tok + 16u * (((copy_unit - lead) & 7u) ^ Layout::Swizzle(copy_tok)));
+    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
+    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -1439,7 +1386,11 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        CopyAsync16Fill(to, from, bytes);
+        if constexpr (kKeyBytes + 64 == 128) {
+          CopyAsync16Fill(to, from, bytes);
+        } else {
+          CopyAsync16FillIf(copy_lane, to, from, bytes);
+        }
         from += copy_step;
       }
       CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
