@@ -748,6 +748,13 @@ __global__ void __launch_bounds__(
   // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The plain kinds use
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
+  // TQKV_DECODE_NARROW5 (experiment): the narrow kernel reads its query fragments from shared
+  // memory in every chunk (16 registers fewer).
+#ifdef TQKV_DECODE_NARROW5
+  constexpr bool kQfShared = kStaged && kSW == 4;
+#else
+  constexpr bool kQfShared = false;
+#endif
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
   // Everything the split needs from earlier work: waits for the query prep grid where there is
   // one (programmatic launch), rotates the group's query rows into shared memory and loads the
@@ -862,6 +869,19 @@ __global__ void __launch_bounds__(
         }
       }
     }
+    if constexpr (kQfShared) {  // the fragments in lane order, read back per chunk
+      __syncthreads();
+      if (warp == 0) {
+        uint32_t* qs = reinterpret_cast<uint32_t*>(smem + Config::kQueryOffset);
+#pragma unroll
+        for (int i = 0; i < kKSteps / 2; ++i) {
+          *reinterpret_cast<uint4*>(qs + 128 * i + 4 * lane) =
+              make_uint4(qf[0][0][2 * i][0], qf[0][0][2 * i][1], qf[0][0][2 * i + 1][0],
+                         qf[0][0][2 * i + 1][1]);
+        }
+      }
+      __syncthreads();
+    }
   };
 
   float acc[kMTiles][kNTiles][4];
@@ -965,6 +985,17 @@ __global__ void __launch_bounds__(
         for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
       }
     }
+    uint32_t qc[kKSteps][2];  // kQfShared: this chunk's copy of the query fragments
+    if constexpr (kQfShared) {
+      const uint32_t qs =
+          static_cast<uint32_t>(__cvta_generic_to_shared(smem + Config::kQueryOffset)) + 16u * lane;
+#pragma unroll
+      for (int i = 0; i < kKSteps / 2; ++i) {
+        uint32_t w[4];
+        SharedLoad16(qs + 512u * i, w);
+        qc[2 * i][0] = w[0], qc[2 * i][1] = w[1], qc[2 * i + 1][0] = w[2], qc[2 * i + 1][1] = w[3];
+      }
+    }
     StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kCodebook) {
@@ -973,8 +1004,10 @@ __global__ void __launch_bounds__(
         Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
         if constexpr (kPacked) {  // chains k = token half; q parts are columns
           constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
-          MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
-          MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
+          const uint32_t b0 = kQfShared ? qc[ks][0] : qf[0][0][ks][0];
+          const uint32_t b1 = kQfShared ? qc[ks][1] : qf[0][0][ks][1];
+          MmaF16(sp[kChain][0], a0, b0, b1);
+          MmaF16(sp[kChain + 1][0], a1, b0, b1);
         } else {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
