@@ -458,16 +458,7 @@ constexpr bool kHasStagedKernel = (kPacked && kD == 128 && kValueBits == 4 &&
                                    (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3)) ||
                                   (!kPacked && kD <= 128 && IsPlain(kKind));
 constexpr int kStagedWarps = 8;
-// TQKV_DECODE_NARROW5: an experiment build for session 18 (not yet measured; NOTES "Next"): the
-// narrow kernel compiled for five CTAs per SM (20 warps at 96 registers, 88 bytes of spills) and
-// every staged kernel with 3 stages, so that five narrow CTAs' shared memory fits an SM.
-#ifdef TQKV_DECODE_NARROW5
-constexpr int kNarrowCtas = 5;
-constexpr int kStages = 3;
-#else
-constexpr int kNarrowCtas = 4;
 constexpr int kStages = 4;
-#endif
 
 template <KeyKind kKind, int kW>  // kW: warps per CTA
 struct StagedLayout;
@@ -627,8 +618,8 @@ template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool
           int kSW = kStagedWarps>
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
-    kStaged ? (IsPlain(kKind) ? 2 : (kNarrowCtas > 4 && kSW == 4 ? kNarrowCtas : 16 / kSW))
-            : (kSplitMinCtas<kKind, kD, kNTiles>)) DecodeSplitKernel(const SplitParams p) {
+    kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
+    DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
@@ -748,13 +739,6 @@ __global__ void __launch_bounds__(
   // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The plain kinds use
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
-  // TQKV_DECODE_NARROW5 (experiment): the narrow kernel reads its query fragments from shared
-  // memory in every chunk (16 registers fewer).
-#ifdef TQKV_DECODE_NARROW5
-  constexpr bool kQfShared = kStaged && kSW == 4;
-#else
-  constexpr bool kQfShared = false;
-#endif
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
   // Everything the split needs from earlier work: waits for the query prep grid where there is
   // one (programmatic launch), rotates the group's query rows into shared memory and loads the
@@ -869,19 +853,6 @@ __global__ void __launch_bounds__(
         }
       }
     }
-    if constexpr (kQfShared) {  // the fragments in lane order, read back per chunk
-      __syncthreads();
-      if (warp == 0) {
-        uint32_t* qs = reinterpret_cast<uint32_t*>(smem + Config::kQueryOffset);
-#pragma unroll
-        for (int i = 0; i < kKSteps / 2; ++i) {
-          *reinterpret_cast<uint4*>(qs + 128 * i + 4 * lane) =
-              make_uint4(qf[0][0][2 * i][0], qf[0][0][2 * i][1], qf[0][0][2 * i + 1][0],
-                         qf[0][0][2 * i + 1][1]);
-        }
-      }
-      __syncthreads();
-    }
   };
 
   float acc[kMTiles][kNTiles][4];
@@ -985,17 +956,6 @@ __global__ void __launch_bounds__(
         for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
       }
     }
-    uint32_t qc[kKSteps][2];  // kQfShared: this chunk's copy of the query fragments
-    if constexpr (kQfShared) {
-      const uint32_t qs =
-          static_cast<uint32_t>(__cvta_generic_to_shared(smem + Config::kQueryOffset)) + 16u * lane;
-#pragma unroll
-      for (int i = 0; i < kKSteps / 2; ++i) {
-        uint32_t w[4];
-        SharedLoad16(qs + 512u * i, w);
-        qc[2 * i][0] = w[0], qc[2 * i][1] = w[1], qc[2 * i + 1][0] = w[2], qc[2 * i + 1][1] = w[3];
-      }
-    }
     StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kCodebook) {
@@ -1004,10 +964,8 @@ __global__ void __launch_bounds__(
         Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
         if constexpr (kPacked) {  // chains k = token half; q parts are columns
           constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
-          const uint32_t b0 = kQfShared ? qc[ks][0] : qf[0][0][ks][0];
-          const uint32_t b1 = kQfShared ? qc[ks][1] : qf[0][0][ks][1];
-          MmaF16(sp[kChain][0], a0, b0, b1);
-          MmaF16(sp[kChain + 1][0], a1, b0, b1);
+          MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
+          MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
         } else {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
