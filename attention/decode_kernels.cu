@@ -264,17 +264,6 @@ __device__ __forceinline__ void LoadBytes(const uint8_t* src, uint32_t (&w)[(N +
   }
 }
 
-// x >> kShift on the FMA pipe (IMAD.HI.U32 by 2^(32 - kShift)) instead of the integer ALU pipe
-// (SHF), which the decode loop's lookups, masks and byte-permutes keep busy: ncu (session 18)
-// shows its throttling among the largest stalls, and 32 extra LOP3s per chunk cost 3-10 %.
-template <int kShift>
-__device__ __forceinline__ uint32_t ShrFma(uint32_t x) {
-  static_assert(kShift > 0 && kShift < 32);
-  uint32_t r;
-  asm("mul.hi.u32 %0, %1, %2;\n" : "=r"(r) : "r"(x), "n"(1u << (32 - kShift)));
-  return r;
-}
-
 // `bits` bits starting at bit `pos` of a little-endian word array (compile-time pos).
 template <int kPos, int kBits, int W>
 __device__ __forceinline__ uint32_t Bits(const uint32_t (&w)[W]) {
@@ -338,7 +327,7 @@ struct CompressedValues {
     constexpr int j = kMt % 4;
     const uint32_t x = __byte_perm(wa[kMt / 4], wb[kMt / 4],
                                    j | ((j + 1) << 4) | ((4 + j) << 8) | ((5 + j) << 12));
-    const uint32_t y = ShrFma<8>(x);
+    const uint32_t y = x >> 8;
     rows[0][0] = x & 0x000F000Fu;
     rows[0][1] = x & 0x00F000F0u;
     rows[1][0] = y & 0x000F000Fu;
@@ -385,31 +374,11 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
   static constexpr int kKeyWords = (kKeyBytes + 3) / 4;
   static constexpr int kKeyAlign = kD == 64 ? 2 : (kD == 128 ? 4 : 8);
   static constexpr int kLutEntries = 64;
-  // Address of the entry for the 6 bits at kPos: the pair moved to bits 8-13 by shifts on the
-  // FMA pipe (IMAD.SHL, IMAD.HI, IMAD: ShrFma), then one LOP3 masks it and adds lane_word, so
-  // that a lookup costs the integer ALU pipe one instruction instead of two.
-  template <int kPos>
-  __device__ __forceinline__ static uint32_t Addr(const uint32_t (&w)[kKeyWords],
-                                                  uint32_t lane_word) {
-    constexpr int kWord = kPos / 32, kShift = kPos % 32;
-    uint32_t t;
-    if constexpr (kShift < 8) {
-      t = w[kWord] * (1u << (8 - kShift));
-    } else if constexpr (kShift == 8) {
-      t = w[kWord];
-    } else {
-      t = ShrFma<kShift - 8>(w[kWord]);
-    }
-    if constexpr (kShift + 6 > 32 && kWord + 1 < kKeyWords) {  // bits beyond are disjoint: add
-      t += w[kWord + 1] * (1u << (40 - kShift));
-    }
-    return (t & 0x3F00u) | lane_word;
-  }
   template <int kS>
   __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
                                                      uint32_t lane_word, uint32_t (&a)[4]) {
-    LutLoad(Addr<12 * kS>(w, lane_word), a[0], a[1]);
-    LutLoad(Addr<12 * kS + 6>(w, lane_word), a[2], a[3]);
+    LutLoad((Bits<12 * kS, 6>(w) << 8) | lane_word, a[0], a[1]);
+    LutLoad((Bits<12 * kS + 6, 6>(w) << 8) | lane_word, a[2], a[3]);
   }
 };
 
