@@ -1448,7 +1448,7 @@ __global__ void __launch_bounds__(
     };
     Chunk cur;
     uint32_t s = 0;  // stage of chunk c
-#pragma unroll(kKind == KeyKind::kMse3 ? 2 : 1)
+#pragma unroll 1
     for (int c = warp; c < num_full; c += kW) {
       const int ahead = c + (kStages - 1) * kW;
       int following = 0;
