@@ -357,12 +357,14 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
     return __byte_perm(w, lane_word, 0x7604 | ((kB % 4) << 4));
   }
   // A fragment of k-step s for one token (words w): row g = hi parts, row g + 8 = lo parts.
+  // (mask: all ones but in the TQKV_DECODE_LOOKUP_MASK measurement build.)
   template <int kS>
   __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
-                                                     uint32_t lane_word, uint32_t (&a)[4]) {
+                                                     uint32_t lane_word, uint32_t (&a)[4],
+                                                     uint32_t mask = ~0u) {
     constexpr int kB0 = 2 * kS, kB1 = 2 * kS + 1;
-    LutLoad(Addr<kB0>(w[kB0 / 4], lane_word), a[0], a[1]);
-    LutLoad(Addr<kB1>(w[kB1 / 4], lane_word), a[2], a[3]);
+    LutLoad(Addr<kB0>(w[kB0 / 4], lane_word) & mask, a[0], a[1]);
+    LutLoad(Addr<kB1>(w[kB1 / 4], lane_word) & mask, a[2], a[3]);
   }
 };
 
@@ -376,9 +378,10 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
   static constexpr int kLutEntries = 64;
   template <int kS>
   __device__ __forceinline__ static void KeyFragHiLo(const uint32_t (&w)[kKeyWords],
-                                                     uint32_t lane_word, uint32_t (&a)[4]) {
-    LutLoad((Bits<12 * kS, 6>(w) << 8) | lane_word, a[0], a[1]);
-    LutLoad((Bits<12 * kS + 6, 6>(w) << 8) | lane_word, a[2], a[3]);
+                                                     uint32_t lane_word, uint32_t (&a)[4],
+                                                     uint32_t mask = ~0u) {
+    LutLoad(((Bits<12 * kS, 6>(w) << 8) | lane_word) & mask, a[0], a[1]);
+    LutLoad(((Bits<12 * kS + 6, 6>(w) << 8) | lane_word) & mask, a[2], a[3]);
   }
 };
 
@@ -928,6 +931,15 @@ __global__ void __launch_bounds__(
     }
   };
 
+#ifdef TQKV_DECODE_LOOKUP_MASK
+  // A measurement build (wrong results; session 18, NOTES): every codebook lookup address ANDed
+  // with an opaque mask, TQKV_DECODE_LOOKUP_MASK=0xFFFFFFFFu (the control: one LOP3 more per
+  // lookup, the same reads) or 0xFF000000u (every lane reads entry 0 of replica 0: a broadcast,
+  // one shared-memory wavefront per lookup instead of two).
+  const uint32_t lut_mask = (TQKV_DECODE_LOOKUP_MASK) ^ (static_cast<uint32_t>(p.block_size) >> 16);
+#else
+  constexpr uint32_t lut_mask = ~0u;
+#endif
   // kPhase (packed kernels only; TQKV_DECODE_PIPELINED): 0 = the whole chunk, 1 = its scores
   // only (to s_io[0..1], scaled and masked), 2 = the rest from those scores.
   auto compute = [&]<bool kTail, int kPhase = 0>(int c, Chunk& cur, float* s_io = nullptr) {
@@ -963,8 +975,8 @@ __global__ void __launch_bounds__(
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kCodebook) {
         uint32_t a0[4], a1[4];
-        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
-        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
+        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0, lut_mask);
+        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1, lut_mask);
         if constexpr (kPacked) {  // chains k = token half; q parts are columns
           constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
           MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
