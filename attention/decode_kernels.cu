@@ -940,10 +940,7 @@ __global__ void __launch_bounds__(
 #else
   constexpr uint32_t lut_mask = ~0u;
 #endif
-  // kPhase (packed kernels only; TQKV_DECODE_PIPELINED): 0 = the whole chunk, 1 = its scores
-  // only (to s_io[0..1], scaled and masked), 2 = the rest from those scores.
-  auto compute = [&]<bool kTail, int kPhase = 0>(int c, Chunk& cur, float* s_io = nullptr) {
-    static_assert(kPhase == 0 || kPacked);
+  auto compute = [&]<bool kTail>(int c, Chunk& cur) {
     const int t0 = begin + c * kChunk;
     bool valid[2] = {true, true};  // tokens 2g, 2g + 1
     if constexpr (kTail) {
@@ -971,7 +968,7 @@ __global__ void __launch_bounds__(
         for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
       }
     }
-    StaticFor<kPhase == 2 ? 0 : kKSteps>([&](auto ks_c) {
+    StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kCodebook) {
         uint32_t a0[4], a1[4];
@@ -1029,10 +1026,6 @@ __global__ void __launch_bounds__(
       float s[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if constexpr (kPhase == 2) {
-          s[r] = s_io[r];
-          continue;
-        }
         float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
                               : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
         if constexpr (kCodebook && kParts == 4) {
@@ -1040,9 +1033,7 @@ __global__ void __launch_bounds__(
         }
         s[r] = sum * row_scale[r];
         if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
-        if constexpr (kPhase == 1) s_io[r] = s[r];
       }
-      if constexpr (kPhase == 1) return;
       float mx = fmaxf(s[0], s[1]);
       // As below: lazy unless a value scale is too large for p ≤ 2^kLazyMax.
       const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
@@ -1469,74 +1460,6 @@ __global__ void __launch_bounds__(
     };
     Chunk cur;
     uint32_t s = 0;  // stage of chunk c
-#ifdef TQKV_DECODE_PIPELINED
-    // An experiment build (session 18, not yet measured; NOTES "Next" (2)): the scores of chunk c
-    // (lookups, score MMAs) in the same straight-line block as the softmax and P·V of the warp's
-    // chunk before it, whose scores and registers (values, metadata) wait one step, so that the
-    // two dependency chains can overlap. The staged kernels with packed heads only.
-    // TQKV_DECODE_PIPELINED=1: loop 313 -> 337 instructions (4bit_nc; 4 bytes of spills), 353 ->
-    // 382 (k3v4_nc 8-warp), 365 -> 398 (narrow); =2: unrolled by two, 56 bytes of spills
-    // (4bit_nc), 12 (narrow), none (k3v4_nc 8-warp).
-    if constexpr (kPacked) {
-      auto step = [&](int c, Chunk& ck) {  // wait for chunk c, read it, issue a later copy
-        const int ahead = c + (kStages - 1) * kW;
-        int following = 0;
-        if constexpr (Config::kMaxIds > 0) {
-          next_block = staged_block(ahead);
-        } else {
-          following = block_of(ahead + kW, num_full);
-        }
-        CopyAsyncWaitGroup<kStages - 2>();
-        __syncwarp();
-        read(stage[0], read_meta + 128u * s, ck);
-        issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
-              next_block);
-        CopyAsyncCommit();
-        if constexpr (Config::kMaxIds == 0) next_block = following;
-        s = (s + 1) % kStages;
-        const uint32_t first = stage[0];
-#pragma unroll
-        for (int i = 0; i + 1 < kStages; ++i) stage[i] = stage[i + 1];
-        stage[kStages - 1] = first;
-      };
-      if (warp < num_full) {
-        // `prev`: the chunk whose scores are done; `cur`: the one being read.
-        Chunk prev;
-        float s_prev[2];
-        step(warp, prev);
-        compute.template operator()<false, 1>(warp, prev, s_prev);
-        int c = warp + kW;
-#if TQKV_DECODE_PIPELINED == 1  // one chunk per step: `prev = cur` copies ~17 registers
-#pragma unroll 1
-        for (; c < num_full; c += kW) {
-          step(c, cur);
-          compute.template operator()<false, 2>(c - kW, prev, s_prev);
-          compute.template operator()<false, 1>(c, cur, s_prev);
-          prev = cur;
-        }
-        compute.template operator()<false, 2>(c - kW, prev, s_prev);
-#else  // 2: two chunks per step, the buffers in turn, no copies
-#pragma unroll 1
-        for (; c + kW < num_full; c += 2 * kW) {
-          step(c, cur);
-          compute.template operator()<false, 2>(c - kW, prev, s_prev);
-          compute.template operator()<false, 1>(c, cur, s_prev);
-          step(c + kW, prev);
-          compute.template operator()<false, 2>(c, cur, s_prev);
-          compute.template operator()<false, 1>(c + kW, prev, s_prev);
-        }
-        if (c < num_full) {
-          step(c, cur);
-          compute.template operator()<false, 2>(c - kW, prev, s_prev);
-          compute.template operator()<false, 1>(c, cur, s_prev);
-          compute.template operator()<false, 2>(c, cur, s_prev);
-        } else {
-          compute.template operator()<false, 2>(c - kW, prev, s_prev);
-        }
-#endif
-      }
-    } else
-#endif
 #pragma unroll 1
     for (int c = warp; c < num_full; c += kW) {
       const int ahead = c + (kStages - 1) * kW;

@@ -2,10 +2,11 @@
 # Side-by-side graph timings of decode builds on the GPU machine (in the bundle of
 # tools/gpu_bundle.sh, with variants from tools/bench/decode_variants.sh), in rounds, so that
 # each shape's builds run next to each other and run-to-run drift shows as the spread.
-#   decode_ab.sh [-r ROUNDS] "LABEL=BUILD[:ENV=V[,ENV=V]] ..." KIND:BATCH:CONTEXT ...
+#   decode_ab.sh [-r ROUNDS] "LABEL=BUILD[:ENV=V[,ENV=V]] ..." KIND:BATCH:CONTEXT[:TPS] ...
 # BUILD is "bundle" (the bundle's own decode_bench) or a variant name (var/NAME/decode_bench);
-# ENV settings apply to that run only, e.g. TQKV_DECODE_NARROW=0. Prints one line per run.
-#   decode_ab.sh "base=bundle pipe=pipe2 pipe8w=pipe2:TQKV_DECODE_NARROW=0" \
+# ENV settings apply to that run only, e.g. TQKV_DECODE_NARROW=0. TPS forces the split length
+# (decode_bench --tps; the plan's choice without it). Prints one line per run.
+#   decode_ab.sh "base=bundle copy=copy base8w=bundle:TQKV_DECODE_NARROW=0" \
 #     turboquant_k3v4_nc:64:4096 turboquant_4bit_nc:1:32768
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +22,9 @@ for ((round = 1; round <= rounds; ++round)); do
       build=${rest%%:*} envs=""
       [ "$build" != "$rest" ] && envs=${rest#*:}
       if [ "$build" = bundle ]; then bin="$here/bin/tools/bench/decode_bench"; else bin="$here/var/$build/decode_bench"; fi
-      line=$(env ${envs//,/ } timeout 120 "$bin" --only "$shape" 2>&1 | grep "B=" | head -n 1 |
+      only=$(echo "$shape" | cut -d: -f1-3) tps=$(echo "$shape" | cut -s -d: -f4)
+      line=$(env ${envs//,/ } timeout 120 "$bin" --only "$only" ${tps:+--tps "$tps"} 2>&1 |
+        grep "B=" | head -n 1 |
         sed -e 's/  */ /g' -e 's/ read floor.*//')
       echo "r$round $label $shape |${line:- (no result)}"
     done

@@ -4,7 +4,7 @@
 # .gpu_bundle/var/NAME/ beside the bundle of tools/gpu_bundle.sh (run that first: it replaces the
 # whole folder). On the GPU machine tools/bench/decode_ab.sh times them side by side.
 #   tools/bench/decode_variants.sh NAME="FLAGS" ...
-#   e.g. tools/bench/decode_variants.sh copy="-DTQKV_DECODE_COPY_ONLY" pipe2="-DTQKV_DECODE_PIPELINED=2"
+#   e.g. tools/bench/decode_variants.sh copy="-DTQKV_DECODE_COPY_ONLY" compute="-DTQKV_DECODE_COMPUTE_ONLY"
 # Ends with a default build again, so that bazel-bin holds the committed kernels.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
