@@ -940,6 +940,15 @@ __global__ void __launch_bounds__(
 #else
   constexpr uint32_t lut_mask = ~0u;
 #endif
+#if defined(TQKV_DECODE_EXTRA_MMA) || defined(TQKV_DECODE_EXTRA_ALU)
+  // Measurement builds (session 19, NOTES): TQKV_DECODE_EXTRA_MMA=N issues N more score MMAs per
+  // k-step of the packed codebook kernels into two spare accumulators, TQKV_DECODE_EXTRA_ALU=N N
+  // more integer instructions per k-step in two spare chains; neither feeds the loop's chains
+  // (the results only reach a store that never happens), so they load the tensor pipe or the
+  // issue slots alone. Results stay correct.
+  float junk_acc[2][4] = {};
+  uint32_t junk_alu[2] = {static_cast<uint32_t>(p.block_size), static_cast<uint32_t>(lane)};
+#endif
   auto compute = [&]<bool kTail>(int c, Chunk& cur) {
     const int t0 = begin + c * kChunk;
     bool valid[2] = {true, true};  // tokens 2g, 2g + 1
@@ -978,6 +987,20 @@ __global__ void __launch_bounds__(
           constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
           MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
           MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
+#ifdef TQKV_DECODE_EXTRA_MMA
+#pragma unroll
+          for (int x = 0; x < (TQKV_DECODE_EXTRA_MMA); ++x) {
+            MmaF16(junk_acc[x & 1], x & 1 ? a1 : a0, qf[0][0][ks][0], qf[0][0][ks][1]);
+          }
+#endif
+#ifdef TQKV_DECODE_EXTRA_ALU
+#pragma unroll
+          for (int x = 0; x < (TQKV_DECODE_EXTRA_ALU); ++x) {
+            asm volatile("shf.l.wrap.b32 %0, %0, %1, %2;\n"
+                         : "+r"(junk_alu[x & 1])
+                         : "r"(a0[x & 3]), "r"(x % 31 + 1));
+          }
+#endif
         } else {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
@@ -1530,6 +1553,13 @@ __global__ void __launch_bounds__(
   // (batch 1 × 32k: 20.5 -> 27 µs with the merge's early trigger, measured); then the next
   // kernel is launched when every CTA of this grid has exited.
   if (p.trigger_dependents) LaunchDependents();
+#if defined(TQKV_DECODE_EXTRA_MMA) || defined(TQKV_DECODE_EXTRA_ALU)
+  if (p.block_size == 3) {  // never (block sizes are multiples of 16): keeps the spare work
+    p.lse[threadIdx.x] = junk_acc[0][0] + junk_acc[0][1] + junk_acc[0][2] + junk_acc[0][3] +
+                         junk_acc[1][0] + junk_acc[1][1] + junk_acc[1][2] + junk_acc[1][3] +
+                         static_cast<float>(junk_alu[0] ^ junk_alu[1]);
+  }
+#endif
 
   if constexpr (kPacked) {  // columns 2t, 2t + 1 hold the P'_hi and P'_lo sums of head t
 #pragma unroll
