@@ -188,6 +188,44 @@ __device__ __forceinline__ void LaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+// A measurement build, TQKV_DECODE_PHASE_TIMES (session 19, NOTES): lane 0 of every warp records
+// the %globaltimer at fixed points of the split and merge kernels as the earliest and latest time
+// any warp passed them (DecodePhaseTimes reads and resets them); otherwise no code.
+#ifdef TQKV_DECODE_PHASE_TIMES
+constexpr int kPhases = 9;
+__device__ unsigned long long g_phase_first[kPhases];
+__device__ unsigned long long g_phase_last[kPhases];
+__device__ __forceinline__ void Phase(int k) {
+  if ((threadIdx.x & 31) == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    atomicMin(&g_phase_first[k], t);
+    atomicMax(&g_phase_last[k], t);
+  }
+}
+// Per split CTA (the first kMaxPhaseCtas): its SM and the earliest and latest time one of its warps
+// finished its chunks.
+constexpr int kMaxPhaseCtas = 1024;
+__device__ unsigned long long g_cta_first[kMaxPhaseCtas];
+__device__ unsigned long long g_cta_last[kMaxPhaseCtas];
+__device__ unsigned int g_cta_sm[kMaxPhaseCtas];
+__device__ __forceinline__ void CtaChunksDone() {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if ((threadIdx.x & 31) == 0 && cta < kMaxPhaseCtas) {
+    unsigned long long t;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    atomicMin(&g_cta_first[cta], t);
+    atomicMax(&g_cta_last[cta], t);
+    g_cta_sm[cta] = sm;
+  }
+}
+#else
+__device__ __forceinline__ void Phase(int) {}
+__device__ __forceinline__ void CtaChunksDone() {}
+#endif
+
 // 2^x by the SFU alone (exp2f adds a range check and a scaling for results below 2^-126, which
 // only matter for weights that vanish next to the running maximum's 1); 2^-inf = 0.
 __device__ __forceinline__ float FastExp2(float x) {
@@ -675,7 +713,9 @@ __global__ void __launch_bounds__(
   // has finished; everything below reads inputs it may have written (query, seq_lens, tables,
   // cache) or writes what it may still read (workspace, output), so it waits here. Only the
   // launch and the table and sign loads above (decoder-owned constants) overlap the kernel before.
+  Phase(0);
   if (p.wait_at_start) GridDependencyWait();
+  Phase(1);
   // The first query row this warp rotates in finish_prologue (head = warp), for 16-bit queries:
   // its load is issued here, beside the sequence length's, so that its latency overlaps the
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
@@ -1470,7 +1510,9 @@ __global__ void __launch_bounds__(
     }
     // The narrow kernel: block ids from global memory, each read one chunk before its copy.
     [[maybe_unused]] int next_block = first_blocks[kStages - 1];
+    Phase(2);
     finish_prologue();
+    Phase(3);
     lane_word = Pinned(lane_word);
     // The 8-warp kernels: block id of chunk cc from the split's ids in shared memory (read there
     // past the end too, inside Config::kMaxIds, and dropped), 0 past its full chunks.
@@ -1552,6 +1594,8 @@ __global__ void __launch_bounds__(
   // placed next to them, two on some SMs, and a one-wave grid is as slow as its slowest SM
   // (batch 1 × 32k: 20.5 -> 27 µs with the merge's early trigger, measured); then the next
   // kernel is launched when every CTA of this grid has exited.
+  Phase(4);
+  CtaChunksDone();
   if (p.trigger_dependents) LaunchDependents();
 #if defined(TQKV_DECODE_EXTRA_MMA) || defined(TQKV_DECODE_EXTRA_ALU)
   if (p.block_size == 3) {  // never (block sizes are multiples of 16): keeps the spare work
@@ -1663,6 +1707,7 @@ __global__ void __launch_bounds__(
       p.partial_out[(row * p.max_splits + split) * kD + d] = out;
     }
   }
+  Phase(5);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1702,7 +1747,9 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   // (No early trigger for the kernel after this one: a next step's split kernel launched while
   // these CTAs and the split grid's last ones still ran took 4-7 µs longer at batch 1, see
   // LaunchDependents in the split kernel.)
+  Phase(6);
   GridDependencyWait();  // the split grid's partials
+  Phase(7);
   // Thread (group, v) adds 4 consecutive d (one 16-byte load per split) over the splits ≡ group
   // (mod groups); the groups' sums meet in shared memory. Its first kPreloaded partials are
   // loaded before the LSE reduction, so that their L2 round trip overlaps it.
@@ -1774,6 +1821,7 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const float out = splits > 0 ? acc / total : 0.0f;
   StoreOutput(p.output, p.out_dtype, static_cast<int64_t>(row) * p.head_dim + d, out);
   if (d == 0) p.lse[row] = splits > 0 ? mx + logf(total) : -INFINITY;
+  Phase(8);
 }
 
 // q·Πᵀ for a dense Πᵀ, for every (sequence, query head), in fp32. One CTA per kPrepRows rows and
@@ -2023,6 +2071,59 @@ cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
   const int ctas = (p.rows + kPrepRows - 1) / kPrepRows;
   QueryPrepKernel<<<ctas, 2 * p.head_dim, smem, stream>>>(p, ctas <= kPrepEarlyTriggerCtas);
   return cudaGetLastError();
+}
+
+cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last,
+                             unsigned long long* cta_first, unsigned long long* cta_last,
+                             unsigned* cta_sm) {
+#ifdef TQKV_DECODE_PHASE_TIMES
+  if (cta_first != nullptr) {
+    if (const cudaError_t e = cudaMemcpyFromSymbol(cta_first, g_cta_first, sizeof(g_cta_first));
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e = cudaMemcpyFromSymbol(cta_last, g_cta_last, sizeof(g_cta_last));
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e = cudaMemcpyFromSymbol(cta_sm, g_cta_sm, sizeof(g_cta_sm));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  {
+    static unsigned long long ones[kMaxPhaseCtas], zeros[kMaxPhaseCtas];
+    for (auto& x : ones) x = ~0ull;
+    if (const cudaError_t e = cudaMemcpyToSymbol(g_cta_first, ones, sizeof(ones));
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e = cudaMemcpyToSymbol(g_cta_last, zeros, sizeof(zeros));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  if (first != nullptr) {
+    if (const cudaError_t e = cudaMemcpyFromSymbol(first, g_phase_first, sizeof(g_phase_first));
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e = cudaMemcpyFromSymbol(last, g_phase_last, sizeof(g_phase_last));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  unsigned long long reset_first[kPhases], reset_last[kPhases] = {};
+  for (auto& x : reset_first) x = ~0ull;
+  if (const cudaError_t e = cudaMemcpyToSymbol(g_phase_first, reset_first, sizeof(reset_first));
+      e != cudaSuccess) {
+    return e;
+  }
+  return cudaMemcpyToSymbol(g_phase_last, reset_last, sizeof(reset_last));
+#else
+  (void)first, (void)last, (void)cta_first, (void)cta_last, (void)cta_sm;
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // namespace tqkv::decode_detail

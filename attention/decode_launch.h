@@ -131,6 +131,16 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
                                  int* ctas, bool* staged);
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
+// The TQKV_DECODE_PHASE_TIMES measurement build (tools/bench/NOTES.md, session 19): copies the
+// earliest and latest %globaltimer (ns) at which any warp passed each of the 9 points (split
+// kernel: entry, after the dependency wait, before and after the prologue's finish (staged
+// compressed kernels only), after the chunks, exit; merge kernel: entry, after its wait, exit)
+// into first[9] and last[9] (if first is not null), and per split CTA (up to 1,024, linear block
+// index) the earliest and latest time one of its warps finished its chunks and its SM (if
+// cta_first is not null), then resets them. cudaErrorNotSupported in every other build.
+cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last,
+                             unsigned long long* cta_first = nullptr,
+                             unsigned long long* cta_last = nullptr, unsigned* cta_sm = nullptr);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
 
 }  // namespace tqkv::decode_detail

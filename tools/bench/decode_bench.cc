@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "attention/decode_cuda.h"
+#include "attention/decode_launch.h"
 #if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
 #endif
@@ -247,6 +248,60 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                         stream.get());
             },
             16, stream.get());
+        // The TQKV_DECODE_PHASE_TIMES measurement build: where one call's time goes, from a
+        // single call on an idle stream (earliest / latest warp at each point, µs from the first
+        // warp's entry). Other builds skip it (cudaErrorNotSupported).
+        if (decode_detail::DecodePhaseTimes(nullptr, nullptr) == cudaSuccess) {
+          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+          decode_detail::DecodePhaseTimes(nullptr, nullptr);
+          run(0);
+          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+          unsigned long long first[9], last[9];
+          std::vector<unsigned long long> cta_first(1024), cta_last(1024);
+          std::vector<unsigned> cta_sm(1024);
+          TQKV_CUDA_CHECK(decode_detail::DecodePhaseTimes(first, last, cta_first.data(),
+                                                          cta_last.data(), cta_sm.data()));
+          static const char* const kNames[9] = {"split entry",   "split waited", "prologue issued",
+                                                "prologue done", "chunks done",  "split exit",
+                                                "merge entry",   "merge waited", "merge exit"};
+          std::string line;
+          for (int k = 0; k < 9; ++k) {
+            if (first[k] == ~0ull) continue;  // not passed (no merge, or another kernel)
+            line += fmt::format("  {} {:.2f}-{:.2f}", kNames[k], (first[k] - first[0]) * 1e-3,
+                                (last[k] - first[0]) * 1e-3);
+          }
+          fmt::print("  phases (us):{}\n", line);
+          // Per CTA: when its first and last warp finished their chunks (µs from the first
+          // entry), sorted by the last, and the spread within CTAs; the SMs of the slowest 8.
+          struct Cta {
+            double first, last;
+            unsigned sm;
+          };
+          std::vector<Cta> ctas;
+          for (int i = 0; i < 1024; ++i) {
+            if (cta_last[i] == 0) continue;
+            ctas.push_back(
+                {(cta_first[i] - first[0]) * 1e-3, (cta_last[i] - first[0]) * 1e-3, cta_sm[i]});
+          }
+          std::sort(ctas.begin(), ctas.end(),
+                    [](const Cta& x, const Cta& y) { return x.last < y.last; });
+          if (!ctas.empty()) {
+            double spread = 0;
+            for (const Cta& c : ctas) spread = std::max(spread, c.last - c.first);
+            const auto pct = [&](double q) {
+              return ctas[std::min(ctas.size() - 1, static_cast<size_t>(q * ctas.size()))].last;
+            };
+            std::string slow;
+            for (size_t i = ctas.size() > 8 ? ctas.size() - 8 : 0; i < ctas.size(); ++i) {
+              slow += fmt::format(" {}:{:.2f}", ctas[i].sm, ctas[i].last);
+            }
+            fmt::print(
+                "  CTAs' chunks done (us): {} CTAs, min {:.2f} p10 {:.2f} p50 {:.2f} p90 {:.2f} "
+                "max {:.2f}; widest warp spread in a CTA {:.2f}; slowest (SM:us){}\n",
+                ctas.size(), ctas.front().last, pct(0.1), pct(0.5), pct(0.9), ctas.back().last,
+                spread, slow);
+          }
+        }
         res.splits = plan.max_splits;
         res.tokens_per_split = plan.tokens_per_split;
         res.narrow = plan.narrow;
