@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "attention/decode_cuda.h"
-#include "attention/decode_launch.h"
 #if TQKV_HAVE_CUDA
+#include "attention/decode_launch.h"
 #include "runtime/cuda_check.h"
 #endif
 #include "runtime/error.h"
