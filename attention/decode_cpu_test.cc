@@ -23,16 +23,7 @@ using ::testing::HasSubstr;
 const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                                     "turboquant_3bit_nc"};
 
-DecodeInputs Inputs(const Scenario& s) {
-  DecodeInputs in;
-  in.query = s.queries.data();
-  in.num_seqs = static_cast<int>(s.seq_lens.size());
-  in.num_q_heads = s.num_q_heads;
-  in.block_tables = s.block_tables.data();
-  in.max_blocks_per_seq = s.max_blocks;
-  in.seq_lens = s.seq_lens.data();
-  return in;
-}
+DecodeInputs Inputs(const Scenario& s) { return testing::ReferenceInputs(s); }
 
 struct Result {
   std::vector<float> out, lse;

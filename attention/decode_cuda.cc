@@ -9,7 +9,7 @@
 #include <cstring>
 #include <numbers>
 
-#include "quant/numerics.h"
+#include "attention/codebook_fp16.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 
@@ -34,6 +34,11 @@ struct CudaDecoder::State {
   int resident_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
   bool staged[17] = {};
   int narrow_resident_per_sm[17] = {};
+  // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
+  // come out α times too large and the softmax scale is divided by α. hi_only: 3-bit keys whose
+  // α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel (hi parts alone) may run.
+  float codebook_scale = 1.0f;
+  bool hi_only = false;
 };
 
 namespace {
@@ -95,13 +100,19 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
       s.signs = DeviceBuffer<float>(d);
       s.signs.CopyFromHost(r.signs);
     }
-    // The codebook as fp16 hi + lo parts (c ≈ hi + lo to ~2^-22), laid out as the split kernel
-    // reads it from shared memory.
+    // The codebook as fp16 hi + lo parts (α·c ≈ hi + lo to ~2^-22), laid out as the split kernel
+    // reads it from shared memory. For 3-bit keys α is chosen so that the hi parts alone are
+    // within kMaxHiOnlyError of α·c where possible (the 8-warp staged kernel reads only those);
+    // otherwise, and for other keys, α = 1.
     const auto& c = q.codebook().centroids;
+    Fp16Codebook parts = ScaleCodebookForFp16(c, /*search=*/s.format.key_bits == 3);
+    s.hi_only = s.format.key_bits == 3 && parts.max_rel_error <= kMaxHiOnlyError;
+    if (!s.hi_only) parts = ScaleCodebookForFp16(c, /*search=*/false);
+    s.codebook_scale = parts.scale;
     uint16_t hi[16] = {}, lo[16] = {};
-    for (size_t i = 0; i < c.size() && i < 16; ++i) {
-      hi[i] = FloatToHalfBits(c[i]);
-      lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(hi[i]));
+    for (size_t i = 0; i < parts.hi.size() && i < 16; ++i) {
+      hi[i] = parts.hi[i];
+      lo[i] = parts.lo[i];
     }
 #if TQKV_HAVE_CUDA
     const std::vector<uint32_t> table = decode_detail::CodebookTable(s.format.key_bits, hi, lo);
@@ -150,7 +161,13 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
     state_->narrow_resident_per_sm[group] = narrow_fit;
     resident = std::max(fit, 1);
   }
-  return {resident, state_->staged[group], state_->bf16, state_->narrow_resident_per_sm[group]};
+  SplitKernelOccupancy o{resident, state_->staged[group], state_->bf16,
+                         state_->narrow_resident_per_sm[group]};
+  // The 8-warp staged kernel of 3-bit keys reads the codebook's hi parts alone (Config::kHiOnly in
+  // decode_kernels.cu); the narrow kernel exists wherever it does and keeps hi + lo.
+  o.narrow_only = !state_->bf16 && state_->key_kind == 1 && o.staged &&
+                  o.narrow_resident_per_sm > 0 && !state_->hi_only;
+  return o;
 }
 
 int CudaDecoder::head_dim() const {
@@ -231,7 +248,7 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
     const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
     return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
   };
-  const int forced = NarrowOverride();
+  const int forced = occupancy.narrow_only ? 1 : NarrowOverride();
   const bool can_narrow = occupancy.narrow_resident_per_sm > 0 && forced != 0;
   auto variant = [&](int64_t tps) {
     return can_narrow && (forced == 1 || cost(tps, true) < cost(tps, false));
@@ -332,10 +349,15 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
-  if (plan.narrow &&
-      SplitOccupancy(plan.num_q_heads / num_kv_heads()).narrow_resident_per_sm == 0) {
+  const SplitKernelOccupancy variants = SplitOccupancy(plan.num_q_heads / num_kv_heads());
+  if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (it has no narrow split kernel)");
+  }
+  if (!plan.narrow && variants.narrow_only) {
+    throw InvalidArgument(kWhere, "plan.narrow", "false",
+                          "true for this codebook (its centroids do not scale to fp16 closely "
+                          "enough for the 8-warp kernel's hi-only scores)");
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
@@ -397,7 +419,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.tokens_per_split = plan.tokens_per_split;
   sp.max_splits = plan.max_splits;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
-  sp.score_scale = scale * static_cast<float>(std::numbers::log2e);
+  sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
   const int value_bits = s.bf16 ? 16 : s.format.value_bits;
   const int out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
   if (plan.max_splits == 1) {  // the split kernel writes the output; no merge launch

@@ -42,6 +42,10 @@ struct SplitKernelOccupancy {
   // CTAs of its narrow variant (4 warps instead of 8 per CTA; k3v4_nc) that fit on one SM, 0
   // where there is none.
   int narrow_resident_per_sm = 0;
+  // Only the narrow variant may run: the 8-warp kernel of 3-bit keys computes scores from the
+  // codebook's scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook does
+  // not scale close enough to fp16 for that.
+  bool narrow_only = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -85,7 +89,10 @@ struct CudaDecodeArgs {
 
 class CudaDecoder {
  public:
-  // For a compressed cache written by `quantizer` (its format, rotation and codebook).
+  // For a compressed cache written by `quantizer` (its format, rotation and codebook). A 3-bit
+  // codebook is scaled so that its fp16 hi parts alone are close enough for k3v4_nc's 8-warp
+  // kernel (attention/codebook_fp16.h); one that does not scale that closely makes every plan
+  // take the narrow kernel (SplitKernelOccupancy::narrow_only).
   explicit CudaDecoder(const Quantizer& quantizer);
   // For an uncompressed cache of format.dtype elements (BF16 or F16; anything else throws).
   explicit CudaDecoder(const Bf16BlockFormat& format);

@@ -18,8 +18,10 @@
 #include <string_view>
 #include <utility>
 
+#include "attention/codebook_fp16.h"
 #include "attention/decode_cpu.h"
 #include "attention/decode_cuda.h"
+#include "quant/codebook.h"
 #include "quant/numerics.h"
 #if TQKV_HAVE_CUDA
 #include "runtime/cuda_check.h"
@@ -51,6 +53,14 @@ const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "tu
 //    to 8e-3, fp16 (2^-12) to 1e-3 (PlainOutTol).
 constexpr double kOutTol = 1e-3;
 constexpr double kLseTol = 1e-5;
+// k3v4_nc's 8-warp staged kernel (D = 128, groups up to 4, where the plan does not pick the
+// narrow one) reads the 3-bit codebook as scaled fp16 hi parts alone (attention/codebook_fp16.h:
+// within 2.5e-5 relative, which moves scores by up to ~4e-5 relative, measured on the CPU in
+// codebook_fp16_test): held to the issue's 1e-4.
+constexpr double kLseTolHiOnly = 1e-4;
+double LseTol(std::string_view preset) {
+  return preset == "turboquant_k3v4_nc" ? kLseTolHiOnly : kLseTol;
+}
 
 struct Errors {
   double out = 0, lse = 0;
@@ -167,13 +177,7 @@ Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
   Scenario s = Build(q, lens, hk * group, seed);
   if (large_values) UseLargeValueScales(q, s, seed + 1);
   std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
-  DecodeInputs in;
-  in.query = s.queries.data();
-  in.num_seqs = static_cast<int>(s.seq_lens.size());
-  in.num_q_heads = s.num_q_heads;
-  in.block_tables = s.block_tables.data();
-  in.max_blocks_per_seq = s.max_blocks;
-  in.seq_lens = s.seq_lens.data();
+  const DecodeInputs in = testing::ReferenceInputs(s);
   DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
   const DeviceScenario dev = Upload(s, s.cache);
   const CudaDecoder decoder(q);
@@ -196,7 +200,7 @@ TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
                     d, group, bs, e.out, e.lse, static_cast<long long>(e.bad));
         EXPECT_EQ(e.bad, 0) << preset << " D=" << d << " group=" << group << " bs=" << bs;
         EXPECT_LE(e.out, kOutTol) << preset << " D=" << d << " group=" << group << " bs=" << bs;
-        EXPECT_LE(e.lse, kLseTol) << preset;
+        EXPECT_LE(e.lse, LseTol(preset)) << preset;
       }
     }
   }
@@ -219,7 +223,8 @@ TEST(CudaDecodeTest, EveryRotationKind) {
                       static_cast<long long>(e.bad));
           EXPECT_EQ(e.bad, 0) << preset << " " << name << " D=" << d << " group=" << group;
           EXPECT_LE(e.out, kOutTol) << preset << " " << name << " D=" << d << " group=" << group;
-          EXPECT_LE(e.lse, kLseTol) << preset << " " << name << " D=" << d << " group=" << group;
+          EXPECT_LE(e.lse, LseTol(preset))
+              << preset << " " << name << " D=" << d << " group=" << group;
         }
       }
     }
@@ -235,7 +240,7 @@ TEST(CudaDecodeTest, EveryBlockSizeAtTheMainShape) {
                   bs, e.out, e.lse, static_cast<long long>(e.bad));
       EXPECT_EQ(e.bad, 0);
       EXPECT_LE(e.out, kOutTol) << preset << " bs=" << bs;
-      EXPECT_LE(e.lse, kLseTol) << preset;
+      EXPECT_LE(e.lse, LseTol(preset)) << preset;
     }
   }
 }
@@ -251,7 +256,7 @@ TEST(CudaDecodeTest, LargeValueScalesStayFiniteAndAccurate) {
                   preset, group, e.out, e.lse, static_cast<long long>(e.bad));
       EXPECT_EQ(e.bad, 0) << preset << " group=" << group;
       EXPECT_LE(e.out, kOutTol) << preset << " group=" << group;
-      EXPECT_LE(e.lse, kLseTol) << preset << " group=" << group;
+      EXPECT_LE(e.lse, LseTol(preset)) << preset << " group=" << group;
     }
   }
 }
@@ -331,13 +336,8 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
         std::vector<float> query = s.queries;
         for (int i = 0; i < kSteps; ++i) {
           std::vector<float> ref_out(query.size()), ref_lse(static_cast<size_t>(rows));
-          DecodeInputs in;
+          DecodeInputs in = testing::ReferenceInputs(s);
           in.query = query.data();
-          in.num_seqs = num_seqs;
-          in.num_q_heads = kHq;
-          in.block_tables = s.block_tables.data();
-          in.max_blocks_per_seq = s.max_blocks;
-          in.seq_lens = s.seq_lens.data();
           DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
           std::vector<float> o(query.size());
           outs[i].CopyToHost(o);
@@ -500,13 +500,8 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
         qr[i] = HalfBitsToFloat(qbits[i]);
       }
     }
-    DecodeInputs in;
+    DecodeInputs in = testing::ReferenceInputs(s);
     in.query = qr.data();
-    in.num_seqs = static_cast<int>(lens.size());
-    in.num_q_heads = 32;
-    in.block_tables = s.block_tables.data();
-    in.max_blocks_per_seq = s.max_blocks;
-    in.seq_lens = s.seq_lens.data();
     DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
     DeviceBuffer<uint16_t> query(static_cast<int64_t>(qbits.size()));
     query.CopyFromHost(qbits);
@@ -626,6 +621,64 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
         EXPECT_EQ(e.bad, 0) << where;
         EXPECT_LE(e.out, kOutTol) << where;
         EXPECT_LE(e.lse, kLseTol) << where;
+      }
+    }
+  }
+}
+
+// k3v4_nc's codebook decides its 8-warp kernel: the built-in 3-bit table scales to within
+// kMaxHiOnlyError of fp16, so at a small batch the plan takes the 8-warp kernel (hi-only scores,
+// LSE within 1e-4); a table of eight distinct magnitudes does not, so every plan for it takes the
+// narrow kernel (hi + lo, LSE within 1e-5), and an 8-warp plan for it is refused.
+TEST(CudaDecodeTest, K3v4CodebookDecidesBetweenHiOnlyAndExactScores) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const uint64_t seed = std::random_device{}();
+  constexpr int kHk = 2, kGroup = 4, kBs = 16, kD = 128;  // 8-warp plans for the built-in table
+  const Quantizer builtin =
+      Quantizer::Create("turboquant_k3v4_nc", kD, kHk, kBs, RotationKind::kHadamard, seed);
+  const std::vector<float> c4 = LloydMaxGaussian(kD, 4).centroids;
+  const std::vector<float> odd = {c4[0], c4[2], c4[4], c4[6], c4[8], c4[10], c4[12], c4[14]};
+  ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
+  const Quantizer exact_only(builtin.preset(), kD, kHk, kBs, builtin.rotation(),
+                             CodebookFromCentroids(odd, 3));
+  for (const Quantizer* q : {&builtin, &exact_only}) {
+    const bool hi_only = q == &builtin;
+    const Scenario s = Build(*q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
+    std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
+    const DecodeInputs in = testing::ReferenceInputs(s);
+    DecodeCpu(*q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+    const DeviceScenario dev = Upload(s, s.cache);
+    const CudaDecoder decoder(*q);
+    const Errors e = RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, kD, 0,
+                                   /*narrow=*/!hi_only);
+    std::printf("k3v4_nc %s codebook: out err %.2e, lse err %.2e, bad %lld\n",
+                hi_only ? "built-in (8-warp, hi-only)" : "unscalable (narrow, hi + lo)", e.out,
+                e.lse, static_cast<long long>(e.bad));
+    EXPECT_EQ(e.bad, 0);
+    EXPECT_LE(e.out, kOutTol);
+    EXPECT_LE(e.lse, hi_only ? kLseTolHiOnly : kLseTol);
+    if (!hi_only) {
+      DecodePlan wide = decoder.Plan(in.num_seqs, in.num_q_heads, s.max_blocks);
+      wide.narrow = false;
+      DeviceBuffer<uint8_t> ws(wide.workspace_bytes);
+      DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
+          lse(static_cast<int64_t>(ref_lse.size()));
+      CudaDecodeArgs a;
+      a.query = dev.query.data();
+      a.query_dtype = DType::kF32;
+      a.cache = dev.cache.data();
+      a.num_blocks = s.num_blocks;
+      a.block_tables = dev.tables.data();
+      a.seq_lens = dev.lens.data();
+      a.output = out.data();
+      a.lse = lse.data();
+      a.workspace = ws.data();
+      a.workspace_bytes = ws.size_bytes();
+      try {
+        decoder.Run(wide, a, nullptr);
+        ADD_FAILURE() << "an 8-warp plan for an unscalable 3-bit codebook ran";
+      } catch (const Error& err) {
+        EXPECT_THAT(err.what(), ::testing::HasSubstr("plan.narrow = false"));
       }
     }
   }

@@ -120,6 +120,12 @@ __device__ __forceinline__ void LutLoad(uint32_t addr, uint32_t& hi, uint32_t& l
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2+1024];\n" : "=r"(hi), "=r"(lo) : "r"(addr));
   static_assert(kSmemStart == 1024);
 }
+// The c_hi pair of a table entry alone (the hi-only kernel's layout, 4 bytes per lane).
+__device__ __forceinline__ uint32_t LutLoadHi(uint32_t addr) {
+  uint32_t hi;
+  asm volatile("ld.shared.u32 %0, [%1+1024];\n" : "=r"(hi) : "r"(addr));
+  return hi;
+}
 
 // 16 bytes global -> shared, asynchronously (L2 only); completed by CopyAsyncWait.
 __device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* gmem_src) {
@@ -379,6 +385,7 @@ struct CompressedValues {
 // byte) | 8·(lane mod 16). 16 replicas suffice: lanes l and l + 16 share one but sit in different
 // half-warp wavefronts of the 64-bit load (ncu, session 7: 0.3 % of shared-load wavefronts
 // conflict). The second 128 bytes of every 256-byte row hold the staged kernels' stages 0-1.
+// (The hi-only kernel, Config::kHiOnly, keeps 32 replicas of the hi pair alone at 256·e + 4·l.)
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
@@ -420,6 +427,16 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
                                                      uint32_t mask = ~0u) {
     LutLoad(((Bits<12 * kS, 6>(w) << 8) | lane_word) & mask, a[0], a[1]);
     LutLoad(((Bits<12 * kS + 6, 6>(w) << 8) | lane_word) & mask, a[2], a[3]);
+  }
+  // Hi-only A fragment of k-step s for two tokens (words wg: row g, w8: row g + 8): c_hi pairs.
+  template <int kS>
+  __device__ __forceinline__ static void KeyFragHi(const uint32_t (&wg)[kKeyWords],
+                                                   const uint32_t (&w8)[kKeyWords],
+                                                   uint32_t lane_word, uint32_t (&a)[4]) {
+    a[0] = LutLoadHi((Bits<12 * kS, 6>(wg) << 8) | lane_word);
+    a[1] = LutLoadHi((Bits<12 * kS, 6>(w8) << 8) | lane_word);
+    a[2] = LutLoadHi((Bits<12 * kS + 6, 6>(wg) << 8) | lane_word);
+    a[3] = LutLoadHi((Bits<12 * kS + 6, 6>(w8) << 8) | lane_word);
   }
 };
 
@@ -630,6 +647,13 @@ struct SplitKernelConfig {
                                      ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
                                      : 0;
   static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
+  // Scores from the codebook's hi parts alone (DecodeSplitKernel). TQKV_DECODE_EXACT_SCORES: a
+  // measurement build in which this kernel keeps hi + lo too (session 20's A/B in NOTES).
+#ifdef TQKV_DECODE_EXACT_SCORES
+  static constexpr bool kHiOnly = false;
+#else
+  static constexpr bool kHiOnly = kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps;
+#endif
 };
 
 // Token order inside a 16-token chunk (any order works for a dot product; this one makes the
@@ -673,6 +697,11 @@ __global__ void __launch_bounds__(
   constexpr int kKW = Traits::kKeyWords;
   constexpr int kVW = Traits::kValueWords;
   constexpr bool kCodebook = Traits::kLutEntries > 0;
+  // The 8-warp staged kernel for 3-bit keys reads the centroids' scaled fp16 hi parts alone
+  // (codebook_fp16.h: the decoder uses it only for a codebook that scales to within
+  // kMaxHiOnlyError of fp16, and the narrow kernel, which keeps hi + lo, for any other): one
+  // score MMA per k-step covers 16 tokens instead of 8, so a chunk needs 16 MMAs, not 24.
+  constexpr bool kHiOnly = Config::kHiOnly;
   // The staged bf16 kernel maps a thread's key words to the 16-byte units 4j + t of a token (not
   // to 4t .. 4t + 3), so that its shared-memory reads spread over the banks (StagedLayout).
   constexpr bool kInterleavedKeys = Config::kPlainStaged;
@@ -697,7 +726,7 @@ __global__ void __launch_bounds__(
       const int e = threadIdx.x + k * kT;
       if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
-    lane_word = (window & 0xFF000000u) | (8u * (lane & 15));
+    lane_word = (window & 0xFF000000u) | (kHiOnly ? 4u * lane : 8u * (lane & 15));
   }
   // The random signs of the query rotation are the decoder's constants: read before the wait.
   constexpr int kE = kD / 32;  // query elements per lane in finish_prologue
@@ -855,8 +884,10 @@ __global__ void __launch_bounds__(
       }
     }
     if constexpr (kCodebook) {
-      // 16-byte stores of two replicas; store c of lane l goes to 16-byte slot (c + l) mod 8 of
-      // its entry's 256-byte row, so each 8-lane phase of a store covers 8 distinct bank groups.
+      // 16-byte stores of two replicas (hi-only: four replicas of the hi pair, 32 per entry at
+      // 4-byte steps, so that the 32 lanes' 4-byte lookups hit 32 distinct banks: one wavefront);
+      // store c of lane l goes to 16-byte slot (c + l) mod 8 of its entry's 256-byte row, so each
+      // 8-lane phase of a store covers 8 distinct bank groups.
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 #pragma unroll
       for (int k = 0; k < kEntriesPerThread; ++k) {
@@ -865,8 +896,9 @@ __global__ void __launch_bounds__(
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
             const uint32_t at = base + 256u * e + 16u * ((c + lane) & 7);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at),
-                         "r"(entries[k].x), "r"(entries[k].y)
+            const uint32_t second = kHiOnly ? entries[k].x : entries[k].y;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at), "r"(entries[k].x),
+                         "r"(second)
                          : "memory");
           }
         }
@@ -1019,7 +1051,11 @@ __global__ void __launch_bounds__(
     }
     StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
-      if constexpr (kCodebook) {
+      if constexpr (kHiOnly) {  // rows g, g + 8 = tokens 2g, 2g + 1; chains k = k-step mod 4
+        uint32_t a[4];
+        Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
+        MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
+      } else if constexpr (kCodebook) {
         uint32_t a0[4], a1[4];
         Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0, lut_mask);
         Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1, lut_mask);
@@ -1089,10 +1125,17 @@ __global__ void __launch_bounds__(
       float s[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
-                              : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
-        if constexpr (kCodebook && kParts == 4) {
-          sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
+        float sum;
+        if constexpr (kHiOnly) {  // row g + 8r of the four chains
+          sum =
+              ((sp[0][0][2 * r] + sp[0][0][2 * r + 1]) + (sp[2][0][2 * r] + sp[2][0][2 * r + 1])) +
+              ((sp[1][0][2 * r] + sp[1][0][2 * r + 1]) + (sp[3][0][2 * r] + sp[3][0][2 * r + 1]));
+        } else {
+          sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
+                          : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+          if constexpr (kCodebook && kParts == 4) {
+            sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
+          }
         }
         s[r] = sum * row_scale[r];
         if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;

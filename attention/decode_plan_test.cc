@@ -84,6 +84,18 @@ TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
   EXPECT_FALSE(Narrow(64, 4096, kStagedCompressed, 4096));
 }
 
+// A 3-bit codebook that does not scale to fp16 closely enough for the 8-warp kernel's hi-only
+// scores (narrow_only): every plan takes the narrow variant, even where the wide one is faster.
+TEST(DecodePlanTest, NarrowOnlyCodebooksAlwaysGetTheNarrowVariant) {
+  SplitKernelOccupancy exact = kStagedK3v4;
+  exact.narrow_only = true;
+  for (const auto [batch, context] : {std::pair{1, 32768}, {1, 1024}, {16, 4096}, {64, 4096}}) {
+    EXPECT_TRUE(Narrow(batch, context, exact)) << batch << " x " << context;
+    EXPECT_TRUE(Narrow(batch, context, exact, 2048)) << batch << " x " << context;
+  }
+  EXPECT_FALSE(Narrow(1, 32768, kStagedK3v4));  // the same shape with a qualifying codebook
+}
+
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {
   // The pair model measured 1-3 % slower for bf16: 16 × 8k one split 124.5 µs vs 128.7 at 4,096.
   EXPECT_EQ(Tps(16, 8192, kStagedBf16), 8192);

@@ -57,4 +57,15 @@ Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_head
   return s;
 }
 
+DecodeInputs ReferenceInputs(const Scenario& s) {
+  DecodeInputs in;
+  in.query = s.queries.data();
+  in.num_seqs = static_cast<int>(s.seq_lens.size());
+  in.num_q_heads = s.num_q_heads;
+  in.block_tables = s.block_tables.data();
+  in.max_blocks_per_seq = s.max_blocks;
+  in.seq_lens = s.seq_lens.data();
+  return in;
+}
+
 }  // namespace tqkv::testing

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention/decode_cpu.h"
 #include "quant/quantizer.h"
 
 namespace tqkv::testing {
@@ -24,5 +25,8 @@ struct Scenario {
 // Blocks are assigned in a shuffled order (3 spare blocks); every byte not written by the store
 // is 0xFF (NaN as fp16), so reading an unused slot shows up.
 Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_heads, uint64_t seed);
+
+// The reference decode's inputs for the whole scenario: its queries, block tables and lengths.
+DecodeInputs ReferenceInputs(const Scenario& s);
 
 }  // namespace tqkv::testing
