@@ -35,10 +35,11 @@ struct CudaDecoder::State {
   bool staged[17] = {};
   int narrow_resident_per_sm[17] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
-  // come out α times too large and the softmax scale is divided by α. hi_only: 3-bit keys whose
-  // α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel (hi parts alone) may run.
+  // come out α times too large and the softmax scale is divided by α. codebook_hi_only: 3-bit keys
+  // whose α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel's hi-only twin may
+  // run.
   float codebook_scale = 1.0f;
-  bool hi_only = false;
+  bool codebook_hi_only = false;
 };
 
 namespace {
@@ -102,12 +103,12 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
     }
     // The codebook as fp16 hi + lo parts (α·c ≈ hi + lo to ~2^-22), laid out as the split kernel
     // reads it from shared memory. For 3-bit keys α is chosen so that the hi parts alone are
-    // within kMaxHiOnlyError of α·c where possible (the 8-warp staged kernel reads only those);
+    // within kMaxHiOnlyError of α·c where possible (the hi-only 8-warp kernel reads only those);
     // otherwise, and for other keys, α = 1.
     const auto& c = q.codebook().centroids;
     Fp16Codebook parts = ScaleCodebookForFp16(c, /*search=*/s.format.key_bits == 3);
-    s.hi_only = s.format.key_bits == 3 && parts.max_rel_error <= kMaxHiOnlyError;
-    if (!s.hi_only) parts = ScaleCodebookForFp16(c, /*search=*/false);
+    s.codebook_hi_only = s.format.key_bits == 3 && parts.max_rel_error <= kMaxHiOnlyError;
+    if (!s.codebook_hi_only) parts = ScaleCodebookForFp16(c, /*search=*/false);
     s.codebook_scale = parts.scale;
     uint16_t hi[16] = {}, lo[16] = {};
     for (size_t i = 0; i < parts.hi.size() && i < 16; ++i) {
@@ -163,10 +164,9 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   }
   SplitKernelOccupancy o{resident, state_->staged[group], state_->bf16,
                          state_->narrow_resident_per_sm[group]};
-  // The 8-warp staged kernel of 3-bit keys reads the codebook's hi parts alone (Config::kHiOnly in
-  // decode_kernels.cu); the narrow kernel exists wherever it does and keeps hi + lo.
-  o.narrow_only = !state_->bf16 && state_->key_kind == 1 && o.staged &&
-                  o.narrow_resident_per_sm > 0 && !state_->hi_only;
+  // The 8-warp staged kernel of 3-bit keys and its hi-only twin (Config::kHiOnly in
+  // decode_kernels.cu), for a codebook close enough to fp16.
+  o.hi_only = !state_->bf16 && state_->key_kind == 1 && o.staged && state_->codebook_hi_only;
   return o;
 }
 
@@ -248,12 +248,21 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
     const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
     return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
   };
-  const int forced = occupancy.narrow_only ? 1 : NarrowOverride();
+  const int forced = NarrowOverride();
   const bool can_narrow = occupancy.narrow_resident_per_sm > 0 && forced != 0;
   auto variant = [&](int64_t tps) {
     return can_narrow && (forced == 1 || cost(tps, true) < cost(tps, false));
   };
-  if (tokens_per_split != 0) return {tokens_per_split, variant(tokens_per_split)};
+  // The hi-only twin of the 8-warp kernel where it holds at most one CTA per SM (SplitLayout).
+  auto with_scores = [&](SplitLayout layout) {
+    const int64_t ctas =
+        seq_heads * ((max_len + layout.tokens_per_split - 1) / layout.tokens_per_split);
+    layout.hi_only = occupancy.hi_only && !layout.narrow && ctas <= sms;
+    return layout;
+  };
+  if (tokens_per_split != 0) {
+    return with_scores({tokens_per_split, variant(tokens_per_split)});
+  }
   const int64_t max_s = std::clamp<int64_t>(max_len / kMinSplit, 1, kMaxSplits);
   const int64_t min_s = std::min(max_s, (max_len + kMaxSplitTokens - 1) / kMaxSplitTokens);
   SplitLayout best;
@@ -267,7 +276,7 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
       best = {tps, narrow};
     }
   }
-  return best;
+  return with_scores(best);
 }
 
 DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
@@ -308,6 +317,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.tokens_per_split = static_cast<int>(tps);
   plan.max_splits = static_cast<int>((max_len + tps - 1) / tps);
   plan.narrow = layout.narrow;
+  plan.hi_only = layout.hi_only;
   const int64_t rows = int64_t{num_seqs} * num_q_heads;
   // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
   const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
@@ -354,10 +364,11 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (it has no narrow split kernel)");
   }
-  if (!plan.narrow && variants.narrow_only) {
-    throw InvalidArgument(kWhere, "plan.narrow", "false",
-                          "true for this codebook (its centroids do not scale to fp16 closely "
-                          "enough for the 8-warp kernel's hi-only scores)");
+  if (plan.hi_only && (plan.narrow || !variants.hi_only)) {
+    throw InvalidArgument(kWhere, "plan.hi_only", "true",
+                          "false for this cache, group, codebook and variant (only 3-bit keys' "
+                          "8-warp staged kernel has a hi-only twin, and only for a codebook "
+                          "within kMaxHiOnlyError of fp16)");
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
@@ -442,7 +453,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
       ctas >= int64_t{s.sm_count} *
                   (plan.narrow ? occupancy.narrow_resident_per_sm : occupancy.resident_per_sm);
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
-                                     plan.narrow, programmatic, stream));
+                                     plan.narrow, plan.hi_only, programmatic, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -42,10 +42,10 @@ struct SplitKernelOccupancy {
   // CTAs of its narrow variant (4 warps instead of 8 per CTA; k3v4_nc) that fit on one SM, 0
   // where there is none.
   int narrow_resident_per_sm = 0;
-  // Only the narrow variant may run: the 8-warp kernel of 3-bit keys computes scores from the
-  // codebook's scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook does
-  // not scale close enough to fp16 for that.
-  bool narrow_only = false;
+  // The 8-warp staged kernel of 3-bit keys has a twin that computes scores from the codebook's
+  // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to
+  // fp16 for it.
+  bool hi_only = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -53,6 +53,10 @@ struct SplitKernelOccupancy {
 struct SplitLayout {
   int64_t tokens_per_split = 0;
   bool narrow = false;
+  // The 8-warp kernel's hi-only twin (SplitKernelOccupancy::hi_only): where it exists and the
+  // split grid holds at most one CTA per SM. Measured on the H200 (tools/bench/NOTES.md, v20):
+  // 5-15 % faster there, 8 % slower with two CTAs per SM over 8,192-token splits.
+  bool hi_only = false;
 };
 
 // The split layout that CudaDecoder::Plan picks for sequences of up to max_len tokens,
@@ -69,6 +73,7 @@ struct DecodePlan {
   int tokens_per_split = 0;  // a multiple of 64
   int max_splits = 0;        // upper bound on the splits of any sequence
   bool narrow = false;       // the split kernel's narrow variant (SplitKernelOccupancy)
+  bool hi_only = false;      // 3-bit keys: the 8-warp kernel's hi-only twin (SplitLayout)
   int64_t workspace_bytes = 0;
 };
 
@@ -90,9 +95,8 @@ struct CudaDecodeArgs {
 class CudaDecoder {
  public:
   // For a compressed cache written by `quantizer` (its format, rotation and codebook). A 3-bit
-  // codebook is scaled so that its fp16 hi parts alone are close enough for k3v4_nc's 8-warp
-  // kernel (attention/codebook_fp16.h); one that does not scale that closely makes every plan
-  // take the narrow kernel (SplitKernelOccupancy::narrow_only).
+  // codebook is scaled so that its fp16 hi parts alone are close enough, where possible, for
+  // k3v4_nc's hi-only 8-warp kernel (attention/codebook_fp16.h, SplitLayout::hi_only).
   explicit CudaDecoder(const Quantizer& quantizer);
   // For an uncompressed cache of format.dtype elements (BF16 or F16; anything else throws).
   explicit CudaDecoder(const Bf16BlockFormat& format);

@@ -53,10 +53,11 @@ const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "tu
 //    to 8e-3, fp16 (2^-12) to 1e-3 (PlainOutTol).
 constexpr double kOutTol = 1e-3;
 constexpr double kLseTol = 1e-5;
-// k3v4_nc's 8-warp staged kernel (D = 128, groups up to 4, where the plan does not pick the
-// narrow one) reads the 3-bit codebook as scaled fp16 hi parts alone (attention/codebook_fp16.h:
-// within 2.5e-5 relative, which moves scores by up to ~4e-5 relative, measured on the CPU in
-// codebook_fp16_test): held to the issue's 1e-4.
+// The hi-only twin of k3v4_nc's 8-warp staged kernel (D = 128, groups up to 4, where the plan's
+// split grid holds at most one CTA per SM, as in most of these tests) reads the 3-bit codebook as
+// scaled fp16 hi parts alone (attention/codebook_fp16.h: within 2.5e-5 relative, which moves the
+// LSE by up to ~4e-5 relative, measured on the CPU in codebook_fp16_test): held to the issue's
+// 1e-4.
 constexpr double kLseTolHiOnly = 1e-4;
 double LseTol(std::string_view preset) {
   return preset == "turboquant_k3v4_nc" ? kLseTolHiOnly : kLseTol;
@@ -626,14 +627,15 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   }
 }
 
-// k3v4_nc's codebook decides its 8-warp kernel: the built-in 3-bit table scales to within
-// kMaxHiOnlyError of fp16, so at a small batch the plan takes the 8-warp kernel (hi-only scores,
-// LSE within 1e-4); a table of eight distinct magnitudes does not, so every plan for it takes the
-// narrow kernel (hi + lo, LSE within 1e-5), and an 8-warp plan for it is refused.
-TEST(CudaDecodeTest, K3v4CodebookDecidesBetweenHiOnlyAndExactScores) {
+// k3v4_nc's codebook and grid choose between its 8-warp kernel's twins: the built-in 3-bit table
+// scales to within kMaxHiOnlyError of fp16, so at a small batch (at most one CTA per SM) the plan
+// takes the hi-only twin (LSE within 1e-4), and with many splits (more CTAs than SMs) not (1e-5);
+// a table of eight distinct magnitudes does not scale that closely, so its plans take the exact
+// twin (1e-5), and a hi-only plan for it is refused.
+TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   TQKV_SKIP_WITHOUT_GPU();
   const uint64_t seed = std::random_device{}();
-  constexpr int kHk = 2, kGroup = 4, kBs = 16, kD = 128;  // 8-warp plans for the built-in table
+  constexpr int kHk = 2, kGroup = 4, kBs = 16, kD = 128;
   const Quantizer builtin =
       Quantizer::Create("turboquant_k3v4_nc", kD, kHk, kBs, RotationKind::kHadamard, seed);
   const std::vector<float> c4 = LloydMaxGaussian(kD, 4).centroids;
@@ -641,26 +643,36 @@ TEST(CudaDecodeTest, K3v4CodebookDecidesBetweenHiOnlyAndExactScores) {
   ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
   const Quantizer exact_only(builtin.preset(), kD, kHk, kBs, builtin.rotation(),
                              CodebookFromCentroids(odd, 3));
-  for (const Quantizer* q : {&builtin, &exact_only}) {
-    const bool hi_only = q == &builtin;
-    const Scenario s = Build(*q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
+  struct Case {
+    const Quantizer* q;
+    int tokens_per_split;
+    bool hi_only;
+    const char* what;
+  };
+  for (const Case c : {Case{&builtin, 0, true, "built-in codebook, 8-warp hi-only"},
+                       Case{&builtin, 64, false, "built-in codebook, 64-token splits"},
+                       Case{&exact_only, 0, false, "unscalable codebook, 8-warp exact"}}) {
+    const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
     std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
     const DecodeInputs in = testing::ReferenceInputs(s);
-    DecodeCpu(*q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+    DecodeCpu(*c.q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
     const DeviceScenario dev = Upload(s, s.cache);
-    const CudaDecoder decoder(*q);
-    const Errors e = RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, kD, 0,
-                                   /*narrow=*/!hi_only);
-    std::printf("k3v4_nc %s codebook: out err %.2e, lse err %.2e, bad %lld\n",
-                hi_only ? "built-in (8-warp, hi-only)" : "unscalable (narrow, hi + lo)", e.out,
-                e.lse, static_cast<long long>(e.bad));
-    EXPECT_EQ(e.bad, 0);
-    EXPECT_LE(e.out, kOutTol);
-    EXPECT_LE(e.lse, hi_only ? kLseTolHiOnly : kLseTol);
-    if (!hi_only) {
-      DecodePlan wide = decoder.Plan(in.num_seqs, in.num_q_heads, s.max_blocks);
-      wide.narrow = false;
-      DeviceBuffer<uint8_t> ws(wide.workspace_bytes);
+    const CudaDecoder decoder(*c.q);
+    const DecodePlan plan =
+        decoder.Plan(in.num_seqs, in.num_q_heads, s.max_blocks, c.tokens_per_split);
+    EXPECT_EQ(plan.hi_only, c.hi_only) << c.what;
+    if (c.tokens_per_split == 0) EXPECT_FALSE(plan.narrow) << c.what;
+    const Errors e =
+        RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, kD, c.tokens_per_split);
+    std::printf("k3v4_nc %s: out err %.2e, lse err %.2e, bad %lld\n", c.what, e.out, e.lse,
+                static_cast<long long>(e.bad));
+    EXPECT_EQ(e.bad, 0) << c.what;
+    EXPECT_LE(e.out, kOutTol) << c.what;
+    EXPECT_LE(e.lse, c.hi_only ? kLseTolHiOnly : kLseTol) << c.what;
+    if (c.q == &exact_only) {
+      DecodePlan forced = plan;
+      forced.hi_only = true;
+      DeviceBuffer<uint8_t> ws(forced.workspace_bytes);
       DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
           lse(static_cast<int64_t>(ref_lse.size()));
       CudaDecodeArgs a;
@@ -675,10 +687,10 @@ TEST(CudaDecodeTest, K3v4CodebookDecidesBetweenHiOnlyAndExactScores) {
       a.workspace = ws.data();
       a.workspace_bytes = ws.size_bytes();
       try {
-        decoder.Run(wide, a, nullptr);
-        ADD_FAILURE() << "an 8-warp plan for an unscalable 3-bit codebook ran";
+        decoder.Run(forced, a, nullptr);
+        ADD_FAILURE() << "a hi-only plan for an unscalable 3-bit codebook ran";
       } catch (const Error& err) {
-        EXPECT_THAT(err.what(), ::testing::HasSubstr("plan.narrow = false"));
+        EXPECT_THAT(err.what(), ::testing::HasSubstr("plan.hi_only = true"));
       }
     }
   }
@@ -748,6 +760,15 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.narrow = true"));
+  }
+  // So is a plan for the hi-only twin of k3v4_nc's 8-warp kernel.
+  DecodePlan hi_only = plan;
+  hi_only.hi_only = true;
+  try {
+    decoder.Run(hi_only, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.hi_only = true"));
   }
 }
 

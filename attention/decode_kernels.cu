@@ -595,8 +595,9 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
 };
 
 // kSW: warps per CTA of a staged compressed kernel (kStagedWarps, or 4 for the narrow variant).
+// kExactScores: the 8-warp staged kernel of 3-bit keys with hi + lo codebook parts (kHiOnly).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false,
-          int kSW = kStagedWarps>
+          int kSW = kStagedWarps, bool kExactScores = false>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
@@ -647,12 +648,14 @@ struct SplitKernelConfig {
                                      ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
                                      : 0;
   static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
-  // Scores from the codebook's hi parts alone (DecodeSplitKernel). TQKV_DECODE_EXACT_SCORES: a
-  // measurement build in which this kernel keeps hi + lo too (session 20's A/B in NOTES).
+  // Scores from the codebook's hi parts alone (DecodeSplitKernel): the 8-warp staged kernel of
+  // 3-bit keys, unless instantiated with kExactScores (the plan picks one of the two).
+  // TQKV_DECODE_EXACT_SCORES: a measurement build in which it never does (session 20's A/B).
 #ifdef TQKV_DECODE_EXACT_SCORES
   static constexpr bool kHiOnly = false;
 #else
-  static constexpr bool kHiOnly = kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps;
+  static constexpr bool kHiOnly =
+      kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps && !kExactScores;
 #endif
 };
 
@@ -680,7 +683,7 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
-          int kSW = kStagedWarps>
+          int kSW = kStagedWarps, bool kExactScores = false>
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
     kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
@@ -688,7 +691,8 @@ __global__ void __launch_bounds__(
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>;
+  static_assert(!kExactScores || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores>;
   constexpr int kW = Config::kCtaWarps;
   constexpr int kT = kW * 32;
   using Traits = typename Config::Traits;
@@ -698,9 +702,9 @@ __global__ void __launch_bounds__(
   constexpr int kVW = Traits::kValueWords;
   constexpr bool kCodebook = Traits::kLutEntries > 0;
   // The 8-warp staged kernel for 3-bit keys reads the centroids' scaled fp16 hi parts alone
-  // (codebook_fp16.h: the decoder uses it only for a codebook that scales to within
-  // kMaxHiOnlyError of fp16, and the narrow kernel, which keeps hi + lo, for any other): one
-  // score MMA per k-step covers 16 tokens instead of 8, so a chunk needs 16 MMAs, not 24.
+  // (codebook_fp16.h: the plan picks it only for a codebook that scales to within kMaxHiOnlyError
+  // of fp16, and only at one CTA per SM; its kExactScores twin keeps hi + lo): one score MMA per
+  // k-step covers 16 tokens instead of 8, so a chunk needs 16 MMAs, not 24.
   constexpr bool kHiOnly = Config::kHiOnly;
   // The staged bf16 kernel maps a thread's key words to the 16-byte units 4j + t of a token (not
   // to 4t .. 4t + 3), so that its shared-memory reads spread over the banks (StagedLayout).
@@ -1970,11 +1974,11 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 
 // Launch and occupancy of one instantiation of the split kernel.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false,
-          int kSW = kStagedWarps>
+          int kSW = kStagedWarps, bool kExactScores = false>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW>;
+  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW, kExactScores>;
   static constexpr auto kKernel =
-      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW>;
+      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW, kExactScores>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
   static constexpr bool kStaged = kStaged_;
 
@@ -2011,10 +2015,12 @@ bool StagedKernelsEnabled() {
 }
 
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
-// and, with narrow, its narrow variant (4-warp staged CTAs; fn(nullptr) where there is none): the
-// one place where runtime values become template arguments.
+// and, with narrow, its narrow variant (4-warp staged CTAs; fn(nullptr) where there is none), and
+// for 3-bit keys' 8-warp staged kernel its hi-only or (hi_only = false) exact-scores twin: the one
+// place where runtime values become template arguments.
 template <typename Fn>
-cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow, Fn&& fn) {
+cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
+                     bool hi_only, Fn&& fn) {
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
@@ -2029,6 +2035,11 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
       if constexpr (!IsPlain(kKind)) {
         if constexpr (kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
+            if constexpr (kKind == KeyKind::kMse3) {
+              if (!hi_only) {
+                return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, true>{});
+              }
+            }
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true>{});
           }
         }
@@ -2074,8 +2085,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
 }  // namespace
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool narrow, bool programmatic, cudaStream_t stream) {
-  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
+                               int group, bool narrow, bool hi_only, bool programmatic,
+                               cudaStream_t stream) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, hi_only, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       return cudaErrorInvalidValue;  // no narrow variant
     } else {
@@ -2086,7 +2098,8 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
 
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
                                  int* ctas, bool* staged) {
-  return Dispatch(kind, value_bits, head_dim, group, narrow, [&](auto ops) {
+  // (The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy.)
+  return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/true, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       *ctas = 0;
       *staged = false;

@@ -122,9 +122,13 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
 // q·Πᵀ, which an ordinary launch of the query prep makes safe), or after any kernel with
 // p.wait_at_start = 1. Otherwise an ordinary launch, ordered after all earlier work in the stream.
 // narrow: the narrow variant of the staged kernel (4 warps per CTA instead of 8; 3-bit keys, 4-bit
-// values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere).
+// values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere). hi_only: 3-bit keys' 8-warp
+// staged kernel scores from the codebook's hi parts alone (the table must come from a codebook
+// that ScaleCodebookForFp16 put within kMaxHiOnlyError of fp16); false: its hi + lo twin. Other
+// kernels ignore it.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool narrow, bool programmatic, cudaStream_t stream);
+                               int group, bool narrow, bool hi_only, bool programmatic,
+                               cudaStream_t stream);
 // How many CTAs of that split kernel (or of its narrow variant: 0 where there is none) fit on one
 // SM at once (registers, shared memory), and whether it is a staged kernel (cp.async stages in
 // shared memory).

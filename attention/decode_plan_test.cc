@@ -84,16 +84,31 @@ TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
   EXPECT_FALSE(Narrow(64, 4096, kStagedCompressed, 4096));
 }
 
-// A 3-bit codebook that does not scale to fp16 closely enough for the 8-warp kernel's hi-only
-// scores (narrow_only): every plan takes the narrow variant, even where the wide one is faster.
-TEST(DecodePlanTest, NarrowOnlyCodebooksAlwaysGetTheNarrowVariant) {
-  SplitKernelOccupancy exact = kStagedK3v4;
-  exact.narrow_only = true;
-  for (const auto [batch, context] : {std::pair{1, 32768}, {1, 1024}, {16, 4096}, {64, 4096}}) {
-    EXPECT_TRUE(Narrow(batch, context, exact)) << batch << " x " << context;
-    EXPECT_TRUE(Narrow(batch, context, exact, 2048)) << batch << " x " << context;
+// The hi-only twin of k3v4_nc's 8-warp kernel (a codebook close enough to fp16): only where the
+// split grid holds at most one CTA per SM (v20 in NOTES: 5-15 % faster there, 8 % slower at
+// 16 × 16k with two per SM), never for the narrow variant, never without the twin.
+TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
+  SplitKernelOccupancy hi = kStagedK3v4;
+  hi.hi_only = true;
+  auto hi_only = [&](int64_t batch, int64_t context, const SplitKernelOccupancy& o,
+                     int64_t tps = 0) {
+    return ChooseSplitLayout(context, batch * kKvHeads, kSms, o, tps).hi_only;
+  };
+  EXPECT_TRUE(hi_only(1, 32768, hi));  // 16 splits: 128 CTAs
+  EXPECT_TRUE(hi_only(1, 4096, hi));
+  EXPECT_TRUE(hi_only(16, 4096, hi));    // 128 CTAs
+  EXPECT_FALSE(hi_only(16, 16384, hi));  // 2 splits: 256 CTAs, two per SM
+  EXPECT_FALSE(hi_only(64, 4096, hi));   // the narrow variant
+  EXPECT_TRUE(Narrow(64, 4096, hi));
+  EXPECT_FALSE(hi_only(1, 32768, hi, 128));  // 256 splits: 2,048 CTAs
+  EXPECT_TRUE(hi_only(1, 32768, hi, 2048));
+  EXPECT_FALSE(hi_only(1, 32768, kStagedK3v4));  // no twin (or a codebook too far from fp16)
+  EXPECT_FALSE(hi_only(1, 32768, kStagedCompressed));
+  // The split lengths and variants are the same with or without the twin.
+  for (const auto [batch, context] : {std::pair{1, 32768}, {16, 4096}, {16, 16384}, {64, 4096}}) {
+    EXPECT_EQ(Tps(batch, context, hi), Tps(batch, context, kStagedK3v4));
+    EXPECT_EQ(Narrow(batch, context, hi), Narrow(batch, context, kStagedK3v4));
   }
-  EXPECT_FALSE(Narrow(1, 32768, kStagedK3v4));  // the same shape with a qualifying codebook
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {

@@ -108,7 +108,8 @@ struct Result {
   double us = 0, graph_us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0, torch_graph_us = 0;
   double floor_us = 0;  // ReadFloor of the same bytes, in a graph: what one plain kernel takes
   int splits = 0, tokens_per_split = 0;
-  bool narrow = false;  // the plan's narrow split kernel (4-warp CTAs)
+  bool narrow = false;   // the plan's narrow split kernel (4-warp CTAs)
+  bool hi_only = false;  // the plan's hi-only twin of k3v4_nc's 8-warp kernel
 };
 
 // µs per call of `calls` calls of run(i) captured into one CUDA graph: median of 7 replays.
@@ -305,14 +306,16 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         res.splits = plan.max_splits;
         res.tokens_per_split = plan.tokens_per_split;
         res.narrow = plan.narrow;
+        res.hi_only = plan.hi_only;
         results.push_back(res);
         fmt::print(
             "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
             "{:5.1f}% of read ceiling  (splits {} x {} tokens{})  read floor {:.1f} us "
             "({:.1f}% of read ceiling)\n",
             kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
-            100 * res.frac, plan.max_splits, plan.tokens_per_split, plan.narrow ? ", narrow" : "",
-            res.floor_us, 100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
+            100 * res.frac, plan.max_splits, plan.tokens_per_split,
+            plan.narrow ? ", narrow" : (plan.hi_only ? ", hi-only" : ""), res.floor_us,
+            100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
         std::fflush(stdout);
       }
     }
@@ -442,7 +445,8 @@ int Main(int argc, char** argv) {
                               {"read_floor_us", r.floor_us},
                               {"splits", r.splits},
                               {"tokens_per_split", r.tokens_per_split},
-                              {"narrow", r.narrow}});
+                              {"narrow", r.narrow},
+                              {"hi_only", r.hi_only}});
   }
   if (!json_out.empty()) std::ofstream(json_out) << out.dump(1) << "\n";
   return 0;
