@@ -31,6 +31,14 @@ TEST(CodebookFp16Test, ThreeBitTablesQualifyForHiOnlyFourBitTablesDoNot) {
   }
 }
 
+// Eight distinct magnitudes (every other 4-bit centroid, as a 3-bit table: the CUDA test's
+// unscalable codebook) do not scale that closely.
+TEST(CodebookFp16Test, AnAsymmetricThreeBitTableDoesNotQualify) {
+  const std::vector<float> c4 = LloydMaxGaussian(128, 4).centroids;
+  const std::vector<float> odd = {c4[0], c4[2], c4[4], c4[6], c4[8], c4[10], c4[12], c4[14]};
+  EXPECT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
+}
+
 // hi + lo reproduce α·c to ~2^-22 relative (held to 2^-20: a small centroid's lo part is an fp16
 // subnormal), and max_rel_error is the hi parts' true error.
 TEST(CodebookFp16Test, PartsReproduceTheScaledCentroids) {
