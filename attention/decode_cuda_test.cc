@@ -177,9 +177,8 @@ Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
   const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
   Scenario s = Build(q, lens, hk * group, seed);
   if (large_values) UseLargeValueScales(q, s, seed + 1);
-  std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
-  const DecodeInputs in = testing::ReferenceInputs(s);
-  DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+  std::vector<float> ref_out, ref_lse;
+  testing::ReferenceDecode(q, s, ref_out, ref_lse);
   const DeviceScenario dev = Upload(s, s.cache);
   const CudaDecoder decoder(q);
   return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split,
@@ -336,10 +335,8 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
         // output of step i - 1.
         std::vector<float> query = s.queries;
         for (int i = 0; i < kSteps; ++i) {
-          std::vector<float> ref_out(query.size()), ref_lse(static_cast<size_t>(rows));
-          DecodeInputs in = testing::ReferenceInputs(s);
-          in.query = query.data();
-          DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+          std::vector<float> ref_out, ref_lse;
+          testing::ReferenceDecode(q, s, ref_out, ref_lse, query.data());
           std::vector<float> o(query.size());
           outs[i].CopyToHost(o);
           int64_t bad = 0;
@@ -489,8 +486,7 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
        {std::pair{DType::kBF16, DType::kBF16}, std::pair{DType::kBF16, DType::kF16},
         std::pair{DType::kF16, DType::kBF16}}) {
     // The reference sees the query rounded to its dtype, as the kernel does.
-    std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * 32);
-    std::vector<float> qr(s.queries.size());
+    std::vector<float> ref_out, ref_lse, qr(s.queries.size());
     std::vector<uint16_t> qbits(s.queries.size());
     for (size_t i = 0; i < qr.size(); ++i) {
       if (q_dtype == DType::kBF16) {
@@ -501,9 +497,7 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
         qr[i] = HalfBitsToFloat(qbits[i]);
       }
     }
-    DecodeInputs in = testing::ReferenceInputs(s);
-    in.query = qr.data();
-    DecodeCpu(q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+    testing::ReferenceDecode(q, s, ref_out, ref_lse, qr.data());
     DeviceBuffer<uint16_t> query(static_cast<int64_t>(qbits.size()));
     query.CopyFromHost(qbits);
     out.FillBytes(0xFF, stream.get());
@@ -653,13 +647,12 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
                        Case{&builtin, 64, false, "built-in codebook, 64-token splits"},
                        Case{&exact_only, 0, false, "unscalable codebook, 8-warp exact"}}) {
     const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
-    std::vector<float> ref_out(s.queries.size()), ref_lse(s.seq_lens.size() * s.num_q_heads);
-    const DecodeInputs in = testing::ReferenceInputs(s);
-    DecodeCpu(*c.q, s.cache.data(), s.num_blocks, in, {ref_out.data(), ref_lse.data()});
+    std::vector<float> ref_out, ref_lse;
+    testing::ReferenceDecode(*c.q, s, ref_out, ref_lse);
     const DeviceScenario dev = Upload(s, s.cache);
     const CudaDecoder decoder(*c.q);
-    const DecodePlan plan =
-        decoder.Plan(in.num_seqs, in.num_q_heads, s.max_blocks, c.tokens_per_split);
+    const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
+                                         s.max_blocks, c.tokens_per_split);
     EXPECT_EQ(plan.hi_only, c.hi_only) << c.what;
     if (c.tokens_per_split == 0) EXPECT_FALSE(plan.narrow) << c.what;
     const Errors e =

@@ -102,11 +102,16 @@ void Quantizer::EncodeSlot(const float* k, const float* v, uint8_t* block, int p
     const float denom = norm + 1e-8f;
     float x[256];
     for (int i = 0; i < d; ++i) x[i] = k[i] / denom;
+    // y = x·Π by rows of Πᵀ (contiguous), each y[j] still summed over i in ascending order.
+    double y[256] = {};
+    for (int i = 0; i < d; ++i) {
+      const double xi = x[i];
+      const float* row = rotation_.matrix.data() + size_t(i) * d;
+      for (int j = 0; j < d; ++j) y[j] += xi * row[j];
+    }
     double csum = 0.0;
     for (int j = 0; j < d; ++j) {
-      double acc = 0.0;
-      for (int i = 0; i < d; ++i) acc += double(x[i]) * rotation_.matrix[size_t(i) * d + j];
-      const int idx = codebook_.Bucketize(static_cast<float>(acc));
+      const int idx = codebook_.Bucketize(static_cast<float>(y[j]));
       codes[j] = static_cast<uint8_t>(idx);
       csum += double(codebook_.centroids[idx]) * codebook_.centroids[idx];
     }

@@ -29,4 +29,10 @@ Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_head
 // The reference decode's inputs for the whole scenario: its queries, block tables and lengths.
 DecodeInputs ReferenceInputs(const Scenario& s);
 
+// DecodeCpu over the whole scenario (its default softmax scale) with the scenario's queries or
+// `query` [B, Hq, D], one sequence per task on all cores: out [B, Hq, D] and lse [B, Hq] are
+// resized.
+void ReferenceDecode(const Quantizer& q, const Scenario& s, std::vector<float>& out,
+                     std::vector<float>& lse, const float* query = nullptr);
+
 }  // namespace tqkv::testing
