@@ -167,6 +167,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   // The 8-warp staged kernel of 3-bit keys and its hi-only twin (Config::kHiOnly in
   // decode_kernels.cu), for a codebook close enough to fp16.
   o.hi_only = !state_->bf16 && state_->key_kind == 1 && o.staged && state_->codebook_hi_only;
+  // Its paired CTAs for the narrow layout: two KV heads per CTA.
+  o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
   return o;
 }
 
@@ -225,6 +227,16 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   constexpr int64_t kFixedTokens = 256, kStagedFixedTokens = 1024, kSplitTokens = 16,
                     kMergeTokens = 500, kMinSplit = 64;
   constexpr double kPairCost = 1.6;
+  // The hi-only kernels cost this much of their exact twins' time where the plan takes them: the
+  // narrow layout on paired hi-only CTAs (SplitKernelOccupancy::narrow_hi_only) measured 0.91-0.97
+  // of the 4-warp kernel's at the narrow shapes (v21 in tools/bench/NOTES.md), the 8-warp hi-only
+  // twin at one CTA per SM 0.85-0.95 (v20). 0.95 moves 16 × 16k, 16 × 8k, 8 × 32k and 4 × 32k to
+  // the paired CTAs (7-11 % faster there than the 8-warp pairs) and keeps 32 × 4k, 16 × 4k and
+  // batch 1 on the 8-warp kernel (3-20 % faster there), as measured (decode_plan_test).
+  constexpr double kHiOnlyCost = 0.95;
+  // ... for paired CTAs over splits of at least 2,048 tokens: the shorter ones the model would then
+  // pick were slower (16 × 4k, 4 × 1,024 tokens: 27.1 µs against the 8-warp kernel's 22.0).
+  constexpr int64_t kPairedMinSplit = 2048;
   const int64_t sms = std::max(sm_count, 1);
   auto cost = [&](int64_t tps, bool narrow) {
     const int64_t splits = (max_len + tps - 1) / tps;
@@ -236,14 +248,17 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
       const int64_t per_sm = occupancy.narrow_resident_per_sm;
       const int64_t fullest = std::min(per_sm, (ctas + sms - 1) / sms);
       const double rounds = double((ctas + per_sm * sms - 1) / (per_sm * sms));
-      return rounds * (fullest > 2 ? kPairCost : 1.0) * double(2 * tps + kStagedFixedTokens) +
+      return rounds * (fullest > 2 ? kPairCost : 1.0) * double(2 * tps + kStagedFixedTokens) *
+                 (occupancy.narrow_hi_only && tps >= kPairedMinSplit ? kHiOnlyCost : 1.0) +
              split_terms;
     }
     if (occupancy.staged && !occupancy.bf16) {
       const bool pairs = occupancy.resident_per_sm >= 2 && ctas > sms;
       const double rounds = pairs ? kPairCost * double((ctas + 2 * sms - 1) / (2 * sms))
                                   : double((ctas + sms - 1) / sms);
-      return rounds * double(tps + kStagedFixedTokens) + split_terms;
+      const bool hi_only = occupancy.hi_only && ctas <= sms;  // with_scores below
+      return rounds * double(tps + kStagedFixedTokens) * (hi_only ? kHiOnlyCost : 1.0) +
+             split_terms;
     }
     const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
     return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
@@ -253,11 +268,12 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   auto variant = [&](int64_t tps) {
     return can_narrow && (forced == 1 || cost(tps, true) < cost(tps, false));
   };
-  // The hi-only twin of the 8-warp kernel where it holds at most one CTA per SM (SplitLayout).
+  // The hi-only twin of the 8-warp kernel where it holds at most one CTA per SM, and its paired
+  // CTAs for every narrow layout (SplitLayout).
   auto with_scores = [&](SplitLayout layout) {
     const int64_t ctas =
         seq_heads * ((max_len + layout.tokens_per_split - 1) / layout.tokens_per_split);
-    layout.hi_only = occupancy.hi_only && !layout.narrow && ctas <= sms;
+    layout.hi_only = layout.narrow ? occupancy.narrow_hi_only : (occupancy.hi_only && ctas <= sms);
     return layout;
   };
   if (tokens_per_split != 0) {
@@ -364,11 +380,12 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (it has no narrow split kernel)");
   }
-  if (plan.hi_only && (plan.narrow || !variants.hi_only)) {
+  if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",
                           "false for this cache, group, codebook and variant (only 3-bit keys' "
-                          "8-warp staged kernel has a hi-only twin, and only for a codebook "
-                          "within kMaxHiOnlyError of fp16)");
+                          "8-warp staged kernel has a hi-only twin, only for a codebook within "
+                          "kMaxHiOnlyError of fp16, and its paired CTAs for the narrow variant "
+                          "only with an even number of KV heads)");
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;

@@ -46,6 +46,9 @@ struct SplitKernelOccupancy {
   // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to
   // fp16 for it.
   bool hi_only = false;
+  // The narrow layout can run on that twin's paired CTAs (two KV heads' 4-warp units per 8-warp
+  // CTA): hi_only, a narrow variant, and an even number of KV heads.
+  bool narrow_hi_only = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -55,7 +58,9 @@ struct SplitLayout {
   bool narrow = false;
   // The 8-warp kernel's hi-only twin (SplitKernelOccupancy::hi_only): where it exists and the
   // split grid holds at most one CTA per SM. Measured on the H200 (tools/bench/NOTES.md, v20):
-  // 5-15 % faster there, 8 % slower with two CTAs per SM over 8,192-token splits.
+  // 5-15 % faster there, 8 % slower with two CTAs per SM over 8,192-token splits. With narrow:
+  // the twin's paired CTAs instead of the 4-warp ones, wherever SplitKernelOccupancy::
+  // narrow_hi_only (v21: 3-15 % faster at every narrow shape measured).
   bool hi_only = false;
 };
 
@@ -73,7 +78,7 @@ struct DecodePlan {
   int tokens_per_split = 0;  // a multiple of 64
   int max_splits = 0;        // upper bound on the splits of any sequence
   bool narrow = false;       // the split kernel's narrow variant (SplitKernelOccupancy)
-  bool hi_only = false;      // 3-bit keys: the 8-warp kernel's hi-only twin (SplitLayout)
+  bool hi_only = false;      // 3-bit keys: the hi-only twin (with narrow: paired CTAs; SplitLayout)
   int64_t workspace_bytes = 0;
 };
 

@@ -66,7 +66,15 @@ double LseTol(std::string_view preset) {
 struct Errors {
   double out = 0, lse = 0;
   int64_t bad = 0;  // NaN / inf / unwritten elements
+  bool narrow = false, hi_only = false;  // the plan's kernel
 };
+
+// A 3-bit codebook of eight distinct magnitudes (every other 4-bit centroid), which no α puts
+// within kMaxHiOnlyError of fp16: its plans take the exact (hi + lo) kernels.
+std::vector<float> UnscalableThreeBitCentroids(int d) {
+  const std::vector<float> c4 = LloydMaxGaussian(d, 4).centroids;
+  return {c4[0], c4[2], c4[4], c4[6], c4[8], c4[10], c4[12], c4[14]};
+}
 
 struct DeviceScenario {
   DeviceBuffer<uint8_t> cache;
@@ -122,6 +130,8 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
   out.CopyToHost(o);
   lse.CopyToHost(l);
   Errors e;
+  e.narrow = plan.narrow;
+  e.hi_only = plan.hi_only;
   for (size_t row = 0; row < ref_lse.size(); ++row) {
     const float rl = ref_lse[row];
     if (std::isinf(rl)) {
@@ -172,9 +182,14 @@ void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
 Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
                        std::vector<int32_t> lens, bool large_values = false,
                        int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard,
-                       std::optional<bool> narrow = std::nullopt) {
+                       std::optional<bool> narrow = std::nullopt,
+                       bool unscalable_codebook = false) {
   const uint64_t seed = std::random_device{}();
-  const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
+  Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
+  if (unscalable_codebook) {
+    q = Quantizer(q.preset(), d, hk, bs, q.rotation(),
+                  CodebookFromCentroids(UnscalableThreeBitCentroids(d), 3));
+  }
   Scenario s = Build(q, lens, hk * group, seed);
   if (large_values) UseLargeValueScales(q, s, seed + 1);
   std::vector<float> ref_out, ref_lse;
@@ -587,17 +602,25 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
   }
 }
 
-// k3v4_nc's narrow split kernel (4-warp CTAs, four per SM), which the plan picks where the 8-warp
-// kernel would need a second round of CTA pairs: 64 sequences (512 CTAs per split) of mixed
+// k3v4_nc's narrow layout (4-warp units, four per SM), which the plan picks where the 8-warp
+// kernel would need a second round of CTA pairs: 64 sequences (512 units per split) of mixed
 // lengths up to 1,024 tokens, by the plan's own split length (one split: the kernel writes the
 // output) and by forced ones (merged partials), at two block sizes. The edge lengths and an empty
-// sequence are among them.
+// sequence are among them. With the built-in codebook and an even number of KV heads it runs on
+// the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly), with an
+// odd number or a codebook that does not scale close to fp16 on the exact 4-warp CTAs (kLseTol).
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
-  // Three head layouts: groups of 4, 2 and 3 query heads per KV head (packed heads, ≤ 4).
-  for (const auto [hk, group] : {std::pair{8, 4}, std::pair{6, 2}, std::pair{3, 3}}) {
+  // Four head layouts and codebooks: groups of 4, 2 and 3 query heads per KV head (packed heads,
+  // ≤ 4), and the unscalable codebook at 8 KV heads.
+  struct Case {
+    int hk, group;
+    bool unscalable;
+  };
+  for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{8, 4, true}}) {
+    const bool paired = c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);
       for (auto& l : lens) l = len(rng);
@@ -605,17 +628,20 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
       std::copy(edges.begin(), edges.end(), lens.begin());
       std::shuffle(lens.begin(), lens.end(), rng);
       for (int tps : {0, 64, 320}) {
-        const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, hk, group, bs, lens, false, tps,
-                                         RotationKind::kHadamard, true);
+        const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, c.hk, c.group, bs, lens, false,
+                                         tps, RotationKind::kHadamard, true, c.unscalable);
         std::printf(
-            "k3v4_nc narrow hk=%d group=%d bs=%3d tokens_per_split %4d: out err %.2e, lse err "
+            "k3v4_nc narrow hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
             "%.2e, bad %lld\n",
-            hk, group, bs, tps, e.out, e.lse, static_cast<long long>(e.bad));
-        const std::string where =
-            fmt::format("hk {} group {} bs {} tokens_per_split {}", hk, group, bs, tps);
+            c.hk, c.group, bs, tps,
+            c.unscalable ? " (unscalable codebook)" : (e.hi_only ? " (paired hi-only)" : ""), e.out,
+            e.lse, static_cast<long long>(e.bad));
+        const std::string where = fmt::format("hk {} group {} bs {} tokens_per_split {}{}", c.hk,
+                                              c.group, bs, tps, c.unscalable ? " unscalable" : "");
+        EXPECT_EQ(e.hi_only, paired) << where;
         EXPECT_EQ(e.bad, 0) << where;
         EXPECT_LE(e.out, kOutTol) << where;
-        EXPECT_LE(e.lse, kLseTol) << where;
+        EXPECT_LE(e.lse, paired ? kLseTolHiOnly : kLseTol) << where;
       }
     }
   }
@@ -623,29 +649,31 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
 
 // k3v4_nc's codebook and grid choose between its 8-warp kernel's twins: the built-in 3-bit table
 // scales to within kMaxHiOnlyError of fp16, so at a small batch (at most one CTA per SM) the plan
-// takes the hi-only twin (LSE within 1e-4), and with many splits (more CTAs than SMs) not (1e-5);
-// a table of eight distinct magnitudes does not scale that closely, so its plans take the exact
-// twin (1e-5), and a hi-only plan for it is refused.
+// takes the hi-only twin (LSE within 1e-4), and with many splits (more CTAs than SMs) the narrow
+// layout on the twin's paired CTAs (two KV heads per CTA; 1e-4); a table of eight distinct
+// magnitudes does not scale that closely, so its plans take the exact twin (1e-5), and a hi-only
+// plan for it is refused.
 TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   TQKV_SKIP_WITHOUT_GPU();
   const uint64_t seed = std::random_device{}();
   constexpr int kHk = 2, kGroup = 4, kBs = 16, kD = 128;
   const Quantizer builtin =
       Quantizer::Create("turboquant_k3v4_nc", kD, kHk, kBs, RotationKind::kHadamard, seed);
-  const std::vector<float> c4 = LloydMaxGaussian(kD, 4).centroids;
-  const std::vector<float> odd = {c4[0], c4[2], c4[4], c4[6], c4[8], c4[10], c4[12], c4[14]};
+  const std::vector<float> odd = UnscalableThreeBitCentroids(kD);
   ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
   const Quantizer exact_only(builtin.preset(), kD, kHk, kBs, builtin.rotation(),
                              CodebookFromCentroids(odd, 3));
   struct Case {
     const Quantizer* q;
     int tokens_per_split;
-    bool hi_only;
+    bool narrow, hi_only;
     const char* what;
   };
-  for (const Case c : {Case{&builtin, 0, true, "built-in codebook, 8-warp hi-only"},
-                       Case{&builtin, 64, false, "built-in codebook, 64-token splits"},
-                       Case{&exact_only, 0, false, "unscalable codebook, 8-warp exact"}}) {
+  for (const Case c :
+       {Case{&builtin, 0, false, true, "built-in codebook, 8-warp hi-only"},
+        Case{&builtin, 64, true, true, "built-in codebook, 64-token splits: paired hi-only"},
+        Case{&exact_only, 0, false, false, "unscalable codebook, 8-warp exact"},
+        Case{&exact_only, 64, true, false, "unscalable codebook, 64-token splits: narrow exact"}}) {
     const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
     std::vector<float> ref_out, ref_lse;
     testing::ReferenceDecode(*c.q, s, ref_out, ref_lse);
@@ -654,7 +682,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
     const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
                                          s.max_blocks, c.tokens_per_split);
     EXPECT_EQ(plan.hi_only, c.hi_only) << c.what;
-    if (c.tokens_per_split == 0) EXPECT_FALSE(plan.narrow) << c.what;
+    EXPECT_EQ(plan.narrow, c.narrow) << c.what;
     const Errors e =
         RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, kD, c.tokens_per_split);
     std::printf("k3v4_nc %s: out err %.2e, lse err %.2e, bad %lld\n", c.what, e.out, e.lse,
@@ -762,6 +790,22 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.hi_only = true"));
+  }
+  // k3v4_nc with an odd number of KV heads has a narrow kernel but no paired hi-only CTAs (two
+  // KV heads per CTA): a narrow hi-only plan for it is refused.
+  const CudaDecoder odd(Quantizer::Create("turboquant_k3v4_nc", 128, 3, 16));
+  DecodePlan odd_plan = odd.Plan(4, 12, 10);
+  DeviceBuffer<uint8_t> odd_ws(odd_plan.workspace_bytes);
+  a.workspace = odd_ws.data();
+  a.workspace_bytes = odd_plan.workspace_bytes;
+  odd_plan.narrow = true;
+  odd_plan.hi_only = true;
+  try {
+    odd.Run(odd_plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.hi_only = true"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("even number of KV heads"));
   }
 }
 

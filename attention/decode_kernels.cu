@@ -215,6 +215,15 @@ constexpr int kMaxPhaseCtas = 1024;
 __device__ unsigned long long g_cta_first[kMaxPhaseCtas];
 __device__ unsigned long long g_cta_last[kMaxPhaseCtas];
 __device__ unsigned int g_cta_sm[kMaxPhaseCtas];
+__device__ unsigned long long g_cta_start[kMaxPhaseCtas];  // its last warp's prologue done
+__device__ __forceinline__ void CtaPrologueDone() {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if ((threadIdx.x & 31) == 0 && cta < kMaxPhaseCtas) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    atomicMax(&g_cta_start[cta], t);
+  }
+}
 __device__ __forceinline__ void CtaChunksDone() {
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if ((threadIdx.x & 31) == 0 && cta < kMaxPhaseCtas) {
@@ -230,6 +239,7 @@ __device__ __forceinline__ void CtaChunksDone() {
 #else
 __device__ __forceinline__ void Phase(int) {}
 __device__ __forceinline__ void CtaChunksDone() {}
+__device__ __forceinline__ void CtaPrologueDone() {}
 #endif
 
 // 2^x by the SFU alone (exp2f adds a range check and a scaling for results below 2^-126, which
@@ -596,8 +606,15 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
 
 // kSW: warps per CTA of a staged compressed kernel (kStagedWarps, or 4 for the narrow variant).
 // kExactScores: the 8-warp staged kernel of 3-bit keys with hi + lo codebook parts (kHiOnly).
+// kPaired: 8-warp CTAs of 3-bit keys (the hi-only twin) whose warps 0-3 and 4-7 serve KV heads
+// 2y and 2y + 1 of one sequence, each as a narrow CTA would (chunks interleaved over 4 warps, block
+// ids from global memory), for the plan's narrow layouts. An SM holds two, i.e. the same four
+// units as four narrow CTAs, but the warp schedulers favour the earlier-launched CTAs of an SM:
+// four narrow CTAs of equal work finished 20 µs apart at 64 × 4k (~67, 72, 80, 88 µs), the last
+// one alone on its SM with 4 warps for 8 µs; with pairs the SM keeps 8 warps to the end
+// (tools/bench/NOTES.md, session 21).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false,
-          int kSW = kStagedWarps, bool kExactScores = false>
+          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
 struct SplitKernelConfig {
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
@@ -608,6 +625,7 @@ struct SplitKernelConfig {
       return kStaged ? kSW : kWarps;
     }
   }();
+  static constexpr int kUnits = kPaired ? 2 : 1;  // KV heads per CTA
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr int kLutBytes = [] {
@@ -637,14 +655,14 @@ struct SplitKernelConfig {
   // the cache's type in the first array), rows past the group zero, after everything else (the
   // prologue writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
-  static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;
+  static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;  // per unit
   // The 8-warp staged compressed kernels: the split's block ids (int32, after the query rows):
   // at most one per 16 tokens, one more for a split that starts inside a block, and room for
   // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
   // Not the narrow kernel: measured 8-18 % slower with them at one round of 512 CTAs (k3v4_nc
   // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; session 16, not understood).
-  static constexpr int kIdsOffset = kQueryOffset + kQueryHeads * kD * 4;
-  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps
+  static constexpr int kIdsOffset = kQueryOffset + kUnits * kQueryHeads * kD * 4;
+  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired
                                      ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
                                      : 0;
   static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
@@ -683,7 +701,7 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
-          int kSW = kStagedWarps, bool kExactScores = false>
+          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
     kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
@@ -692,9 +710,13 @@ __global__ void __launch_bounds__(
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
   static_assert(!kExactScores || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores>;
-  constexpr int kW = Config::kCtaWarps;
-  constexpr int kT = kW * 32;
+  static_assert(!kPaired || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
+  using Config =
+      SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores, kPaired>;
+  constexpr int kT = Config::kCtaWarps * 32;
+  // kW: the warps that share one KV head's chunks (all of the CTA's but in a paired CTA).
+  constexpr int kUnits = Config::kUnits;
+  constexpr int kW = Config::kCtaWarps / kUnits;
   using Traits = typename Config::Traits;
   constexpr int kKSteps = Config::kKSteps;
   constexpr int kMTiles = Config::kMTiles;
@@ -711,8 +733,10 @@ __global__ void __launch_bounds__(
   constexpr bool kInterleavedKeys = Config::kPlainStaged;
 
   extern __shared__ __align__(16) uint8_t smem[];
-  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, cta_warp = threadIdx.x >> 5;
+  // warp: the warp's index among its KV head's kW warps; unit: which of the CTA's KV heads.
+  const int unit = kPaired ? cta_warp / kW : 0, warp = kPaired ? cta_warp % kW : cta_warp;
+  const int split = blockIdx.x, h0 = blockIdx.y * kUnits, h = h0 + unit, b = blockIdx.z;
 
   // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
   // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
@@ -798,8 +822,8 @@ __global__ void __launch_bounds__(
   if (begin >= len) {           // the merge reads only splits that hold tokens
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
       const int group = p.num_q_heads / p.num_kv_heads;
-      const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h * group;
-      for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
+      const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h0 * group;
+      for (int i = threadIdx.x; i < kUnits * group * kD; i += blockDim.x) {
         StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
         if (i % kD == 0) p.lse[row0 + i / kD] = -INFINITY;
       }
@@ -824,7 +848,8 @@ __global__ void __launch_bounds__(
     // Warp w rotates rows w, w + kW, ... of the group: lane l holds elements kE·l .. kE·l + kE - 1,
     // so the transform's first log2(kE) butterfly stages are in registers and the other five
     // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
-    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset);
+    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset) +
+                     unit * 2 * Config::kQueryHeads * kD;
     uint16_t* q_lo = q_hi + Config::kQueryHeads * kD;
     for (int head = warp; head < Config::kQueryHeads; head += kW) {
       float x[kE];
@@ -1454,8 +1479,8 @@ __global__ void __launch_bounds__(
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
-    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * warp;
+    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(cta_warp, s);
+    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * cta_warp;
     const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
     // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
@@ -1560,6 +1585,7 @@ __global__ void __launch_bounds__(
     Phase(2);
     finish_prologue();
     Phase(3);
+    CtaPrologueDone();
     lane_word = Pinned(lane_word);
     // The 8-warp kernels: block id of chunk cc from the split's ids in shared memory (read there
     // past the end too, inside Config::kMaxIds, and dropped), 0 past its full chunks.
@@ -1678,21 +1704,24 @@ __global__ void __launch_bounds__(
   // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
   __syncthreads();
   constexpr int kHeads = 8 * kNTiles;
-  float* acc_s = reinterpret_cast<float*>(smem);            // [kW][kHeads] rows, Config::AccAt
-  float* stats = acc_s + kW * kHeads * Config::kAccStride;  // [3][kW][kHeads]: m, l, z
+  // Rows per CTA warp (kCW); a paired CTA's heads 0-3 of unit u are its row heads 4u .. 4u + 3
+  // in the per-head arrays below.
+  constexpr int kCW = Config::kCtaWarps;
+  float* acc_s = reinterpret_cast<float*>(smem);             // [kCW][kHeads] rows, AccAt
+  float* stats = acc_s + kCW * kHeads * Config::kAccStride;  // [3][kCW][kHeads]: m, l, z
   if (g == 0) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
       for (int j = 0; j < (kPacked ? 1 : 2); ++j) {
         const int head = kPacked ? t : 8 * nt + 2 * t + j;
-        stats[(0 * kW + warp) * kHeads + head] = m[nt][j];
-        stats[(1 * kW + warp) * kHeads + head] = l[nt][j];
-        stats[(2 * kW + warp) * kHeads + head] = z[nt][j];
+        stats[(0 * kCW + cta_warp) * kHeads + head] = m[nt][j];
+        stats[(1 * kCW + cta_warp) * kHeads + head] = l[nt][j];
+        stats[(2 * kCW + cta_warp) * kHeads + head] = z[nt][j];
       }
     }
   }
-  float* my_acc = acc_s + Config::AccAt(warp * kHeads, 0);
+  float* my_acc = acc_s + Config::AccAt(cta_warp * kHeads, 0);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const int d0 = Traits::D0(g, mt);
@@ -1712,24 +1741,28 @@ __global__ void __launch_bounds__(
   // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), z = Σ_w f_w z_w,
   // l = Σ_w f_w l_w, lse = (max m + log2 l) · ln 2, for the group's heads. A warp without tokens
   // has m = -inf and f = 0. The per-head factors first (one thread per head), then the elements.
-  float* factor = stats + 3 * kW * kHeads;  // [kW][kHeads] f_w, [kHeads] 1/l, [kHeads] z
-  if (threadIdx.x < group) {
-    const int head = threadIdx.x;
+  // Paired CTAs: unit u's warps are u·kW .. u·kW + kW - 1 and its heads hh = u·group + head of
+  // the per-head arrays (rows b·Hq + h0·group + hh: the two KV heads' query rows are adjacent).
+  static_assert(kUnits * 4 <= kHeads || !kPaired);
+  float* factor = stats + 3 * kCW * kHeads;  // [kCW][kHeads] f_w, [kHeads] 1/l, [kHeads] z
+  if (threadIdx.x < kUnits * group) {
+    const int hh = threadIdx.x, u = kPaired ? hh / group : 0, head = kPaired ? hh % group : hh;
+    const int w0 = u * kW;
     float mm = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
+    for (int w = w0; w < w0 + kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
     float ll = 0.0f, zz = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kW; ++w) {
+    for (int w = w0; w < w0 + kW; ++w) {
       const float mw = stats[w * kHeads + head];
       const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mm);
       factor[w * kHeads + head] = f;
-      ll += f * stats[(kW + w) * kHeads + head];
-      zz += f * stats[(2 * kW + w) * kHeads + head];
+      ll += f * stats[(kCW + w) * kHeads + head];
+      zz += f * stats[(2 * kCW + w) * kHeads + head];
     }
-    factor[kW * kHeads + head] = 1.0f / ll;
-    factor[(kW + 1) * kHeads + head] = zz;
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
+    factor[kCW * kHeads + hh] = 1.0f / ll;
+    factor[(kCW + 1) * kHeads + hh] = zz;
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
     const float lse = (mm + log2f(ll)) * kLn2;
     if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
       p.lse[row] = lse;
@@ -1738,16 +1771,17 @@ __global__ void __launch_bounds__(
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < group * kD; i += kT) {
-    const int head = i / kD, d = i % kD;
+  for (int i = threadIdx.x; i < kUnits * group * kD; i += kT) {
+    const int hh = i / kD, d = i % kD, u = kPaired ? hh / group : 0;
+    const int head = kPaired ? hh % group : hh, w0 = u * kW;
     float aa = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kW; ++w) {
+    for (int w = w0; w < w0 + kW; ++w) {
       const float f = factor[w * kHeads + head];
       aa += f == 0.0f ? 0.0f : f * acc_s[Config::AccAt(w * kHeads + head, d)];
     }
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h * group + head);
-    const float out = (aa + factor[(kW + 1) * kHeads + head]) * factor[kW * kHeads + head];
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
+    const float out = (aa + factor[(kCW + 1) * kHeads + hh]) * factor[kCW * kHeads + hh];
     if (p.output != nullptr) {  // one split per sequence: the final output, no merge
       StoreOutput(p.output, p.out_dtype, row * kD + d, out);
     } else {
@@ -1974,11 +2008,12 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 
 // Launch and occupancy of one instantiation of the split kernel.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false,
-          int kSW = kStagedWarps, bool kExactScores = false>
+          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
 struct SplitKernelOps {
-  using Config = SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW, kExactScores>;
-  static constexpr auto kKernel =
-      DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked, kStaged_, kSW, kExactScores>;
+  using Config =
+      SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW, kExactScores, kPaired>;
+  static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked,
+                                                    kStaged_, kSW, kExactScores, kPaired>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
   static constexpr bool kStaged = kStaged_;
 
@@ -1990,7 +2025,8 @@ struct SplitKernelOps {
   }
   static cudaError_t Launch(const SplitParams& p, bool programmatic, cudaStream_t stream) {
     if (const cudaError_t e = Configure(); e != cudaSuccess) return e;
-    const dim3 grid(p.max_splits, p.num_kv_heads, p.num_seqs);
+    if (p.num_kv_heads % Config::kUnits != 0) return cudaErrorInvalidValue;
+    const dim3 grid(p.max_splits, p.num_kv_heads / Config::kUnits, p.num_seqs);
     if (programmatic) {
       return LaunchDependent(kKernel, grid, dim3(kCtaThreads), Config::kSmemBytes, stream, p);
     }
@@ -2015,8 +2051,9 @@ bool StagedKernelsEnabled() {
 }
 
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
-// and, with narrow, its narrow variant (4-warp staged CTAs; fn(nullptr) where there is none), and
-// for 3-bit keys' 8-warp staged kernel its hi-only or (hi_only = false) exact-scores twin: the one
+// and, with narrow, its narrow variant (4-warp staged CTAs, or with hi_only the paired hi-only
+// CTAs: two KV heads' 4-warp units in one 8-warp CTA; fn(nullptr) where there is none), and for
+// 3-bit keys' 8-warp staged kernel its hi-only or (hi_only = false) exact-scores twin: the one
 // place where runtime values become template arguments.
 template <typename Fn>
 cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
@@ -2027,6 +2064,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
       if (narrow) {
         if constexpr (kKind == KeyKind::kMse3 && kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
+            if (hi_only) {  // paired CTAs: two KV heads' 4-warp units per 8-warp CTA
+              return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, false, true>{});
+            }
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4>{});
           }
         }
@@ -2098,8 +2138,9 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
 
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
                                  int* ctas, bool* staged) {
-  // (The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy.)
-  return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/true, [&](auto ops) {
+  // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
+  // layout's is the 4-warp kernel's (four per SM: the paired CTAs hold the same four units).
+  return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/!narrow, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       *ctas = 0;
       *staged = false;
@@ -2131,8 +2172,14 @@ cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
 
 cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last,
                              unsigned long long* cta_first, unsigned long long* cta_last,
-                             unsigned* cta_sm) {
+                             unsigned* cta_sm, unsigned long long* cta_start) {
 #ifdef TQKV_DECODE_PHASE_TIMES
+  if (cta_start != nullptr) {
+    if (const cudaError_t e = cudaMemcpyFromSymbol(cta_start, g_cta_start, sizeof(g_cta_start));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   if (cta_first != nullptr) {
     if (const cudaError_t e = cudaMemcpyFromSymbol(cta_first, g_cta_first, sizeof(g_cta_first));
         e != cudaSuccess) {
@@ -2158,6 +2205,10 @@ cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last
         e != cudaSuccess) {
       return e;
     }
+    if (const cudaError_t e = cudaMemcpyToSymbol(g_cta_start, zeros, sizeof(zeros));
+        e != cudaSuccess) {
+      return e;
+    }
   }
   if (first != nullptr) {
     if (const cudaError_t e = cudaMemcpyFromSymbol(first, g_phase_first, sizeof(g_phase_first));
@@ -2177,7 +2228,7 @@ cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last
   }
   return cudaMemcpyToSymbol(g_phase_last, reset_last, sizeof(reset_last));
 #else
-  (void)first, (void)last, (void)cta_first, (void)cta_last, (void)cta_sm;
+  (void)first, (void)last, (void)cta_first, (void)cta_last, (void)cta_sm, (void)cta_start;
   return cudaErrorNotSupported;
 #endif
 }

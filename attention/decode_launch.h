@@ -124,8 +124,9 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
 // narrow: the narrow variant of the staged kernel (4 warps per CTA instead of 8; 3-bit keys, 4-bit
 // values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere). hi_only: 3-bit keys' 8-warp
 // staged kernel scores from the codebook's hi parts alone (the table must come from a codebook
-// that ScaleCodebookForFp16 put within kMaxHiOnlyError of fp16); false: its hi + lo twin. Other
-// kernels ignore it.
+// that ScaleCodebookForFp16 put within kMaxHiOnlyError of fp16); false: its hi + lo twin. With
+// narrow, hi_only runs the narrow layout on that twin's paired CTAs (KV heads 2y and 2y + 1 in one
+// 8-warp CTA: p.num_kv_heads must be even, else cudaErrorInvalidValue). Other kernels ignore it.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool narrow, bool hi_only, bool programmatic,
                                cudaStream_t stream);
@@ -141,10 +142,12 @@ cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
 // compressed kernels only), after the chunks, exit; merge kernel: entry, after its wait, exit)
 // into first[9] and last[9] (if first is not null), and per split CTA (up to 1,024, linear block
 // index) the earliest and latest time one of its warps finished its chunks and its SM (if
-// cta_first is not null), then resets them. cudaErrorNotSupported in every other build.
+// cta_first is not null) and when its last warp finished the prologue (staged kernels, if
+// cta_start is not null), then resets them. cudaErrorNotSupported in every other build.
 cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last,
                              unsigned long long* cta_first = nullptr,
-                             unsigned long long* cta_last = nullptr, unsigned* cta_sm = nullptr);
+                             unsigned long long* cta_last = nullptr, unsigned* cta_sm = nullptr,
+                             unsigned long long* cta_start = nullptr);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
 
 }  // namespace tqkv::decode_detail

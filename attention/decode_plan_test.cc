@@ -34,11 +34,12 @@ TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
   std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
-    const SplitKernelOccupancy o{resident(rng), trial % 2 == 0, trial % 3 == 0,
-                                 trial % 4 == 0 ? 4 : 0};
+    const SplitKernelOccupancy o{resident(rng),          trial % 2 == 0, trial % 3 == 0,
+                                 trial % 4 == 0 ? 4 : 0, trial % 5 < 3,  trial % 5 == 0};
     const SplitLayout layout = ChooseSplitLayout(max_len, seq_heads, sms(rng), o);
     const int64_t tps = layout.tokens_per_split;
     ASSERT_TRUE(!layout.narrow || o.narrow_resident_per_sm > 0);
+    ASSERT_TRUE(!layout.hi_only || (layout.narrow ? o.narrow_hi_only : o.hi_only));
     ASSERT_EQ(tps % 64, 0) << max_len;
     ASSERT_GE(tps, 64);
     ASSERT_LE(tps, 8192);
@@ -86,7 +87,8 @@ TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
 
 // The hi-only twin of k3v4_nc's 8-warp kernel (a codebook close enough to fp16): only where the
 // split grid holds at most one CTA per SM (v20 in NOTES: 5-15 % faster there, 8 % slower at
-// 16 × 16k with two per SM), never for the narrow variant, never without the twin.
+// 16 × 16k with two per SM), for the narrow variant only as paired CTAs (narrow_hi_only: even KV
+// heads; v21: 3-15 % faster at every narrow shape), never without the twin.
 TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
   SplitKernelOccupancy hi = kStagedK3v4;
   hi.hi_only = true;
@@ -98,17 +100,47 @@ TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
   EXPECT_TRUE(hi_only(1, 4096, hi));
   EXPECT_TRUE(hi_only(16, 4096, hi));    // 128 CTAs
   EXPECT_FALSE(hi_only(16, 16384, hi));  // 2 splits: 256 CTAs, two per SM
-  EXPECT_FALSE(hi_only(64, 4096, hi));   // the narrow variant
+  EXPECT_FALSE(hi_only(64, 4096, hi));   // the narrow variant, no paired CTAs (odd KV heads)
   EXPECT_TRUE(Narrow(64, 4096, hi));
+  SplitKernelOccupancy paired = hi;
+  paired.narrow_hi_only = true;
+  EXPECT_TRUE(hi_only(64, 4096, paired));  // narrow: paired hi-only CTAs
+  EXPECT_TRUE(hi_only(256, 1024, paired));
+  EXPECT_TRUE(hi_only(16, 32768, paired));
+  EXPECT_TRUE(hi_only(1, 32768, paired));        // wide, one CTA per SM: as before
+  EXPECT_TRUE(hi_only(16, 16384, paired));       // now narrow (below)
+  EXPECT_FALSE(hi_only(32, 4096, paired));       // wide, two per SM: the exact twin
+  EXPECT_TRUE(hi_only(64, 4096, paired, 1024));  // a given split: still narrow, still paired
   EXPECT_FALSE(hi_only(1, 32768, hi, 128));  // 256 splits: 2,048 CTAs
   EXPECT_TRUE(hi_only(1, 32768, hi, 2048));
   EXPECT_FALSE(hi_only(1, 32768, kStagedK3v4));  // no twin (or a codebook too far from fp16)
   EXPECT_FALSE(hi_only(1, 32768, kStagedCompressed));
-  // The split lengths and variants are the same with or without the twin.
+  // The benchmark shapes' split lengths and variants are the same with or without the twin ...
   for (const auto [batch, context] : {std::pair{1, 32768}, {16, 4096}, {16, 16384}, {64, 4096}}) {
     EXPECT_EQ(Tps(batch, context, hi), Tps(batch, context, kStagedK3v4));
     EXPECT_EQ(Narrow(batch, context, hi), Narrow(batch, context, kStagedK3v4));
   }
+  // ... but the paired CTAs take the mid shapes where the 8-warp kernel needs two CTAs per SM
+  // (v21, graph µs, same call: 16 × 16k 4 × 4,096 tokens 77.8-78.2 vs the 8-warp pairs' 2 × 8,192
+  // 87.3-88.0; 16 × 8k 44.0-44.3 vs 46.7-47.7; 8 × 32k 78.1-78.5 vs 86.0-86.2; 4 × 32k 44.5 vs
+  // 47.5-48.1), not those where it holds one per SM or splits would get short (16 × 4k 27.1 vs
+  // 22.0-22.1 hi-only; 1 × 32k 17.4 vs 15.7-15.8; 32 × 4k 44.7-44.8 vs 43.2-43.3).
+  EXPECT_TRUE(Narrow(16, 16384, paired));
+  EXPECT_EQ(Tps(16, 16384, paired), 4096);
+  EXPECT_TRUE(Narrow(16, 8192, paired));
+  EXPECT_EQ(Tps(16, 8192, paired), 2048);
+  EXPECT_TRUE(Narrow(8, 32768, paired));
+  EXPECT_EQ(Tps(8, 32768, paired), 4096);
+  EXPECT_TRUE(Narrow(4, 32768, paired));
+  EXPECT_EQ(Tps(4, 32768, paired), 2048);
+  EXPECT_TRUE(Narrow(64, 4096, paired));
+  EXPECT_EQ(Tps(64, 4096, paired), 4096);
+  EXPECT_FALSE(Narrow(16, 4096, paired));
+  EXPECT_EQ(Tps(16, 4096, paired), 4096);
+  EXPECT_FALSE(Narrow(1, 32768, paired));
+  EXPECT_EQ(Tps(1, 32768, paired), 2048);
+  EXPECT_FALSE(Narrow(32, 4096, paired));
+  EXPECT_EQ(Tps(32, 4096, paired), 4096);
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {

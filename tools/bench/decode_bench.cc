@@ -108,8 +108,8 @@ struct Result {
   double us = 0, graph_us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0, torch_graph_us = 0;
   double floor_us = 0;  // ReadFloor of the same bytes, in a graph: what one plain kernel takes
   int splits = 0, tokens_per_split = 0;
-  bool narrow = false;   // the plan's narrow split kernel (4-warp CTAs)
-  bool hi_only = false;  // the plan's hi-only twin of k3v4_nc's 8-warp kernel
+  bool narrow = false;   // the plan's narrow layout (4-warp units, four per SM)
+  bool hi_only = false;  // k3v4_nc's hi-only twin (with narrow: its paired CTAs)
 };
 
 // µs per call of `calls` calls of run(i) captured into one CUDA graph: median of 7 replays.
@@ -260,8 +260,9 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
           unsigned long long first[9], last[9];
           std::vector<unsigned long long> cta_first(1024), cta_last(1024);
           std::vector<unsigned> cta_sm(1024);
-          TQKV_CUDA_CHECK(decode_detail::DecodePhaseTimes(first, last, cta_first.data(),
-                                                          cta_last.data(), cta_sm.data()));
+          std::vector<unsigned long long> cta_start(1024);
+          TQKV_CUDA_CHECK(decode_detail::DecodePhaseTimes(
+              first, last, cta_first.data(), cta_last.data(), cta_sm.data(), cta_start.data()));
           static const char* const kNames[9] = {"split entry",   "split waited", "prologue issued",
                                                 "prologue done", "chunks done",  "split exit",
                                                 "merge entry",   "merge waited", "merge exit"};
@@ -277,13 +278,65 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
           struct Cta {
             double first, last;
             unsigned sm;
+            double start;  // its last warp's prologue done (0: not recorded)
           };
           std::vector<Cta> ctas;
           for (int i = 0; i < 1024; ++i) {
             if (cta_last[i] == 0) continue;
-            ctas.push_back(
-                {(cta_first[i] - first[0]) * 1e-3, (cta_last[i] - first[0]) * 1e-3, cta_sm[i]});
+            ctas.push_back({(cta_first[i] - first[0]) * 1e-3, (cta_last[i] - first[0]) * 1e-3,
+                            cta_sm[i], cta_start[i] != 0 ? (cta_start[i] - first[0]) * 1e-3 : 0.0});
           }
+          // Does a CTA's late start carry to its end? CTAs by prologue-done time in quartiles:
+          // mean start and mean chunks-done of each.
+          {
+            std::vector<Cta> by_start = ctas;
+            std::sort(by_start.begin(), by_start.end(),
+                      [](const Cta& x, const Cta& y) { return x.start < y.start; });
+            std::string quart;
+            const size_t n = by_start.size();
+            for (int k = 0; k < 4 && n >= 4; ++k) {
+              double s0 = 0, s1 = 0;
+              const size_t lo = k * n / 4, hi = (k + 1) * n / 4;
+              for (size_t i = lo; i < hi; ++i) s0 += by_start[i].start, s1 += by_start[i].last;
+              quart += fmt::format(" [{:.2f} -> {:.2f}]", s0 / (hi - lo), s1 / (hi - lo));
+            }
+            fmt::print("  CTAs by prologue-done quartile [mean start -> mean chunks done]:{}\n",
+                       quart);
+          }
+          // Per SM (CTAs in launch order, i.e. by linear index): how many it ran, when its
+          // first- and last-launched CTAs finished their chunks, and the mean finish of its
+          // k-th launched CTA over the SMs that ran the most CTAs (does launch order set it?).
+          std::map<unsigned, std::vector<double>> by_sm;
+          for (const Cta& c : ctas) by_sm[c.sm].push_back(c.last);
+          size_t most = 0;
+          for (const auto& [sm, v] : by_sm) most = std::max(most, v.size());
+          std::vector<double> rank_sum(most, 0.0), sm_last, sm_spread;
+          int full = 0;
+          std::map<size_t, int> per_sm_count;
+          for (const auto& [sm, v] : by_sm) {
+            ++per_sm_count[v.size()];
+            sm_last.push_back(*std::max_element(v.begin(), v.end()));
+            sm_spread.push_back(*std::max_element(v.begin(), v.end()) -
+                                *std::min_element(v.begin(), v.end()));
+            if (v.size() != most) continue;
+            ++full;
+            for (size_t k = 0; k < most; ++k) rank_sum[k] += v[k];
+          }
+          std::sort(sm_last.begin(), sm_last.end());
+          std::sort(sm_spread.begin(), sm_spread.end());
+          const auto q = [](const std::vector<double>& v, double f) {
+            return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(f * v.size()))];
+          };
+          std::string counts, ranks;
+          for (const auto& [n, k] : per_sm_count) counts += fmt::format(" {}x{}", k, n);
+          for (size_t k = 0; k < most; ++k) ranks += fmt::format(" {:.1f}", rank_sum[k] / full);
+          fmt::print(
+              "  per SM: {} SMs (SMs x CTAs:{}); SM's last CTA done min {:.2f} p10 {:.2f} p50 "
+              "{:.2f} p90 {:.2f} max {:.2f}; first-to-last CTA on an SM p50 {:.2f} max {:.2f}; "
+              "mean done of an SM's k-th launched CTA ({} SMs of {}):{}\n",
+              by_sm.size(), counts, q(sm_last, 0), q(sm_last, 0.1), q(sm_last, 0.5),
+              q(sm_last, 0.9), q(sm_last, 1), q(sm_spread, 0.5), q(sm_spread, 1), full, most,
+              ranks);
           std::sort(ctas.begin(), ctas.end(),
                     [](const Cta& x, const Cta& y) { return x.last < y.last; });
           if (!ctas.empty()) {
@@ -314,8 +367,9 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
             "({:.1f}% of read ceiling)\n",
             kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
             100 * res.frac, plan.max_splits, plan.tokens_per_split,
-            plan.narrow ? ", narrow" : (plan.hi_only ? ", hi-only" : ""), res.floor_us,
-            100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
+            plan.narrow ? (plan.hi_only ? ", narrow, paired hi-only" : ", narrow")
+                        : (plan.hi_only ? ", hi-only" : ""),
+            res.floor_us, 100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
         std::fflush(stdout);
       }
     }
