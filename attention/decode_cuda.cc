@@ -231,8 +231,10 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   // narrow layout on paired hi-only CTAs (SplitKernelOccupancy::narrow_hi_only) measured 0.91-0.97
   // of the 4-warp kernel's at the narrow shapes (v21 in tools/bench/NOTES.md), the 8-warp hi-only
   // twin at one CTA per SM 0.85-0.95 (v20). 0.95 moves 16 × 16k, 16 × 8k, 8 × 32k and 4 × 32k to
-  // the paired CTAs (7-11 % faster there than the 8-warp pairs) and keeps 32 × 4k, 16 × 4k and
-  // batch 1 on the 8-warp kernel (3-20 % faster there), as measured (decode_plan_test).
+  // the paired CTAs (7-18 % faster there than the 8-warp pairs), 4 × 16k, 8 × 8k and 2 × 32k from
+  // two 8-warp CTAs per SM to one hi-only CTA of twice the tokens (15-18 % faster), and keeps
+  // 32 × 4k, 16 × 4k and batch 1 on the 8-warp kernel (3-20 % faster there than the pairs), as
+  // measured (decode_plan_test).
   constexpr double kHiOnlyCost = 0.95;
   // ... for paired CTAs over splits of at least 2,048 tokens: the shorter ones the model would then
   // pick were slower (16 × 4k, 4 × 1,024 tokens: 27.1 µs against the 8-warp kernel's 22.0).

@@ -141,6 +141,13 @@ TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
   EXPECT_EQ(Tps(1, 32768, paired), 2048);
   EXPECT_FALSE(Narrow(32, 4096, paired));
   EXPECT_EQ(Tps(32, 4096, paired), 4096);
+  // One hi-only 8-warp CTA per SM instead of two exact ones over half the tokens (4 × 16k 24.3 µs
+  // vs 29.2-29.3, 8 × 8k 24.6-24.7 vs 28.6-28.7, 2 × 32k 24.3-24.6 vs 29.5-29.6).
+  for (const auto [batch, context] : {std::pair{4, 16384}, {8, 8192}, {2, 32768}}) {
+    EXPECT_FALSE(Narrow(batch, context, paired)) << batch << " x " << context;
+    EXPECT_EQ(Tps(batch, context, paired), 4096) << batch << " x " << context;
+    EXPECT_TRUE(hi_only(batch, context, paired)) << batch << " x " << context;
+  }
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {
