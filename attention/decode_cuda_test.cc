@@ -612,13 +612,14 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
-  // Four head layouts and codebooks: groups of 4, 2 and 3 query heads per KV head (packed heads,
-  // ≤ 4), and the unscalable codebook at 8 KV heads.
+  // Six head layouts and codebooks: groups of 4, 2, 3 and 1 query heads per KV head (packed
+  // heads, ≤ 4) at even and odd numbers of KV heads, and the unscalable codebook at 8 KV heads.
   struct Case {
     int hk, group;
     bool unscalable;
   };
-  for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{8, 4, true}}) {
+  for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
+                       Case{8, 1, false}, Case{8, 4, true}}) {
     const bool paired = c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);
