@@ -620,7 +620,8 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   };
   for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
                        Case{8, 1, false}, Case{8, 4, true}}) {
-    const bool paired = c.hk % 2 == 0 && !c.unscalable;
+    // (Groups 1 and 3: the 4-warp kernel until the paired CTAs have run there; decode_cuda.cc.)
+    const bool paired = c.hk % 2 == 0 && !c.unscalable && (c.group == 2 || c.group == 4);
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);
       for (auto& l : lens) l = len(rng);
