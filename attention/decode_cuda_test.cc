@@ -605,9 +605,9 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
 // kernel would need a second round of CTA pairs: 64 sequences (512 units per split) of mixed
 // lengths up to 1,024 tokens, by the plan's own split length (one split: the kernel writes the
 // output) and by forced ones (merged partials), at two block sizes. The edge lengths and an empty
-// sequence are among them. With the built-in codebook and an even number of KV heads it runs on
-// the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly), with an
-// odd number or a codebook that does not scale close to fp16 on the exact 4-warp CTAs (kLseTol).
+// sequence are among them. With the built-in codebook, an even number of KV heads and a GQA group
+// of 2 or 4 it runs on the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within
+// kLseTolHiOnly), otherwise on the exact 4-warp CTAs (kLseTol).
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
