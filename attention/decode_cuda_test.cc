@@ -178,11 +178,14 @@ void UseLargeValueScales(const Quantizer& q, Scenario& s, uint64_t seed) {
   }
 }
 
-Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
-                       std::vector<int32_t> lens, bool large_values = false,
-                       int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard,
-                       std::optional<bool> narrow = std::nullopt,
-                       bool unscalable_codebook = false) {
+// One scenario (quantizer, cache, CPU reference, device copies) run by the plan of each split
+// length in turn (0: the plan's own).
+std::vector<Errors> CheckCompressedSplits(const char* preset, int d, int hk, int group, int bs,
+                                          std::vector<int32_t> lens, bool large_values,
+                                          const std::vector<int>& split_lengths,
+                                          RotationKind rotation = RotationKind::kHadamard,
+                                          std::optional<bool> narrow = std::nullopt,
+                                          bool unscalable_codebook = false) {
   const uint64_t seed = std::random_device{}();
   Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
   if (unscalable_codebook) {
@@ -195,8 +198,19 @@ Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
   testing::ReferenceDecode(q, s, ref_out, ref_lse);
   const DeviceScenario dev = Upload(s, s.cache);
   const CudaDecoder decoder(q);
-  return RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tokens_per_split,
-                       narrow);
+  std::vector<Errors> errors;
+  for (const int tps : split_lengths) {
+    errors.push_back(
+        RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, tps, narrow));
+  }
+  return errors;
+}
+
+Errors CheckCompressed(const char* preset, int d, int hk, int group, int bs,
+                       std::vector<int32_t> lens, bool large_values = false,
+                       int tokens_per_split = 0, RotationKind rotation = RotationKind::kHadamard) {
+  return CheckCompressedSplits(preset, d, hk, group, bs, std::move(lens), large_values,
+                               {tokens_per_split}, rotation)[0];
 }
 
 std::vector<int32_t> EdgeLengths(int bs) { return {1, bs - 1, bs, bs + 1, 4097, 700}; }
@@ -628,9 +642,13 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
       const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
       std::copy(edges.begin(), edges.end(), lens.begin());
       std::shuffle(lens.begin(), lens.end(), rng);
-      for (int tps : {0, 64, 320}) {
-        const Errors e = CheckCompressed("turboquant_k3v4_nc", 128, c.hk, c.group, bs, lens, false,
-                                         tps, RotationKind::kHadamard, true, c.unscalable);
+      const std::vector<int> splits = {0, 64, 320};
+      const std::vector<Errors> errors =
+          CheckCompressedSplits("turboquant_k3v4_nc", 128, c.hk, c.group, bs, lens, false, splits,
+                                RotationKind::kHadamard, true, c.unscalable);
+      for (size_t i = 0; i < splits.size(); ++i) {
+        const int tps = splits[i];
+        const Errors& e = errors[i];
         std::printf(
             "k3v4_nc narrow hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
             "%.2e, bad %lld\n",
