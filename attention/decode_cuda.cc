@@ -167,11 +167,9 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   // The 8-warp staged kernel of 3-bit keys and its hi-only twin (Config::kHiOnly in
   // decode_kernels.cu), for a codebook close enough to fp16.
   o.hi_only = !state_->bf16 && state_->key_kind == 1 && o.staged && state_->codebook_hi_only;
-  // Its paired CTAs for the narrow layout: two KV heads per CTA. Only at the GQA groups they have
-  // run at on the device (2 and 4, session 21); groups 1 and 3 keep the 4-warp exact kernel until
-  // decode_cuda_test's NarrowK3v4 cases for them have run with this condition lifted.
-  o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0 &&
-                     (group == 2 || group == 4);
+  // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
+  // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
+  o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
   return o;
 }
 
@@ -390,7 +388,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
                           "false for this cache, group, codebook and variant (only 3-bit keys' "
                           "8-warp staged kernel has a hi-only twin, only for a codebook within "
                           "kMaxHiOnlyError of fp16, and its paired CTAs for the narrow variant "
-                          "only with an even number of KV heads and a GQA group of 2 or 4)");
+                          "only with an even number of KV heads)");
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;

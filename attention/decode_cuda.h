@@ -47,8 +47,7 @@ struct SplitKernelOccupancy {
   // fp16 for it.
   bool hi_only = false;
   // The narrow layout can run on that twin's paired CTAs (two KV heads' 4-warp units per 8-warp
-  // CTA): hi_only, a narrow variant, an even number of KV heads and a GQA group of 2 or 4 (the
-  // ones measured on the device so far).
+  // CTA): hi_only, a narrow variant (GQA groups 1-4) and an even number of KV heads.
   bool narrow_hi_only = false;
 };
 

@@ -619,9 +619,9 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
 // kernel would need a second round of CTA pairs: 64 sequences (512 units per split) of mixed
 // lengths up to 1,024 tokens, by the plan's own split length (one split: the kernel writes the
 // output) and by forced ones (merged partials), at two block sizes. The edge lengths and an empty
-// sequence are among them. With the built-in codebook, an even number of KV heads and a GQA group
-// of 2 or 4 it runs on the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within
-// kLseTolHiOnly), otherwise on the exact 4-warp CTAs (kLseTol).
+// sequence are among them. With the built-in codebook and an even number of KV heads it runs on
+// the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly),
+// otherwise on the exact 4-warp CTAs (kLseTol).
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
@@ -634,8 +634,7 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   };
   for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
                        Case{8, 1, false}, Case{8, 4, true}}) {
-    // (Groups 1 and 3: the 4-warp kernel until the paired CTAs have run there; decode_cuda.cc.)
-    const bool paired = c.hk % 2 == 0 && !c.unscalable && (c.group == 2 || c.group == 4);
+    const bool paired = c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);
       for (auto& l : lens) l = len(rng);
