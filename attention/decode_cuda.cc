@@ -170,6 +170,12 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
   // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
   o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
+  // 4-bit keys' narrow layout runs on paired exact CTAs alone (no 4-warp kernel): an even number
+  // of KV heads, and sequences of at most 4,096 tokens (ChooseSplitLayout says why).
+  if (!state_->bf16 && state_->key_kind == 0) {
+    if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
+    o.narrow_max_len = 4096;
+  }
   return o;
 }
 
@@ -266,10 +272,23 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
     const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);
     return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
   };
+  // - 4bit_nc's narrow layout (paired exact CTAs, narrow_max_len): measured against the 8-warp
+  //   kernel's plan (paired4 and v22 in tools/bench/NOTES.md) it gained 2-11 % where a sequence
+  //   is one split of at most 4,096 tokens and the 8-warp grid needs two rounds of CTA pairs
+  //   (64 × 1k −11 %, 256 × 1k −9 %, 64 × 4k −2 %), lost where that grid is one round (32 × 1k
+  //   +11 %: one paired CTA per SM against two 8-warp ones) and over 8,192-token splits
+  //   (64 × 16k +2-7 %); the model takes it only where it gained.
   const int forced = NarrowOverride();
   const bool can_narrow = occupancy.narrow_resident_per_sm > 0 && forced != 0;
   auto variant = [&](int64_t tps) {
-    return can_narrow && (forced == 1 || cost(tps, true) < cost(tps, false));
+    if (!can_narrow) return false;
+    if (forced == 1) return true;
+    if (occupancy.narrow_max_len > 0 &&
+        (max_len > occupancy.narrow_max_len ||
+         seq_heads * ((max_len + tps - 1) / tps) <= occupancy.resident_per_sm * sms)) {
+      return false;
+    }
+    return cost(tps, true) < cost(tps, false);
   };
   // The hi-only twin of the 8-warp kernel where it holds at most one CTA per SM, and its paired
   // CTAs for every narrow layout (SplitLayout).
@@ -381,7 +400,9 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const SplitKernelOccupancy variants = SplitOccupancy(plan.num_q_heads / num_kv_heads());
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
-                          "false for this cache and group (it has no narrow split kernel)");
+                          "false for this cache and group (the narrow split kernel serves "
+                          "3-bit and 4-bit keys at D = 128, GQA groups up to 4, 4-bit keys only "
+                          "with an even number of KV heads)");
   }
   if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",

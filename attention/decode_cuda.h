@@ -39,8 +39,9 @@ struct SplitKernelOccupancy {
   int resident_per_sm = 1;  // CTAs of it that fit on one SM (occupancy query)
   bool staged = false;      // chunks copied ahead through shared memory (decode_kernels.cu)
   bool bf16 = false;        // the uncompressed kernel
-  // CTAs of its narrow variant (4 warps instead of 8 per CTA; k3v4_nc) that fit on one SM, 0
-  // where there is none.
+  // 4-warp units of its narrow variant that fit on one SM (k3v4_nc: 4-warp CTAs, or their paired
+  // 8-warp CTAs of two units; 4bit_nc: paired CTAs only, so an even number of KV heads), 0 where
+  // there is none.
   int narrow_resident_per_sm = 0;
   // The 8-warp staged kernel of 3-bit keys has a twin that computes scores from the codebook's
   // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to
@@ -49,6 +50,11 @@ struct SplitKernelOccupancy {
   // The narrow layout can run on that twin's paired CTAs (two KV heads' 4-warp units per 8-warp
   // CTA): hi_only, a narrow variant (GQA groups 1-4) and an even number of KV heads.
   bool narrow_hi_only = false;
+  // Where non-zero (4bit_nc: its narrow layout runs on paired exact CTAs), the narrow variant only
+  // for sequences of at most this many tokens, and only where the 8-warp kernel's grid would
+  // need a second round of CTA pairs: measured faster than the 8-warp kernel there and slower
+  // over 8,192-token splits and at one round (ChooseSplitLayout).
+  int64_t narrow_max_len = 0;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and

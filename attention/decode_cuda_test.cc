@@ -105,7 +105,9 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
   if (tokens_per_split != 0) {
     EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
   }
-  if (narrow) EXPECT_EQ(plan.narrow, *narrow) << "the plan's split kernel variant";
+  if (narrow) {
+    EXPECT_EQ(plan.narrow, *narrow) << "the plan's split kernel variant";
+  }
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
       lse(static_cast<int64_t>(ref_lse.size()));
@@ -665,6 +667,48 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   }
 }
 
+// 4bit_nc's narrow layout: paired 8-warp CTAs (KV heads 2y, 2y + 1, 4 warps each) with exact
+// scores, which the plan takes for short contexts at large batch (96 sequences of up to 1,024
+// tokens here: at 4-8 KV heads more 8-warp CTAs than one round of pairs), by its own split length
+// and by forced ones, at two block sizes and GQA groups 4, 2, 3 and 1. With an odd number of KV
+// heads there is no narrow variant (the 8-warp kernel).
+TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> len(1, 1024);
+  struct Case {
+    int hk, group;
+  };
+  for (const Case c : {Case{8, 4}, Case{6, 2}, Case{4, 3}, Case{8, 1}, Case{3, 3}}) {
+    const bool narrow = c.hk % 2 == 0;
+    for (int bs : {16, 64}) {
+      std::vector<int32_t> lens(96);
+      for (auto& l : lens) l = len(rng);
+      const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
+      std::copy(edges.begin(), edges.end(), lens.begin());
+      std::shuffle(lens.begin(), lens.end(), rng);
+      const std::vector<int> splits = {0, 64, 320};
+      const std::vector<Errors> errors =
+          CheckCompressedSplits("turboquant_4bit_nc", 128, c.hk, c.group, bs, lens, false, splits,
+                                RotationKind::kHadamard, narrow);
+      for (size_t i = 0; i < splits.size(); ++i) {
+        const Errors& e = errors[i];
+        std::printf(
+            "4bit_nc %s hk=%d group=%d bs=%3d tokens_per_split %4d: out err %.2e, lse err %.2e, "
+            "bad %lld\n",
+            narrow ? "narrow (paired)" : "8-warp", c.hk, c.group, bs, splits[i], e.out, e.lse,
+            static_cast<long long>(e.bad));
+        const std::string where =
+            fmt::format("hk {} group {} bs {} tokens_per_split {}", c.hk, c.group, bs, splits[i]);
+        EXPECT_FALSE(e.hi_only) << where;
+        EXPECT_EQ(e.bad, 0) << where;
+        EXPECT_LE(e.out, kOutTol) << where;
+        EXPECT_LE(e.lse, kLseTol) << where;
+      }
+    }
+  }
+}
+
 // k3v4_nc's codebook and grid choose between its 8-warp kernel's twins: the built-in 3-bit table
 // scales to within kMaxHiOnlyError of fp16, so at a small batch (at most one CTA per SM) the plan
 // takes the hi-only twin (LSE within 1e-4), and with many splits (more CTAs than SMs) the narrow
@@ -790,16 +834,25 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("cache = "));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("16-byte aligned"));
   }
-  // A plan for the narrow split kernel, which only k3v4_nc has, is refused for 4bit_nc.
+  // A plan for the narrow split kernel is refused where there is none: 4bit_nc's runs on paired
+  // CTAs (two KV heads each), so not with an odd number of KV heads.
   a.cache = ws.data();
-  DecodePlan narrow = plan;
+  const CudaDecoder odd4(Quantizer::Create("turboquant_4bit_nc", 128, 3, 16));
+  DecodePlan narrow = odd4.Plan(4, 12, 10);
+  EXPECT_FALSE(narrow.narrow);
   narrow.narrow = true;
+  DeviceBuffer<uint8_t> odd4_ws(narrow.workspace_bytes);
+  a.workspace = odd4_ws.data();
+  a.workspace_bytes = narrow.workspace_bytes;
   try {
-    decoder.Run(narrow, a, nullptr);
+    odd4.Run(narrow, a, nullptr);
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.narrow = true"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("even number of KV heads"));
   }
+  a.workspace = ws.data();
+  a.workspace_bytes = plan.workspace_bytes;
   // So is a plan for the hi-only twin of k3v4_nc's 8-warp kernel.
   DecodePlan hi_only = plan;
   hi_only.hi_only = true;

@@ -606,13 +606,13 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (kHasStagedKernel)
 
 // kSW: warps per CTA of a staged compressed kernel (kStagedWarps, or 4 for the narrow variant).
 // kExactScores: the 8-warp staged kernel of 3-bit keys with hi + lo codebook parts (kHiOnly).
-// kPaired: 8-warp CTAs of 3-bit keys (the hi-only twin) whose warps 0-3 and 4-7 serve KV heads
-// 2y and 2y + 1 of one sequence, each as a narrow CTA would (chunks interleaved over 4 warps, block
-// ids from global memory), for the plan's narrow layouts. An SM holds two, i.e. the same four
-// units as four narrow CTAs, but the warp schedulers favour the earlier-launched CTAs of an SM:
-// four narrow CTAs of equal work finished 20 µs apart at 64 × 4k (~67, 72, 80, 88 µs), the last
-// one alone on its SM with 4 warps for 8 µs; with pairs the SM keeps 8 warps to the end
-// (tools/bench/NOTES.md, session 21).
+// kPaired: 8-warp CTAs (3-bit keys: the hi-only twin; 4-bit keys: exact scores) whose warps 0-3
+// and 4-7 serve KV heads 2y and 2y + 1 of one sequence, each as a narrow CTA would (chunks
+// interleaved over 4 warps, block ids from global memory), for the plan's narrow layouts. An SM
+// holds two, i.e. the same four units as four narrow CTAs, but the warp schedulers favour the
+// earlier-launched CTAs of an SM: four narrow CTAs of equal work finished 20 µs apart at 64 × 4k
+// (~67, 72, 80, 88 µs), the last one alone on its SM with 4 warps for 8 µs; with pairs the SM keeps
+// 8 warps to the end (tools/bench/NOTES.md, session 21).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kStaged = false,
           int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
 struct SplitKernelConfig {
@@ -710,7 +710,7 @@ __global__ void __launch_bounds__(
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
   static_assert(!kExactScores || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
-  static_assert(!kPaired || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
+  static_assert(!kPaired || (kStaged && !IsPlain(kKind) && kSW == kStagedWarps));
   using Config =
       SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores, kPaired>;
   constexpr int kT = Config::kCtaWarps * 32;
@@ -2062,12 +2062,16 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
       if (narrow) {
-        if constexpr (kKind == KeyKind::kMse3 && kHasStagedKernel<kKind, kVB, kD, true>) {
+        if constexpr (!IsPlain(kKind) && kHasStagedKernel<kKind, kVB, kD, true>) {
           if (group <= 4 && StagedKernelsEnabled()) {
-            if (hi_only) {  // paired CTAs: two KV heads' 4-warp units per 8-warp CTA
+            // Paired CTAs: two KV heads' 4-warp units per 8-warp CTA (3-bit keys: the hi-only
+            // twin's; 4-bit keys have only these, with exact scores), else 4-warp CTAs.
+            if (kKind == KeyKind::kMse4 || hi_only) {
               return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, false, true>{});
             }
-            return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4>{});
+            if constexpr (kKind == KeyKind::kMse3) {
+              return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, 4>{});
+            }
           }
         }
         return fn(nullptr);
@@ -2139,15 +2143,19 @@ cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bit
 cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
                                  int* ctas, bool* staged) {
   // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
-  // layout's is the 4-warp kernel's (four per SM: the paired CTAs hold the same four units).
+  // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
+  // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
   return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/!narrow, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       *ctas = 0;
       *staged = false;
       return cudaSuccess;
     } else {
-      *staged = decltype(ops)::kStaged;
-      return decltype(ops)::CtasPerSm(ctas);
+      using Ops = decltype(ops);
+      *staged = Ops::kStaged;
+      const cudaError_t e = Ops::CtasPerSm(ctas);
+      *ctas *= Ops::Config::kUnits;
+      return e;
     }
   });
 }

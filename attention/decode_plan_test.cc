@@ -34,11 +34,13 @@ TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
   std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
-    const SplitKernelOccupancy o{resident(rng),          trial % 2 == 0, trial % 3 == 0,
-                                 trial % 4 == 0 ? 4 : 0, trial % 5 < 3,  trial % 5 == 0};
+    const SplitKernelOccupancy o{
+        resident(rng), trial % 2 == 0, trial % 3 == 0,           trial % 4 == 0 ? 4 : 0,
+        trial % 5 < 3, trial % 5 == 0, trial % 7 == 0 ? 4096 : 0};
     const SplitLayout layout = ChooseSplitLayout(max_len, seq_heads, sms(rng), o);
     const int64_t tps = layout.tokens_per_split;
     ASSERT_TRUE(!layout.narrow || o.narrow_resident_per_sm > 0);
+    ASSERT_TRUE(!layout.narrow || o.narrow_max_len == 0 || max_len <= o.narrow_max_len);
     ASSERT_TRUE(!layout.hi_only || (layout.narrow ? o.narrow_hi_only : o.hi_only));
     ASSERT_EQ(tps % 64, 0) << max_len;
     ASSERT_GE(tps, 64);
@@ -148,6 +150,47 @@ TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
     EXPECT_EQ(Tps(batch, context, paired), 4096) << batch << " x " << context;
     EXPECT_TRUE(hi_only(batch, context, paired)) << batch << " x " << context;
   }
+}
+
+// 4bit_nc's narrow layout (paired exact CTAs) only for contexts of at most 4,096 tokens (one
+// split) whose 8-warp grid needs a second round of CTA pairs. v22 in tools/bench/NOTES.md, graph
+// µs, two rounds, same call, 8-warp plan -> narrow: 64 × 1k 27.1-27.2 -> 24.1, 64 × 2k 42.9-43.0
+// -> 40.7-40.8, 64 × 4k 75.3 -> 73.8-73.9, 128 × 2k 81.6-81.7 -> 78.4-78.6, 256 × 1k 95.9-96.7
+// -> 87.8-88.1, 512 × 1k 184.2-186.2 -> 168.9-170.2, 256 × 4k and 1,024 × 4k equal within the
+// spread; slower at one round of pairs (32 × 1k 13.9 -> 15.5) and, in session 21, over
+// 8,192-token splits (64 × 16k 284.8-285.4 -> 290.6-304.7).
+TEST(DecodePlanTest, FourBitNarrowVariantOnlyForShortContextsPastOneRound) {
+  SplitKernelOccupancy o = kStagedCompressed;
+  o.narrow_resident_per_sm = 4;
+  o.narrow_max_len = 4096;
+  for (const auto [batch, context] : {std::pair{64, 1024},
+                                      {64, 2048},
+                                      {64, 4096},
+                                      {128, 2048},
+                                      {256, 1024},
+                                      {256, 4096},
+                                      {512, 1024},
+                                      {1024, 4096}}) {
+    EXPECT_TRUE(Narrow(batch, context, o)) << batch << " x " << context;
+    EXPECT_EQ(Tps(batch, context, o), context) << batch << " x " << context;
+  }
+  // Longer contexts and one round of 8-warp pairs keep the 8-warp kernel and its splits.
+  for (const auto [batch, context] : {std::pair{32, 1024},
+                                      {32, 4096},
+                                      {16, 4096},
+                                      {1, 4096},
+                                      {64, 16384},
+                                      {16, 32768},
+                                      {256, 32768},
+                                      {1, 32768}}) {
+    EXPECT_FALSE(Narrow(batch, context, o)) << batch << " x " << context;
+    EXPECT_EQ(Tps(batch, context, o), Tps(batch, context, kStagedCompressed))
+        << batch << " x " << context;
+  }
+  // A given split length: the variant by the same rule.
+  EXPECT_TRUE(Narrow(64, 4096, o, 1024));
+  EXPECT_FALSE(Narrow(64, 16384, o, 1024));
+  EXPECT_FALSE(Narrow(16, 4096, o, 4096));  // 128 CTAs
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {
