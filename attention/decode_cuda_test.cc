@@ -668,10 +668,10 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
 }
 
 // 4bit_nc's narrow layout: paired 8-warp CTAs (KV heads 2y, 2y + 1, 4 warps each) with exact
-// scores, which the plan takes for short contexts at large batch (96 sequences of up to 1,024
-// tokens here: at 4-8 KV heads more 8-warp CTAs than one round of pairs), by its own split length
-// and by forced ones, at two block sizes and GQA groups 4, 2, 3 and 1. With an odd number of KV
-// heads there is no narrow variant (the 8-warp kernel).
+// scores, which the plan takes for short contexts where the 8-warp grid needs two rounds of CTA
+// pairs (here 384-512 KV-head units of up to 1,024 tokens: 64 sequences, 128 at 4 KV heads), by
+// its own split length and by forced ones, at two block sizes and GQA groups 4, 2, 3 and 1. With
+// an odd number of KV heads there is no narrow variant (the 8-warp kernel).
 TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
@@ -682,7 +682,7 @@ TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
   for (const Case c : {Case{8, 4}, Case{6, 2}, Case{4, 3}, Case{8, 1}, Case{3, 3}}) {
     const bool narrow = c.hk % 2 == 0;
     for (int bs : {16, 64}) {
-      std::vector<int32_t> lens(96);
+      std::vector<int32_t> lens(c.hk == 4 ? 128 : 64);
       for (auto& l : lens) l = len(rng);
       const std::vector<int32_t> edges = {1, bs - 1, bs, bs + 1, 0, 1024, 63, 65};
       std::copy(edges.begin(), edges.end(), lens.begin());
