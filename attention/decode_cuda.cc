@@ -171,7 +171,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
   o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
   // 4-bit keys' narrow layout runs on paired exact CTAs alone (no 4-warp kernel): an even number
-  // of KV heads, and sequences of at most 4,096 tokens (ChooseSplitLayout says why).
+  // of KV heads, and only for sequences of at most 4,096 tokens whose 8-warp grid would need two
+  // rounds of CTA pairs (narrow_max_len; ChooseSplitLayout says why).
   if (!state_->bf16 && state_->key_kind == 0) {
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
@@ -221,8 +222,10 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   //   31.0 vs 2 × 2,048 33.5; 1 × 32k: 16 × 2,048 20.6 vs 32 × 1,024 21.3; 256 × 32k: 4 × 8,192
   //   3,059 vs 5 × 6,592 3,100; 1 × 1k: 8 × 128 8.9 vs 4 × 256 9.4), which a range of values meets
   //   (fixed 736-2,048, merge 150-750, pair 1.4-1.65).
-  // - The narrow variant (4-warp CTAs of k3v4_nc, up to four per SM: the same 16 warps): a CTA of
-  //   tps tokens gives each warp the chunks of an 8-warp CTA of 2·tps, so it costs as that one,
+  // - The narrow variant (4-warp units of one KV head, up to four per SM: the same 16 warps;
+  // k3v4_nc
+  //   as 4-warp CTAs or paired in 8-warp CTAs, 4bit_nc paired only): a unit of tps tokens gives
+  //   each warp the chunks of an 8-warp CTA of 2·tps, so it costs as that one,
   //   rounds = ⌈CTAs / (4 · SMs)⌉, with kPairCost where its fullest SM holds more than 8 warps.
   //   It wins where the 8-warp kernel needs a second round of pairs (64 × 4k: one round of 512
   //   narrow CTAs instead of two of 264 wide ones, each paying the fixed prologue and epilogue).
