@@ -496,8 +496,14 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
       plan.max_splits > 1 ||
       ctas >= int64_t{s.sm_count} *
                   (plan.narrow ? occupancy.narrow_resident_per_sm : occupancy.resident_per_sm);
+  // At most one CTA per SM (the split grid fits the SMs) and splits of at least 1,024 tokens:
+  // 4-bit keys' 8-warp kernel runs as its twin compiled for one CTA per SM. Measured on the H200
+  // (v23 in tools/bench/NOTES.md, graph µs): 1 × 32k 16.2 -> 15.7, 1 × 16k 11.8 -> 11.4,
+  // 16 × 1k 9.8 -> 9.3, 16 × 4k 23.3 -> 22.4; but 1 × 4k (splits of 256 tokens) 7.4 -> 7.6.
+  constexpr int kOneCtaMinSplit = 1024;
+  const bool one_cta = ctas <= int64_t{s.sm_count} && plan.tokens_per_split >= kOneCtaMinSplit;
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
-                                     plan.narrow, plan.hi_only, programmatic, stream));
+                                     plan.narrow, plan.hi_only, one_cta, programmatic, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -700,17 +700,24 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // twice); the P·V B operand holds P'_hi of head h in column 2h and P'_lo in 2h + 1, so one P·V
 // MMA per m-tile does what two did, and the accumulator's two columns are added once per split.
 // Half the MMAs per chunk, and half the softmax work per thread.
+//
+// kOneCta: 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (up to 255 registers
+// instead of 128; ptxas takes 163), which the launcher runs where the split grid holds at most
+// one CTA per SM (LaunchDecodeSplits): measured 3-4 % faster there (tools/bench/NOTES.md, v23).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
-          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
+          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false,
+          bool kOneCta = false>
 __global__ void __launch_bounds__(
     SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW>::kCtaWarps * 32,
-    kStaged ? (IsPlain(kKind) ? 2 : 16 / kSW) : (kSplitMinCtas<kKind, kD, kNTiles>))
+    kStaged ? (IsPlain(kKind) ? 2 : (kOneCta ? 1 : 16 / kSW)) : (kSplitMinCtas<kKind, kD, kNTiles>))
     DecodeSplitKernel(const SplitParams p) {
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
   static_assert(!kStaged || kHasStagedKernel<kKind, kValueBits, kD, kPacked>);
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
   static_assert(!kExactScores || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
   static_assert(!kPaired || (kStaged && !IsPlain(kKind) && kSW == kStagedWarps));
+  static_assert(!kOneCta ||
+                (kStaged && kKind == KeyKind::kMse4 && kSW == kStagedWarps && !kPaired));
   using Config =
       SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores, kPaired>;
   constexpr int kT = Config::kCtaWarps * 32;
@@ -2008,12 +2015,13 @@ cudaError_t LaunchDependent(void (*kernel)(Params), dim3 grid, dim3 block, int s
 
 // Launch and occupancy of one instantiation of the split kernel.
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged_ = false,
-          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false>
+          int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false,
+          bool kOneCta = false>
 struct SplitKernelOps {
   using Config =
       SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged_, kSW, kExactScores, kPaired>;
   static constexpr auto kKernel = DecodeSplitKernel<kKind, kValueBits, kD, kNTiles, kPacked,
-                                                    kStaged_, kSW, kExactScores, kPaired>;
+                                                    kStaged_, kSW, kExactScores, kPaired, kOneCta>;
   static constexpr int kCtaThreads = Config::kCtaWarps * 32;
   static constexpr bool kStaged = kStaged_;
 
@@ -2050,6 +2058,17 @@ bool StagedKernelsEnabled() {
   return enabled;
 }
 
+// 4-bit keys' one-CTA-per-SM twin (kOneCta) where the launcher asks for it; TQKV_DECODE_ONE_CTA=0
+// in the environment keeps the two-per-SM kernel everywhere, for side-by-side benchmarks. Read
+// once.
+bool OneCtaKernelEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TQKV_DECODE_ONE_CTA");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled;
+}
+
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
 // and, with narrow, its narrow variant (4-warp staged CTAs, or with hi_only the paired hi-only
 // CTAs: two KV heads' 4-warp units in one 8-warp CTA; fn(nullptr) where there is none), and for
@@ -2057,7 +2076,7 @@ bool StagedKernelsEnabled() {
 // place where runtime values become template arguments.
 template <typename Fn>
 cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
-                     bool hi_only, Fn&& fn) {
+                     bool hi_only, bool one_cta, Fn&& fn) {
   if (group < 1 || group > 16) return cudaErrorInvalidValue;
   auto by_dim = [&]<KeyKind kKind, int kVB>() -> cudaError_t {
     auto by_tiles = [&]<int kD>() -> cudaError_t {
@@ -2082,6 +2101,12 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
             if constexpr (kKind == KeyKind::kMse3) {
               if (!hi_only) {
                 return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, true>{});
+              }
+            }
+            if constexpr (kKind == KeyKind::kMse4) {
+              if (one_cta && OneCtaKernelEnabled()) {
+                return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, false, false,
+                                         true>{});
               }
             }
             return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true>{});
@@ -2129,9 +2154,9 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
 }  // namespace
 
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool narrow, bool hi_only, bool programmatic,
-                               cudaStream_t stream) {
-  return Dispatch(kind, value_bits, head_dim, group, narrow, hi_only, [&](auto ops) {
+                               int group, bool narrow, bool hi_only, bool one_cta,
+                               bool programmatic, cudaStream_t stream) {
+  return Dispatch(kind, value_bits, head_dim, group, narrow, hi_only, one_cta, [&](auto ops) {
     if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
       return cudaErrorInvalidValue;  // no narrow variant
     } else {
@@ -2145,19 +2170,20 @@ cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int
   // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
   // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
   // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
-  return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/!narrow, [&](auto ops) {
-    if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
-      *ctas = 0;
-      *staged = false;
-      return cudaSuccess;
-    } else {
-      using Ops = decltype(ops);
-      *staged = Ops::kStaged;
-      const cudaError_t e = Ops::CtasPerSm(ctas);
-      *ctas *= Ops::Config::kUnits;
-      return e;
-    }
-  });
+  return Dispatch(kind, value_bits, head_dim, group, narrow, /*hi_only=*/!narrow, /*one_cta=*/false,
+                  [&](auto ops) {
+                    if constexpr (std::is_same_v<decltype(ops), std::nullptr_t>) {
+                      *ctas = 0;
+                      *staged = false;
+                      return cudaSuccess;
+                    } else {
+                      using Ops = decltype(ops);
+                      *staged = Ops::kStaged;
+                      const cudaError_t e = Ops::CtasPerSm(ctas);
+                      *ctas *= Ops::Config::kUnits;
+                      return e;
+                    }
+                  });
 }
 
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream) {
