@@ -80,6 +80,16 @@ int NarrowOverride() {
   return value;
 }
 
+// 4bit_nc's one-CTA-per-SM twin where the plan takes it; TQKV_DECODE_ONE_CTA=0 in the environment
+// makes every plan keep the two-per-SM kernel, for side-by-side benchmarks. Read once.
+bool OneCtaTwinEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TQKV_DECODE_ONE_CTA");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled;
+}
+
 }  // namespace
 
 CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>()) {
@@ -176,6 +186,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
   if (!state_->bf16 && state_->key_kind == 0) {
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
+    // Its 8-warp staged kernel's twin compiled for one CTA per SM (kOneCta, decode_kernels.cu).
+    o.one_cta_twin = o.staged && OneCtaTwinEnabled();
   }
   return o;
 }
@@ -249,6 +261,10 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   // ... for paired CTAs over splits of at least 2,048 tokens: the shorter ones the model would then
   // pick were slower (16 × 4k, 4 × 1,024 tokens: 27.1 µs against the 8-warp kernel's 22.0).
   constexpr int64_t kPairedMinSplit = 2048;
+  // 4bit_nc's one-CTA-per-SM twin only for splits of at least this many tokens (v23, graph µs:
+  // 1 × 32k 16.2 -> 15.7, 1 × 16k 11.8 -> 11.4, 16 × 1k 9.8 -> 9.3, 16 × 4k 23.3 -> 22.4; but
+  // 1 × 4k, splits of 256 tokens, 7.4 -> 7.6). The cost model does not price it (unmeasured).
+  constexpr int64_t kOneCtaMinSplit = 1024;
   const int64_t sms = std::max(sm_count, 1);
   auto cost = [&](int64_t tps, bool narrow) {
     const int64_t splits = (max_len + tps - 1) / tps;
@@ -299,6 +315,8 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
     const int64_t ctas =
         seq_heads * ((max_len + layout.tokens_per_split - 1) / layout.tokens_per_split);
     layout.hi_only = layout.narrow ? occupancy.narrow_hi_only : (occupancy.hi_only && ctas <= sms);
+    layout.one_cta = !layout.narrow && occupancy.one_cta_twin && ctas <= sms &&
+                     layout.tokens_per_split >= kOneCtaMinSplit;
     return layout;
   };
   if (tokens_per_split != 0) {
@@ -359,6 +377,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.max_splits = static_cast<int>((max_len + tps - 1) / tps);
   plan.narrow = layout.narrow;
   plan.hi_only = layout.hi_only;
+  plan.one_cta = layout.one_cta;
   const int64_t rows = int64_t{num_seqs} * num_q_heads;
   // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
   const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
@@ -406,6 +425,12 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
                           "false for this cache and group (the narrow split kernel serves "
                           "3-bit and 4-bit keys at D = 128, GQA groups up to 4, 4-bit keys only "
                           "with an even number of KV heads)");
+  }
+  if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
+    throw InvalidArgument(kWhere, "plan.one_cta", "true",
+                          "false for this cache, group and variant (only 4-bit keys' 8-warp "
+                          "staged kernel, D = 128 and GQA groups up to 4, has a one-CTA-per-SM "
+                          "twin)");
   }
   if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",
@@ -496,14 +521,9 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
       plan.max_splits > 1 ||
       ctas >= int64_t{s.sm_count} *
                   (plan.narrow ? occupancy.narrow_resident_per_sm : occupancy.resident_per_sm);
-  // At most one CTA per SM (the split grid fits the SMs) and splits of at least 1,024 tokens:
-  // 4-bit keys' 8-warp kernel runs as its twin compiled for one CTA per SM. Measured on the H200
-  // (v23 in tools/bench/NOTES.md, graph µs): 1 × 32k 16.2 -> 15.7, 1 × 16k 11.8 -> 11.4,
-  // 16 × 1k 9.8 -> 9.3, 16 × 4k 23.3 -> 22.4; but 1 × 4k (splits of 256 tokens) 7.4 -> 7.6.
-  constexpr int kOneCtaMinSplit = 1024;
-  const bool one_cta = ctas <= int64_t{s.sm_count} && plan.tokens_per_split >= kOneCtaMinSplit;
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
-                                     plan.narrow, plan.hi_only, one_cta, programmatic, stream));
+                                     plan.narrow, plan.hi_only, plan.one_cta, programmatic,
+                                     stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -19,8 +19,9 @@
 // kernel to finish before it reads or writes anything. See decode_kernels.cu. For side-by-side
 // benchmarks, TQKV_DECODE_UNSTAGED=1 in the environment selects the register-buffered split
 // kernels (v6k in tools/bench/NOTES.md) instead of the staged ones that 4bit_nc and k3v4_nc use
-// at head_dim 128 with GQA groups up to 4, and TQKV_DECODE_PDL=0 launches the split kernel as an
-// ordinary kernel.
+// at head_dim 128 with GQA groups up to 4, TQKV_DECODE_PDL=0 launches the split kernel as an
+// ordinary kernel, and TQKV_DECODE_ONE_CTA=0 makes plans keep 4bit_nc's two-per-SM 8-warp kernel
+// where its twin compiled for one CTA per SM would run (DecodePlan::one_cta).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +56,9 @@ struct SplitKernelOccupancy {
   // need a second round of CTA pairs: measured faster than the 8-warp kernel there and slower
   // over 8,192-token splits and at one round (ChooseSplitLayout).
   int64_t narrow_max_len = 0;
+  // The 8-warp staged kernel of 4-bit keys has a twin compiled for one CTA per SM (more
+  // registers; TQKV_DECODE_ONE_CTA=0 in the environment: none).
+  bool one_cta_twin = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -68,6 +72,10 @@ struct SplitLayout {
   // the twin's paired CTAs instead of the 4-warp ones, wherever SplitKernelOccupancy::
   // narrow_hi_only (v21: 3-15 % faster at every narrow shape measured).
   bool hi_only = false;
+  // The 8-warp kernel's one-CTA-per-SM twin (SplitKernelOccupancy::one_cta_twin): where it exists,
+  // the split grid fits the SMs and splits hold at least 1,024 tokens. Measured on the H200
+  // (tools/bench/NOTES.md, v23): 3-5 % faster there, 3 % slower over splits of 256 tokens.
+  bool one_cta = false;
 };
 
 // The split layout that CudaDecoder::Plan picks for sequences of up to max_len tokens,
@@ -85,6 +93,7 @@ struct DecodePlan {
   int max_splits = 0;        // upper bound on the splits of any sequence
   bool narrow = false;       // the split kernel's narrow variant (SplitKernelOccupancy)
   bool hi_only = false;      // 3-bit keys: the hi-only twin (with narrow: paired CTAs; SplitLayout)
+  bool one_cta = false;      // 4-bit keys: the one-CTA-per-SM twin (SplitLayout)
   int64_t workspace_bytes = 0;
 };
 

@@ -864,6 +864,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.hi_only = true"));
   }
+  // 4bit_nc's one-CTA-per-SM twin exists for the 8-warp kernel only, not with the narrow layout.
+  DecodePlan one_cta = plan;
+  one_cta.narrow = true;
+  one_cta.one_cta = true;
+  try {
+    decoder.Run(one_cta, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.one_cta = true"));
+  }
   // k3v4_nc with an odd number of KV heads has a narrow kernel but no paired hi-only CTAs (two
   // KV heads per CTA): a narrow hi-only plan for it is refused.
   const CudaDecoder odd(Quantizer::Create("turboquant_k3v4_nc", 128, 3, 16));
@@ -879,6 +889,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.hi_only = true"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("even number of KV heads"));
+  }
+  // Nor does k3v4_nc have a one-CTA-per-SM twin.
+  odd_plan.narrow = false;
+  odd_plan.hi_only = false;
+  odd_plan.one_cta = true;
+  try {
+    odd.Run(odd_plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.one_cta = true"));
   }
 }
 

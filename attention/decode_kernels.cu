@@ -702,8 +702,8 @@ constexpr int kSplitMinCtas = (kNTiles != 1 || kD > 128) ? 1
 // Half the MMAs per chunk, and half the softmax work per thread.
 //
 // kOneCta: 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (up to 255 registers
-// instead of 128; ptxas takes 163), which the launcher runs where the split grid holds at most
-// one CTA per SM (LaunchDecodeSplits): measured 3-4 % faster there (tools/bench/NOTES.md, v23).
+// instead of 128; ptxas takes 151, the loop keeps its length), which the plan takes where the
+// split grid fits the SMs (SplitLayout::one_cta): 3-5 % faster there (tools/bench/NOTES.md, v23).
 template <KeyKind kKind, int kValueBits, int kD, int kNTiles, bool kPacked, bool kStaged,
           int kSW = kStagedWarps, bool kExactScores = false, bool kPaired = false,
           bool kOneCta = false>
@@ -2058,17 +2058,6 @@ bool StagedKernelsEnabled() {
   return enabled;
 }
 
-// 4-bit keys' one-CTA-per-SM twin (kOneCta) where the launcher asks for it; TQKV_DECODE_ONE_CTA=0
-// in the environment keeps the two-per-SM kernel everywhere, for side-by-side benchmarks. Read
-// once.
-bool OneCtaKernelEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TQKV_DECODE_ONE_CTA");
-    return v == nullptr || v[0] != '0';
-  }();
-  return enabled;
-}
-
 // Calls fn(SplitKernelOps<...>{}) for the instantiation that serves (kind, value bits, D, group)
 // and, with narrow, its narrow variant (4-warp staged CTAs, or with hi_only the paired hi-only
 // CTAs: two KV heads' 4-warp units in one 8-warp CTA; fn(nullptr) where there is none), and for
@@ -2104,7 +2093,7 @@ cudaError_t Dispatch(KeyKind kind, int value_bits, int head_dim, int group, bool
               }
             }
             if constexpr (kKind == KeyKind::kMse4) {
-              if (one_cta && OneCtaKernelEnabled()) {
+              if (one_cta) {
                 return fn(SplitKernelOps<kKind, kVB, kD, 1, true, true, kStagedWarps, false, false,
                                          true>{});
               }

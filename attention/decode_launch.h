@@ -127,9 +127,8 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
 // that ScaleCodebookForFp16 put within kMaxHiOnlyError of fp16); false: its hi + lo twin. With
 // narrow, hi_only runs the narrow layout on that twin's paired CTAs (KV heads 2y and 2y + 1 in one
 // 8-warp CTA: p.num_kv_heads must be even, else cudaErrorInvalidValue). Other kernels ignore it.
-// one_cta: the grid holds at most one CTA per SM, so 4-bit keys' 8-warp staged kernel may run as
-// its twin compiled for one CTA per SM (more registers; TQKV_DECODE_ONE_CTA=0 turns it off).
-// Other kernels ignore it.
+// one_cta: 4-bit keys' 8-warp staged kernel runs as its twin compiled for one CTA per SM (more
+// registers; for grids that fit the SMs: DecodePlan::one_cta). Other kernels ignore it.
 cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
                                int group, bool narrow, bool hi_only, bool one_cta,
                                bool programmatic, cudaStream_t stream);

@@ -34,14 +34,20 @@ TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
   std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
-    const SplitKernelOccupancy o{
-        resident(rng), trial % 2 == 0, trial % 3 == 0,           trial % 4 == 0 ? 4 : 0,
-        trial % 5 < 3, trial % 5 == 0, trial % 7 == 0 ? 4096 : 0};
+    const SplitKernelOccupancy o{resident(rng),
+                                 trial % 2 == 0,
+                                 trial % 3 == 0,
+                                 trial % 4 == 0 ? 4 : 0,
+                                 trial % 5 < 3,
+                                 trial % 5 == 0,
+                                 trial % 7 == 0 ? 4096 : 0,
+                                 trial % 11 < 6};
     const SplitLayout layout = ChooseSplitLayout(max_len, seq_heads, sms(rng), o);
     const int64_t tps = layout.tokens_per_split;
     ASSERT_TRUE(!layout.narrow || o.narrow_resident_per_sm > 0);
     ASSERT_TRUE(!layout.narrow || o.narrow_max_len == 0 || max_len <= o.narrow_max_len);
     ASSERT_TRUE(!layout.hi_only || (layout.narrow ? o.narrow_hi_only : o.hi_only));
+    ASSERT_TRUE(!layout.one_cta || (o.one_cta_twin && !layout.narrow && tps >= 1024));
     ASSERT_EQ(tps % 64, 0) << max_len;
     ASSERT_GE(tps, 64);
     ASSERT_LE(tps, 8192);
@@ -191,6 +197,44 @@ TEST(DecodePlanTest, FourBitNarrowVariantOnlyForShortContextsPastOneRound) {
   EXPECT_TRUE(Narrow(64, 4096, o, 1024));
   EXPECT_FALSE(Narrow(64, 16384, o, 1024));
   EXPECT_FALSE(Narrow(16, 4096, o, 4096));  // 128 CTAs
+}
+
+// 4bit_nc's 8-warp kernel compiled for one CTA per SM where the split grid fits the SMs and
+// splits hold at least 1,024 tokens (v23 in tools/bench/NOTES.md, graph µs, two rounds, same call,
+// two-per-SM kernel -> twin: 1 × 32k 16.1-16.2 -> 15.7-15.8, 1 × 16k 11.8 -> 11.4, 16 × 1k 9.7-9.8
+// -> 9.3, 16 × 4k 23.1-23.5 -> 22.4; 1 × 1k 6.0 both; 1 × 4k, 256-token splits, 7.4 -> 7.6). It
+// does not move any split length or variant.
+TEST(DecodePlanTest, FourBitOneCtaTwinWhereTheGridFitsTheSms) {
+  SplitKernelOccupancy o = kStagedCompressed;
+  o.narrow_resident_per_sm = 4;
+  o.narrow_max_len = 4096;
+  SplitKernelOccupancy twin = o;
+  twin.one_cta_twin = true;
+  auto one_cta = [&](int64_t batch, int64_t context, const SplitKernelOccupancy& occ,
+                     int64_t tps = 0) {
+    return ChooseSplitLayout(context, batch * kKvHeads, kSms, occ, tps).one_cta;
+  };
+  for (const auto [batch, context] : {std::pair{1, 32768}, {1, 16384}, {16, 1024}, {16, 4096}}) {
+    EXPECT_TRUE(one_cta(batch, context, twin)) << batch << " x " << context;
+    EXPECT_FALSE(one_cta(batch, context, o)) << batch << " x " << context;  // no twin
+  }
+  // Short splits, two CTAs per SM, or the narrow layout: the two-per-SM kernel.
+  for (const auto [batch, context] : {std::pair{1, 4096},
+                                      {1, 1024},
+                                      {4, 16384},
+                                      {16, 16384},
+                                      {32, 4096},
+                                      {64, 4096},
+                                      {256, 1024}}) {
+    EXPECT_FALSE(one_cta(batch, context, twin)) << batch << " x " << context;
+  }
+  EXPECT_FALSE(one_cta(1, 32768, twin, 512));  // 64 splits: 512 CTAs
+  EXPECT_TRUE(one_cta(1, 32768, twin, 4096));  // 8 splits: 64 CTAs
+  for (const auto [batch, context] :
+       {std::pair{1, 32768}, {1, 4096}, {16, 4096}, {4, 16384}, {64, 4096}, {256, 1024}}) {
+    EXPECT_EQ(Tps(batch, context, twin), Tps(batch, context, o)) << batch << " x " << context;
+    EXPECT_EQ(Narrow(batch, context, twin), Narrow(batch, context, o)) << batch << " x " << context;
+  }
 }
 
 TEST(DecodePlanTest, StagedBf16KernelKeepsOneCtaPerSm) {

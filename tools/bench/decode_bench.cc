@@ -110,6 +110,7 @@ struct Result {
   int splits = 0, tokens_per_split = 0;
   bool narrow = false;   // the plan's narrow layout (4-warp units, four per SM)
   bool hi_only = false;  // k3v4_nc's hi-only twin (with narrow: its paired CTAs)
+  bool one_cta = false;  // 4bit_nc's one-CTA-per-SM twin
 };
 
 // µs per call of `calls` calls of run(i) captured into one CUDA graph: median of 7 replays.
@@ -360,6 +361,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         res.tokens_per_split = plan.tokens_per_split;
         res.narrow = plan.narrow;
         res.hi_only = plan.hi_only;
+        res.one_cta = plan.one_cta;
         results.push_back(res);
         fmt::print(
             "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
@@ -368,7 +370,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
             kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
             100 * res.frac, plan.max_splits, plan.tokens_per_split,
             plan.narrow ? (plan.hi_only ? ", narrow, paired hi-only" : ", narrow")
-                        : (plan.hi_only ? ", hi-only" : ""),
+                        : (plan.hi_only ? ", hi-only" : (plan.one_cta ? ", one-CTA" : "")),
             res.floor_us, 100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
         std::fflush(stdout);
       }
@@ -500,7 +502,8 @@ int Main(int argc, char** argv) {
                               {"splits", r.splits},
                               {"tokens_per_split", r.tokens_per_split},
                               {"narrow", r.narrow},
-                              {"hi_only", r.hi_only}});
+                              {"hi_only", r.hi_only},
+                              {"one_cta", r.one_cta}});
   }
   if (!json_out.empty()) std::ofstream(json_out) << out.dump(1) << "\n";
   return 0;
