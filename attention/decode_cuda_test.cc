@@ -605,9 +605,9 @@ TEST(CudaDecodeTest, BatchOf1024WithA131072TokenContext) {
 // Split lengths given by the caller (CudaDecoder::Plan's tokens_per_split): the shortest, one
 // chunk of a block size, and long ones; every split count must give the reference's results.
 // 8192 makes one split per sequence, where the split kernel writes the output itself (no merge),
-// including the zero rows and -inf LSE of an empty sequence. The 40 CTAs of one split fit the SMs,
-// so they run 4bit_nc's one-CTA-per-SM twin of the 8-warp kernel; the 2,600 of 64 tokens per
-// split its two-per-SM kernel.
+// including the zero rows and -inf LSE of an empty sequence. The 40 and 80 CTAs of 8,192- and
+// 4,096-token splits fit the SMs, so they run 4bit_nc's one-CTA-per-SM twin of the 8-warp kernel;
+// the 280-2,600 CTAs of the shorter splits its two-per-SM kernel.
 TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   for (int tps : {64, 128, 640, 4096, 8192}) {
