@@ -80,7 +80,7 @@ __global__ void ReadAllKernel(const uint4* src, int64_t n, uint32_t* sink) {
 // result is used, so a one-wave grid has the whole tile set in flight at once.
 constexpr int kFloorThreads = 256, kFloorLoads = 8;
 __global__ void __launch_bounds__(kFloorThreads)
-    ReadFloorKernel(const uint4* src, int64_t n, uint32_t* sink) {
+    ReadFloorKernel(const uint4* src, int64_t n, uint32_t* sink, bool trigger) {
   const int64_t base = blockIdx.x * int64_t{kFloorThreads * kFloorLoads} + threadIdx.x;
   uint4 v[kFloorLoads];
 #pragma unroll
@@ -91,6 +91,9 @@ __global__ void __launch_bounds__(kFloorThreads)
   uint32_t acc = 0;
 #pragma unroll
   for (int k = 0; k < kFloorLoads; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  // As the decode's split kernel does once its chunks are done: a programmatic dependent (the
+  // merge) may launch now.
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   // Written only when impossible in practice, so the loads are not dead code.
   if (acc == 0x9E3779B9u) sink[blockIdx.x & 1023] = acc;
 }
@@ -123,11 +126,12 @@ void ReadAll(const uint8_t* src, int64_t num_bytes, uint32_t* sink, int sink_len
                                               sink);
 }
 
-void ReadFloor(const uint8_t* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream) {
+void ReadFloor(const uint8_t* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream,
+               bool trigger_dependents) {
   const int64_t n = num_bytes / 16;
   const int64_t per_cta = kFloorThreads * kFloorLoads;
   ReadFloorKernel<<<static_cast<unsigned>((n + per_cta - 1) / per_cta), kFloorThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(src), n, sink);
+      reinterpret_cast<const uint4*>(src), n, sink, trigger_dependents);
 }
 
 }  // namespace tqkv::bench

@@ -26,6 +26,9 @@ void ReadAll(const uint8_t* src, int64_t num_bytes, uint32_t* sink, int sink_len
 // The fewest-frills read of num_bytes (a multiple of 16) in one launch: one 32 KB tile per CTA,
 // every load issued up front. sink (>= 1,024 words) is written only for an improbable checksum.
 // The floor that any one-kernel decode reading the same bytes is held to, launch included.
-void ReadFloor(const uint8_t* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream);
+// trigger_dependents: each CTA lets a programmatic dependent launch once its loads are done (as
+// the decode's split kernel does after its chunks), for a floor with the decode's merge after it.
+void ReadFloor(const uint8_t* src, int64_t num_bytes, uint32_t* sink, StreamHandle stream,
+               bool trigger_dependents = false);
 
 }  // namespace tqkv::bench

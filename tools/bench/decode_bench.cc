@@ -9,6 +9,8 @@
 // on the same shapes, both ways, with the ratios. The "read floor" is the same number of bytes
 // read by the plainest one-kernel read (bench_kernels.h, ReadFloor) in a graph: at small shapes
 // the launch and the ramp of any kernel are a large part of a call, and this says how large.
+// Where the plan splits sequences, the "read + merge floor" is that read followed by the decode's
+// own merge kernel over the plan's splits: the least any decode split this way can take.
 //
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND]
 //                [--hq 32] [--head-dim 128] [--batches 1,16] [--contexts 1024,4096]
@@ -107,6 +109,10 @@ struct Result {
   int batch = 0, context = 0;
   double us = 0, graph_us = 0, bytes = 0, gbs = 0, frac = 0, torch_us = 0, torch_graph_us = 0;
   double floor_us = 0;  // ReadFloor of the same bytes, in a graph: what one plain kernel takes
+  // ReadFloor then the decode's own merge kernel (a programmatic dependent, as in Run) over the
+  // plan's splits, in a graph: what any decode that splits the sequences this way and merges
+  // with this kernel takes at the least. 0 where the plan has one split (no merge).
+  double merge_floor_us = 0;
   int splits = 0, tokens_per_split = 0;
   bool narrow = false;   // the plan's narrow layout (4-warp units, four per SM)
   bool hi_only = false;  // k3v4_nc's hi-only twin (with narrow: its paired CTAs)
@@ -250,6 +256,34 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                         stream.get());
             },
             16, stream.get());
+        if (plan.max_splits > 1) {
+          // Partials of zeros with LSEs of zero: the merge's loads, sums and stores are the same
+          // whatever the values.
+          DeviceBuffer<float> partial(int64_t{batch} * g_hq * plan.max_splits * g_d);
+          DeviceBuffer<float> partial_lse(int64_t{batch} * g_hq * plan.max_splits);
+          TQKV_CUDA_CHECK(cudaMemsetAsync(partial.data(), 0, partial.size_bytes(), stream.get()));
+          TQKV_CUDA_CHECK(
+              cudaMemsetAsync(partial_lse.data(), 0, partial_lse.size_bytes(), stream.get()));
+          decode_detail::MergeParams mp;
+          mp.partial_out = partial.data();
+          mp.partial_lse = partial_lse.data();
+          mp.seq_lens = d_lens.data();
+          mp.output = out.data();
+          mp.lse = lse.data();
+          mp.out_dtype = fp16 ? 1 : 2;
+          mp.num_seqs = batch;
+          mp.num_q_heads = g_hq;
+          mp.head_dim = g_d;
+          mp.tokens_per_split = plan.tokens_per_split;
+          mp.max_splits = plan.max_splits;
+          res.merge_floor_us = GraphUs(
+              [&](int i) {
+                ReadFloor(pool.data() + (i % floor_sets) * floor_bytes, floor_bytes, sink.data(),
+                          stream.get(), /*trigger_dependents=*/true);
+                TQKV_CUDA_CHECK(decode_detail::LaunchDecodeMerge(mp, stream.get()));
+              },
+              16, stream.get());
+        }
         // The TQKV_DECODE_PHASE_TIMES measurement build: where one call's time goes, from a
         // single call on an idle stream (earliest / latest warp at each point, µs from the first
         // warp's entry). Other builds skip it (cudaErrorNotSupported).
@@ -366,12 +400,16 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         fmt::print(
             "  {:<20} B={:<4} L={:<6} {:9.1f} us  graph {:9.1f} us  {:8.1f} MB  {:7.0f} GB/s  "
             "{:5.1f}% of read ceiling  (splits {} x {} tokens{})  read floor {:.1f} us "
-            "({:.1f}% of read ceiling)\n",
+            "({:.1f}% of read ceiling){}\n",
             kind.name, batch, context, res.us, res.graph_us, res.bytes / 1e6, res.gbs,
             100 * res.frac, plan.max_splits, plan.tokens_per_split,
             plan.narrow ? (plan.hi_only ? ", narrow, paired hi-only" : ", narrow")
                         : (plan.hi_only ? ", hi-only" : (plan.one_cta ? ", one-CTA" : "")),
-            res.floor_us, 100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs);
+            res.floor_us, 100 * res.bytes / (res.floor_us * 1e-6) / 1e9 / ceil.read_gbs,
+            res.merge_floor_us > 0
+                ? fmt::format("  read + merge floor {:.1f} us ({:.1f}%)", res.merge_floor_us,
+                              100 * res.bytes / (res.merge_floor_us * 1e-6) / 1e9 / ceil.read_gbs)
+                : std::string());
         std::fflush(stdout);
       }
     }
@@ -466,8 +504,8 @@ int Main(int argc, char** argv) {
   fmt::print(
       "\n| kind | batch | context | µs (stream) | µs (graph) | MB read | GB/s | % read ceiling | "
       "torch µs (stream) | torch µs (graph) | torch / ours (stream) | torch / ours (graph) | "
-      "read floor µs | floor / ours |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "read floor µs | floor / ours | read + merge floor µs |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   nlohmann::json out = {{"device", dev.name},
                         {"copy_gbs", ceil.copy_gbs},
                         {"read_gbs", ceil.read_gbs},
@@ -484,10 +522,11 @@ int Main(int argc, char** argv) {
     r.torch_graph_us = torch_graph.contains(key) ? torch_graph[key] : 0;
     fmt::print(
         "| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {} | {} | {} | {} | {} | {} "
-        "|\n",
+        "| {} |\n",
         r.kind, r.batch, r.context, r.us, r.graph_us, r.bytes / 1e6, r.gbs, 100 * r.frac,
         num(r.torch_us), num(r.torch_graph_us), ratio(r.torch_us, r.us),
-        ratio(r.torch_graph_us, r.graph_us), num(r.floor_us), ratio(r.floor_us, r.graph_us));
+        ratio(r.torch_graph_us, r.graph_us), num(r.floor_us), ratio(r.floor_us, r.graph_us),
+        num(r.merge_floor_us));
     out["results"].push_back({{"kind", r.kind},
                               {"batch", r.batch},
                               {"context", r.context},
@@ -499,6 +538,7 @@ int Main(int argc, char** argv) {
                               {"torch_us", r.torch_us},
                               {"torch_graph_us", r.torch_graph_us},
                               {"read_floor_us", r.floor_us},
+                              {"read_merge_floor_us", r.merge_floor_us},
                               {"splits", r.splits},
                               {"tokens_per_split", r.tokens_per_split},
                               {"narrow", r.narrow},
