@@ -263,8 +263,17 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   constexpr int64_t kPairedMinSplit = 2048;
   // 4bit_nc's one-CTA-per-SM twin only for splits of at least this many tokens (v23, graph µs:
   // 1 × 32k 16.2 -> 15.7, 1 × 16k 11.8 -> 11.4, 16 × 1k 9.8 -> 9.3, 16 × 4k 23.3 -> 22.4; but
-  // 1 × 4k, splits of 256 tokens, 7.4 -> 7.6). The cost model does not price it (unmeasured).
+  // 1 × 4k, splits of 256 tokens, 7.4 -> 7.6) ...
   constexpr int64_t kOneCtaMinSplit = 1024;
+  // ... whose tokens cost this fraction of the two-per-SM kernel's (its fixed part the same).
+  // Session 24, graph µs, two rounds per call, two calls; the old plan's CTAs (two per SM) -> one
+  // twin CTA per SM over twice the tokens: 4 × 16k 25.1 -> 24.5-24.6, 8 × 8k 25.3-25.4 ->
+  // 24.8-25.0, 2 × 32k 25.0-25.5 -> 24.5-24.7, 4 × 32k 42.0-43.5 -> 41.3-42.0, 8 × 16k 42.2 ->
+  // 41.6-41.7, 2 × 64k 43.2-43.4 -> 41.8, 1 × 128k (33 × 4,032 tokens) 45.0-45.2 -> 41.8 (16 ×
+  // 8,192), 16 × 8k (2 × 4,096) 43.8-43.9 -> 39.4-39.6 (one split); but 4 × 1k (4 × 256 tokens,
+  // 128 CTAs) 7.4-7.5 -> 8.4 (one split of 1,024 on 32 SMs). 4 × 32k and 2 × 64k move below
+  // 0.883, 4 × 1k would move above 0.785; the shapes that ran the twin before keep their splits.
+  constexpr double kOneCtaCost = 0.84;
   const int64_t sms = std::max(sm_count, 1);
   auto cost = [&](int64_t tps, bool narrow) {
     const int64_t splits = (max_len + tps - 1) / tps;
@@ -285,7 +294,9 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
       const double rounds = pairs ? kPairCost * double((ctas + 2 * sms - 1) / (2 * sms))
                                   : double((ctas + sms - 1) / sms);
       const bool hi_only = occupancy.hi_only && ctas <= sms;  // with_scores below
-      return rounds * double(tps + kStagedFixedTokens) * (hi_only ? kHiOnlyCost : 1.0) +
+      const bool one_cta = occupancy.one_cta_twin && ctas <= sms && tps >= kOneCtaMinSplit;
+      return rounds * (double(tps) * (one_cta ? kOneCtaCost : 1.0) + kStagedFixedTokens) *
+                 (hi_only ? kHiOnlyCost : 1.0) +
              split_terms;
     }
     const int64_t capacity = sms * (occupancy.staged ? 1 : occupancy.resident_per_sm);

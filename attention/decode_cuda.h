@@ -74,7 +74,9 @@ struct SplitLayout {
   bool hi_only = false;
   // The 8-warp kernel's one-CTA-per-SM twin (SplitKernelOccupancy::one_cta_twin): where it exists,
   // the split grid fits the SMs and splits hold at least 1,024 tokens. Measured on the H200
-  // (tools/bench/NOTES.md, v23): 3-5 % faster there, 3 % slower over splits of 256 tokens.
+  // (tools/bench/NOTES.md, v23): 3-5 % faster there, 3 % slower over splits of 256 tokens. The
+  // cost model prices it, so a plan takes one twin CTA per SM over twice the tokens instead of
+  // two CTAs per SM where that measured faster (session 24: 2-10 %, e.g. 4 × 32k, 16 × 8k).
   bool one_cta = false;
 };
 
