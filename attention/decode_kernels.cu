@@ -1800,13 +1800,17 @@ __global__ void __launch_bounds__(
 
 // ------------------------------------------------------------------------------------------------
 // Merge of the split partials by log-sum-exp; one CTA per (sequence, query head), one thread per d.
-// The splits' LSEs are loaded at once (one per thread) and reduced within each warp by shuffles
-// when there are at most 32 (no barrier before the weighted sums: 0.3-0.5 µs less at batch 1),
-// across the CTA otherwise; each thread's loads of its d over the splits are independent and
-// unrolled, so the kernel waits for a few memory round trips, not one per split (that chain made
-// it 13.7 µs at batch 1 × 32k, 47 splits).
+// Up to kFastSplits splits every thread loads all LSEs and its d of every split at once and
+// reduces them in registers (session 24: 1 × 4k 7.4 -> 7.1 µs, k3v4_nc 1 × 16k 11.1 -> 10.9,
+// bf16 1 × 32k 36.0 -> 35.6; 4bit_nc 1 × 32k unchanged). Beyond that the splits' LSEs are loaded
+// at once (one per thread) and reduced within each warp by shuffles when there are at most 32 (no
+// barrier before the weighted sums: 0.3-0.5 µs less at batch 1), across the CTA otherwise; each
+// thread's loads of its d over the splits are independent and unrolled, so the kernel waits for a
+// few memory round trips, not one per split (that chain made it 13.7 µs at batch 1 × 32k, 47
+// splits).
 constexpr int kMaxMergeSplits = 256;  // CudaDecoder::Plan's kMaxSplits
 constexpr int kMaxMergeThreads = 256;  // blockDim = head_dim
+constexpr int kFastSplits = 16;        // the merge's register-only path, up to this many splits
 
 __device__ __forceinline__ float BlockReduce(float v, float* scratch, bool is_max) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -1838,6 +1842,53 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   Phase(6);
   GridDependencyWait();  // the split grid's partials
   Phase(7);
+#ifndef TQKV_DECODE_OLD_MERGE  // a measurement build: the shuffle path for every split count
+  // Up to kFastSplits splits (every batch-1 plan up to 128k tokens): thread d loads its element of
+  // every split and every split's LSE at once and reduces them in registers by pairwise trees:
+  // one memory round trip, no shuffles, no shared memory, no barrier.
+  if (splits >= 1 && splits <= kFastSplits) {
+    const float* lse_row = p.partial_lse + static_cast<int64_t>(row) * p.max_splits;
+    const float* x_row = p.partial_out + static_cast<int64_t>(row) * p.max_splits * p.head_dim + d;
+    float l[kFastSplits], x[kFastSplits];
+#pragma unroll
+    for (int s = 0; s < kFastSplits; ++s) {
+      l[s] = s < splits ? lse_row[s] : -INFINITY;
+      x[s] = s < splits ? x_row[static_cast<int64_t>(s) * p.head_dim] : 0.0f;
+    }
+    float m[kFastSplits];
+#pragma unroll
+    for (int s = 0; s < kFastSplits; ++s) m[s] = l[s];
+    static_assert(kFastSplits == 16, "the trees below have four levels");
+#pragma unroll
+    for (int s = 0; s < 8; ++s) m[s] = fmaxf(m[s], m[s + 8]);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) m[s] = fmaxf(m[s], m[s + 4]);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) m[s] = fmaxf(m[s], m[s + 2]);
+    m[0] = fmaxf(m[0], m[1]);
+    float w[kFastSplits], wx[kFastSplits];
+#pragma unroll
+    for (int s = 0; s < kFastSplits; ++s) {
+      w[s] = __expf(l[s] - m[0]);  // 0 past the splits (l = -inf)
+      wx[s] = w[s] * x[s];
+    }
+    auto fold = [&](int half) {
+#pragma unroll
+      for (int s = 0; s < half; ++s) {
+        w[s] += w[s + half];
+        wx[s] += wx[s + half];
+      }
+    };
+    fold(8);
+    fold(4);
+    fold(2);
+    fold(1);
+    StoreOutput(p.output, p.out_dtype, static_cast<int64_t>(row) * p.head_dim + d, wx[0] / w[0]);
+    if (d == 0) p.lse[row] = m[0] + logf(w[0]);
+    Phase(8);
+    return;
+  }
+#endif
   // Thread (group, v) adds 4 consecutive d (one 16-byte load per split) over the splits ≡ group
   // (mod groups); the groups' sums meet in shared memory. Its first kPreloaded partials are
   // loaded before the LSE reduction, so that their L2 round trip overlaps it.
