@@ -147,23 +147,55 @@ __device__ __forceinline__ uint32_t Pinned(uint32_t x) {
   asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
   return r;
 }
+// An L2 evict-first policy for the cache copies (kStream below): a call reads each cache byte
+// once, so its lines should go before the block tables, the query and the partials, which the
+// next calls read again (an engine's next layer reads the same tables). Not for 3-bit keys,
+// whose 48-byte pieces share 32-byte sectors with the neighbouring KV head's, read by another
+// CTA moments later. Measured on the H200 (session 25, tools/bench/NOTES.md "l2ef"): 4bit_nc
+// 16 × 4k 22.2-22.5 -> 21.8-21.9 µs, 64 × 1k 24.4 -> 23.7-23.9, 1 × 32k 15.5-15.7 -> 15.3-15.5,
+// 1 × 4k 7.1 -> 7.2-7.3; k3v4_nc 64 × 4k 77.0-77.3 -> 77.6 with it, so its kernels copy without.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));  // hoisted, CSE'd
+  return pol;
+}
 // cp.async of 16 bytes that reads only `src_bytes` (16 or 0) of them and zero-fills the rest:
-// with 0 nothing is read, so a copy past the end needs no branch.
+// with 0 nothing is read, so a copy past the end needs no branch. kStream: with the L2
+// evict-first policy (the policy travels in the instruction's memory descriptor: no extra
+// instruction in the loop).
+template <bool kStream = false>
 __device__ __forceinline__ void CopyAsync16Fill(uint32_t smem_dst, const void* gmem_src,
                                                 uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
-               "r"(src_bytes)
-               : "memory");
+  if constexpr (kStream) {
+    asm volatile(
+        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_dst),
+        "l"(gmem_src), "r"(src_bytes), "l"(EvictFirstPolicy())
+        : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+                 "r"(src_bytes)
+                 : "memory");
+  }
 }
 // CopyAsync16Fill where `issue`, else nothing at all (a zero-filling copy still writes shared
 // memory: many lanes zero-filling one address serialize).
+template <bool kStream = false>
 __device__ __forceinline__ void CopyAsync16FillIf(bool issue, uint32_t smem_dst,
                                                   const void* gmem_src, uint32_t src_bytes) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.cg.shared.global [%1], [%2], 16, %3;\n}\n" ::"r"(static_cast<uint32_t>(issue)),
-      "r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
-      : "memory");
+  if constexpr (kStream) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
+        "@p cp.async.cg.shared.global.L2::cache_hint [%1], [%2], 16, %3, %4;\n}\n" ::"r"(
+            static_cast<uint32_t>(issue)),
+        "r"(smem_dst), "l"(gmem_src), "r"(src_bytes), "l"(EvictFirstPolicy())
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
+        "@p cp.async.cg.shared.global [%1], [%2], 16, %3;\n}\n" ::"r"(static_cast<uint32_t>(issue)),
+        "r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
+        : "memory");
+  }
 }
 __device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -721,6 +753,8 @@ __global__ void __launch_bounds__(
   using Config =
       SplitKernelConfig<kKind, kValueBits, kD, kNTiles, kStaged, kSW, kExactScores, kPaired>;
   constexpr int kT = Config::kCtaWarps * 32;
+  // The cache copies with the L2 evict-first policy (CopyAsync16Fill), except 3-bit keys'.
+  constexpr bool kStreamCopies = kKind != KeyKind::kMse3;
   // kW: the warps that share one KV head's chunks (all of the CTA's but in a paired CTA).
   constexpr int kUnits = Config::kUnits;
   constexpr int kW = Config::kCtaWarps / kUnits;
@@ -1380,8 +1414,8 @@ __global__ void __launch_bounds__(
         // mask ignores token bit 0, so both tokens of a D = 64 instruction share it).
         const int tok = (32 * i) / kU;
         const uint32_t x = Layout::Swizzle(tok);
-        CopyAsync16Fill(dst + copy_dst[x] + kPitch * tok, src + copy_src + tok * token_bytes,
-                        bytes);
+        CopyAsync16Fill<kStreamCopies>(dst + copy_dst[x] + kPitch * tok,
+                                       src + copy_src + tok * token_bytes, bytes);
       }
     };
     // Reads: keys of token 2g (units 4j + t: from read_k[j % 2] + 64·(j - j % 2)) and 2g + 1
@@ -1532,13 +1566,13 @@ __global__ void __launch_bounds__(
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
         if constexpr (kKeyBytes + 64 == 128) {
-          CopyAsync16Fill(to, from, bytes);
+          CopyAsync16Fill<kStreamCopies>(to, from, bytes);
         } else {
-          CopyAsync16FillIf(copy_lane, to, from, bytes);
+          CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
         }
         from += copy_step;
       }
-      CopyAsync16FillIf(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
+      CopyAsync16FillIf<kStreamCopies>(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
     // Read offsets within a stage: keys of token 2g and 2g + 1 (+kPitch: the swizzle depends on
     // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
