@@ -142,6 +142,17 @@ double GraphUs(const std::function<void(int)>& run, int calls, StreamHandle stre
   return MedianMs(ms) * 1e3;
 }
 
+// Small shapes rotate among disjoint sets of the cache (and the read floor among ranges of the
+// pool) that hold >= kRotateBytes together, five times the H200's 50 MB L2, and at least 8; a
+// graph holds one call per set (at least 16), so every replay reads each set once and the calls
+// read HBM, not L2 (until session 25 the sets were at most 8: at batch 1 × 1k-4k their 9-35 MB
+// stayed in L2, for PyTorch's SDPA as well).
+constexpr int64_t kRotateBytes = int64_t{256} << 20;
+int RotatingSets(int64_t set_bytes, int64_t available_bytes) {
+  const int64_t want = std::max<int64_t>(8, (kRotateBytes + set_bytes - 1) / set_bytes);
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, available_bytes / set_bytes)));
+}
+
 std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                             const std::vector<int>& contexts, const Ceilings& ceil,
                             Stream& stream) {
@@ -187,7 +198,8 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
       for (int tps : g_tps) {
         const int blocks_per_seq = context / kBlock;
         const int64_t set_blocks = int64_t{batch} * blocks_per_seq;
-        const int sets = static_cast<int>(std::min<int64_t>(8, pool_blocks / set_blocks));
+        const int sets = RotatingSets(set_blocks * block_bytes, pool_blocks * block_bytes);
+        const int graph_calls = std::max(16, sets);
         std::vector<int32_t> ids(pool_blocks);
         std::iota(ids.begin(), ids.end(), 0);
         std::shuffle(ids.begin(), ids.end(), rng);
@@ -241,21 +253,21 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         res.batch = batch;
         res.context = context;
         res.us = MedianMs(ms) * 1e3;
-        // The graph holds 16 calls over the rotating table sets (the same work as above).
-        res.graph_us = GraphUs(run, 16, stream.get());
+        // The graph holds one call per rotating table set, at least 16 (the same work as above).
+        res.graph_us = GraphUs(run, graph_calls, stream.get());
         res.bytes = double(batch) * context * kHk * kind.slot_bytes;
         res.gbs = res.bytes / (res.graph_us * 1e-6) / 1e9;
         res.frac = res.gbs / ceil.read_gbs;
         // The same number of bytes read contiguously by the plainest one-kernel read, rotating
-        // over as many disjoint ranges of the pool as the decode's table sets (HBM, not L2).
+        // over disjoint ranges of the pool as the decode rotates its sets (RotatingSets).
         const auto floor_bytes = static_cast<int64_t>(res.bytes);
-        const int64_t floor_sets = std::min<int64_t>(8, pool.size_bytes() / floor_bytes);
+        const int floor_sets = RotatingSets(floor_bytes, pool.size_bytes());
         res.floor_us = GraphUs(
             [&](int i) {
               ReadFloor(pool.data() + (i % floor_sets) * floor_bytes, floor_bytes, sink.data(),
                         stream.get());
             },
-            16, stream.get());
+            std::max(16, floor_sets), stream.get());
         if (plan.max_splits > 1) {
           // Partials of zeros with LSEs of zero: the merge's loads, sums and stores are the same
           // whatever the values.
@@ -282,7 +294,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
                           stream.get(), /*trigger_dependents=*/true);
                 TQKV_CUDA_CHECK(decode_detail::LaunchDecodeMerge(mp, stream.get()));
               },
-              16, stream.get());
+              std::max(16, floor_sets), stream.get());
         }
         // The TQKV_DECODE_PHASE_TIMES measurement build: where one call's time goes, from a
         // single call on an idle stream (earliest / latest warp at each point, µs from the first

@@ -3,9 +3,10 @@
 
 q [B, 32, 1, 128], K/V [B, 8, L, 128] contiguous bf16,
 torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True).
-Small shapes rotate among several K/V sets (> 1 GiB in all) so that HBM, not L2, is measured.
-µs per call: 10 calls back to back on the stream, and 16 calls captured into one CUDA graph and
-replayed (as engines run decode steps); median of 7.
+Small shapes rotate among K/V sets that hold >= 256 MiB together (five times the H200's L2; at
+least 8 sets), so that HBM, not L2, is measured, as decode_bench's RotatingSets.
+µs per call: 10 calls back to back on the stream, and one call per set (at least 16) captured into
+one CUDA graph and replayed (as engines run decode steps); median of 7.
 Writes {"results": [{"batch", "context", "us", "graph_us"}]} to the path given.
   torch_decode_bench.py OUT.json [--quick] [--hq 32] [--head-dim 128]   (as decode_bench's)
 """
@@ -14,6 +15,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+ROTATE_BYTES = 256 << 20  # the K/V sets of a shape together (decode_bench's kRotateBytes)
 
 
 def graph_time_us(q, kvs, sets, calls=16):
@@ -57,7 +60,8 @@ def main():
     for b in batches:
         for ctx in contexts:
             kv_bytes = 2 * b * hk * ctx * d * 2
-            sets = max(1, min(8, (1 << 30) // kv_bytes))
+            want = max(8, -(-ROTATE_BYTES // kv_bytes))
+            sets = max(1, min(want, (1 << 30) // kv_bytes))
             q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
             kvs = [(torch.randn(b, hk, ctx, d, device="cuda", dtype=torch.bfloat16),
                     torch.randn(b, hk, ctx, d, device="cuda", dtype=torch.bfloat16))
@@ -77,7 +81,7 @@ def main():
                 times.append(start.elapsed_time(end) / reps)
             times.sort()
             us = times[len(times) // 2] * 1e3
-            graph_us = graph_time_us(q, kvs, sets)
+            graph_us = graph_time_us(q, kvs, sets, calls=max(16, sets))
             results.append({"batch": b, "context": ctx, "us": us, "graph_us": graph_us})
             print(f"torch bf16 SDPA B={b} L={ctx}: {us:.1f} us ({kv_bytes / us / 1e3:.0f} GB/s), "
                   f"graph {graph_us:.1f} us ({kv_bytes / graph_us / 1e3:.0f} GB/s)", flush=True)
