@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <numbers>
 
@@ -24,16 +23,17 @@ struct CudaDecoder::State {
   bool bf16 = false;
   BlockFormat format;  // compressed
   Bf16BlockFormat bf16_format;
-  int key_kind = 0;  // decode_detail::KeyKind
+  decode_detail::KeyKind key_kind = decode_detail::KeyKind::kMse4;
   bool rotate_query = false;     // MSE keys: q·Πᵀ
   bool fwht = false;             // Πᵀ = diag(signs)·H/√D: rotated in the split kernel
   DeviceBuffer<float> rotation;  // dense Πᵀ [D, D] (for the query prep kernel)
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  int resident_per_sm[17] = {};  // by GQA group, filled on first use (0 = not yet asked)
-  bool staged[17] = {};
-  int narrow_resident_per_sm[17] = {};
+  // By staged (DecodeOptions::staged) and GQA group, filled on first use (0 = not yet asked).
+  int resident_per_sm[2][17] = {};
+  bool staged[2][17] = {};
+  int narrow_resident_per_sm[2][17] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
   // come out α times too large and the softmax scale is divided by α. codebook_hi_only: 3-bit keys
   // whose α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel's hi-only twin may
@@ -57,39 +57,6 @@ int DeviceSmCount() {
   return devices.empty() ? 0 : devices.front().sm_count;
 }
 
-// The split kernel as a programmatic dependent of the kernel before it (the default);
-// TQKV_DECODE_PDL=0 in the environment launches it as an ordinary kernel, for side-by-side
-// benchmarks. Read once.
-[[maybe_unused]] bool DependentLaunchEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TQKV_DECODE_PDL");
-    return v == nullptr || v[0] != '0';
-  }();
-  return enabled;
-}
-
-// The split kernel's variant as the plan's cost model picks it; TQKV_DECODE_NARROW=0 or 1 in the
-// environment makes every plan take the 8-warp kernel or (where it exists) the narrow one, for
-// side-by-side benchmarks. Read once: -1 = the cost model.
-int NarrowOverride() {
-  static const int value = [] {
-    const char* v = std::getenv("TQKV_DECODE_NARROW");
-    if (v == nullptr || v[0] == '\0') return -1;
-    return v[0] == '0' ? 0 : 1;
-  }();
-  return value;
-}
-
-// 4bit_nc's one-CTA-per-SM twin where the plan takes it; TQKV_DECODE_ONE_CTA=0 in the environment
-// makes every plan keep the two-per-SM kernel, for side-by-side benchmarks. Read once.
-bool OneCtaTwinEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TQKV_DECODE_ONE_CTA");
-    return v == nullptr || v[0] != '0';
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>()) {
@@ -98,9 +65,10 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
   s.format = q.format();
   const int d = s.format.head_dim;
   if (s.format.fp8_keys) {
-    s.key_kind = 2;
+    s.key_kind = decode_detail::KeyKind::kFp8;
   } else {
-    s.key_kind = s.format.key_bits == 4 ? 0 : 1;
+    s.key_kind =
+        s.format.key_bits == 4 ? decode_detail::KeyKind::kMse4 : decode_detail::KeyKind::kMse3;
     s.rotate_query = true;
     const Rotation& r = q.rotation();
     s.fwht = r.kind == RotationKind::kHadamard || r.kind == RotationKind::kHadamardSigns;
@@ -146,7 +114,8 @@ CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_uniqu
   }
   state_->bf16 = true;
   state_->bf16_format = format;
-  state_->key_kind = format.dtype == DType::kF16 ? 4 : 3;
+  state_->key_kind =
+      format.dtype == DType::kF16 ? decode_detail::KeyKind::kF16 : decode_detail::KeyKind::kBf16;
   state_->sm_count = DeviceSmCount();
 }
 
@@ -154,40 +123,52 @@ CudaDecoder::~CudaDecoder() = default;
 CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 
-SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group) const {
-  int& resident = state_->resident_per_sm[group];
+decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {
+  return decode_detail::ChooseSplitVariant(
+      state_->key_kind, state_->bf16 ? 16 : state_->format.value_bits, head_dim(), group,
+      {plan.staged, plan.narrow, plan.hi_only, plan.one_cta});
+}
+
+SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged) const {
+  using decode_detail::KeyKind;
+  int& resident = state_->resident_per_sm[staged][group];
   if (resident == 0) {
     int fit = 1, narrow_fit = 0;
-    bool staged = true;
-#if TQKV_HAVE_CUDA
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
-    const auto kind = static_cast<decode_detail::KeyKind>(state_->key_kind);
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, false,
-                                                        &fit, &staged));
-    bool narrow_staged = false;
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(kind, value_bits, head_dim(), group, true,
-                                                        &narrow_fit, &narrow_staged));
+    // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
+    // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
+    // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
+    const decode_detail::MaybeSplitVariant wide = decode_detail::ChooseSplitVariant(
+        state_->key_kind, value_bits, head_dim(), group, {staged, false, true, false});
+    const decode_detail::MaybeSplitVariant narrow = decode_detail::ChooseSplitVariant(
+        state_->key_kind, value_bits, head_dim(), group, {staged, true, false, false});
+    TQKV_CHECK(wide.ok);
+#if TQKV_HAVE_CUDA
+    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
+    if (narrow.ok)
+      TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(narrow.variant, &narrow_fit));
 #endif
-    state_->staged[group] = staged;
-    state_->narrow_resident_per_sm[group] = narrow_fit;
+    state_->staged[staged][group] = wide.variant.staged();
+    state_->narrow_resident_per_sm[staged][group] = narrow_fit;
     resident = std::max(fit, 1);
   }
-  SplitKernelOccupancy o{resident, state_->staged[group], state_->bf16,
-                         state_->narrow_resident_per_sm[group]};
-  // The 8-warp staged kernel of 3-bit keys and its hi-only twin (Config::kHiOnly in
-  // decode_kernels.cu), for a codebook close enough to fp16.
-  o.hi_only = !state_->bf16 && state_->key_kind == 1 && o.staged && state_->codebook_hi_only;
+  SplitKernelOccupancy o{resident, state_->staged[staged][group], state_->bf16,
+                         state_->narrow_resident_per_sm[staged][group]};
+  // The 8-warp staged kernel of 3-bit keys and its hi-only twin (SplitVariant::hi_only), for a
+  // codebook close enough to fp16.
+  o.hi_only =
+      !state_->bf16 && state_->key_kind == KeyKind::kMse3 && o.staged && state_->codebook_hi_only;
   // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
   // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
   o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
   // 4-bit keys' narrow layout runs on paired exact CTAs alone (no 4-warp kernel): an even number
   // of KV heads, and only for sequences of at most 4,096 tokens whose 8-warp grid would need two
   // rounds of CTA pairs (narrow_max_len; ChooseSplitLayout says why).
-  if (!state_->bf16 && state_->key_kind == 0) {
+  if (!state_->bf16 && state_->key_kind == KeyKind::kMse4) {
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
-    // Its 8-warp staged kernel's twin compiled for one CTA per SM (kOneCta, decode_kernels.cu).
-    o.one_cta_twin = o.staged && OneCtaTwinEnabled();
+    // Its 8-warp staged kernel's twin compiled for one CTA per SM (SplitVariant::one_cta).
+    o.one_cta_twin = o.staged;
   }
   return o;
 }
@@ -212,7 +193,8 @@ static_assert(kMaxSplitTokens == decode_detail::kMaxSplitTokens);
 }  // namespace
 
 SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
-                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split) {
+                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split,
+                              DecodeOptions::Narrow narrow) {
   // Split layout: choose the number of splits s that minimizes the estimated time, in tokens of
   // one warp's streaming:
   //   rounds(s) · (tokens per split + per-CTA fixed cost) + merge cost(s).
@@ -223,13 +205,13 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   //   merge's per-row work and the partials it reads; e.g. bf16 1 × 4k took 14.6 µs at 16 splits,
   //   15.2 at 32, 19.9 at 64, all in one wave).
   // - The staged bf16 kernel: the same terms at one CTA per SM (v7l). The pair model below made
-  //   its mid-batch plans 1-3 % slower (session 11: bf16 16 × 8k 2 × 4,096 tokens 128.7 µs vs
+  //   its mid-batch plans 1-3 % slower (bf16 16 × 8k 2 × 4,096 tokens 128.7 µs vs
   //   1 × 8,192 124.5; 8 × 16k 128.4 vs 126.3).
   // - The 8-warp staged kernels (4bit_nc, k3v4_nc; two CTAs fit per SM) run near their issue
   //   limit: rounds = 1 while no SM holds a second CTA, kPairCost = 1.6 per pair of CTAs on an SM
   //   beyond that; a CTA's fixed work counts as kStagedFixedTokens = 1,024 and a merge kernel
   //   (s > 1) as kMergeTokens = 500 once, besides kSplitTokens. The three were fitted to every
-  //   pairwise preference of the 4bit_nc split sweeps in tools/bench/NOTES.md (sessions 9 and
+  //   pairwise preference of the 4bit_nc split sweeps (tools/bench/NOTES.md at commit 1664e39,
   //   11, graph µs; e.g. 4 × 32k: 8 × 4,096 tokens 50.3 vs 4 × 8,192 55.3; 16 × 4k: 1 × 4,096
   //   31.0 vs 2 × 2,048 33.5; 1 × 32k: 16 × 2,048 20.6 vs 32 × 1,024 21.3; 256 × 32k: 4 × 8,192
   //   3,059 vs 5 × 6,592 3,100; 1 × 1k: 8 × 128 8.9 vs 4 × 256 9.4), which a range of values meets
@@ -251,7 +233,7 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   constexpr double kPairCost = 1.6;
   // The hi-only kernels cost this much of their exact twins' time where the plan takes them: the
   // narrow layout on paired hi-only CTAs (SplitKernelOccupancy::narrow_hi_only) measured 0.91-0.97
-  // of the 4-warp kernel's at the narrow shapes (v21 in tools/bench/NOTES.md), the 8-warp hi-only
+  // of the 4-warp kernel's at the narrow shapes (v21), the 8-warp hi-only
   // twin at one CTA per SM 0.85-0.95 (v20). 0.95 moves 16 × 16k, 16 × 8k, 8 × 32k and 4 × 32k to
   // the paired CTAs (7-18 % faster there than the 8-warp pairs), 4 × 16k, 8 × 8k and 2 × 32k from
   // two 8-warp CTAs per SM to one hi-only CTA of twice the tokens (15-18 % faster), and keeps
@@ -303,16 +285,16 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
     return double((ctas + capacity - 1) / capacity) * double(tps + kFixedTokens) + split_terms;
   };
   // - 4bit_nc's narrow layout (paired exact CTAs, narrow_max_len): measured against the 8-warp
-  //   kernel's plan (paired4 and v22 in tools/bench/NOTES.md) it gained 2-11 % where a sequence
+  //   kernel's plan (paired4 and v22) it gained 2-11 % where a sequence
   //   is one split of at most 4,096 tokens and the 8-warp grid needs two rounds of CTA pairs
   //   (64 × 1k −11 %, 256 × 1k −9 %, 64 × 4k −2 %), lost where that grid is one round (32 × 1k
   //   +11 %: one paired CTA per SM against two 8-warp ones) and over 8,192-token splits
   //   (64 × 16k +2-7 %); the model takes it only where it gained.
-  const int forced = NarrowOverride();
-  const bool can_narrow = occupancy.narrow_resident_per_sm > 0 && forced != 0;
+  const bool can_narrow =
+      occupancy.narrow_resident_per_sm > 0 && narrow != DecodeOptions::Narrow::kNever;
   auto variant = [&](int64_t tps) {
     if (!can_narrow) return false;
-    if (forced == 1) return true;
+    if (narrow == DecodeOptions::Narrow::kAlways) return true;
     if (occupancy.narrow_max_len > 0 &&
         (max_len > occupancy.narrow_max_len ||
          seq_heads * ((max_len + tps - 1) / tps) <= occupancy.resident_per_sm * sms)) {
@@ -350,7 +332,7 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
 }
 
 DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
-                             int tokens_per_split) const {
+                             const DecodeOptions& options) const {
   constexpr const char* kWhere = "CudaDecoder::Plan";
   const int hk = num_kv_heads();
   if (num_seqs < 1 || num_seqs > 65535) {
@@ -365,6 +347,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
+  const int tokens_per_split = options.tokens_per_split;
   if (tokens_per_split != 0) {
     if (tokens_per_split < 64 || tokens_per_split > kMaxSplitTokens || tokens_per_split % 64 != 0 ||
         (max_len + tokens_per_split - 1) / tokens_per_split > kMaxSplits) {
@@ -377,8 +360,10 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
               kMaxSplitTokens, kMaxSplits, max_len));
     }
   }
+  SplitKernelOccupancy occupancy = SplitOccupancy(num_q_heads / hk, options.staged);
+  occupancy.one_cta_twin = occupancy.one_cta_twin && options.one_cta_twin;
   const SplitLayout layout = ChooseSplitLayout(max_len, int64_t{num_seqs} * hk, state_->sm_count,
-                                               SplitOccupancy(num_q_heads / hk), tokens_per_split);
+                                               occupancy, tokens_per_split, options.narrow);
   const int64_t tps = layout.tokens_per_split;
   DecodePlan plan;
   plan.num_seqs = num_seqs;
@@ -389,6 +374,11 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.narrow = layout.narrow;
   plan.hi_only = layout.hi_only;
   plan.one_cta = layout.one_cta;
+  plan.staged = options.staged;
+  plan.dependent_launch = options.dependent_launch;
+  const decode_detail::MaybeSplitVariant variant = Variant(num_q_heads / hk, plan);
+  TQKV_CHECK(variant.ok);  // the layouts come from this cache's occupancy
+  plan.variant = variant.variant;
   const int64_t rows = int64_t{num_seqs} * num_q_heads;
   // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
   const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
@@ -430,7 +420,8 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
-  const SplitKernelOccupancy variants = SplitOccupancy(plan.num_q_heads / num_kv_heads());
+  const SplitKernelOccupancy variants =
+      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged);
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (the narrow split kernel serves "
@@ -449,6 +440,13 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
                           "8-warp staged kernel has a hi-only twin, only for a codebook within "
                           "kMaxHiOnlyError of fp16, and its paired CTAs for the narrow variant "
                           "only with an even number of KV heads)");
+  }
+  const decode_detail::MaybeSplitVariant variant = Variant(plan.num_q_heads / num_kv_heads(), plan);
+  if (!variant.ok || !(variant.variant == plan.variant)) {
+    throw Error(
+        fmt::format("{}: the plan's variant does not match its choices (narrow {}, "
+                    "hi_only {}, one_cta {}, staged {}); make plans with CudaDecoder::Plan",
+                    kWhere, plan.narrow, plan.hi_only, plan.one_cta, plan.staged));
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
@@ -511,7 +509,6 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.max_splits = plan.max_splits;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
-  const int value_bits = s.bf16 ? 16 : s.format.value_bits;
   const int out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
   if (plan.max_splits == 1) {  // the split kernel writes the output; no merge launch
     sp.output = a.output;
@@ -520,21 +517,17 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   }
   // Without a query prep the split kernel is still a programmatic dependent of whatever kernel
   // precedes it (an engine's store, the previous step's merge), and waits for it at its start.
-  const bool programmatic = query_prep || DependentLaunchEnabled();
+  const bool programmatic = query_prep || plan.dependent_launch;
   sp.wait_at_start = query_prep ? 0 : 1;
   // Without a merge the next kernel may be this decoder's next step: let it launch early only
   // when this grid fills every SM's room for split CTAs (then the next one's CTAs take the room
   // as it frees, evenly); a smaller grid's successor waits for all of its CTAs to exit.
-  const int group = plan.num_q_heads / num_kv_heads();
   const int64_t ctas = int64_t{plan.max_splits} * num_kv_heads() * plan.num_seqs;
-  const SplitKernelOccupancy occupancy = SplitOccupancy(group);
   sp.trigger_dependents =
       plan.max_splits > 1 ||
       ctas >= int64_t{s.sm_count} *
-                  (plan.narrow ? occupancy.narrow_resident_per_sm : occupancy.resident_per_sm);
-  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, static_cast<KeyKind>(s.key_kind), value_bits, d, group,
-                                     plan.narrow, plan.hi_only, plan.one_cta, programmatic,
-                                     stream));
+                  (plan.narrow ? variants.narrow_resident_per_sm : variants.resident_per_sm);
+  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, plan.variant, programmatic, stream));
   if (plan.max_splits == 1) return;
 
   MergeParams mp;

@@ -16,18 +16,16 @@
 // which computes q·Πᵀ for every query head once per step. The split kernel is itself launched
 // as a programmatic dependent of whatever kernel precedes it in the stream (an engine's store,
 // the previous step's merge): its launch overlaps that kernel's tail, and it waits for that
-// kernel to finish before it reads or writes anything. See decode_kernels.cu. For side-by-side
-// benchmarks, TQKV_DECODE_UNSTAGED=1 in the environment selects the register-buffered split
-// kernels (v6k in tools/bench/NOTES.md) instead of the staged ones that 4bit_nc and k3v4_nc use
-// at head_dim 128 with GQA groups up to 4, TQKV_DECODE_PDL=0 launches the split kernel as an
-// ordinary kernel, and TQKV_DECODE_ONE_CTA=0 makes plans keep 4bit_nc's two-per-SM 8-warp kernel
-// where its twin compiled for one CTA per SM would run (DecodePlan::one_cta).
+// kernel to finish before it reads or writes anything. The plan picks the split kernel
+// (decode_detail::SplitVariant, attention/decode_variant.h); DecodeOptions lets benchmarks force
+// the alternatives.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 
+#include "attention/decode_variant.h"
 #include "quant/block_format.h"
 #include "quant/quantizer.h"
 #include "runtime/device.h"
@@ -38,7 +36,7 @@ namespace tqkv {
 // How a split kernel occupies an SM, as CudaDecoder::Plan's cost model sees it.
 struct SplitKernelOccupancy {
   int resident_per_sm = 1;  // CTAs of it that fit on one SM (occupancy query)
-  bool staged = false;      // chunks copied ahead through shared memory (decode_kernels.cu)
+  bool staged = false;      // chunks copied ahead through shared memory (decode_split_kernel.cuh)
   bool bf16 = false;        // the uncompressed kernel
   // 4-warp units of its narrow variant that fit on one SM (k3v4_nc: 4-warp CTAs, or their paired
   // 8-warp CTAs of two units; 4bit_nc: paired CTAs only, so an even number of KV heads), 0 where
@@ -57,8 +55,28 @@ struct SplitKernelOccupancy {
   // over 8,192-token splits and at one round (ChooseSplitLayout).
   int64_t narrow_max_len = 0;
   // The 8-warp staged kernel of 4-bit keys has a twin compiled for one CTA per SM (more
-  // registers; TQKV_DECODE_ONE_CTA=0 in the environment: none).
+  // registers; DecodeOptions::one_cta_twin).
   bool one_cta_twin = false;
+};
+
+// The kernel choices of a plan. The defaults are what a serving engine wants; benchmarks and the
+// CLI set the others to compare kernels side by side.
+struct DecodeOptions {
+  // Tokens per split: 0 lets the plan's cost model choose; otherwise a multiple of 64 from 64 to
+  // 8,192 with at most 256 splits of max_blocks_per_seq · block_size (tuning, benchmarks).
+  int tokens_per_split = 0;
+  // The narrow layout (SplitLayout::narrow): where the cost model takes it, never, or wherever
+  // the cache and GQA group have one.
+  enum class Narrow { kAuto, kNever, kAlways };
+  Narrow narrow = Narrow::kAuto;
+  // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
+  // at head_dim 128 with GQA groups up to 4, bf16/fp16 at head_dim 64 and 128).
+  bool staged = true;
+  // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
+  bool one_cta_twin = true;
+  // false: the split kernel as an ordinary launch instead of a programmatic dependent of the
+  // kernel before it.
+  bool dependent_launch = true;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -67,24 +85,26 @@ struct SplitLayout {
   int64_t tokens_per_split = 0;
   bool narrow = false;
   // The 8-warp kernel's hi-only twin (SplitKernelOccupancy::hi_only): where it exists and the
-  // split grid holds at most one CTA per SM. Measured on the H200 (tools/bench/NOTES.md, v20):
+  // split grid holds at most one CTA per SM. Measured on the H200 (v20, tools/bench/README.md):
   // 5-15 % faster there, 8 % slower with two CTAs per SM over 8,192-token splits. With narrow:
   // the twin's paired CTAs instead of the 4-warp ones, wherever SplitKernelOccupancy::
   // narrow_hi_only (v21: 3-15 % faster at every narrow shape measured).
   bool hi_only = false;
   // The 8-warp kernel's one-CTA-per-SM twin (SplitKernelOccupancy::one_cta_twin): where it exists,
   // the split grid fits the SMs and splits hold at least 1,024 tokens. Measured on the H200
-  // (tools/bench/NOTES.md, v23): 3-5 % faster there, 3 % slower over splits of 256 tokens. The
+  // (v23): 3-5 % faster there, 3 % slower over splits of 256 tokens. The
   // cost model prices it, so a plan takes one twin CTA per SM over twice the tokens instead of
-  // two CTAs per SM where that measured faster (session 24: 2-10 %, e.g. 4 × 32k, 16 × 8k).
+  // two CTAs per SM where that measured faster (2-10 %, e.g. 4 × 32k, 16 × 8k; commit 3447a5e).
   bool one_cta = false;
 };
 
 // The split layout that CudaDecoder::Plan picks for sequences of up to max_len tokens,
 // num_seqs · num_kv_heads = seq_heads CTAs per split, on sm_count SMs; with tokens_per_split != 0
-// only the variant is chosen. Host only; exposed for tests (attention/decode_plan_test.cc).
+// only the variant is chosen; narrow forces the narrow layout on or off where it exists. Host only;
+// exposed for tests (attention/decode_plan_test.cc).
 SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
-                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split = 0);
+                              const SplitKernelOccupancy& occupancy, int64_t tokens_per_split = 0,
+                              DecodeOptions::Narrow narrow = DecodeOptions::Narrow::kAuto);
 
 // The split layout of one decode shape, fixed at plan time so the launch is the same every step.
 struct DecodePlan {
@@ -96,6 +116,10 @@ struct DecodePlan {
   bool narrow = false;       // the split kernel's narrow variant (SplitKernelOccupancy)
   bool hi_only = false;      // 3-bit keys: the hi-only twin (with narrow: paired CTAs; SplitLayout)
   bool one_cta = false;      // 4-bit keys: the one-CTA-per-SM twin (SplitLayout)
+  bool staged = true;        // DecodeOptions::staged
+  bool dependent_launch = true;  // DecodeOptions::dependent_launch
+  // The split kernel these choices select (decode_detail::ChooseSplitVariant).
+  decode_detail::SplitVariant variant;
   int64_t workspace_bytes = 0;
 };
 
@@ -131,12 +155,10 @@ class CudaDecoder {
   int block_size() const;
 
   // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
-  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535). tokens_per_split 0
-  // lets the plan choose the split length (its cost model); otherwise it is used as given (a
-  // multiple of 64 from 64 to 8192, with at most 256 splits of max_blocks_per_seq · block_size:
-  // for tuning and benchmarks).
+  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535) and for options out of
+  // range (DecodeOptions::tokens_per_split).
   DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
-                  int tokens_per_split = 0) const;
+                  const DecodeOptions& options = {}) const;
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
   // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·
@@ -144,8 +166,10 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
-  // How the split kernel for a GQA group occupies an SM (cached).
-  SplitKernelOccupancy SplitOccupancy(int group) const;
+  // How the split kernel for a GQA group occupies an SM (cached), staged or not.
+  SplitKernelOccupancy SplitOccupancy(int group, bool staged) const;
+  // The split kernel of a GQA group for a plan's choices (ok = false where there is none).
+  decode_detail::MaybeSplitVariant Variant(int group, const DecodePlan& plan) const;
 
   struct State;
   std::unique_ptr<State> state_;

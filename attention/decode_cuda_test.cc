@@ -65,7 +65,7 @@ double LseTol(std::string_view preset) {
 
 struct Errors {
   double out = 0, lse = 0;
-  int64_t bad = 0;  // NaN / inf / unwritten elements
+  int64_t bad = 0;       // NaN / inf / unwritten elements
   bool hi_only = false;  // the plan's hi-only kernels (with narrow: the paired CTAs)
 };
 
@@ -101,7 +101,8 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
                      const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0,
                      std::optional<bool> narrow = std::nullopt) {
   const int num_seqs = static_cast<int>(s.seq_lens.size());
-  const DecodePlan plan = decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, tokens_per_split);
+  const DecodePlan plan =
+      decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, {.tokens_per_split = tokens_per_split});
   if (tokens_per_split != 0) {
     EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
   }
@@ -314,7 +315,8 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
       for (const bool graph : {false, true}) {
         const std::string what =
             fmt::format("{} tokens_per_split {} {}", preset, tps, graph ? "graph" : "stream");
-        const DecodePlan plan = decoder.Plan(num_seqs, kHq, s.max_blocks, tps);
+        const DecodePlan plan =
+            decoder.Plan(num_seqs, kHq, s.max_blocks, {.tokens_per_split = tps});
         ASSERT_EQ(plan.max_splits > 1, tps == 0) << what;
         DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
         ws.FillBytes(0xFF);
@@ -744,7 +746,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
     const DeviceScenario dev = Upload(s, s.cache);
     const CudaDecoder decoder(*c.q);
     const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
-                                         s.max_blocks, c.tokens_per_split);
+                                         s.max_blocks, {.tokens_per_split = c.tokens_per_split});
     EXPECT_EQ(plan.hi_only, c.hi_only) << c.what;
     EXPECT_EQ(plan.narrow, c.narrow) << c.what;
     const Errors e =
@@ -790,14 +792,15 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   EXPECT_THROW(decoder.Plan(0, 32, 10), Error);
   for (int tps : {-64, 32, 100, 16384}) {
     try {
-      decoder.Plan(4, 32, 10, tps);
+      decoder.Plan(4, 32, 10, {.tokens_per_split = tps});
       ADD_FAILURE() << "tokens_per_split " << tps << " accepted";
     } catch (const Error& e) {
       EXPECT_THAT(e.what(), ::testing::HasSubstr(fmt::format("tokens_per_split = {}", tps)));
     }
   }
-  EXPECT_THROW(decoder.Plan(4, 32, 131072 / 16, 64), Error);  // 2,048 splits > 256
-  EXPECT_EQ(decoder.Plan(4, 32, 131072 / 16, 512).max_splits, 256);
+  EXPECT_THROW(decoder.Plan(4, 32, 131072 / 16, {.tokens_per_split = 64}),
+               Error);  // 2,048 splits > 256
+  EXPECT_EQ(decoder.Plan(4, 32, 131072 / 16, {.tokens_per_split = 512}).max_splits, 256);
   const DecodePlan plan = decoder.Plan(4, 32, 10);
   CudaDecodeArgs a;
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers

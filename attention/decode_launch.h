@@ -1,5 +1,5 @@
-// Device-side interface of the CUDA decode kernels (attention/decode_kernels.cu): plain parameter
-// structs and launch functions that return the launch status. Included by the kernel file and by
+// Device-side interface of the CUDA decode kernels (attention/decode_*.cu): plain parameter
+// structs and launch functions that return the launch status. Included by the kernel files and by
 // the host launcher (decode_cuda.cc) in CUDA builds only. No fmt, no exceptions here.
 #pragma once
 
@@ -8,24 +8,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention/decode_variant.h"
+
 namespace tqkv::decode_detail {
-
-// How keys are stored; picks the kernel family.
-enum class KeyKind : int {
-  kMse4 = 0,  // 4-bit codebook indices + fp16 norm (turboquant_4bit_nc)
-  kMse3 = 1,  // 3-bit codebook indices + fp16 norm (turboquant_k3v4_nc, turboquant_3bit_nc)
-  kFp8 = 2,   // FP8 E4M3 per element (turboquant_k8v4)
-  kBf16 = 3,  // uncompressed bf16 K and V (the baseline layout of Bf16BlockFormat)
-  kF16 = 4,   // uncompressed fp16 K and V (Bf16BlockFormat with dtype F16)
-};
-
-// The uncompressed kinds (one kernel family, fp16 or bf16 MMAs).
-// clang-format off
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-constexpr bool IsPlain(KeyKind k) { return k == KeyKind::kBf16 || k == KeyKind::kF16; }
-// clang-format on
 
 // The longest split CudaDecoder::Plan makes (tokens): the staged kernels size their shared-memory
 // copy of a split's block ids by it.
@@ -95,7 +80,7 @@ struct QueryPrepParams {
   int in_dtype = 0;                 // 0 fp32, 1 fp16, 2 bf16
   const float* rotation = nullptr;  // Πᵀ [head_dim, head_dim]
   float* out = nullptr;             // [rows, head_dim] fp32
-  int rows = 0;  // num_seqs * num_q_heads
+  int rows = 0;                     // num_seqs * num_q_heads
   int head_dim = 0;
 };
 
@@ -116,40 +101,68 @@ inline std::vector<uint32_t> CodebookTable(int key_bits, const uint16_t* hi, con
   return words;
 }
 
-// group = num_q_heads / num_kv_heads (1..16). programmatic: launched as a programmatic dependent
-// of the kernel before it in the stream, so that its launch overlaps that kernel's tail: after
-// LaunchQueryPrep (p.wait_at_start = 0: it reads the cache before it waits for the query prep's
-// q·Πᵀ, which an ordinary launch of the query prep makes safe), or after any kernel with
-// p.wait_at_start = 1. Otherwise an ordinary launch, ordered after all earlier work in the stream.
-// narrow: the narrow variant of the staged kernel (4 warps per CTA instead of 8; 3-bit keys, 4-bit
-// values, D = 128, group <= 4 only: cudaErrorInvalidValue elsewhere). hi_only: 3-bit keys' 8-warp
-// staged kernel scores from the codebook's hi parts alone (the table must come from a codebook
-// that ScaleCodebookForFp16 put within kMaxHiOnlyError of fp16); false: its hi + lo twin. With
-// narrow, hi_only runs the narrow layout on that twin's paired CTAs (KV heads 2y and 2y + 1 in one
-// 8-warp CTA: p.num_kv_heads must be even, else cudaErrorInvalidValue). Other kernels ignore it.
-// one_cta: 4-bit keys' 8-warp staged kernel runs as its twin compiled for one CTA per SM (more
-// registers; for grids that fit the SMs: DecodePlan::one_cta). Other kernels ignore it.
-cudaError_t LaunchDecodeSplits(const SplitParams& p, KeyKind kind, int value_bits, int head_dim,
-                               int group, bool narrow, bool hi_only, bool one_cta,
-                               bool programmatic, cudaStream_t stream);
-// How many CTAs of that split kernel (or of its narrow variant: 0 where there is none) fit on one
-// SM at once (registers, shared memory), and whether it is a staged kernel (cp.async stages in
-// shared memory).
-cudaError_t DecodeSplitCtasPerSm(KeyKind kind, int value_bits, int head_dim, int group, bool narrow,
-                                 int* ctas, bool* staged);
+// LaunchDecodeSplits (below): launches the split kernel `variant` (a value ChooseSplitVariant
+// returned). programmatic: launched as a programmatic dependent of the kernel before it in the
+// stream, so that its launch overlaps that kernel's tail: after LaunchQueryPrep (p.wait_at_start =
+// 0: it reads the cache before it waits for the query prep's q·Πᵀ, which an ordinary launch of the
+// query prep makes safe), or after any kernel with p.wait_at_start = 1. Otherwise an ordinary
+// launch, ordered after all earlier work in the stream. Paired variants need an even p.num_kv_heads
+// (cudaErrorInvalidValue otherwise, as for a variant that was never instantiated).
+// DecodeSplitCtasPerSm (below): how many CTAs of the split kernel `variant` fit on one SM at
+// once (registers, shared memory), counting a paired CTA as its two 4-warp units.
 cudaError_t LaunchDecodeMerge(const MergeParams& p, cudaStream_t stream);
-// The TQKV_DECODE_PHASE_TIMES measurement build (tools/bench/NOTES.md, session 19): copies the
-// earliest and latest %globaltimer (ns) at which any warp passed each of the 9 points (split
-// kernel: entry, after the dependency wait, before and after the prologue's finish (staged
-// compressed kernels only), after the chunks, exit; merge kernel: entry, after its wait, exit)
-// into first[9] and last[9] (if first is not null), and per split CTA (up to 1,024, linear block
-// index) the earliest and latest time one of its warps finished its chunks and its SM (if
-// cta_first is not null) and when its last warp finished the prologue (staged kernels, if
-// cta_start is not null), then resets them. cudaErrorNotSupported in every other build.
-cudaError_t DecodePhaseTimes(unsigned long long* first, unsigned long long* last,
-                             unsigned long long* cta_first = nullptr,
-                             unsigned long long* cta_last = nullptr, unsigned* cta_sm = nullptr,
-                             unsigned long long* cta_start = nullptr);
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream);
+
+// The split kernels of one key kind (decode_split_<kind>.cu, one instantiation unit per kind so
+// that nvcc builds them in parallel); LaunchDecodeSplits and DecodeSplitCtasPerSm pick by kind.
+template <KeyKind kKind>
+cudaError_t LaunchSplitKernelOfKind(const SplitParams& p, const SplitVariant& variant,
+                                    bool programmatic, cudaStream_t stream);
+template <KeyKind kKind>
+cudaError_t SplitKernelOfKindCtasPerSm(const SplitVariant& variant, int* ctas);
+
+#define TQKV_DECODE_KIND_EXTERN(kind)                               \
+  extern template cudaError_t LaunchSplitKernelOfKind<kind>(        \
+      const SplitParams&, const SplitVariant&, bool, cudaStream_t); \
+  extern template cudaError_t SplitKernelOfKindCtasPerSm<kind>(const SplitVariant&, int*);
+TQKV_DECODE_KIND_EXTERN(KeyKind::kMse4)
+TQKV_DECODE_KIND_EXTERN(KeyKind::kMse3)
+TQKV_DECODE_KIND_EXTERN(KeyKind::kFp8)
+TQKV_DECODE_KIND_EXTERN(KeyKind::kBf16)
+TQKV_DECODE_KIND_EXTERN(KeyKind::kF16)
+#undef TQKV_DECODE_KIND_EXTERN
+
+inline cudaError_t LaunchDecodeSplits(const SplitParams& p, const SplitVariant& variant,
+                                      bool programmatic, cudaStream_t stream) {
+  switch (variant.kind) {
+    case KeyKind::kMse4:
+      return LaunchSplitKernelOfKind<KeyKind::kMse4>(p, variant, programmatic, stream);
+    case KeyKind::kMse3:
+      return LaunchSplitKernelOfKind<KeyKind::kMse3>(p, variant, programmatic, stream);
+    case KeyKind::kFp8:
+      return LaunchSplitKernelOfKind<KeyKind::kFp8>(p, variant, programmatic, stream);
+    case KeyKind::kBf16:
+      return LaunchSplitKernelOfKind<KeyKind::kBf16>(p, variant, programmatic, stream);
+    case KeyKind::kF16:
+      return LaunchSplitKernelOfKind<KeyKind::kF16>(p, variant, programmatic, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+inline cudaError_t DecodeSplitCtasPerSm(const SplitVariant& variant, int* ctas) {
+  switch (variant.kind) {
+    case KeyKind::kMse4:
+      return SplitKernelOfKindCtasPerSm<KeyKind::kMse4>(variant, ctas);
+    case KeyKind::kMse3:
+      return SplitKernelOfKindCtasPerSm<KeyKind::kMse3>(variant, ctas);
+    case KeyKind::kFp8:
+      return SplitKernelOfKindCtasPerSm<KeyKind::kFp8>(variant, ctas);
+    case KeyKind::kBf16:
+      return SplitKernelOfKindCtasPerSm<KeyKind::kBf16>(variant, ctas);
+    case KeyKind::kF16:
+      return SplitKernelOfKindCtasPerSm<KeyKind::kF16>(variant, ctas);
+  }
+  return cudaErrorInvalidValue;
+}
 
 }  // namespace tqkv::decode_detail

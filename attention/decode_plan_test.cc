@@ -1,5 +1,5 @@
 // The split layout choice of CudaDecoder::Plan (ChooseSplitLayout), on the host: the limits
-// every plan keeps, and the plans that the split sweeps in tools/bench/NOTES.md measured fastest
+// every plan keeps, and the plans that the split sweeps (tools/bench/NOTES.md at commit 1664e39) measured fastest
 // on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the cost model that
 // moves one of them shows up here before it is measured.
 #include <gtest/gtest.h>
@@ -63,7 +63,7 @@ TEST(DecodePlanTest, StagedCompressedKernelsGetTheMeasuredBestSplits) {
   EXPECT_EQ(Tps(1, 32768, kStagedCompressed), 2048);   // 20.6 vs 21.3 at 1,024, 25.2 at 3,072
   EXPECT_EQ(Tps(16, 1024, kStagedCompressed), 1024);   // 13.8 vs 19.1 at 512
   EXPECT_EQ(Tps(16, 4096, kStagedCompressed), 4096);   // 31.0 vs 33.5 at 2,048
-  // ... two where the splits are long (session 11, v7v).
+  // ... two where the splits are long (v7v).
   EXPECT_EQ(Tps(4, 32768, kStagedCompressed), 4096);   // 50.3 vs 55.3 at 8,192
   EXPECT_EQ(Tps(2, 65536, kStagedCompressed), 4096);   // 50.3 vs 55.5 at 8,192
   EXPECT_EQ(Tps(8, 16384, kStagedCompressed), 4096);   // 50.5 vs 55.4 at 8,192
@@ -94,7 +94,7 @@ TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
 }
 
 // The hi-only twin of k3v4_nc's 8-warp kernel (a codebook close enough to fp16): only where the
-// split grid holds at most one CTA per SM (v20 in NOTES: 5-15 % faster there, 8 % slower at
+// split grid holds at most one CTA per SM (v20: 5-15 % faster there, 8 % slower at
 // 16 × 16k with two per SM), for the narrow variant only as paired CTAs (narrow_hi_only: even KV
 // heads; v21: 3-15 % faster at every narrow shape), never without the twin.
 TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
@@ -159,11 +159,11 @@ TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
 }
 
 // 4bit_nc's narrow layout (paired exact CTAs) only for contexts of at most 4,096 tokens (one
-// split) whose 8-warp grid needs a second round of CTA pairs. v22 in tools/bench/NOTES.md, graph
+// split) whose 8-warp grid needs a second round of CTA pairs. v22, graph
 // µs, two rounds, same call, 8-warp plan -> narrow: 64 × 1k 27.1-27.2 -> 24.1, 64 × 2k 42.9-43.0
 // -> 40.7-40.8, 64 × 4k 75.3 -> 73.8-73.9, 128 × 2k 81.6-81.7 -> 78.4-78.6, 256 × 1k 95.9-96.7
 // -> 87.8-88.1, 512 × 1k 184.2-186.2 -> 168.9-170.2, 256 × 4k and 1,024 × 4k equal within the
-// spread; slower at one round of pairs (32 × 1k 13.9 -> 15.5) and, in session 21, over
+// spread; slower at one round of pairs (32 × 1k 13.9 -> 15.5) and, with v21, over
 // 8,192-token splits (64 × 16k 284.8-285.4 -> 290.6-304.7).
 TEST(DecodePlanTest, FourBitNarrowVariantOnlyForShortContextsPastOneRound) {
   SplitKernelOccupancy o = kStagedCompressed;
@@ -200,7 +200,7 @@ TEST(DecodePlanTest, FourBitNarrowVariantOnlyForShortContextsPastOneRound) {
 }
 
 // 4bit_nc's 8-warp kernel compiled for one CTA per SM where the split grid fits the SMs and
-// splits hold at least 1,024 tokens (v23 in tools/bench/NOTES.md, graph µs, two rounds, same call,
+// splits hold at least 1,024 tokens (v23, graph µs, two rounds, same call,
 // two-per-SM kernel -> twin: 1 × 32k 16.1-16.2 -> 15.7-15.8, 1 × 16k 11.8 -> 11.4, 16 × 1k 9.7-9.8
 // -> 9.3, 16 × 4k 23.1-23.5 -> 22.4; 1 × 1k 6.0 both; 1 × 4k, 256-token splits, 7.4 -> 7.6).
 TEST(DecodePlanTest, FourBitOneCtaTwinWhereTheGridFitsTheSms) {
@@ -233,7 +233,7 @@ TEST(DecodePlanTest, FourBitOneCtaTwinWhereTheGridFitsTheSms) {
   EXPECT_FALSE(one_cta(1, 32768, twin, 512));  // 64 splits: 512 CTAs
   EXPECT_TRUE(one_cta(1, 32768, twin, 4096));  // 8 splits: 64 CTAs
   // The twin priced (kOneCtaCost): one twin CTA per SM over twice the tokens instead of two
-  // CTAs per SM, where measured faster (session 24, graph µs, same calls, old plan -> twin):
+  // CTAs per SM, where measured faster (commit 3447a5e, graph µs, same calls, old plan -> twin):
   // 4 × 16k 25.1 -> 24.5-24.6, 8 × 8k 25.3-25.4 -> 24.8-25.0, 2 × 32k 25.0-25.5 -> 24.5-24.7,
   // 4 × 32k 42.0-43.5 -> 41.3-42.0, 8 × 16k 42.2 -> 41.6-41.7, 2 × 64k 43.2-43.4 -> 41.8,
   // 1 × 128k 45.0-45.2 -> 41.8, 16 × 8k 43.8-43.9 -> 39.4-39.6; but not 4 × 1k (4 × 256

@@ -31,10 +31,7 @@ def cuda_library(name, srcs = [], hdrs = [], cuda_hdrs = [], deps = [], copts = 
                 name = "%s_nvcc_%s" % (name, src[:-len(".cu")].replace("/", "_")),
                 srcs = [src] + hdrs + cuda_hdrs,
                 outs = [obj],
-                # $(TQKV_NVCC_EXTRA): empty (.bazelrc) unless a measurement build sets it, e.g.
-                # bazel build --define=TQKV_NVCC_EXTRA=-DTQKV_DECODE_COPY_ONLY //tools/bench:decode_bench
                 cmd = " ".join([NVCC] + NVCC_FLAGS + nvcc_flags + [
-                    "$(TQKV_NVCC_EXTRA)",
                     "-I.",
                     "-I$(GENDIR)",
                     "-c $(location %s)" % src,

@@ -420,8 +420,8 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
   p.tables = static_cast<const store::DeviceTables*>(tables_.data());
   p.lut = lut_;
   p.status = options_.validate_slots ? status : nullptr;
-  p.variant = options_.kernel_variant;
-  p.fwht_on_tensor_cores = options_.kernel_variant != 5;
+  p.fwht_kernel = options_.fwht_kernel;
+  p.fwht_on_tensor_cores = options_.fwht_kernel != StoreFwhtKernel::kWideFp32;
 
   if (path_ == StorePath::kFwht) {
     p.key_source = store::KeySource::kFwht;

@@ -20,7 +20,7 @@
 //    along k, with fp32 accumulation; the store kernel scales y by 2^-s / (‖k‖ + 1e-8). fp16 /
 //    fp32 keys (and GemmPrecision::kSgemm) take an fp32 SGEMM (CUBLAS_PEDANTIC_MATH: no TF32) of
 //    x̂ = k / (‖k‖ + 1e-8) written by a normalize kernel. GemmPrecision::kTf32 / kBf16 are faster
-//    opt-ins that flip more indices (tools/bench/NOTES.md).
+//    opt-ins that flip more indices (tools/bench/README.md).
 // All paths produce the bytes of StoreCpu, except that an MSE index may be one off where y lies
 // within a few ulp of a midpoint (the reference rotates in fp64, these paths in fp32); the norm
 // correction then follows the stored indices. quant/README.md lists the shared numeric choices.
@@ -79,13 +79,8 @@ struct StoreOptions {
   // also counts them and records the first such token in the workspace (ReadStatus); this costs
   // one memset per call.
   bool validate_slots = kValidateSlotsByDefault;
-  // Benchmarks and tests only: alternative builds of the MSE store kernel, to compare in one run
-  // (tools/bench/store_bench, tools/bench/NOTES.md). 0: the default choice. FWHT path with 16-bit
-  // inputs at D = 128 / 256: 3 = the narrow kernel (16 elements per lane) and 4 = the wide one
-  // (32) at any size (by default: wide from 32,768 rows), 5 = the wide one with its FWHT as fp32
-  // butterflies only (by default its H16 stages run on tensor cores). D = 128 bf16 only: 1, 2 =
-  // earlier kernels. Any other combination runs the default.
-  int kernel_variant = 0;
+  // The FWHT path's kernel build (tests and benchmarks compare them; ignored by other paths).
+  StoreFwhtKernel fwht_kernel = StoreFwhtKernel::kAuto;
 };
 
 // Caller-owned device scratch of at least StoreWorkspaceBytes(...) bytes, 256-byte aligned.

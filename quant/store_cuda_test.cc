@@ -70,15 +70,16 @@ struct Case {
   std::optional<Codebook> codebook;
 
   std::string Name() const {
-    return fmt::format(
-        "{} D={} H={} block={} {} slots {} N={} rotation {} path {}{}{}", preset, head_dim, heads,
-        block_size, DTypeName(dtype), DTypeName(slot_dtype), num_tokens, RotationKindName(rotation),
-        static_cast<int>(options.rotation_path),
-        options.gemm_precision == GemmPrecision::kFp32    ? ""
-        : options.gemm_precision == GemmPrecision::kSgemm ? " SGEMM"
-                                                          : " low-precision GEMM",
-        options.kernel_variant == 0 ? ""
-                                    : fmt::format(" kernel variant {}", options.kernel_variant));
+    return fmt::format("{} D={} H={} block={} {} slots {} N={} rotation {} path {}{}{}", preset,
+                       head_dim, heads, block_size, DTypeName(dtype), DTypeName(slot_dtype),
+                       num_tokens, RotationKindName(rotation),
+                       static_cast<int>(options.rotation_path),
+                       options.gemm_precision == GemmPrecision::kFp32    ? ""
+                       : options.gemm_precision == GemmPrecision::kSgemm ? " SGEMM"
+                                                                         : " low-precision GEMM",
+                       options.fwht_kernel == StoreFwhtKernel::kAuto
+                           ? ""
+                           : fmt::format(" FWHT kernel {}", static_cast<int>(options.fwht_kernel)));
   }
   Quantizer MakeQuantizer() const {
     const Preset& p = PresetByName(preset);
@@ -486,10 +487,12 @@ TEST(StoreCudaTest, EveryPresetShapeAndDtypeMatchesTheReference) {
           c.padding = i % 3 == 0 ? 0.0 : 0.1;
           // Half the FWHT cases on the wide kernel with its tensor-core FWHT (the default from
           // 32,768 rows; these are smaller), a quarter on the wide kernel's fp32 butterflies
-          // (variant 5), a quarter on the narrow kernel.
+          // (kWideFp32), a quarter on the narrow kernel.
           if (i % 5 == 0 || i % 5 == 1) {
             const int r = (i / 5) % 4;
-            c.options.kernel_variant = r == 0 || r == 2 ? 4 : (r == 1 ? 5 : 0);
+            c.options.fwht_kernel = r == 0 || r == 2 ? StoreFwhtKernel::kWide
+                                    : r == 1         ? StoreFwhtKernel::kWideFp32
+                                                     : StoreFwhtKernel::kAuto;
           }
           all += RunCase(c, Seed());
           ++i;
@@ -745,7 +748,7 @@ TEST(StoreCudaTest, NonFiniteInputsGiveTheReferenceBytesAndFiniteMetadata) {
         c.num_tokens = 16;
         c.padding = 0.0;
         c.options.rotation_path = path;
-        c.options.kernel_variant = run == 1 ? 4 : 0;
+        c.options.fwht_kernel = run == 1 ? StoreFwhtKernel::kWide : StoreFwhtKernel::kAuto;
         std::mt19937_64 rng(Seed());
         const Quantizer q = c.MakeQuantizer();
         const StoreDeviceState state(q, c.options);

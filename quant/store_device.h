@@ -26,6 +26,21 @@
 #define TQKV_UNROLL
 #endif
 
+namespace tqkv {
+
+// Which build of the FWHT store kernel runs (MSE presets with a Hadamard rotation, 16-bit inputs
+// at head_dim 128 and 256; every other store has one kernel). kAuto: the wide kernel from 32,768
+// rows (tokens × heads), the narrow one below. The others exist so that tests and benchmarks can
+// compare the builds in one run.
+enum class StoreFwhtKernel {
+  kAuto,
+  kNarrow,    // 16 elements per lane, 256-thread CTAs
+  kWide,      // 32 elements per lane, 128-thread CTAs, H16 FWHT stages on tensor cores
+  kWideFp32,  // the wide kernel with its FWHT as fp32 butterflies only
+};
+
+}  // namespace tqkv
+
 namespace tqkv::store {
 
 inline constexpr int kLaneElems = 16;        // elements of one row a lane owns

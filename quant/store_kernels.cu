@@ -557,44 +557,43 @@ struct KeyInput {
   using Raw = RawRow<kType, N>;
 };
 
-// The wide FWHT kernel (kernel template variant kWide): E = 32 elements per lane instead of 16,
+// The store kernel's layouts: kNarrow (16 elements per lane, 256-thread CTAs; every path) and, for
+// the FWHT path with 16-bit inputs, kWide.
+enum class StoreLayout { kNarrow, kWide };
+
+// The wide FWHT kernel (StoreLayout::kWide): E = 32 elements per lane instead of 16,
 // so G = D / 32 lanes per row, a warp holds twice the rows, and every per-row step (reductions,
 // norm, divisions, norm correction, value range, metadata) is shared by half as many lanes; one
 // cross-lane FWHT stage fewer. 22 % fewer instructions than the narrow kernel at D = 128; it needs
 // 128 registers, so it runs 128-thread CTAs, four per SM (at 96 registers for five it spilled and
 // was slower). The default for the FWHT path with 16-bit inputs at D = 128 and 256.
-inline constexpr int kWide = 3;
+inline constexpr StoreLayout kWide = StoreLayout::kWide;
 inline constexpr int64_t kWideMinRows = 32768;
-template <int kVariant>
-inline constexpr int kLaneElemsFor = kVariant == kWide ? 32 : kLaneElems;
-template <int kVariant>
-inline constexpr int kCtaThreadsFor = kVariant == kWide ? 128 : kThreads;
+template <StoreLayout kLayout>
+inline constexpr int kLaneElemsFor = kLayout == kWide ? 32 : kLaneElems;
+template <StoreLayout kLayout>
+inline constexpr int kCtaThreadsFor = kLayout == kWide ? 128 : kThreads;
 inline constexpr int kWideTileVecs = 128;  // 16-byte vectors of one tensor's warp tile (2 KB)
 inline constexpr int kWideTileBytes = kCtaThreadsFor<kWide> / 32 * 2 * kWideTileVecs * 16;
 
 // Minimum CTAs per SM the kernel is compiled for (register budget): the MSE kernels need 80
 // registers for three CTAs (24 warps) per SM, which hides their dependency chains (shuffles,
 // lookups, fp64 sums) better than two CTAs of 100+ registers; FP8 needs no bound; the wide kernel
-// (kWide) four 128-thread CTAs. Variants 1 and 2 (D = 128, bf16 inputs only) exist for
-// tools/bench/store_bench: 1 = an earlier kernel (two rows in flight per thread, ping-pong, no
-// bound), 2 = four CTAs (64 registers, small spills).
-// Variant 1 reading y is held to two CTAs (128 registers, as it had before y went through shared
-// memory; unbounded it takes 150+ and one CTA).
-constexpr int MinCtasPerSm(int key_bits, KeySource source, int variant) {
+// (kWide) four 128-thread CTAs.
+constexpr int MinCtasPerSm(int key_bits, KeySource source, StoreLayout layout) {
   if (source == KeySource::kMma && key_bits != 8) return 2;  // ~100 KB of shared memory each
-  if (variant == 1) return source == KeySource::kLoadY && key_bits != 8 ? 2 : 1;
-  if (variant == kWide) return 4;  // 128-thread CTAs (kCtaThreadsFor): 128 registers
-  return variant == 2 ? 4 : key_bits == 8 ? 1 : 3;
+  if (layout == kWide) return 4;  // 128-thread CTAs (kCtaThreadsFor): 128 registers
+  return key_bits == 8 ? 1 : 3;
 }
 
-template <int D, int KB, int VB, InputType T, KeySource S, int kVariant>
-__global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, kVariant))
+template <int D, int KB, int VB, InputType T, KeySource S, StoreLayout kLayout>
+__global__ void __launch_bounds__(kCtaThreadsFor<kLayout>, MinCtasPerSm(KB, S, kLayout))
     StoreKernel(const StoreParams p) {
-  constexpr int kThreads = kCtaThreadsFor<kVariant>;  // this kernel's CTA size
-  constexpr int E = kLaneElemsFor<kVariant>;          // elements per lane
-  constexpr int G = D / E;                            // lanes per row
-  constexpr int kRows = kThreads / G;                 // rows per CTA and iteration
-  static_assert(kVariant != kWide || (S == KeySource::kFwht && KB != 8 && T != InputType::kF32));
+  constexpr int kThreads = kCtaThreadsFor<kLayout>;  // this kernel's CTA size
+  constexpr int E = kLaneElemsFor<kLayout>;          // elements per lane
+  constexpr int G = D / E;                           // lanes per row
+  constexpr int kRows = kThreads / G;                // rows per CTA and iteration
+  static_assert(kLayout != kWide || (S == KeySource::kFwht && KB != 8 && T != InputType::kF32));
   constexpr bool kFp8 = KB == 8;
   constexpr bool kLoadY = S == KeySource::kLoadY && !kFp8;
   constexpr bool kMma = S == KeySource::kMma && !kFp8;
@@ -602,7 +601,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   constexpr int kPairs = kFp8 ? 1 : 1 << (2 * KB);
   using Tiles = MmaTiles<D, T>;
 
-  __shared__ LutEntry lut_s[kFp8 ? 1 : (kVariant == kWide ? kWideLutCells : kMaxLutCells)];
+  __shared__ LutEntry lut_s[kFp8 ? 1 : (kLayout == kWide ? kWideLutCells : kMaxLutCells)];
   // The pair table, for large stores (StoreParams::pair_copies_log2) in 16 interleaved copies,
   // lane l reading copy l % 16: the 8-byte lookups of a half-warp then hit 16 distinct bank pairs
   // (one copy: ~5-way conflicts on random codes). Only the FWHT kernel: the MMA kernels spend
@@ -612,7 +611,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   constexpr int kMaxPairCopies = 1 << kMaxPairCopiesLog2;
   // The wide kernel (large stores only) always fills the 16 copies: its lookups then address
   // them with compile-time shifts (CodeSquareSumFixedCopies).
-  const int pair_log2 = kVariant == kWide    ? kMaxPairCopiesLog2
+  const int pair_log2 = kLayout == kWide     ? kMaxPairCopiesLog2
                         : kMaxPairCopies > 1 ? min(p.pair_copies_log2, kMaxPairCopiesLog2)
                                              : 0;
   __shared__ double pair_sq_s[kPairs * kMaxPairCopies];
@@ -668,7 +667,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
   }
   // The wide kernel's FWHT on tensor cores (FwhtOnTensorCores): this lane's H16 fragments and
   // its sign bits spread over the 16-bit words.
-  constexpr bool kTensorFwht = kVariant == kWide;
+  constexpr bool kTensorFwht = kLayout == kWide;
   uint32_t hadamard_b[2][2] = {};
   uint32_t sign_spread = 0;
   if constexpr (kTensorFwht) {
@@ -848,7 +847,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
         for (int i = 0; i < E; ++i) codes.Add(i, SearchBucketize(k[i], midpoints_s, KB));
       }
       double csum;
-      if constexpr (kVariant == kWide) {
+      if constexpr (kLayout == kWide) {
         csum = GroupSum<G>(CodeSquareSumFixedCopies<KB, E / 8, kMaxPairCopiesLog2>(
             codes, pair_sq_s, 8u * (lane & (kMaxPairCopies - 1))));
       } else {
@@ -1011,25 +1010,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
       token = next_token;
       head = next_head;
     }
-  } else if constexpr (kVariant == 1) {
-    // Two rows' inputs in registers at a time (ping-pong): the next row's loads overlap this
-    // row's arithmetic within the thread.
-    Loaded a, b;
-    load(token, head, a);
-    for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += 2 * int64_t{gridDim.x}) {
-      int64_t token_b = token;
-      int head_b = head;
-      advance(token_b, head_b);
-      load(token_b, head_b, b);
-      process(a, token, head);
-      if (chunk + gridDim.x >= num_chunks) break;
-      token = token_b;
-      head = head_b;
-      advance(token, head);
-      load(token, head, a);
-      process(b, token_b, head_b);
-    }
-  } else if constexpr (kVariant == kWide) {
+  } else if constexpr (kLayout == kWide) {
     // The warp's rows are consecutive, so its key rows (and value rows) are one contiguous 2 KB
     // tile: cp.async copies the next iteration's tiles into the warp's shared buffers, lane L
     // taking vectors L, L + 32, L + 64, L + 96 (512 contiguous bytes per instruction: whole lines,
@@ -1101,7 +1082,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kVariant>, MinCtasPerSm(KB, S, 
     for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
       Loaded a;
       load(token, head, a);
-      if constexpr (kVariant == 0 && S != KeySource::kLoadY) {
+      if constexpr (kLayout == StoreLayout::kNarrow && S != KeySource::kLoadY) {
         int64_t next_token = token;
         int next_head = head;
         advance(next_token, next_head);
@@ -1296,7 +1277,7 @@ void LaunchPersistent(const StoreParams& p, int64_t chunks, StreamHandle stream,
 }
 
 template <int D, int KB, int VB, InputType T>
-constexpr auto kMmaKernel = StoreKernel<D, KB, VB, T, KeySource::kMma, 0>;
+constexpr auto kMmaKernel = StoreKernel<D, KB, VB, T, KeySource::kMma, StoreLayout::kNarrow>;
 
 template <int D, int KB, int VB>
 bool PrepareMmaBits() {
@@ -1309,15 +1290,15 @@ bool PrepareMmaBits() {
   return false;
 }
 
-template <int D, int KB, int VB, InputType T, int kVariant>
-void LaunchStoreVariant(const StoreParams& p, int64_t chunks, StreamHandle stream) {
+template <int D, int KB, int VB, InputType T, StoreLayout kLayout>
+void LaunchStoreLayout(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   if constexpr (KB == 8) {
-    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kLayout>>(p, chunks, stream);
   } else if (p.key_source == KeySource::kFwht) {
-    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kVariant>>(p, chunks, stream);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kLayout>>(p, chunks, stream);
   } else {
     // y is fp32 whatever the input type; only the values are read as T.
-    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kLoadY, kVariant>>(p, chunks, stream);
+    LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kLoadY, kLayout>>(p, chunks, stream);
   }
 }
 
@@ -1331,15 +1312,15 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
     return false;
   }
   // The wide FWHT kernel: the default for 16-bit inputs at D = 128 and 256 from kWideMinRows rows
-  // (variant 3 asks for the narrow one at any size, variant 4 for the wide one, 5 for the wide one
-  // without tensor cores, to compare and to test). Below that the narrow kernel is as fast or
-  // faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared memory,
-  // and with one iteration per CTA the tiles' copy has nothing to overlap (session 7, 8 heads:
-  // N = 2,048 tokens 10.4 µs narrow vs 11.8 wide; 4,096: 17.1 vs 16.8; 8,192: 25.6 vs 25.5).
+  // (StoreFwhtKernel forces either, to compare and to test). Below that the narrow kernel is as
+  // fast or faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared
+  // memory, and with one iteration per CTA the tiles' copy has nothing to overlap (8 heads: N =
+  // 2,048 tokens 10.4 µs narrow vs 11.8 wide; 4,096: 17.1 vs 16.8; 8,192: 25.6 vs 25.5).
   if constexpr ((D == 128 || D == 256) && T != InputType::kF32 && KB != 8) {
     const int64_t rows = p.num_tokens * p.format.num_kv_heads;
     const bool wide =
-        ((p.variant == 0 && rows >= kWideMinRows) || p.variant == 4 || p.variant == 5) &&
+        ((p.fwht_kernel == StoreFwhtKernel::kAuto && rows >= kWideMinRows) ||
+         p.fwht_kernel == StoreFwhtKernel::kWide || p.fwht_kernel == StoreFwhtKernel::kWideFp32) &&
         p.lut.cells <= kWideLutCells;
     if (wide && p.key_source == KeySource::kFwht) {
       constexpr int64_t kRowsPerCta = kCtaThreadsFor<kWide> / (D / kLaneElemsFor<kWide>);
@@ -1348,17 +1329,7 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
       return true;
     }
   }
-  if constexpr (D == 128 && T == InputType::kBF16 && KB != 8) {  // benchmark variants
-    if (p.variant == 1) {
-      LaunchStoreVariant<D, KB, VB, T, 1>(p, chunks, stream);
-      return true;
-    }
-    if (p.variant == 2) {
-      LaunchStoreVariant<D, KB, VB, T, 2>(p, chunks, stream);
-      return true;
-    }
-  }
-  LaunchStoreVariant<D, KB, VB, T, 0>(p, chunks, stream);
+  LaunchStoreLayout<D, KB, VB, T, StoreLayout::kNarrow>(p, chunks, stream);
   return true;
 }
 

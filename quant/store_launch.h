@@ -71,9 +71,9 @@ struct StoreParams {
   // The norm correction's pair table in 2^n interleaved shared-memory copies (0 or 4; set by
   // LaunchStore from the row count; used by the FWHT kernel, the others keep one copy).
   int pair_copies_log2 = 0;
-  int variant = 0;  // StoreOptions::kernel_variant (benchmarks only)
+  StoreFwhtKernel fwht_kernel = StoreFwhtKernel::kAuto;  // StoreOptions::fwht_kernel
   // The wide FWHT kernel: H16 stages on tensor cores (FwhtOnTensorCores); false = fp32
-  // butterflies only (kernel_variant 5, for comparison).
+  // butterflies only (StoreFwhtKernel::kWideFp32, for comparison).
   bool fwht_on_tensor_cores = true;
   // −(0x4B400000 << 3) mod 2^32, added at run time to the bucketize table's shared address: as a
   // parameter it stays one register, so each lookup address is one shift-add (StoreKernel).

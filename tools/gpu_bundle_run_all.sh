@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Runner inside the GPU bundle (copied there by tools/gpu_bundle.sh as run_all.sh).
-# Runs every test binary (and, unless told "tests", every benchmark), prints one line per binary
-# and a final "N passed, N failed". On the GPU machine a skipped test counts as a failure: there
-# is a device, so nothing may skip. Logs go to $LOG_DIR (default: logs/ beside this script);
-# benchmark arguments and outputs: $BENCH_ARGS, and benchmarks may write into $LOG_DIR.
+#   run_all.sh [all]      every test binary, then every benchmark
+#   run_all.sh tests      the tests only
+#   run_all.sh sanitize   the tests under compute-sanitizer's memcheck, racecheck, synccheck and
+#                         initcheck (SANITIZE_TOOLS to pick), each on the test subset below that
+#                         covers every kernel family at sizes the tools finish in minutes
+# Prints one line per run and a final "N passed, N failed". On the GPU machine a skipped test
+# counts as a failure: there is a device, so nothing may skip; under a sanitizer any reported error
+# fails the run. Logs go to $LOG_DIR (default: logs/ beside this script); benchmark arguments and
+# outputs: $BENCH_ARGS, and benchmarks may write into $LOG_DIR.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
@@ -13,12 +18,22 @@ log_dir=${LOG_DIR:-$here/logs}
 mkdir -p "$log_dir"
 
 passed=0; failed=0
-run_one() {  # run_one KIND PATH [ARGS...]
+run_one() {  # run_one KIND PATH [ARGS...]; KIND test, bench or sanitize:TOOL
   local kind=$1 bin=$2; shift 2
   local name; name=$(sed -e 's|^bin/||' -e 's|/|_|g' <<<"$bin")
   local log="$log_dir/$name.log" start end rc
+  local prefix=() label=$bin
+  if [[ $kind == sanitize:* ]]; then
+    label="$bin (${kind#sanitize:})"
+    # Tests provoke API errors on purpose (bad launches, bad arguments): only device-side errors
+    # count. --error-exitcode makes any report fail the run.
+    prefix=(timeout 900 "$sanitizer" --tool "${kind#sanitize:}" --error-exitcode 86
+            --report-api-errors no --print-limit 20)
+    log="$log_dir/$name.${kind#sanitize:}.log"
+    kind=test
+  fi
   start=$(date +%s.%N)
-  "./$bin" "$@" >"$log" 2>&1; rc=$?
+  "${prefix[@]}" "./$bin" "$@" >"$log" 2>&1; rc=$?
   end=$(date +%s.%N)
   local secs; secs=$(awk -v a="$start" -v b="$end" 'BEGIN {printf "%.1f", b - a}')
   local detail=""
@@ -33,14 +48,35 @@ run_one() {  # run_one KIND PATH [ARGS...]
     fi
   fi
   if [ $rc -eq 0 ]; then
-    passed=$((passed + 1)); printf 'PASS  %-50s %s %ss\n' "$bin" "$detail" "$secs"
+    passed=$((passed + 1)); printf 'PASS  %-50s %s %ss\n' "$label" "$detail" "$secs"
   else
-    failed=$((failed + 1)); printf 'FAIL  %-50s %s %ss (exit %s, log %s)\n' "$bin" "$detail" "$secs" "$rc" "$log"
+    failed=$((failed + 1)); printf 'FAIL  %-50s %s %ss (exit %s, log %s)\n' "$label" "$detail" "$secs" "$rc" "$log"
     tail -n 30 "$log" | sed 's/^/      /'
   fi
 }
 
+# The sanitize mode's subset of each test binary (gtest filters): every kernel family (store paths,
+# decode kinds and variants, merge, query prep, cache copies) at the tests' small sizes.
+sanitize_filter() {
+  case "$1" in
+    *decode_cuda_test) echo 'CudaDecodeTest.ChainedCalls*:CudaDecodeTest.EveryRotationKind:CudaDecodeTest.Bf16AndFp16*:CudaDecodeTest.Narrow*:CudaDecodeTest.K3v4Codebook*:CudaDecodeTest.BadArguments*' ;;
+    *store_cuda_test) echo 'StoreCudaTest.GraphCapture*:StoreCudaTest.OutOfRange*:StoreCudaTest.NonFinite*:StoreCudaTest.MismatchedState*:StoreCudaTest.MmaPath*:StoreCudaTest.CloseMidpoints*' ;;
+    *) echo '*' ;;
+  esac
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
+if [ "$what" = sanitize ]; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    while read -r t; do
+      [ -n "$t" ] && run_one "sanitize:$tool" "$t" --gtest_filter="$(sanitize_filter "$t")"
+    done <tests.txt
+  done
+  echo "$passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+  exit
+fi
 while read -r t; do [ -n "$t" ] && run_one test "$t"; done <tests.txt
 if [ "$what" != tests ]; then
   while read -r b; do [ -n "$b" ] && run_one bench "$b" ${BENCH_ARGS:-}; done <benchmarks.txt

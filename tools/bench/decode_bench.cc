@@ -15,6 +15,8 @@
 //   decode_bench [--quick] [--torch-json PATH] [--json OUT] [--only KIND:B:L] [--kind KIND]
 //                [--hq 32] [--head-dim 128] [--batches 1,16] [--contexts 1024,4096]
 //                [--tps 0,512,...]   (split lengths to time; 0 = the plan's choice)
+//                [--narrow auto|never|always] [--unstaged] [--no-one-cta] [--no-pdl]
+//                                    (the plan's kernel choices, DecodeOptions)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -51,9 +53,11 @@ int g_d = 128;  // --head-dim
 int g_hq = 32;  // query heads, --hq: 64 gives GQA group 8 (the unpacked kernel)
 // Split lengths to time, --tps 0,512,1024: 0 is the plan's own choice (CudaDecoder::Plan).
 std::vector<int> g_tps = {0};
+// --narrow auto|never|always, --unstaged, --no-one-cta, --no-pdl: the plan's kernel choices.
+DecodeOptions g_options;
 
 // read_gbs, the ceiling a decode is judged against, is the faster of two read-only kernels
-// over 4 GiB: ReadAll (a grid-stride reduction, the only one until session 15) and ReadFloor
+// over 4 GiB: ReadAll (a grid-stride reduction) and ReadFloor
 // (one 32 KB tile per CTA, every load issued up front), which reads 3-4 % faster; the bf16 decode
 // itself had read 2-3 % faster than ReadAll at 64 x 32k.
 struct Ceilings {
@@ -145,7 +149,7 @@ double GraphUs(const std::function<void(int)>& run, int calls, StreamHandle stre
 // Small shapes rotate among disjoint sets of the cache (and the read floor among ranges of the
 // pool) that hold >= kRotateBytes together, five times the H200's 50 MB L2, and at least 8; a
 // graph holds one call per set (at least 16), so every replay reads each set once and the calls
-// read HBM, not L2 (until session 25 the sets were at most 8: at batch 1 × 1k-4k their 9-35 MB
+// read HBM, not L2 (with at most 8 sets, as before commit 944e934, at batch 1 × 1k-4k their 9-35 MB
 // stayed in L2, for PyTorch's SDPA as well).
 constexpr int64_t kRotateBytes = int64_t{256} << 20;
 int RotatingSets(int64_t set_bytes, int64_t available_bytes) {
@@ -216,7 +220,9 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         DeviceBuffer<float> lse(int64_t{batch} * g_hq);
         DecodePlan plan;
         try {
-          plan = decoder->Plan(batch, g_hq, blocks_per_seq, tps);
+          DecodeOptions options = g_options;
+          options.tokens_per_split = tps;
+          plan = decoder->Plan(batch, g_hq, blocks_per_seq, options);
         } catch (const Error& e) {
           fmt::print("  {} B={} L={} tps={}: {}\n", kind.name, batch, context, tps, e.what());
           continue;
@@ -296,113 +302,6 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
               },
               std::max(16, floor_sets), stream.get());
         }
-        // The TQKV_DECODE_PHASE_TIMES measurement build: where one call's time goes, from a
-        // single call on an idle stream (earliest / latest warp at each point, µs from the first
-        // warp's entry). Other builds skip it (cudaErrorNotSupported).
-        if (decode_detail::DecodePhaseTimes(nullptr, nullptr) == cudaSuccess) {
-          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
-          decode_detail::DecodePhaseTimes(nullptr, nullptr);
-          run(0);
-          TQKV_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
-          unsigned long long first[9], last[9];
-          std::vector<unsigned long long> cta_first(1024), cta_last(1024);
-          std::vector<unsigned> cta_sm(1024);
-          std::vector<unsigned long long> cta_start(1024);
-          TQKV_CUDA_CHECK(decode_detail::DecodePhaseTimes(
-              first, last, cta_first.data(), cta_last.data(), cta_sm.data(), cta_start.data()));
-          static const char* const kNames[9] = {"split entry",   "split waited", "prologue issued",
-                                                "prologue done", "chunks done",  "split exit",
-                                                "merge entry",   "merge waited", "merge exit"};
-          std::string line;
-          for (int k = 0; k < 9; ++k) {
-            if (first[k] == ~0ull) continue;  // not passed (no merge, or another kernel)
-            line += fmt::format("  {} {:.2f}-{:.2f}", kNames[k], (first[k] - first[0]) * 1e-3,
-                                (last[k] - first[0]) * 1e-3);
-          }
-          fmt::print("  phases (us):{}\n", line);
-          // Per CTA: when its first and last warp finished their chunks (µs from the first
-          // entry), sorted by the last, and the spread within CTAs; the SMs of the slowest 8.
-          struct Cta {
-            double first, last;
-            unsigned sm;
-            double start;  // its last warp's prologue done (0: not recorded)
-          };
-          std::vector<Cta> ctas;
-          for (int i = 0; i < 1024; ++i) {
-            if (cta_last[i] == 0) continue;
-            ctas.push_back({(cta_first[i] - first[0]) * 1e-3, (cta_last[i] - first[0]) * 1e-3,
-                            cta_sm[i], cta_start[i] != 0 ? (cta_start[i] - first[0]) * 1e-3 : 0.0});
-          }
-          // Does a CTA's late start carry to its end? CTAs by prologue-done time in quartiles:
-          // mean start and mean chunks-done of each.
-          {
-            std::vector<Cta> by_start = ctas;
-            std::sort(by_start.begin(), by_start.end(),
-                      [](const Cta& x, const Cta& y) { return x.start < y.start; });
-            std::string quart;
-            const size_t n = by_start.size();
-            for (int k = 0; k < 4 && n >= 4; ++k) {
-              double s0 = 0, s1 = 0;
-              const size_t lo = k * n / 4, hi = (k + 1) * n / 4;
-              for (size_t i = lo; i < hi; ++i) s0 += by_start[i].start, s1 += by_start[i].last;
-              quart += fmt::format(" [{:.2f} -> {:.2f}]", s0 / (hi - lo), s1 / (hi - lo));
-            }
-            fmt::print("  CTAs by prologue-done quartile [mean start -> mean chunks done]:{}\n",
-                       quart);
-          }
-          // Per SM (CTAs in launch order, i.e. by linear index): how many it ran, when its
-          // first- and last-launched CTAs finished their chunks, and the mean finish of its
-          // k-th launched CTA over the SMs that ran the most CTAs (does launch order set it?).
-          std::map<unsigned, std::vector<double>> by_sm;
-          for (const Cta& c : ctas) by_sm[c.sm].push_back(c.last);
-          size_t most = 0;
-          for (const auto& [sm, v] : by_sm) most = std::max(most, v.size());
-          std::vector<double> rank_sum(most, 0.0), sm_last, sm_spread;
-          int full = 0;
-          std::map<size_t, int> per_sm_count;
-          for (const auto& [sm, v] : by_sm) {
-            ++per_sm_count[v.size()];
-            sm_last.push_back(*std::max_element(v.begin(), v.end()));
-            sm_spread.push_back(*std::max_element(v.begin(), v.end()) -
-                                *std::min_element(v.begin(), v.end()));
-            if (v.size() != most) continue;
-            ++full;
-            for (size_t k = 0; k < most; ++k) rank_sum[k] += v[k];
-          }
-          std::sort(sm_last.begin(), sm_last.end());
-          std::sort(sm_spread.begin(), sm_spread.end());
-          const auto q = [](const std::vector<double>& v, double f) {
-            return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(f * v.size()))];
-          };
-          std::string counts, ranks;
-          for (const auto& [n, k] : per_sm_count) counts += fmt::format(" {}x{}", k, n);
-          for (size_t k = 0; k < most; ++k) ranks += fmt::format(" {:.1f}", rank_sum[k] / full);
-          fmt::print(
-              "  per SM: {} SMs (SMs x CTAs:{}); SM's last CTA done min {:.2f} p10 {:.2f} p50 "
-              "{:.2f} p90 {:.2f} max {:.2f}; first-to-last CTA on an SM p50 {:.2f} max {:.2f}; "
-              "mean done of an SM's k-th launched CTA ({} SMs of {}):{}\n",
-              by_sm.size(), counts, q(sm_last, 0), q(sm_last, 0.1), q(sm_last, 0.5),
-              q(sm_last, 0.9), q(sm_last, 1), q(sm_spread, 0.5), q(sm_spread, 1), full, most,
-              ranks);
-          std::sort(ctas.begin(), ctas.end(),
-                    [](const Cta& x, const Cta& y) { return x.last < y.last; });
-          if (!ctas.empty()) {
-            double spread = 0;
-            for (const Cta& c : ctas) spread = std::max(spread, c.last - c.first);
-            const auto pct = [&](double q) {
-              return ctas[std::min(ctas.size() - 1, static_cast<size_t>(q * ctas.size()))].last;
-            };
-            std::string slow;
-            for (size_t i = ctas.size() > 8 ? ctas.size() - 8 : 0; i < ctas.size(); ++i) {
-              slow += fmt::format(" {}:{:.2f}", ctas[i].sm, ctas[i].last);
-            }
-            fmt::print(
-                "  CTAs' chunks done (us): {} CTAs, min {:.2f} p10 {:.2f} p50 {:.2f} p90 {:.2f} "
-                "max {:.2f}; widest warp spread in a CTA {:.2f}; slowest (SM:us){}\n",
-                ctas.size(), ctas.front().last, pct(0.1), pct(0.5), pct(0.9), ctas.back().last,
-                spread, slow);
-          }
-        }
         res.splits = plan.max_splits;
         res.tokens_per_split = plan.tokens_per_split;
         res.narrow = plan.narrow;
@@ -451,6 +350,17 @@ int Main(int argc, char** argv) {
       g_hq = std::stoi(argv[++i]);
     else if (std::strcmp(argv[i], "--head-dim") == 0 && i + 1 < argc)
       g_d = std::stoi(argv[++i]);
+    else if (std::strcmp(argv[i], "--narrow") == 0 && i + 1 < argc) {
+      const std::string v = argv[++i];
+      g_options.narrow = v == "never"    ? DecodeOptions::Narrow::kNever
+                         : v == "always" ? DecodeOptions::Narrow::kAlways
+                                         : DecodeOptions::Narrow::kAuto;
+    } else if (std::strcmp(argv[i], "--unstaged") == 0)
+      g_options.staged = false;
+    else if (std::strcmp(argv[i], "--no-one-cta") == 0)
+      g_options.one_cta_twin = false;
+    else if (std::strcmp(argv[i], "--no-pdl") == 0)
+      g_options.dependent_launch = false;
     else if (std::strcmp(argv[i], "--tps") == 0 && i + 1 < argc) {
       g_tps.clear();
       std::stringstream list(argv[++i]);
@@ -485,7 +395,7 @@ int Main(int argc, char** argv) {
   };
   if (!batch_list.empty()) batches = ints(batch_list);       // --batches 1,16
   if (!context_list.empty()) contexts = ints(context_list);  // --contexts 1024,4096
-  if (!kind_filter.empty()) {  // --kind KIND: every shape of one kind
+  if (!kind_filter.empty()) {                                // --kind KIND: every shape of one kind
     std::erase_if(kinds, [&](const Kind& k) { return k.name != kind_filter; });
   }
   if (!only.empty()) {  // --only KIND:BATCH:CONTEXT, e.g. for a profiler run

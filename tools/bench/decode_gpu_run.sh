@@ -35,7 +35,7 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
   echo "torch exit $?"
   echo "== decode_bench"
   # The SM clock, power and throttle reasons sampled while it runs, so that each shape's line can
-  # say what clock it ran at: sustained large shapes reach the board's power cap (session 15).
+  # say what clock it ran at: sustained large shapes reach the board's power cap.
   ( while :; do
       echo "$(date +%s.%N) $(nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active \
         --format=csv,noheader,nounits 2>/dev/null)"

@@ -1,6 +1,6 @@
 // Host-side cost of KVCacheManager: the per-step Schedule for 256 decoding sequences, prefix
 // lookup of a 32k-token prompt, Fork/Free. Targets on the 2-core dev machine: <= 20 us per
-// 256-sequence decode step, <= 100 us per 32k-token lookup (PERFORMANCE.md; NOTES.md has runs).
+// 256-sequence decode step, <= 100 us per 32k-token lookup (PERFORMANCE.md; README.md has the results).
 #include <benchmark/benchmark.h>
 #include <time.h>
 

@@ -2,9 +2,9 @@
 """Static size of the decode split kernels' chunk loops, from their SASS (no GPU needed).
 
 The staged decode kernels are bound by the instructions a warp executes per 16-token chunk
-(tools/bench/NOTES.md, session 17), so a kernel change can be judged here before a device call:
+(tools/bench/README.md), so a kernel change can be judged here before a device call:
 
-  nvcc -std=c++20 -arch=sm_90a -O3 -I. -c attention/decode_kernels.cu -o /tmp/dk.o
+  nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -I. -c attention/decode_split_mse4.cu -o /tmp/dk.o
   python3 tools/bench/sass_loops.py /tmp/dk.o [NAME_SUBSTRING ...] [--histogram] [--dump DIR]
 
 For every kernel whose mangled name contains all substrings (default: the D = 128 staged compressed

@@ -362,23 +362,23 @@ int Main(int argc, char** argv) {
     struct Config {
       const char* preset;
       StoreRotationPath path;
-      int variant;
+      StoreFwhtKernel kernel;
     };
-    for (const Config& c : {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 0},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 1},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 2},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 3},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, 5},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kMma, 0},
-                            Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, 0},
-                            Config{"turboquant_k8v4", StoreRotationPath::kAuto, 0},
-                            Config{"turboquant_k3v4_nc", StoreRotationPath::kFwht, 0},
-                            Config{"turboquant_3bit_nc", StoreRotationPath::kFwht, 0}}) {
+    constexpr StoreFwhtKernel kAuto = StoreFwhtKernel::kAuto;
+    for (const Config& c :
+         {Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, kAuto},
+          Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, StoreFwhtKernel::kNarrow},
+          Config{"turboquant_4bit_nc", StoreRotationPath::kFwht, StoreFwhtKernel::kWideFp32},
+          Config{"turboquant_4bit_nc", StoreRotationPath::kMma, kAuto},
+          Config{"turboquant_4bit_nc", StoreRotationPath::kGemm, kAuto},
+          Config{"turboquant_k8v4", StoreRotationPath::kAuto, kAuto},
+          Config{"turboquant_k3v4_nc", StoreRotationPath::kFwht, kAuto},
+          Config{"turboquant_3bit_nc", StoreRotationPath::kFwht, kAuto}}) {
       const Quantizer q = Quantizer::Create(c.preset, kHeadDim, kHeads, kBlock);
       StoreOptions o;
       o.rotation_path = c.path;
       o.validate_slots = false;
-      o.kernel_variant = c.variant;
+      o.fwht_kernel = c.kernel;
       const StoreDeviceState state(q, o);
       DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
       DeviceAllocation ws(state.WorkspaceBytes(s.n));
@@ -482,13 +482,12 @@ int Main(int argc, char** argv) {
                                {"frac_copy", r.min_bytes / r.us / 1e3 / ceil.copy_gbps}});
   }
 
-  // Kernel variants (StoreOptions::kernel_variant, D = 128 bf16 only): 0 = the default (FWHT path:
-  // the wide kernel, 32 elements per lane; GEMM path: the narrow kernel, three CTAs per SM), 1 =
-  // narrow with two rows per thread in flight (ping-pong), 2 = narrow at four CTAs per SM, 3 = the
-  // narrow kernel (the FWHT default before session 6), 5 = the wide kernel with its FWHT as fp32
-  // butterflies only (the default before session 7; variant 0 runs its H16 stages on tensor
-  // cores). Same bytes but for index flips at midpoints (the kernels sum in other orders) and the
-  // k_norm of the rows they occur in.
+  // The FWHT kernel's builds (StoreOptions::fwht_kernel, D = 128 bf16): 0 = the default (the wide
+  // kernel from 32,768 rows, the narrow one below), 1 = the narrow kernel at any size, 3 = the wide
+  // kernel with its FWHT as fp32 butterflies only (the default runs its H16 stages on tensor
+  // cores). The GEMM path has one kernel (its row is the reference for the path). Same bytes but
+  // for index flips at midpoints (the kernels sum in other orders) and the k_norm of the rows they
+  // occur in.
   // N around 4,096 tokens (32,768 rows: kWideMinRows), where the default switches kernels, and up.
   for (int64_t n : {int64_t{1024}, int64_t{2048}, int64_t{4096}, int64_t{8192}, int64_t{16384},
                     int64_t{65536}}) {
@@ -498,11 +497,14 @@ int Main(int argc, char** argv) {
       const Quantizer q = Quantizer::Create(preset, kHeadDim, kHeads, kBlock);
       for (StoreRotationPath path : {StoreRotationPath::kFwht, StoreRotationPath::kGemm}) {
         std::vector<uint8_t> first;
-        for (int variant : {0, 1, 2, 3, 5}) {
+        for (StoreFwhtKernel kernel :
+             {StoreFwhtKernel::kAuto, StoreFwhtKernel::kNarrow, StoreFwhtKernel::kWideFp32}) {
+          if (path != StoreRotationPath::kFwht && kernel != StoreFwhtKernel::kAuto) continue;
+          const int variant = static_cast<int>(kernel);
           StoreOptions o;
           o.rotation_path = path;
           o.validate_slots = false;
-          o.kernel_variant = variant;
+          o.fwht_kernel = kernel;
           const StoreDeviceState state(q, o);
           DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
           cache.FillBytes(0, stream.get());

@@ -1,0 +1,11 @@
+// The split kernels of Bf16 caches (one instantiation unit per key kind, built in parallel).
+#include "attention/decode_split_kernel.cuh"
+
+namespace tqkv::decode_detail {
+
+template cudaError_t LaunchSplitKernelOfKind<KeyKind::kBf16>(const SplitParams&,
+                                                             const SplitVariant&, bool,
+                                                             cudaStream_t);
+template cudaError_t SplitKernelOfKindCtasPerSm<KeyKind::kBf16>(const SplitVariant&, int*);
+
+}  // namespace tqkv::decode_detail

@@ -1,0 +1,200 @@
+// The split kernel's compile-time configuration: chunk and softmax constants, the staged
+// kernels' shared-memory layouts, and SplitKernelConfig (warps, shared-memory regions, occupancy)
+// of one SplitVariant.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/decode_cache_traits.cuh"
+#include "attention/decode_launch.h"
+#include "attention/decode_variant.h"
+
+namespace tqkv::decode_detail {
+
+constexpr int kWarps = 4;   // per CTA, except the staged kernels'
+constexpr int kChunk = 16;  // tokens per MMA chunk
+// Lazy softmax maximum: a chunk rescales the running sums only when a score exceeds the running
+// maximum by more than this (log2 units), so p = 2^(s - m) ≤ 2^kLazyMax; otherwise no reduction.
+// P' = p · value scale must stay below the fp16 maximum: that holds for value scales up to
+// kMaxLazyValueScale = 65504 / 2^6 (value ranges up to ~15,000); a chunk with a larger scale
+// rescales to the exact maximum instead (p ≤ 1, P' ≤ the scale ≤ 65504).
+constexpr float kLazyMax = 6.0f;
+constexpr float kMaxLazyValueScale = 1023.0f;
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
+// group <= 4: 4bit_nc and k3v4_nc): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps
+// per SM instead of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
+// (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
+// the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant), and each
+// warp copies its next chunks into shared memory by cp.async,
+// kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
+// slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
+// runs of 16 fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
+// the lanes' key and value reads hit distinct banks. StagedLayout says where everything is.
+constexpr int kStagedWarps = 8;
+constexpr int kStages = 4;
+
+template <KeyKind kKind, int kW>  // kW: warps per CTA
+struct StagedLayout;
+
+// 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
+// halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
+// the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
+// The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
+// touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
+// 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
+// the reads do not mind). Never from token bit 0: a read of token 2m + 1 is the read of 2m plus
+// the pitch. The copies (one token's 8 units per 8-lane phase) are conflict-free under any XOR.
+template <int kW>
+struct StagedLayout<KeyKind::kMse4, kW> {
+  static_assert(kW == kStagedWarps, "the stages fill the table rows' halves of 8 warps");
+  static constexpr uint32_t kPitch = 256;
+  static constexpr uint32_t kExtra = 256 * 256;
+  static constexpr uint32_t kMeta = kExtra + kStagedWarps * 16 * 256;
+  static constexpr int kBytes = kMeta + kStagedWarps * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return s < 2 ? 8192u * warp + 4096u * s + 128u : kExtra + 4096u * warp + 128u * (s - 2);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    return ((i >> 1) & 1u) ^ (2u * ((i >> 2) & 3u)) ^ (4u * ((i >> 1) & 1u));
+  }
+};
+
+// 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
+// 16 KB table: 84 KB per CTA (8 warps), 50 KB (4 warps). The swizzle is a bit permutation of token
+// / 2 (bits 2, 0, 1 -> unit bits 2, 1, 0): the 8 tokens of a key read (32 lanes, 4-byte words at
+// 12t + 4w) get 8 distinct unit masks, which tile the 32 banks exactly, and the four tokens of a
+// half-warp's value reads (units 3-4 or 5-6) get masks from {0, 1, 4, 5} or {2, 3, 6, 7}, whose
+// unit pairs are disjoint.
+template <int kW>
+struct StagedLayout<KeyKind::kMse3, kW> {
+  static constexpr uint32_t kPitch = 128;
+  static constexpr uint32_t kFirst = 64 * 256;
+  static constexpr uint32_t kMeta = kFirst + kW * kStages * 16 * 128;
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kFirst + 2048u * (kStages * warp + s);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    const uint32_t x = i >> 1;
+    return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
+  }
+};
+
+// bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
+// spilled, so D = 256 keeps the unstaged kernel): 4 warps per CTA, each with kStages stages of
+// 16 tokens × 4·D bytes (a token's 2·D key bytes, then its 2·D value bytes: 8 KB at D = 128)
+// copied kStages - 1 chunks ahead, so that a warp keeps 2 chunks of loads in flight instead of the
+// unstaged kernel's one chunk at a time (which leaves small batches latency-bound). A thread's key
+// words are the 16-byte units 4j + t of its two tokens (not 4t·D/32 ..: the query fragments follow
+// the same d order), its value words the units (D/64)·g + hh of tokens 4t + c. The units of a token
+// are XOR-swizzled by Swizzle(token) (unit bits 0-2) so that every 8-lane phase of those reads
+// touches 8 distinct 16-byte bank groups: bit 2 = token bits 1 ⊕ 2 separates the two tokens of a
+// key read (4q, 4q + 2); the four tokens 4t + c of a value read differ in token bits 2-3, which go
+// to the unit bits that the lane's g leaves free (D = 64: bits 1-2; 128: bits 0 and 2). The
+// copies (8 consecutive units of one token per phase) are conflict-free under any XOR.
+template <int kD>
+struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (HasStagedKernel)
+  static constexpr int kWarps = 4;
+  static constexpr int kStages = 3;
+  static constexpr uint32_t kPitch = 4 * kD;  // bytes per token
+  static constexpr int kUnits = kD / 4;       // 16-byte units per token
+  static constexpr uint32_t kStageBytes = 16 * kPitch;
+  static constexpr int kBytes = kWarps * kStages * kStageBytes;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kStageBytes * (kStages * warp + s);
+  }
+  __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
+    const uint32_t b1 = (i >> 1) & 1u, b2 = (i >> 2) & 1u, b3 = (i >> 3) & 1u;
+    return kD == 64 ? (4u * (b1 ^ b2) | 2u * b3) : (4u * (b1 ^ b2) | b3);
+  }
+};
+
+// The configuration of split kernel V. Paired CTAs (SplitPipeline::kStagedPaired; 3-bit keys: the
+// hi-only twin; 4-bit keys: exact scores): warps 0-3 and 4-7 serve KV heads 2y and 2y + 1 of one
+// sequence, each as a narrow CTA would (chunks interleaved over 4 warps, block ids from global
+// memory), for the plan's narrow layouts. An SM holds two, i.e. the same four units as four narrow
+// CTAs, but the warp schedulers favour the earlier-launched CTAs of an SM: four narrow CTAs of
+// equal work finished 20 µs apart at 64 × 4k (~67, 72, 80, 88 µs), the last one alone on its SM
+// with 4 warps for 8 µs; with pairs the SM keeps 8 warps to the end.
+template <SplitVariant V>
+struct SplitKernelConfig {
+  static constexpr KeyKind kKind = V.kind;
+  static constexpr int kValueBits = V.value_bits;
+  static constexpr int kD = V.head_dim;
+  static constexpr int kNTiles = V.n_tiles;
+  static constexpr bool kStaged = V.staged();
+  static constexpr bool kPaired = V.pipeline == SplitPipeline::kStagedPaired;
+  // Warps per CTA of a staged compressed kernel.
+  static constexpr int kSW = V.pipeline == SplitPipeline::kStagedNarrow ? 4 : kStagedWarps;
+  using Traits = CacheTraits<kKind, kValueBits, kD>;
+  static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
+  static constexpr int kCtaWarps = [] {
+    if constexpr (kPlainStaged) {
+      return Bf16StagedLayout<kD>::kWarps;
+    } else {
+      return kStaged ? kSW : kWarps;
+    }
+  }();
+  static constexpr int kUnits = kPaired ? 2 : 1;  // KV heads per CTA
+  static constexpr int kKSteps = kD / 16;
+  static constexpr int kMTiles = kD / 16;
+  static constexpr int kLutBytes = [] {
+    if constexpr (kPlainStaged) {
+      return Bf16StagedLayout<kD>::kBytes;
+    } else if constexpr (kStaged) {
+      return StagedLayout<kKind, kSW>::kBytes;
+    } else {
+      return Traits::kLutEntries * 256;
+    }
+  }();
+  // The warps' merge: accumulators [kCtaWarps][heads][kD], (m, l, z) [3][kCtaWarps][heads], then
+  // the per-head factors [kCtaWarps][heads], 1/l [heads] and z [heads].
+  // An accumulator row (one warp's head) holds element d at d + d / 32 and rows are kAccStride
+  // floats apart (≡ 4 mod 32 words for D ≤ 128): the fragment stores of a packed warp — lane
+  // (g, t) writes d = 16g + 2·mt (+1) of head t — then hit 32 distinct banks (unpadded rows of
+  // 128 floats put all 32 lanes on 2 banks), and the final pass's reads of consecutive d stay
+  // conflict-free. D = 256 keeps plain rows (its merge region would outgrow the table).
+  static constexpr int kAccRow = kD <= 128 ? kD + kD / 32 : kD;
+  static constexpr int kAccStride = kD <= 128 ? kAccRow + (36 - kAccRow % 32) % 32 : kD;
+  __host__ __device__ static constexpr int AccAt(int row, int d) {
+    return row * kAccStride + (kD <= 128 ? d + d / 32 : d);
+  }
+  static constexpr int kMergeBytes =
+      (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
+  // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (plain caches:
+  // the cache's type in the first array), rows past the group zero, after everything else (the
+  // prologue writes them while the first chunks' copies land in the stages).
+  static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
+  static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;  // per unit
+  // The 8-warp staged compressed kernels: the split's block ids (int32, after the query rows):
+  // at most one per 16 tokens, one more for a split that starts inside a block, and room for
+  // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
+  // Not the narrow kernel: measured 8-18 % slower with them at one round of 512 CTAs (k3v4_nc
+  // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; not understood).
+  static constexpr int kIdsOffset = kQueryOffset + kUnits * kQueryHeads * kD * 4;
+  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired
+                                     ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
+                                     : 0;
+  static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
+  // Scores from the codebook's hi parts alone (SplitVariant::hi_only).
+  static constexpr bool kHiOnly = V.hi_only;
+  static_assert(V.cta_warps() == kCtaWarps && V.units() == kUnits);
+};
+
+// CTAs per SM the kernel is compiled for (D ≤ 128, one N tile; the others take what they need).
+// The bf16 kernel fits 128 registers without spilling, so four CTAs (16 warps) per SM keep more
+// loads in flight: 4 % faster at batch 64 × 4k. The compressed kernels are held to three (≤ 168
+// registers; left alone, the unpacked ones for GQA groups 5-8 took 179-198, i.e. two CTAs);
+// capped at 128 for four they spilled and ran 20-35 % slower (measured, k3v4_nc and k8v4), and
+// the 4-bit table (64 KB) allows three anyway. Staged kernels: two bf16 CTAs; 16 compressed
+// warps per SM, or one CTA per SM for the one_cta twin (up to 255 registers instead of 128:
+// ptxas takes 151, the loop keeps its length; 3-5 % faster where a split grid fits the SMs).
+template <SplitVariant V>
+constexpr int kSplitMinCtas = V.staged()
+                                  ? (IsPlain(V.kind) ? 2 : (V.one_cta ? 1 : 16 / V.cta_warps()))
+                              : (V.n_tiles != 1 || V.head_dim > 128) ? 1
+                              : IsPlain(V.kind)                      ? 4
+                                                                     : 3;
+}  // namespace tqkv::decode_detail

@@ -1,0 +1,173 @@
+// Which split kernel serves a decode: the cache's key kind, its shape and the plan's choices, as
+// one value (SplitVariant). The plan builds it on the host (ChooseSplitVariant); the kernels are
+// instantiated for exactly the values ChooseSplitVariant can return (SplitVariantsOf), so the
+// two cannot drift apart. Plain C++ (no CUDA headers): the host planner and the kernel files
+// both include it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace tqkv::decode_detail {
+
+// How keys are stored; picks the kernel family.
+enum class KeyKind : uint8_t {
+  kMse4,  // 4-bit codebook indices + fp16 norm (turboquant_4bit_nc)
+  kMse3,  // 3-bit codebook indices + fp16 norm (turboquant_k3v4_nc, turboquant_3bit_nc)
+  kFp8,   // FP8 E4M3 per element (turboquant_k8v4)
+  kBf16,  // uncompressed bf16 K and V (the baseline layout of Bf16BlockFormat)
+  kF16,   // uncompressed fp16 K and V (Bf16BlockFormat with dtype F16)
+};
+inline constexpr std::array<KeyKind, 5> kKeyKinds = {KeyKind::kMse4, KeyKind::kMse3, KeyKind::kFp8,
+                                                     KeyKind::kBf16, KeyKind::kF16};
+
+// The uncompressed kinds (one kernel family, fp16 or bf16 MMAs).
+constexpr bool IsPlain(KeyKind k) { return k == KeyKind::kBf16 || k == KeyKind::kF16; }
+
+// How a split CTA brings its chunks to the tensor cores.
+enum class SplitPipeline : uint8_t {
+  kRegisters,     // 4 warps, each loads its next chunk into registers while computing one
+  kStaged,        // cp.async copies some chunks ahead into shared memory: 8 warps (compressed),
+                  // 4 warps (bf16/fp16)
+  kStagedNarrow,  // 3-bit keys: 4-warp staged CTAs, four per SM
+  kStagedPaired,  // 8-warp staged CTAs whose warps 0-3 and 4-7 serve two KV heads
+};
+
+// One split kernel. Every field is a compile-time choice of the kernel template.
+struct SplitVariant {
+  KeyKind kind = KeyKind::kMse4;
+  int value_bits = 4;  // 16 for the uncompressed kinds
+  int head_dim = 128;
+  // 8-head N tiles of the score MMA: 2 for GQA groups 9-16 of the unpacked kernels.
+  int n_tiles = 1;
+  // Compressed kinds, GQA group <= 4: a head's q_hi and q_lo in adjacent MMA columns (one score MMA
+  // per k-step computes both; DecodeSplitKernel).
+  bool packed = false;
+  SplitPipeline pipeline = SplitPipeline::kRegisters;
+  // 3-bit keys' 8-warp staged kernels: scores from the scaled codebook's fp16 hi parts alone
+  // (attention/codebook_fp16.h); 16 MMAs per chunk instead of 24.
+  bool hi_only = false;
+  // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
+  bool one_cta = false;
+
+  constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
+  // Warps per CTA, and KV heads per CTA.
+  constexpr int cta_warps() const {
+    if (pipeline == SplitPipeline::kRegisters || pipeline == SplitPipeline::kStagedNarrow) return 4;
+    return pipeline == SplitPipeline::kStaged && IsPlain(kind) ? 4 : 8;
+  }
+  constexpr int units() const { return pipeline == SplitPipeline::kStagedPaired ? 2 : 1; }
+  constexpr bool operator==(const SplitVariant&) const = default;
+
+  // The variant as one integer, for the kernel template's parameter (nvcc's host stubs do not
+  // take class-type template arguments of a namespaced type).
+  constexpr uint32_t Code() const {
+    return static_cast<uint32_t>(kind) | static_cast<uint32_t>(value_bits) << 3 |
+           static_cast<uint32_t>(head_dim) << 8 | static_cast<uint32_t>(n_tiles) << 17 |
+           uint32_t{packed} << 19 | static_cast<uint32_t>(pipeline) << 20 |
+           uint32_t{hi_only} << 22 | uint32_t{one_cta} << 23;
+  }
+  static constexpr SplitVariant FromCode(uint32_t c) {
+    return {static_cast<KeyKind>(c & 7u),
+            static_cast<int>((c >> 3) & 31u),
+            static_cast<int>((c >> 8) & 511u),
+            static_cast<int>((c >> 17) & 3u),
+            ((c >> 19) & 1u) != 0,
+            static_cast<SplitPipeline>((c >> 20) & 3u),
+            ((c >> 22) & 1u) != 0,
+            ((c >> 23) & 1u) != 0};
+  }
+};
+
+// The plan's choices, which ChooseSplitVariant maps to a kernel.
+struct SplitChoice {
+  bool staged = true;    // the staged kernels where they exist (false: the register ones)
+  bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys)
+  bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
+  bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
+};
+
+// A variant, or none (ok = false) where no kernel serves that combination.
+struct MaybeSplitVariant {
+  bool ok = false;
+  SplitVariant variant;
+};
+
+// Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
+// kinds' packed layout, GQA group <= 4).
+constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed) {
+  return (packed && head_dim == 128 && value_bits == 4 &&
+          (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
+         (!packed && head_dim <= 128 && IsPlain(kind));
+}
+
+// The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
+// variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
+// narrow, which only 3-bit and 4-bit keys with 4-bit values at D = 128 and groups <= 4 have.
+constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
+                                               int group, SplitChoice c) {
+  const bool valid_bits = IsPlain(kind)            ? value_bits == 16
+                          : kind == KeyKind::kMse3 ? (value_bits == 3 || value_bits == 4)
+                                                   : value_bits == 4;
+  if (!valid_bits || group < 1 || group > 16 ||
+      (head_dim != 64 && head_dim != 128 && head_dim != 256)) {
+    return {};
+  }
+  SplitVariant v{kind, value_bits, head_dim};
+  const bool packed_staged = HasStagedKernel(kind, value_bits, head_dim, true) && group <= 4;
+  if (c.narrow) {
+    if (IsPlain(kind) || !packed_staged || !c.staged) return {};
+    v.packed = true;
+    if (kind == KeyKind::kMse4 || c.hi_only) {
+      // Paired CTAs: 3-bit keys' on the hi-only twin, 4-bit keys' (the only narrow layout they
+      // have) with exact scores.
+      v.pipeline = SplitPipeline::kStagedPaired;
+      v.hi_only = kind == KeyKind::kMse3;
+    } else {
+      v.pipeline = SplitPipeline::kStagedNarrow;
+    }
+    return {true, v};
+  }
+  if (!IsPlain(kind) && group <= 4) {
+    v.packed = true;
+    if (packed_staged && c.staged) {
+      v.pipeline = SplitPipeline::kStaged;
+      v.hi_only = kind == KeyKind::kMse3 && c.hi_only;
+      v.one_cta = kind == KeyKind::kMse4 && c.one_cta;
+    }
+    return {true, v};
+  }
+  v.n_tiles = group <= 8 ? 1 : 2;
+  if (HasStagedKernel(kind, value_bits, head_dim, false) && c.staged) {
+    v.pipeline = SplitPipeline::kStaged;
+  }
+  return {true, v};
+}
+
+// Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
+inline constexpr int kMaxVariantsPerKind = 32;
+struct SplitVariantList {
+  std::array<SplitVariant, kMaxVariantsPerKind> items{};
+  int size = 0;
+};
+constexpr SplitVariantList SplitVariantsOf(KeyKind kind) {
+  SplitVariantList list;
+  for (int bits : {3, 4, 16}) {
+    for (int d : {64, 128, 256}) {
+      for (int group = 1; group <= 16; ++group) {
+        for (int choice = 0; choice < 16; ++choice) {
+          const SplitChoice c{(choice & 1) != 0, (choice & 2) != 0, (choice & 4) != 0,
+                              (choice & 8) != 0};
+          const MaybeSplitVariant m = ChooseSplitVariant(kind, bits, d, group, c);
+          if (!m.ok) continue;
+          bool seen = false;
+          for (int i = 0; i < list.size; ++i) seen = seen || list.items[i] == m.variant;
+          if (!seen) list.items[list.size++] = m.variant;  // overflow fails constant evaluation
+        }
+      }
+    }
+  }
+  return list;
+}
+
+}  // namespace tqkv::decode_detail
