@@ -19,6 +19,7 @@ __device__ __forceinline__ bool SplitCta<V>::Start() {
   // warp: the warp's index among its KV head's kW warps; unit: which of the CTA's KV heads.
   unit = kPaired ? cta_warp / kW : 0, warp = kPaired ? cta_warp % kW : cta_warp;
   split = blockIdx.x, h0 = blockIdx.y * kUnits, h = h0 + unit, b = blockIdx.z;
+  group = p.num_q_heads / p.num_kv_heads;
 
   // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
   // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
@@ -52,11 +53,10 @@ __device__ __forceinline__ bool SplitCta<V>::Start() {
   // its load is issued here, beside the sequence length's, so that its latency overlaps the
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
   // the warps waited as long for the query as for the first block ids).
-  q_prefetched = p.wait_at_start && p.query_dtype != 0 && warp < p.num_q_heads / p.num_kv_heads &&
-                 warp < Config::kQueryHeads;
+  q_prefetched =
+      p.wait_at_start && p.query_dtype != 0 && warp < group && warp < Config::kQueryHeads;
   if (q_prefetched) {
-    const int64_t row =
-        static_cast<int64_t>(b) * p.num_q_heads + h * (p.num_q_heads / p.num_kv_heads) + warp;
+    const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h * group + warp;
     const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.query) +
                                                             row * kD + kE * lane);
 #pragma unroll
@@ -91,7 +91,6 @@ __device__ __forceinline__ bool SplitCta<V>::Start() {
   len = p.seq_lens[b];
   if (begin >= len) {           // the merge reads only splits that hold tokens
     if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
-      const int group = p.num_q_heads / p.num_kv_heads;
       const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h0 * group;
       for (int i = threadIdx.x; i < kUnits * group * kD; i += blockDim.x) {
         StoreOutput(p.output, p.out_dtype, row0 * kD + i, 0.0f);
@@ -102,7 +101,6 @@ __device__ __forceinline__ bool SplitCta<V>::Start() {
   }
   end = min(begin + p.tokens_per_split, len);
   g = lane >> 2, t = lane & 3;
-  group = p.num_q_heads / p.num_kv_heads;
   return true;
 }
 
