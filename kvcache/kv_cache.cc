@@ -161,13 +161,15 @@ void KVCache::ApplyCopies(std::span<const BlockCopy> copies, StreamHandle stream
 #endif
 }
 
-void UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device, StreamHandle stream) {
+StepBatchView UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device,
+                              StreamHandle stream) {
   const std::span<const std::byte> bytes = batch.bytes();
   if (device.size() < static_cast<int64_t>(bytes.size())) {
     device = DeviceBuffer<uint8_t>(
         std::max<int64_t>(static_cast<int64_t>(bytes.size()), 2 * device.size()));
   }
   device.CopyFromHost({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, 0, stream);
+  return ViewStepBatch(batch, device.data());
 }
 
 }  // namespace tqkv

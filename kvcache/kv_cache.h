@@ -71,10 +71,14 @@ class KVCache {
 };
 
 // Uploads a step: copies batch.bytes() (block tables, slot mapping, lengths; offsets in
-// batch.layout()) into `device` with one asynchronous copy on `stream` (nullptr: synchronous).
-// `device` grows when too small (size it once for the largest padded step when capturing CUDA
-// graphs). The batch's host buffer must not be rescheduled until the copy has completed: wait on
-// the stream before the next Schedule, or alternate two StepBatch objects.
-void UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device, StreamHandle stream);
+// batch.layout()) into `device` with one asynchronous copy on `stream` (nullptr: synchronous),
+// and returns the device pointers of the four sections (ViewStepBatch(batch, device.data())):
+// the store's slot mapping and the decode's block tables and lengths, for every layer of the
+// step. `device` grows when too small (which frees the old buffer: size it once for the largest
+// padded step when capturing CUDA graphs). The batch's host buffer must not be rescheduled until
+// the copy has completed: wait on the stream before the next Schedule, or alternate two
+// StepBatch objects.
+StepBatchView UploadStepBatch(const StepBatch& batch, DeviceBuffer<uint8_t>& device,
+                              StreamHandle stream);
 
 }  // namespace tqkv

@@ -73,9 +73,20 @@ TEST(KVCacheCudaTest, StepBatchUploadsInOneCopy) {
   EXPECT_TRUE(batch.arena_pinned());
   DeviceBuffer<uint8_t> device;
   Stream stream;
-  UploadStepBatch(batch, device, stream.get());
+  const StepBatchView view = UploadStepBatch(batch, device, stream.get());
   const auto bytes = batch.bytes();
   ASSERT_GE(device.size(), static_cast<int64_t>(bytes.size()));
+  // The returned view points into the device copy, at the batch's offsets.
+  const uint8_t* base = device.data();
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.block_tables),
+            base + batch.layout().block_tables);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.slot_mapping),
+            base + batch.layout().slot_mapping);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.seq_lens), base + batch.layout().seq_lens);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.query_start_loc),
+            base + batch.layout().query_start_loc);
+  EXPECT_EQ(view.padded_num_requests, 16);
+  EXPECT_EQ(view.padded_num_tokens, 256);
   std::vector<uint8_t> back(bytes.size());
   device.CopyToHost(back, 0, stream.get());
   stream.Synchronize();

@@ -70,6 +70,44 @@ TEST(KVCacheTest, UploadNeedsADevice) {
   EXPECT_THROW(UploadStepBatch(batch, device, nullptr), Error);
 }
 
+// The view of the batch's own buffer reads what the batch's accessors read; a view of another
+// base is the same offsets from there (what UploadStepBatch returns for its device copy).
+TEST(KVCacheTest, StepBatchViewPointsAtTheSections) {
+  KVCacheManagerOptions o;
+  o.num_blocks = 32;
+  o.block_size = 4;
+  KVCacheManager m(o);
+  std::vector<StepRequest> reqs;
+  for (int i = 0; i < 3; ++i) {
+    reqs.push_back({m.AddSequence(std::vector<int32_t>(5 + 3 * i, i + 1)), 5 + 3 * i, 0});
+  }
+  StepBatch batch;
+  ASSERT_TRUE(
+      m.Schedule(reqs, batch, {.pad_tokens_to = 40, .pad_requests_to = 5, .block_table_width = 6})
+          .admitted);
+  const StepBatchView v = ViewStepBatch(batch, batch.bytes().data());
+  EXPECT_EQ(v.num_requests, 3);
+  EXPECT_EQ(v.padded_num_requests, 5);
+  EXPECT_EQ(v.num_tokens, 5 + 8 + 11);
+  EXPECT_EQ(v.padded_num_tokens, 40);
+  EXPECT_EQ(v.block_table_width, 6);
+  EXPECT_EQ(v.block_tables, batch.block_tables().data());
+  EXPECT_EQ(v.slot_mapping, batch.slot_mapping().data());
+  EXPECT_EQ(v.seq_lens, batch.seq_lens().data());
+  EXPECT_EQ(v.query_start_loc, batch.query_start_loc().data());
+  EXPECT_EQ(v.seq_lens[2], 11);
+  EXPECT_EQ(v.query_start_loc[3], 24);
+  EXPECT_EQ(v.slot_mapping[24], -1);
+
+  alignas(64) static std::byte elsewhere[4096];
+  const StepBatchView w = ViewStepBatch(batch, elsewhere);
+  const auto offset = [&](const void* p) { return static_cast<const std::byte*>(p) - elsewhere; };
+  EXPECT_EQ(offset(w.block_tables), batch.layout().block_tables);
+  EXPECT_EQ(offset(w.slot_mapping), batch.layout().slot_mapping);
+  EXPECT_EQ(offset(w.seq_lens), batch.layout().seq_lens);
+  EXPECT_EQ(offset(w.query_start_loc), batch.layout().query_start_loc);
+}
+
 TEST(KVCacheTest, ApplyCopiesCopiesWholeBlocksInEveryLayer) {
   const CacheFormat f = MakeCacheFormat("turboquant_k3v4_nc", 64, 2, 16);
   KVCache cache(f, 2, 8, CacheDevice::kCpu);

@@ -240,11 +240,36 @@ PrefixMatch KVCacheManager::Lookup(SeqId id) const {
 // ---------------------------------------------------------------------------------------------
 // Schedule
 
+// Phases 1 and 2 change nothing that a caller can observe (they may throw, and may end in a
+// rejection); phase 3 cannot fail.
 ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, StepBatch& batch,
                                         const ScheduleOptions& options) {
+  const int64_t total_tokens = ValidateRequests(requests, options);  // phase 1
+  const int64_t pinned = PlanPrefixHits();                           // phase 2a
+  const BlockDemand demand = PlanBlocks(requests, options);          // phase 2b
+
+  ++schedule_calls_;
+  const int64_t available = int64_t{pool_.num_available()} - pinned + demand.reclaimable;
+  ScheduleResult result;
+  result.blocks_needed = demand.needed;
+  result.blocks_available = available;
+  if (demand.needed > available || demand.never_fits) {
+    Reject(requests, available, result);
+    return result;
+  }
+  result.admitted = true;
+
+  // Phase 3: hits, then window releases (so their blocks serve this batch), then copies and
+  // allocations, then the batch.
+  TakePrefixHits();
+  if (options_.sliding_window > 0) ReleaseWindowBlocks();
+  WriteBatch(requests, options, total_tokens, demand.width, batch);
+  return result;
+}
+
+int64_t KVCacheManager::ValidateRequests(std::span<const StepRequest> requests,
+                                         const ScheduleOptions& options) {
   constexpr const char* kWhere = "Schedule";
-  const int32_t bs = block_size_;
-  const int32_t window = options_.sliding_window;
   if (options.pad_tokens_to < 0) {
     throw InvalidArgument(kWhere, "options.pad_tokens_to", options.pad_tokens_to, ">= 0");
   }
@@ -264,7 +289,6 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     epoch_ = 1;
   }
 
-  // Phase 1 (no state change): validate every request.
   plans_.resize(requests.size());
   int64_t total_tokens = 0;
   constexpr size_t kAhead = 8;  // prefetch distance, in requests
@@ -303,14 +327,16 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     throw InvalidArgument(kWhere, "total num_new_tokens", total_tokens,
                           fmt::format("at most {}", kMaxPositions));
   }
+  return total_tokens;
+}
 
-  // Phase 2a (no state change): prefix hits of sequences with nothing scheduled. Hit blocks are
-  // marked so that they count once, are not counted as available, and make a partially filled
-  // block they also appear in count as shared.
+// Hit blocks are marked so that they count once, are not counted as available, and make a
+// partially filled block they also appear in count as shared.
+int64_t KVCacheManager::PlanPrefixHits() {
+  const int32_t bs = block_size_;
   hit_blocks_.clear();
   int64_t pinned = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Plan& p = plans_[i];
+  for (Plan& p : plans_) {
     const Sequence& s = *p.seq;
     // Fresh: nothing scheduled and no lookahead reservation; its prefix comes from the cache.
     p.fresh = s.num_scheduled == 0 && s.blocks.empty();
@@ -330,13 +356,16 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
       if (pool_.block(b).state == BlockState::kEvictable) ++pinned;
     }
   }
+  return pinned;
+}
 
-  // Phase 2b (no state change): blocks each request needs.
+KVCacheManager::BlockDemand KVCacheManager::PlanBlocks(std::span<const StepRequest> requests,
+                                                       const ScheduleOptions& options) {
+  constexpr const char* kWhere = "Schedule";
+  const int32_t window = options_.sliding_window;
   const int32_t usable = pool_.num_usable();
-  int64_t needed = 0;
-  int64_t reclaimable = 0;
-  int32_t width = std::max<int32_t>(options.block_table_width, 1);
-  bool never_fits = false;
+  BlockDemand demand;
+  demand.width = std::max<int32_t>(options.block_table_width, 1);
   for (size_t i = 0; i < requests.size(); ++i) {
     Plan& p = plans_[i];
     const Sequence& s = *p.seq;
@@ -357,7 +386,7 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
       if (!fresh) {
         for (int32_t j = s.num_released; j < p.release_to; ++j) {
           const int32_t b = s.blocks[static_cast<size_t>(j)];
-          if (pool_.block(b).ref_count == 1 && block_mark_[b] != epoch_) ++reclaimable;
+          if (pool_.block(b).ref_count == 1 && block_mark_[b] != epoch_) ++demand.reclaimable;
         }
       }
     }
@@ -369,43 +398,39 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
       p.cow = shared;
       p.unpublish = !shared && pool_.block(b).hashed;
     }
-    needed += p.new_blocks + (p.cow ? 1 : 0);
-    if (p.table_len - p.release_to > usable) never_fits = true;
-    width = std::max(width, p.table_len);
+    demand.needed += p.new_blocks + (p.cow ? 1 : 0);
+    if (p.table_len - p.release_to > usable) demand.never_fits = true;
+    demand.width = std::max(demand.width, p.table_len);
   }
+  return demand;
+}
 
-  ++schedule_calls_;
-  const int64_t available = int64_t{pool_.num_available()} - pinned + reclaimable;
-  ScheduleResult result;
-  result.blocks_needed = needed;
-  result.blocks_available = available;
-  if (needed > available || never_fits) {
-    ++schedule_rejections_;
-    result.blocks_missing = std::max<int64_t>(0, needed - available);
-    int64_t remaining = available;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const Plan& p = plans_[i];
-      ScheduleRejection rej;
-      rej.request_index = static_cast<int32_t>(i);
-      rej.seq = requests[i].seq;
-      rej.blocks_needed = p.new_blocks + (p.cow ? 1 : 0);
-      if (p.table_len - p.release_to > usable) {
-        rej.never_fits = true;
-        rej.blocks_missing = p.table_len - p.release_to - usable;
-      } else if (rej.blocks_needed <= remaining) {
-        remaining -= rej.blocks_needed;
-        continue;
-      } else {
-        rej.blocks_missing = rej.blocks_needed - remaining;
-      }
-      result.rejected.push_back(rej);
+void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t available,
+                            ScheduleResult& result) {
+  ++schedule_rejections_;
+  const int32_t usable = pool_.num_usable();
+  result.blocks_missing = std::max<int64_t>(0, result.blocks_needed - available);
+  int64_t remaining = available;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Plan& p = plans_[i];
+    ScheduleRejection rej;
+    rej.request_index = static_cast<int32_t>(i);
+    rej.seq = requests[i].seq;
+    rej.blocks_needed = p.new_blocks + (p.cow ? 1 : 0);
+    if (p.table_len - p.release_to > usable) {
+      rej.never_fits = true;
+      rej.blocks_missing = p.table_len - p.release_to - usable;
+    } else if (rej.blocks_needed <= remaining) {
+      remaining -= rej.blocks_needed;
+      continue;
+    } else {
+      rej.blocks_missing = rej.blocks_needed - remaining;
     }
-    return result;
+    result.rejected.push_back(rej);
   }
-  result.admitted = true;
+}
 
-  // Phase 3 (cannot fail): hits, then window releases (so their blocks serve this batch), then
-  // copies and allocations, then the batch.
+void KVCacheManager::TakePrefixHits() {
   for (Plan& p : plans_) {
     Sequence& s = *p.seq;
     if (!p.fresh) continue;
@@ -426,19 +451,25 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     s.num_released = std::min(first_kept, p.hit_blocks);
     s.num_cached_blocks = p.hit_blocks;
   }
-  if (window > 0) {
-    for (Plan& p : plans_) {
-      Sequence& s = *p.seq;
-      if (p.release_to > s.num_released) ++s.table_epoch;
-      for (int32_t j = s.num_released; j < p.release_to; ++j) {
-        int32_t& entry = s.blocks[static_cast<size_t>(j)];
-        if (entry != kNullBlock) pool_.Release(entry);
-        entry = kNullBlock;
-      }
-      s.num_released = std::max(s.num_released, p.release_to);
-    }
-  }
+}
 
+void KVCacheManager::ReleaseWindowBlocks() {
+  for (Plan& p : plans_) {
+    Sequence& s = *p.seq;
+    if (p.release_to > s.num_released) ++s.table_epoch;
+    for (int32_t j = s.num_released; j < p.release_to; ++j) {
+      int32_t& entry = s.blocks[static_cast<size_t>(j)];
+      if (entry != kNullBlock) pool_.Release(entry);
+      entry = kNullBlock;
+    }
+    s.num_released = std::max(s.num_released, p.release_to);
+  }
+}
+
+void KVCacheManager::WriteBatch(std::span<const StepRequest> requests,
+                                const ScheduleOptions& options, int64_t total_tokens, int32_t width,
+                                StepBatch& batch) {
+  const int32_t bs = block_size_;
   int32_t padded_requests =
       std::max<int32_t>(static_cast<int32_t>(requests.size()), options.pad_requests_to);
   int32_t padded_tokens =
@@ -519,7 +550,6 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     seq_lens[i] = 0;
     query_start[i + 1] = static_cast<int32_t>(t);
   }
-  return result;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -242,6 +242,33 @@ class KVCacheManager {
   void PublishTrustedBlocks(Sequence& s);
   void ReleaseTail(Sequence& s, size_t keep);  // releases entries >= keep, last first
 
+  // Schedule, one method per phase; the phases share plans_ (one Plan per request) and the
+  // scratch below. Phases 1 and 2 leave the manager as it was (bar the batch marks); phase 3
+  // cannot fail.
+  struct BlockDemand {
+    int64_t needed = 0;       // new blocks, copy-on-write copies included
+    int64_t reclaimable = 0;  // blocks this batch's sliding windows release
+    int32_t width = 1;        // block-table columns
+    bool never_fits = false;  // some request needs more blocks than the pool holds
+  };
+  // Phase 1: validates the options and every request (throws), marks each request's sequence,
+  // starts plans_; returns the batch's new tokens.
+  int64_t ValidateRequests(std::span<const StepRequest> requests, const ScheduleOptions& options);
+  // Phase 2a: the prefix hits of fresh sequences (hit_blocks_, marked in block_mark_); returns
+  // how many of them are evictable (not available to this batch's allocations).
+  int64_t PlanPrefixHits();
+  // Phase 2b: each request's start, table length, new blocks, window release and copy-on-write
+  // (throws for positions past 2^31 - 1).
+  BlockDemand PlanBlocks(std::span<const StepRequest> requests, const ScheduleOptions& options);
+  // Not admitted: counts the rejection and says which requests, admitted in order, fell short.
+  void Reject(std::span<const StepRequest> requests, int64_t available, ScheduleResult& result);
+  // Phase 3: takes the prefix hits, releases blocks before the sliding windows, then copies and
+  // allocates blocks and writes the batch (slots, table rows, lengths, query starts, padding).
+  void TakePrefixHits();
+  void ReleaseWindowBlocks();
+  void WriteBatch(std::span<const StepRequest> requests, const ScheduleOptions& options,
+                  int64_t total_tokens, int32_t width, StepBatch& batch);
+
   KVCacheManagerOptions options_;
   int32_t block_size_;
   int shift_;  // log2(block_size_), or -1 when it is not a power of two

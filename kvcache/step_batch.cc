@@ -38,4 +38,20 @@ void StepBatch::Reshape(int32_t num_requests, int32_t padded_requests, int32_t n
   copies_.clear();
 }
 
+StepBatchView ViewStepBatch(const StepBatch& batch, const void* base) {
+  const auto* bytes = static_cast<const std::byte*>(base);
+  const StepBatch::Layout& l = batch.layout();
+  StepBatchView v;
+  v.block_tables = reinterpret_cast<const int32_t*>(bytes + l.block_tables);
+  v.slot_mapping = reinterpret_cast<const int64_t*>(bytes + l.slot_mapping);
+  v.seq_lens = reinterpret_cast<const int32_t*>(bytes + l.seq_lens);
+  v.query_start_loc = reinterpret_cast<const int32_t*>(bytes + l.query_start_loc);
+  v.num_requests = batch.num_requests();
+  v.padded_num_requests = batch.padded_num_requests();
+  v.num_tokens = batch.num_tokens();
+  v.padded_num_tokens = batch.padded_num_tokens();
+  v.block_table_width = batch.block_table_width();
+  return v;
+}
+
 }  // namespace tqkv

@@ -149,4 +149,23 @@ class StepBatch {
   std::vector<BlockCopy> copies_;
 };
 
+// Typed pointers to the four sections of a copy of StepBatch::bytes() that starts at `base`: the
+// batch's own host buffer (base = batch.bytes().data()) or a device copy of it (UploadStepBatch,
+// kvcache/kv_cache.h, returns the view of its upload). The shapes are the batch's at the time of
+// the view; the pointers stay valid as long as the memory at `base` holds that copy.
+struct StepBatchView {
+  const int32_t* block_tables = nullptr;     // [padded_num_requests, block_table_width]
+  const int64_t* slot_mapping = nullptr;     // [padded_num_tokens]
+  const int32_t* seq_lens = nullptr;         // [padded_num_requests]
+  const int32_t* query_start_loc = nullptr;  // [padded_num_requests + 1]
+  int32_t num_requests = 0;
+  int32_t padded_num_requests = 0;
+  int32_t num_tokens = 0;
+  int32_t padded_num_tokens = 0;
+  int32_t block_table_width = 0;
+};
+
+// The view of batch.bytes() copied to `base` (pointer arithmetic only: base + batch.layout()).
+StepBatchView ViewStepBatch(const StepBatch& batch, const void* base);
+
 }  // namespace tqkv

@@ -3,14 +3,19 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "attention/decode_cpu.h"
@@ -65,6 +70,7 @@ class ActivationModel {
  public:
   ActivationModel(const SimConfig& c) : c_(c) {
     const int d = c.head_dim;
+    for (int i = 0; i < d / 2; ++i) inv_freq_.push_back(std::pow(10000.0, -2.0 * i / d));
     for (int layer = 0; layer < c.layers; ++layer) {
       std::vector<float> scale(size_t(c.kv_heads) * d, 1.0f), mean(scale.size(), 0.0f);
       std::vector<float> head_scale(c.kv_heads);
@@ -83,61 +89,115 @@ class ActivationModel {
     }
   }
 
-  // K and V of one token: [kv_heads, head_dim] each, appended.
-  void KeyValue(int layer, int64_t pos, uint64_t prefix_hash, std::vector<float>& k,
-                std::vector<float>& v) const {
+  // K and V of one token: [kv_heads, head_dim] each, written to k and v.
+  void KeyValue(int layer, int64_t pos, uint64_t prefix_hash, float* k, float* v) const {
     const int d = c_.head_dim;
     Normals n(Mix(prefix_hash ^ (uint64_t(layer) << 56) ^ uint64_t(pos)));
+    Rotation rope = RopeAt(pos);
     for (int h = 0; h < c_.kv_heads; ++h) {
-      const size_t k0 = k.size();
+      float* kh = k + size_t(h) * d;
       for (int i = 0; i < d; ++i) {
         const size_t ch = size_t(h) * d + i;
-        k.push_back(head_scale_[layer][h] * (mean_[layer][ch] + scale_[layer][ch] * n.Next()));
+        kh[i] = head_scale_[layer][h] * (mean_[layer][ch] + scale_[layer][ch] * n.Next());
       }
-      Rope(k.data() + k0, pos);
-      for (int i = 0; i < d; ++i) v.push_back(head_scale_[layer][h] * n.Next());
+      Rope(kh, rope);
+      float* vh = v + size_t(h) * d;
+      for (int i = 0; i < d; ++i) vh[i] = head_scale_[layer][h] * n.Next();
     }
   }
+  // Appends them to k and v.
+  void AppendKeyValue(int layer, int64_t pos, uint64_t prefix_hash, std::vector<float>& k,
+                      std::vector<float>& v) const {
+    const size_t at = k.size(), n = size_t(c_.kv_heads) * c_.head_dim;
+    k.resize(at + n);
+    v.resize(at + n);
+    KeyValue(layer, pos, prefix_hash, k.data() + at, v.data() + at);
+  }
 
-  // The query of the token at `pos`: [q_heads, head_dim], appended.
-  void Query(int layer, int64_t pos, uint64_t key, std::vector<float>& q) const {
+  // The query of the token at `pos`: [q_heads, head_dim], written to q.
+  void Query(int layer, int64_t pos, uint64_t key, float* q) const {
     const int d = c_.head_dim, group = c_.q_heads / c_.kv_heads;
     Normals n(Mix(key ^ 0x5151515151515151ull ^ (uint64_t(layer) << 56) ^ uint64_t(pos)));
+    Rotation rope = RopeAt(pos);
     for (int hq = 0; hq < c_.q_heads; ++hq) {
       const int h = hq / group;
-      const size_t q0 = q.size();
+      float* qh = q + size_t(hq) * d;
       double energy = 0.0;
       for (int i = 0; i < d; ++i) {
         const size_t ch = size_t(h) * d + i;
         const float x = scale_[layer][ch] * n.Next();
-        q.push_back(x);
+        qh[i] = x;
         const double hs = head_scale_[layer][h];
         energy += double(x) * x * hs * hs *
                   (mean_[layer][ch] * mean_[layer][ch] + scale_[layer][ch] * scale_[layer][ch]);
       }
       const double tau = 1.5 + 2.5 * (0.5 + 0.5 * std::tanh(n.Next()));
       const double factor = tau * std::sqrt(double(d)) / std::sqrt(energy);
-      for (int i = 0; i < d; ++i) q[q0 + i] = static_cast<float>(q[q0 + i] * factor);
-      Rope(q.data() + q0, pos);
+      for (int i = 0; i < d; ++i) qh[i] = static_cast<float>(qh[i] * factor);
+      Rope(qh, rope);
     }
   }
 
  private:
+  // RoPE's cos and sin at one position, computed once for all heads of a token.
+  struct Rotation {
+    std::vector<double> cs, sn;
+  };
   static float Unit(uint64_t s) { return (Mix(s) >> 40) * (1.0f / 16777216.0f); }
-  void Rope(float* x, int64_t pos) const {
+  Rotation RopeAt(int64_t pos) const {
+    Rotation r;
+    r.cs.resize(inv_freq_.size());
+    r.sn.resize(inv_freq_.size());
+    for (size_t i = 0; i < inv_freq_.size(); ++i) {
+      const double angle = double(pos) * inv_freq_[i];
+      r.cs[i] = std::cos(angle);
+      r.sn[i] = std::sin(angle);
+    }
+    return r;
+  }
+  void Rope(float* x, const Rotation& r) const {
     const int d = c_.head_dim;
     for (int i = 0; i < d / 2; ++i) {
-      const double angle = double(pos) * std::pow(10000.0, -2.0 * i / d);
-      const double cs = std::cos(angle), sn = std::sin(angle);
       const double a = x[i], b = x[i + d / 2];
-      x[i] = static_cast<float>(a * cs - b * sn);
-      x[i + d / 2] = static_cast<float>(a * sn + b * cs);
+      x[i] = static_cast<float>(a * r.cs[i] - b * r.sn[i]);
+      x[i + d / 2] = static_cast<float>(a * r.sn[i] + b * r.cs[i]);
     }
   }
 
   SimConfig c_;
+  std::vector<double> inv_freq_;  // 10000^(-2i/D), i < D/2
   std::vector<std::vector<float>> scale_, mean_, head_scale_;
 };
+
+// Runs fn(i) for every i in [0, n) on up to 16 threads (inline with one core). Each index runs
+// once and writes only its own results, so nothing depends on the number of threads.
+template <typename Fn>
+void ParallelFor(int n, Fn&& fn) {
+  const int threads =
+      std::min({n, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())), 16});
+  if (threads <= 1) {
+    for (int i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&] {
+    for (int i; (i = next.fetch_add(1)) < n;) {
+      try {
+        fn(i);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
 
 // One sequence of the manager: a request's branch (branch 0, or a fork).
 struct Branch {
@@ -236,7 +296,7 @@ SimReport RunSim(const SimConfig& c) {
   KVCacheManager manager(mo);
   std::unique_ptr<Backend> backend =
       MakeBackend(c.device, format, quantizer ? &*quantizer : nullptr, c.layers,
-                  static_cast<int32_t>(num_blocks));
+                  static_cast<int32_t>(num_blocks), c.q_heads, c.kernel_timing);
   const ActivationModel model(c);
 
   // Requests: the shared system prompt, then tokens of their own.
@@ -261,16 +321,26 @@ SimReport RunSim(const SimConfig& c) {
 
   StepBatch batch;
   std::vector<StepRequest> requests;
-  std::vector<int> request_branch;   // running index of each request
-  std::vector<float> k, v, q, out, lse;
-  double manager_s = 0, store_s = 0, decode_s = 0;
+  std::vector<int> request_branch;                    // running index of each request
+  std::vector<int32_t> decode_rows;                   // batch rows whose query is decoded this step
+  std::vector<std::function<void()>> tasks;           // the step's generation work
+  std::vector<double> checksums, head_cos, head_rel;  // the step's checks, per row
+  double manager_s = 0, generate_s = 0, check_s = 0, step_stream_s = 0;
+  CallTimes store_t, decode_t;  // every layer call of the run
   double cos_sum = 0, rel_sum = 0;
   const int d = c.head_dim, hk = c.kv_heads, hq = c.q_heads;
+  const size_t kv_row = size_t(hk) * d, q_row = size_t(hq) * d;
   const auto start = Clock::now();
   auto timed = [](double& acc, auto&& fn) {
     const auto t0 = Clock::now();
     fn();
     acc += std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  auto add = [](CallTimes& acc, const CallTimes& step) {
+    acc.calls += step.calls;
+    acc.host_s += step.host_s;
+    acc.stream_s += step.stream_s;
+    acc.kernels_s += step.kernels_s;
   };
 
   while (next_request < c.requests || !waiting.empty() || !running.empty()) {
@@ -336,80 +406,134 @@ SimReport RunSim(const SimConfig& c) {
       }
     }
     if (requests.empty()) continue;
-    backend->ApplyCopies(batch.copies());
     rep.cow_copies += static_cast<int64_t>(batch.copies().size());
 
-    // K/V of every new token, layer by layer, in request order (the slot mapping's order).
     const int num_req = static_cast<int>(requests.size());
-    std::vector<int> decode_rows;  // requests whose last token is the newest known token
+    decode_rows.clear();  // requests whose last token is the newest known token
     for (int i = 0; i < num_req; ++i) {
       const Branch& b = running[request_branch[i]];
       if (batch.seq_lens()[i] == static_cast<int32_t>(b.tokens.size())) decode_rows.push_back(i);
     }
-    for (int layer = 0; layer < c.layers; ++layer) {
-      k.clear();
-      v.clear();
+    // The step's inputs, generated once for every layer: K/V of every new token in request order
+    // (the slot mapping's order), the newest token's query of each decode row; and the raw
+    // layer-0 K/V that the accuracy reference needs (a cached prefix is regenerated). Every
+    // value is a function of its own position and key, so the work splits over threads freely.
+    const StepInputs in = backend->PrepareStep(batch);
+    const int32_t num_tokens = batch.num_tokens();
+    timed(generate_s, [&] {
+      tasks.clear();
       for (int i = 0; i < num_req; ++i) {
         Branch& b = running[request_branch[i]];
         const int32_t end = batch.seq_lens()[i];
         const int32_t begin = end - requests[i].num_new_tokens;
-        const size_t k_at = k.size();
-        for (int32_t p = begin; p < end; ++p) model.KeyValue(layer, p, b.hashes[p], k, v);
-        if (layer == 0) {
-          // Keep raw layer-0 K/V for the accuracy reference; a cached prefix is regenerated.
-          const size_t have = b.raw_k.size() / (size_t(hk) * d);
-          for (int32_t p = static_cast<int32_t>(have); p < begin; ++p) {
-            model.KeyValue(0, p, b.hashes[p], b.raw_k, b.raw_v);
+        const size_t t0 = static_cast<size_t>(batch.query_start_loc()[i]);
+        for (int layer = 0; layer < c.layers; ++layer) {
+          const size_t at = (size_t(layer) * num_tokens + t0) * kv_row;
+          for (int32_t p = begin; p < end; ++p) {
+            const size_t t = at + static_cast<size_t>(p - begin) * kv_row;
+            tasks.push_back([&, layer, p, t] {
+              model.KeyValue(layer, p, b.hashes[p], in.key + t, in.value + t);
+            });
           }
-          b.raw_k.insert(b.raw_k.end(), k.begin() + k_at, k.end());
-          b.raw_v.insert(b.raw_v.end(), v.begin() + k_at, v.end());
+        }
+        const int32_t have = static_cast<int32_t>(b.raw_k.size() / kv_row);
+        if (have < begin) {
+          b.raw_k.resize(size_t(begin) * kv_row);
+          b.raw_v.resize(b.raw_k.size());
+          for (int32_t p = have; p < begin; ++p) {
+            tasks.push_back([&, p] {
+              model.KeyValue(0, p, b.hashes[p], b.raw_k.data() + p * kv_row,
+                             b.raw_v.data() + p * kv_row);
+            });
+          }
         }
       }
-      timed(store_s, [&] { backend->Store(layer, k, v, batch.slot_mapping().first(k.size() / (size_t(hk) * d))); });
-      if (decode_rows.empty()) continue;
-      // Decode the newest token's query of each decode row.
-      q.clear();
-      std::vector<int32_t> tables, lens;
-      const int width = batch.block_table_width();
-      for (int i : decode_rows) {
-        const Branch& b = running[request_branch[i]];
-        model.Query(layer, static_cast<int64_t>(b.tokens.size()) - 1,
-                    Mix(b.request * 131 + b.branch), q);
-        const auto row = batch.block_table(i);
-        tables.insert(tables.end(), row.begin(), row.end());
-        lens.push_back(batch.seq_lens()[i]);
+      for (int layer = 0; layer < c.layers; ++layer) {
+        for (const int i : decode_rows) {
+          const Branch& b = running[request_branch[i]];
+          tasks.push_back([&, layer, i] {
+            model.Query(layer, static_cast<int64_t>(b.tokens.size()) - 1,
+                        Mix(b.request * 131 + b.branch),
+                        in.query + (size_t(layer) * num_req + i) * q_row);
+          });
+        }
       }
-      out.assign(q.size(), 0.0f);
-      lse.assign(decode_rows.size() * hq, 0.0f);
-      timed(decode_s, [&] { backend->Decode(layer, q, tables, width, lens, out, lse); });
-      for (size_t r = 0; r < decode_rows.size(); ++r) {
-        const Branch& b = running[request_branch[decode_rows[r]]];
-        double checksum = 0;
-        for (int i = 0; i < hq * d; ++i) checksum += out[r * hq * d + i] * double((i % 97) + 1);
-        rep.output_checksums[{b.request, b.branch, static_cast<int>(b.tokens.size()) - 1, layer}] =
-            checksum;
-        if (layer != 0) continue;
-        std::vector<double> ref(size_t(hq) * d), ref_lse(hq);
-        ReferenceAttention(q.data() + r * hq * d, b.raw_k.data(), b.raw_v.data(), lens[r], hq, hk,
-                           d, 1.0 / std::sqrt(double(d)), ref.data(), ref_lse.data());
+      ParallelFor(static_cast<int>(tasks.size()), [&](int t) { tasks[t](); });
+      for (int i = 0; i < num_req; ++i) {  // this step's layer-0 K/V, for the reference
+        Branch& b = running[request_branch[i]];
+        const float* k = in.key + size_t(batch.query_start_loc()[i]) * kv_row;
+        const float* v = in.value + size_t(batch.query_start_loc()[i]) * kv_row;
+        const size_t n = size_t(requests[i].num_new_tokens) * kv_row;
+        b.raw_k.insert(b.raw_k.end(), k, k + n);
+        b.raw_v.insert(b.raw_v.end(), v, v + n);
+      }
+    });
+
+    // The step: copies and uploads, then every layer's store and decode, then the outputs.
+    backend->BeginStep(batch, decode_rows);
+    for (int layer = 0; layer < c.layers; ++layer) {
+      backend->Store(layer);
+      if (!decode_rows.empty()) backend->Decode(layer);
+    }
+    const StepResult& outputs = backend->FinishStep();
+    add(store_t, outputs.store);
+    add(decode_t, outputs.decode);
+    step_stream_s += outputs.step_stream_s;
+
+    // Checksums of every layer's decode outputs; layer 0 against fp64 attention over raw K/V.
+    // Computed per row on threads, then accounted in row order (the same sums every run).
+    timed(check_s, [&] {
+      const size_t rows = decode_rows.size();
+      checksums.assign(size_t(c.layers) * rows, 0.0);
+      head_cos.assign(rows * hq, 0.0);
+      head_rel.assign(rows * hq, 0.0);
+      ParallelFor(static_cast<int>((c.layers + 1) * rows), [&](int task) {
+        const size_t r = size_t(task) % rows;
+        const int layer = task / static_cast<int>(rows);
+        const int i = decode_rows[r];
+        const float* out0 = outputs.output + size_t(i) * q_row;  // layer 0
+        if (layer < c.layers) {
+          const float* out = outputs.output + (size_t(layer) * num_req + i) * q_row;
+          double checksum = 0;
+          for (int e = 0; e < hq * d; ++e) checksum += out[e] * double((e % 97) + 1);
+          checksums[size_t(layer) * rows + r] = checksum;
+          return;
+        }
+        const Branch& b = running[request_branch[i]];
+        std::vector<double> ref(q_row), ref_lse(hq);
+        ReferenceAttention(in.query + size_t(i) * q_row, b.raw_k.data(), b.raw_v.data(),
+                           batch.seq_lens()[i], hq, hk, d, 1.0 / std::sqrt(double(d)), ref.data(),
+                           ref_lse.data());
         for (int h = 0; h < hq; ++h) {
           double dot = 0, na = 0, nb = 0, err = 0;
-          for (int i = 0; i < d; ++i) {
-            const double a = out[(r * hq + h) * d + i], x = ref[size_t(h) * d + i];
+          for (int e = 0; e < d; ++e) {
+            const double a = out0[size_t(h) * d + e], x = ref[size_t(h) * d + e];
             dot += a * x;
             na += a * a;
             nb += x * x;
             err += (a - x) * (a - x);
           }
-          const double cs = dot / std::sqrt(na * nb), rel = std::sqrt(err / nb);
-          cos_sum += cs;
-          rel_sum += rel;
-          rep.cosine_worst = std::min(rep.cosine_worst, cs);
-          rep.rel_error_worst = std::max(rep.rel_error_worst, rel);
-          ++rep.accuracy_samples;
+          head_cos[r * hq + h] = dot / std::sqrt(na * nb);
+          head_rel[r * hq + h] = std::sqrt(err / nb);
+        }
+      });
+      for (int layer = 0; layer < c.layers; ++layer) {
+        for (size_t r = 0; r < rows; ++r) {
+          const Branch& b = running[request_branch[decode_rows[r]]];
+          rep.output_checksums[{b.request, b.branch, static_cast<int>(b.tokens.size()) - 1,
+                                layer}] = checksums[size_t(layer) * rows + r];
+          if (layer != 0) continue;
+          for (int h = 0; h < hq; ++h) {
+            const double cs = head_cos[r * hq + h], rel = head_rel[r * hq + h];
+            cos_sum += cs;
+            rel_sum += rel;
+            rep.cosine_worst = std::min(rep.cosine_worst, cs);
+            rep.rel_error_worst = std::max(rep.rel_error_worst, rel);
+            ++rep.accuracy_samples;
+          }
         }
       }
-    }
+    });
 
     // Account the step, sample tokens, fork, finish.
     for (int i = 0; i < num_req; ++i) {
@@ -472,7 +596,6 @@ SimReport RunSim(const SimConfig& c) {
     }
   }
   if (c.progress) std::fprintf(stderr, "\n");
-  backend->Sync();
   rep.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
   const KVCacheStats s = manager.Stats();
   rep.cached_tokens = s.prefix_hit_tokens;
@@ -480,8 +603,22 @@ SimReport RunSim(const SimConfig& c) {
       s.prefix_query_tokens > 0 ? double(s.prefix_hit_tokens) / s.prefix_query_tokens : 0.0;
   rep.decode_tokens_per_s = rep.decode_tokens / rep.wall_s;
   rep.manager_us_per_step = 1e6 * manager_s / rep.steps;
-  rep.store_us_per_step = 1e6 * store_s / rep.steps;
-  rep.decode_us_per_step = 1e6 * decode_s / rep.steps;
+  rep.store_us_per_step = 1e6 * store_t.stream_s / rep.steps;
+  rep.decode_us_per_step = 1e6 * decode_t.stream_s / rep.steps;
+  auto per_call = [](const CallTimes& t, double CallTimes::*field) {
+    return t.calls > 0 ? 1e6 * (t.*field) / t.calls : 0.0;
+  };
+  rep.store_calls = store_t.calls;
+  rep.store_host_us_per_layer = per_call(store_t, &CallTimes::host_s);
+  rep.store_stream_us_per_layer = per_call(store_t, &CallTimes::stream_s);
+  rep.store_kernels_us_per_layer = per_call(store_t, &CallTimes::kernels_s);
+  rep.decode_calls = decode_t.calls;
+  rep.decode_host_us_per_layer = per_call(decode_t, &CallTimes::host_s);
+  rep.decode_stream_us_per_layer = per_call(decode_t, &CallTimes::stream_s);
+  rep.decode_kernels_us_per_layer = per_call(decode_t, &CallTimes::kernels_s);
+  rep.step_stream_us = 1e6 * step_stream_s / rep.steps;
+  rep.generate_us_per_step = 1e6 * generate_s / rep.steps;
+  rep.check_us_per_step = 1e6 * check_s / rep.steps;
   if (rep.accuracy_samples > 0) {
     rep.cosine_mean = cos_sum / rep.accuracy_samples;
     rep.rel_error_mean = rel_sum / rep.accuracy_samples;
@@ -512,6 +649,26 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
   row("manager time per step", fmt::format("{:.1f} us", r.manager_us_per_step));
   row("store time per step (all layers)", fmt::format("{:.1f} us", r.store_us_per_step));
   row("decode time per step (all layers)", fmt::format("{:.1f} us", r.decode_us_per_step));
+  if (c.device == "cuda") {
+    // What one layer's call costs the host, takes on the stream, and what its kernels alone take.
+    auto times = [&](double host, double stream, double kernels) {
+      return c.kernel_timing ? fmt::format("{:.1f} / {:.1f} / {:.1f} us", host, stream, kernels)
+                             : fmt::format("{:.1f} / {:.1f} / - us", host, stream);
+    };
+    row("store per layer: host / stream / kernels",
+        times(r.store_host_us_per_layer, r.store_stream_us_per_layer,
+              r.store_kernels_us_per_layer));
+    row("decode per layer: host / stream / kernels",
+        times(r.decode_host_us_per_layer, r.decode_stream_us_per_layer,
+              r.decode_kernels_us_per_layer));
+    row("step on the stream (uploads to outputs)", fmt::format("{:.1f} us", r.step_stream_us));
+  } else {
+    row("store per layer call (CPU)", fmt::format("{:.1f} us", r.store_host_us_per_layer));
+    row("decode per layer call (CPU)", fmt::format("{:.1f} us", r.decode_host_us_per_layer));
+  }
+  row("sim's own work per step (host)",
+      fmt::format("K/V/Q generation {:.1f} us, accuracy checks {:.1f} us", r.generate_us_per_step,
+                  r.check_us_per_step));
   row("attention vs fp64 on raw K/V: cosine",
       fmt::format("mean {:.5f}, worst {:.5f} ({} head outputs, layer 0)", r.cosine_mean,
                   r.cosine_worst, r.accuracy_samples));
@@ -528,7 +685,7 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
         {"kv_heads", c.kv_heads}, {"head_dim", c.head_dim}, {"block_size", c.block_size},
         {"requests", c.requests}, {"prompt_len", c.prompt_len},
         {"shared_prefix", c.shared_prefix}, {"decode_len", c.decode_len}, {"seed", c.seed},
-        {"prefix_caching", c.enable_prefix_caching}}},
+        {"prefix_caching", c.enable_prefix_caching}, {"kernel_timing", c.kernel_timing}}},
       {"steps", r.steps},
       {"prefill_tokens", r.prefill_tokens},
       {"decode_tokens", r.decode_tokens},
@@ -546,6 +703,17 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
       {"manager_us_per_step", r.manager_us_per_step},
       {"store_us_per_step", r.store_us_per_step},
       {"decode_us_per_step", r.decode_us_per_step},
+      {"store_calls", r.store_calls},
+      {"store_host_us_per_layer", r.store_host_us_per_layer},
+      {"store_stream_us_per_layer", r.store_stream_us_per_layer},
+      {"store_kernels_us_per_layer", r.store_kernels_us_per_layer},
+      {"decode_calls", r.decode_calls},
+      {"decode_host_us_per_layer", r.decode_host_us_per_layer},
+      {"decode_stream_us_per_layer", r.decode_stream_us_per_layer},
+      {"decode_kernels_us_per_layer", r.decode_kernels_us_per_layer},
+      {"step_stream_us", r.step_stream_us},
+      {"generate_us_per_step", r.generate_us_per_step},
+      {"check_us_per_step", r.check_us_per_step},
       {"cosine_mean", r.cosine_mean},
       {"cosine_worst", r.cosine_worst},
       {"rel_error_mean", r.rel_error_mean},

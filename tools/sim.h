@@ -24,46 +24,66 @@ struct SimConfig {
   int head_dim = 128;
   std::string preset = "turboquant_4bit_nc";  // a preset name, "bf16" or "fp16"
   int block_size = 16;
-  int64_t num_blocks = 0;     // 0: from kv_memory_gib, else sized so that preemption happens
-  double kv_memory_gib = 0;   // KV memory for all layers (alternative to num_blocks)
+  int64_t num_blocks = 0;    // 0: from kv_memory_gib, else sized so that preemption happens
+  double kv_memory_gib = 0;  // KV memory for all layers (alternative to num_blocks)
   int requests = 24;
-  int prompt_len = 150;       // including the shared prefix
-  int shared_prefix = 96;     // system prompt shared by every request
-  int decode_len = 32;        // generated tokens per branch
-  int prefill_chunk = 256;    // prompt tokens per step, all sequences together
-  int max_running = 16;       // sequences in flight
+  int prompt_len = 150;         // including the shared prefix
+  int shared_prefix = 96;       // system prompt shared by every request
+  int decode_len = 32;          // generated tokens per branch
+  int prefill_chunk = 256;      // prompt tokens per step, all sequences together
+  int max_running = 16;         // sequences in flight
   double fork_fraction = 0.25;  // requests that fork one extra branch after their prompt
   uint64_t seed = 1;
   std::string device = "cpu";  // cpu or cuda
   bool enable_prefix_caching = true;
   bool check_invariants = false;  // CheckInvariants() after every step
   bool progress = true;           // a progress line on stderr while running
+  // cuda: after each step, replay its stores and its decodes from CUDA graphs to time the
+  // kernels alone (SimReport::*_kernels_us_per_layer).
+  bool kernel_timing = true;
 };
 
 struct SimReport {
   int64_t steps = 0;
-  int64_t prompt_tokens = 0;       // prompt tokens of all admissions (re-admissions included)
-  int64_t prefill_tokens = 0;      // prompt tokens computed (stored), cached prefixes excluded
-  int64_t cached_tokens = 0;       // prompt tokens served from the prefix cache
-  int64_t decode_tokens = 0;       // generated tokens
+  int64_t prompt_tokens = 0;   // prompt tokens of all admissions (re-admissions included)
+  int64_t prefill_tokens = 0;  // prompt tokens computed (stored), cached prefixes excluded
+  int64_t cached_tokens = 0;   // prompt tokens served from the prefix cache
+  int64_t decode_tokens = 0;   // generated tokens
   int64_t preemptions = 0;
   int64_t forks = 0;
   int64_t cow_copies = 0;
   int64_t finished_branches = 0;
   int64_t num_blocks = 0;
-  int64_t capacity_tokens = 0;        // (num_blocks - 1) · block_size
-  int64_t bf16_capacity_tokens = 0;   // the same memory as bf16
-  int64_t kv_bytes_per_token = 0;     // all layers and KV heads
+  int64_t capacity_tokens = 0;       // (num_blocks - 1) · block_size
+  int64_t bf16_capacity_tokens = 0;  // the same memory as bf16
+  int64_t kv_bytes_per_token = 0;    // all layers and KV heads
   int64_t bf16_bytes_per_token = 0;
-  double prefix_hit_rate = 0;         // cached / prompt tokens looked up
+  double prefix_hit_rate = 0;  // cached / prompt tokens looked up
   double wall_s = 0;
-  double decode_tokens_per_s = 0;     // generated tokens / wall time
-  double manager_us_per_step = 0;     // Schedule + Commit + Fork + Free + AddSequence
-  double store_us_per_step = 0;       // all layers
-  double decode_us_per_step = 0;      // all layers
+  double decode_tokens_per_s = 0;  // generated tokens / wall time
+  double manager_us_per_step = 0;  // Schedule + Commit + Fork + Free + AddSequence
+  // All layers' store / decode calls per step: on cpu their time, on cuda their time on the
+  // stream (CUDA events around each call).
+  double store_us_per_step = 0;
+  double decode_us_per_step = 0;
+  // One layer's Store or Decode call, averaged over the run's calls: the host time inside the
+  // library call, the call's time on the stream (events around it: launch gaps included), and
+  // the same calls' kernels alone (captured in a CUDA graph and replayed; 0 without
+  // kernel_timing). On cpu the call is the work: all three are its CPU time.
+  int64_t store_calls = 0, decode_calls = 0;
+  double store_host_us_per_layer = 0, store_stream_us_per_layer = 0, store_kernels_us_per_layer = 0;
+  double decode_host_us_per_layer = 0, decode_stream_us_per_layer = 0,
+         decode_kernels_us_per_layer = 0;
+  // cuda: a step on the stream, from before its copy-on-write copies and uploads to its outputs
+  // on the host (the step's one synchronization); 0 on cpu.
+  double step_stream_us = 0;
+  // The sim's own host work per step, outside the library calls: K/V/Q generation for every
+  // layer, and the checksums and fp64 reference attention of the accuracy checks.
+  double generate_us_per_step = 0;
+  double check_us_per_step = 0;
   double cosine_mean = 0, cosine_worst = 1;  // decode output vs fp64 attention over raw K/V
   double rel_error_mean = 0, rel_error_worst = 0;
-  int64_t accuracy_samples = 0;       // (query, head) pairs compared (layer 0)
+  int64_t accuracy_samples = 0;  // (query, head) pairs compared (layer 0)
   // Decode outputs keyed by (request, branch, position, layer): a checksum of the output rows,
   // for comparing runs (e.g. with and without prefix caching).
   std::map<std::tuple<int, int, int, int>, double> output_checksums;

@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "attention/decode_cpu.h"
 #include "attention/decode_cuda.h"
@@ -14,12 +17,25 @@
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 
+#if TQKV_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "runtime/cuda_check.h"
+#endif
+
 namespace tqkv::sim {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
 // The CPU reference: Quantizer::StoreCpu / DecodeCpu for TurboQuant; for bf16 / fp16, the values
 // are rounded to the format's type into the Bf16BlockFormat layout and attention is computed over
-// them in fp64.
+// them in fp64. Each decoded row is one DecodeCpu call over that row of the batch's tables (the
+// same arithmetic as one call over all of them).
 class CpuBackend : public Backend {
   static uint16_t Bits(const Bf16BlockFormat& f, float x) {
     return f.dtype == DType::kF16 ? FloatToHalfBits(x) : FloatToBFloat16Bits(x);
@@ -29,31 +45,82 @@ class CpuBackend : public Backend {
   }
 
  public:
-  CpuBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks)
-      : format_(format), q_(q), cache_(format, layers, blocks, CacheDevice::kCpu) {}
+  CpuBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks, int hq)
+      : format_(format),
+        q_(q),
+        layers_(layers),
+        hq_(hq),
+        cache_(format, layers, blocks, CacheDevice::kCpu) {}
 
-  void Store(int layer, const std::vector<float>& k, const std::vector<float>& v,
-             std::span<const int64_t> slots) override {
+  StepInputs PrepareStep(const StepBatch& batch) override {
+    t_ = batch.num_tokens();
+    b_ = batch.num_requests();
+    const size_t row = size_t(format_.num_kv_heads) * format_.head_dim;
+    const size_t q_row = size_t(hq_) * format_.head_dim;
+    k_.resize(size_t(layers_) * t_ * row);
+    v_.resize(k_.size());
+    q_in_.assign(size_t(layers_) * b_ * q_row, 0.0f);
+    out_.resize(q_in_.size());
+    lse_.resize(size_t(layers_) * b_ * hq_);
+    return {k_.data(), v_.data(), q_in_.data()};
+  }
+
+  void BeginStep(const StepBatch& batch, std::span<const int32_t> decode_rows) override {
+    cache_.ApplyCopies(batch.copies());
+    view_ = ViewStepBatch(batch, batch.bytes().data());
+    rows_.assign(decode_rows.begin(), decode_rows.end());
+    result_ = StepResult{};
+    result_.output = out_.data();
+    result_.lse = lse_.data();
+  }
+
+  void Store(int layer) override {
+    const auto t0 = Clock::now();
+    StoreLayer(layer);
+    Account(result_.store, Seconds(t0));
+  }
+
+  void Decode(int layer) override {
+    const auto t0 = Clock::now();
+    for (const int32_t i : rows_) DecodeRow(layer, i);
+    Account(result_.decode, Seconds(t0));
+  }
+
+  const StepResult& FinishStep() override { return result_; }
+
+ private:
+  static void Account(CallTimes& c, double s) {
+    ++c.calls;
+    c.host_s += s;
+    c.stream_s += s;
+    c.kernels_s += s;
+  }
+
+  void StoreLayer(int layer) {
+    const size_t row = size_t(format_.num_kv_heads) * format_.head_dim;
+    const float* k = k_.data() + size_t(layer) * t_ * row;
+    const float* v = v_.data() + size_t(layer) * t_ * row;
+    const int64_t* slots = view_.slot_mapping;
     if (q_ != nullptr) {
       StoreInputs in;
-      in.key = k.data();
-      in.value = v.data();
+      in.key = k;
+      in.value = v;
       in.dtype = DType::kF32;
-      in.slot_mapping = slots.data();
+      in.slot_mapping = slots;
       in.slot_dtype = DType::kI64;
-      in.num_tokens = static_cast<int64_t>(slots.size());
+      in.num_tokens = t_;
       q_->StoreCpu(in, {cache_.layer_data(layer), cache_.num_blocks()});
       return;
     }
     const Bf16BlockFormat& f = format_.bf16_format;
     const int d = f.head_dim;
-    for (size_t t = 0; t < slots.size(); ++t) {
+    for (int32_t t = 0; t < t_; ++t) {
       if (slots[t] < 0) continue;
       uint8_t* block = cache_.layer_data(layer) + (slots[t] / f.block_size) * f.block_bytes;
       const int pos = static_cast<int>(slots[t] % f.block_size);
       for (int h = 0; h < f.num_kv_heads; ++h) {
         for (int i = 0; i < d; ++i) {
-          const size_t at = (t * f.num_kv_heads + h) * d + i;
+          const size_t at = (size_t(t) * f.num_kv_heads + h) * d + i;
           const uint16_t kb = Bits(f, k[at]), vb = Bits(f, v[at]);
           std::memcpy(block + f.KeyOffset(pos, h) + 2 * i, &kb, 2);
           std::memcpy(block + f.ValueOffset(pos, h) + 2 * i, &vb, 2);
@@ -62,150 +129,340 @@ class CpuBackend : public Backend {
     }
   }
 
-  void Decode(int layer, const std::vector<float>& q, const std::vector<int32_t>& tables,
-              int width, const std::vector<int32_t>& lens, std::vector<float>& out,
-              std::vector<float>& lse) override {
-    const int b_count = static_cast<int>(lens.size());
+  void DecodeRow(int layer, int32_t i) {
     const int d = format_.head_dim, hk = format_.num_kv_heads;
-    const int hq = static_cast<int>(q.size() / (size_t(b_count) * d));
+    const int width = view_.block_table_width;
+    const size_t at = size_t(layer) * b_ + i;
+    const float* q = q_in_.data() + at * hq_ * d;
+    const int32_t* table = view_.block_tables + size_t(i) * width;
+    float* out = out_.data() + at * hq_ * d;
+    float* lse = lse_.data() + at * hq_;
     if (q_ != nullptr) {
       DecodeInputs in;
-      in.query = q.data();
-      in.num_seqs = b_count;
-      in.num_q_heads = hq;
-      in.block_tables = tables.data();
+      in.query = q;
+      in.num_seqs = 1;
+      in.num_q_heads = hq_;
+      in.block_tables = table;
       in.max_blocks_per_seq = width;
-      in.seq_lens = lens.data();
-      DecodeCpu(*q_, cache_.layer_data(layer), cache_.num_blocks(), in, {out.data(), lse.data()});
+      in.seq_lens = view_.seq_lens + i;
+      DecodeCpu(*q_, cache_.layer_data(layer), cache_.num_blocks(), in, {out, lse});
       return;
     }
     const Bf16BlockFormat& f = format_.bf16_format;
-    std::vector<float> k, v;
-    std::vector<double> o(size_t(hq) * d), l(hq);
-    for (int b = 0; b < b_count; ++b) {
-      k.clear();
-      v.clear();
-      for (int t = 0; t < lens[b]; ++t) {
-        const uint8_t* block =
-            cache_.layer_data(layer) + int64_t{tables[size_t(b) * width + t / f.block_size]} * f.block_bytes;
-        for (int h = 0; h < hk; ++h) {
-          for (int i = 0; i < d; ++i) {
-            uint16_t kb, vb;
-            std::memcpy(&kb, block + f.KeyOffset(t % f.block_size, h) + 2 * i, 2);
-            std::memcpy(&vb, block + f.ValueOffset(t % f.block_size, h) + 2 * i, 2);
-            k.push_back(Value(f, kb));
-            v.push_back(Value(f, vb));
-          }
+    const int len = view_.seq_lens[i];
+    bf16_k_.clear();
+    bf16_v_.clear();
+    for (int t = 0; t < len; ++t) {
+      const uint8_t* block =
+          cache_.layer_data(layer) + int64_t{table[t / f.block_size]} * f.block_bytes;
+      for (int h = 0; h < hk; ++h) {
+        for (int e = 0; e < d; ++e) {
+          uint16_t kb, vb;
+          std::memcpy(&kb, block + f.KeyOffset(t % f.block_size, h) + 2 * e, 2);
+          std::memcpy(&vb, block + f.ValueOffset(t % f.block_size, h) + 2 * e, 2);
+          bf16_k_.push_back(Value(f, kb));
+          bf16_v_.push_back(Value(f, vb));
         }
       }
-      ReferenceAttention(q.data() + size_t(b) * hq * d, k.data(), v.data(), lens[b], hq, hk, d,
-                         1.0 / std::sqrt(double(d)), o.data(), l.data());
-      for (int i = 0; i < hq * d; ++i) out[size_t(b) * hq * d + i] = static_cast<float>(o[i]);
-      for (int i = 0; i < hq; ++i) lse[size_t(b) * hq + i] = static_cast<float>(l[i]);
     }
+    std::vector<double> o(size_t(hq_) * d), l(hq_);
+    ReferenceAttention(q, bf16_k_.data(), bf16_v_.data(), len, hq_, hk, d,
+                       1.0 / std::sqrt(double(d)), o.data(), l.data());
+    for (int e = 0; e < hq_ * d; ++e) out[e] = static_cast<float>(o[e]);
+    for (int h = 0; h < hq_; ++h) lse[h] = static_cast<float>(l[h]);
   }
 
-  void ApplyCopies(std::span<const BlockCopy> copies) override { cache_.ApplyCopies(copies); }
-  void Sync() override {}
-
- private:
   CacheFormat format_;
   const Quantizer* q_;
+  int layers_, hq_;
   KVCache cache_;
+  int32_t t_ = 0, b_ = 0;
+  std::vector<float> k_, v_, q_in_, out_, lse_, bf16_k_, bf16_v_;
+  StepBatchView view_;
+  std::vector<int32_t> rows_;
+  StepResult result_;
 };
 
 #if TQKV_HAVE_CUDA
-// The CUDA path: StoreDeviceState (rotation + fused bucketize/pack kernel) and CudaDecoder, on
-// one stream; inputs are uploaded each call (the sim generates K/V and queries on the host).
+int64_t Align256(int64_t n) { return (n + 255) / 256 * 256; }
+
+// The CUDA path: StoreDeviceState (rotation + fused bucketize/pack kernel) and CudaDecoder on one
+// stream, the way an engine runs a step:
+//  - BeginStep enqueues the copy-on-write copies, UploadStepBatch (slot mapping, block tables,
+//    lengths, query starts: one copy from the batch's pinned buffer) and one copy of the step's
+//    inputs (every layer's K, V and queries, from pinned memory), and plans the decode once.
+//  - Store(l) and Decode(l) only launch, reading device views of those two uploads (no copy, no
+//    synchronization): stream order puts them after the uploads and copies, and Decode(l) after
+//    Store(l) (the decode's split kernel is a programmatic dependent of the store kernel and
+//    waits for it before reading anything, attention/decode_cuda.h).
+//  - FinishStep enqueues one copy of every layer's outputs to pinned memory and synchronizes
+//    once; only then may the sim reschedule the batch and overwrite the inputs (PrepareStep).
+// Timing: events around each Store / Decode call (what the call takes on the stream, host launch
+// gaps included), the host time inside each library call, and (kernel_timing) a pass after the
+// step's read-back that captures the step's stores, and its decodes, kReps times over in a CUDA
+// graph each and replays it: the kernels alone. Replaying is idempotent (the same bytes to the
+// same slots, the same outputs).
 class CudaBackend : public Backend {
  public:
-  CudaBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks)
-      : cache_(format, layers, blocks, CacheDevice::kCuda), store_(*q), decoder_(*q) {}
-
-  void Store(int layer, const std::vector<float>& k, const std::vector<float>& v,
-             std::span<const int64_t> slots) override {
-    const int64_t t = static_cast<int64_t>(slots.size());
-    Fit(d_k_, static_cast<int64_t>(k.size()));
-    Fit(d_v_, static_cast<int64_t>(v.size()));
-    Fit(d_slots_, t);
-    Fit(store_ws_, store_.WorkspaceBytes(t));
-    d_k_.CopyFromHost(k, 0, stream_.get());
-    d_v_.CopyFromHost(v, 0, stream_.get());
-    d_slots_.CopyFromHost(slots, 0, stream_.get());
-    StoreInputs in;
-    in.key = d_k_.data();
-    in.value = d_v_.data();
-    in.dtype = DType::kF32;
-    in.slot_mapping = d_slots_.data();
-    in.slot_dtype = DType::kI64;
-    in.num_tokens = t;
-    store_.Store(in, {cache_.layer_data(layer), cache_.num_blocks()},
-                 {store_ws_.data(), store_ws_.size_bytes()}, stream_.get());
-    stream_.Synchronize();  // timed per step by the sim
+  CudaBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks, int hq,
+              bool kernel_timing)
+      : layers_(layers),
+        hq_(hq),
+        hk_(format.num_kv_heads),
+        d_(format.head_dim),
+        kernel_timing_(kernel_timing),
+        cache_(format, layers, blocks, CacheDevice::kCuda),
+        store_(*q),
+        decoder_(*q) {
+    for (int i = 0; i < 4 * layers; ++i) call_events_.emplace_back();
   }
 
-  void Decode(int layer, const std::vector<float>& q, const std::vector<int32_t>& tables,
-              int width, const std::vector<int32_t>& lens, std::vector<float>& out,
-              std::vector<float>& lse) override {
-    const int b = static_cast<int>(lens.size());
-    const int hq = static_cast<int>(q.size() / (size_t(b) * decoder_.head_dim()));
-    const DecodePlan plan = decoder_.Plan(b, hq, width);
-    Fit(d_q_, static_cast<int64_t>(q.size()));
-    Fit(d_tables_, static_cast<int64_t>(tables.size()));
-    Fit(d_lens_, b);
-    Fit(d_out_, static_cast<int64_t>(out.size()));
-    Fit(d_lse_, static_cast<int64_t>(lse.size()));
-    Fit(decode_ws_, plan.workspace_bytes);
-    d_q_.CopyFromHost(q, 0, stream_.get());
-    d_tables_.CopyFromHost(tables, 0, stream_.get());
-    d_lens_.CopyFromHost(lens, 0, stream_.get());
+  ~CudaBackend() override {
+    if (store_graph_ != nullptr) (void)cudaGraphExecDestroy(store_graph_);
+    if (decode_graph_ != nullptr) (void)cudaGraphExecDestroy(decode_graph_);
+  }
+
+  StepInputs PrepareStep(const StepBatch& batch) override {
+    t_ = batch.num_tokens();
+    b_ = batch.num_requests();
+    const int64_t kv_bytes = int64_t{layers_} * t_ * hk_ * d_ * 4;
+    in_.key = 0;
+    in_.value = Align256(kv_bytes);
+    in_.query = in_.value + Align256(kv_bytes);
+    in_.lens = in_.query + Align256(int64_t{layers_} * b_ * hq_ * d_ * 4);
+    in_.total = in_.lens + Align256(int64_t{b_} * 4);
+    // The previous step's copies completed at its FinishStep: the buffer is free to rewrite.
+    if (h_in_.size_bytes() < in_.total) {
+      h_in_ = HostAllocation(std::max(in_.total, 2 * h_in_.size_bytes()));
+    }
+    auto* base = static_cast<uint8_t*>(h_in_.data());
+    std::memset(base + in_.query, 0, static_cast<size_t>(in_.lens - in_.query));
+    return {reinterpret_cast<float*>(base + in_.key), reinterpret_cast<float*>(base + in_.value),
+            reinterpret_cast<float*>(base + in_.query)};
+  }
+
+  void BeginStep(const StepBatch& batch, std::span<const int32_t> decode_rows) override {
+    StreamHandle s = stream_.get();
+    decoding_ = !decode_rows.empty();
+    if (decoding_) plan_ = decoder_.Plan(b_, hq_, batch.block_table_width());
+    out_bytes_ = int64_t{layers_} * b_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
+    // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
+    // step's work is enqueued.
+    Fit(d_in_, in_.total);
+    Fit(store_ws_, store_.WorkspaceBytes(t_));
+    if (decoding_) Fit(decode_ws_, plan_.workspace_bytes);
+    Fit(d_out_, out_bytes_);
+    if (h_out_.size_bytes() < out_bytes_) {
+      h_out_ = HostAllocation(std::max(out_bytes_, 2 * h_out_.size_bytes()));
+    }
+
+    step_begin_.Record(s);
+    cache_.ApplyCopies(batch.copies(), s);
+    view_ = UploadStepBatch(batch, d_batch_, s);
+    // The decode reads the batch's lengths, except on steps where some rows are prefill chunks
+    // with no query to decode: then a copy with 0 for those rows (an empty sequence: no work)
+    // travels with the inputs.
+    decode_lens_ = view_.seq_lens;
+    if (decode_rows.size() != static_cast<size_t>(b_)) {
+      auto* lens = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(h_in_.data()) + in_.lens);
+      std::fill(lens, lens + b_, 0);
+      for (const int32_t i : decode_rows) lens[i] = batch.seq_lens()[static_cast<size_t>(i)];
+      decode_lens_ = reinterpret_cast<const int32_t*>(DeviceBytes(d_in_) + in_.lens);
+    }
+    d_in_.CopyFromHost(h_in_.data(), in_.total, 0, s);  // K, V, Q (and lengths): one copy
+    result_ = StepResult{};
+    result_.output = static_cast<const float*>(h_out_.data());
+    result_.lse = result_.output + int64_t{layers_} * b_ * hq_ * d_;
+    stored_.clear();
+    decoded_.clear();
+  }
+
+  void Store(int layer) override {
+    const StoreInputs in = StoreArgs(layer);
+    const CacheRef cache{cache_.layer_data(layer), cache_.num_blocks()};
+    const DeviceWorkspace ws{store_ws_.data(), store_ws_.size_bytes()};
+    StreamHandle s = stream_.get();
+    call_events_[4 * layer].Record(s);
+    const auto t0 = Clock::now();
+    store_.Store(in, cache, ws, s);
+    result_.store.host_s += Seconds(t0);
+    call_events_[4 * layer + 1].Record(s);
+    ++result_.store.calls;
+    stored_.push_back(layer);
+  }
+
+  void Decode(int layer) override {
+    if (!decoding_) return;
+    const CudaDecodeArgs a = DecodeArgs(layer);
+    StreamHandle s = stream_.get();
+    call_events_[4 * layer + 2].Record(s);
+    const auto t0 = Clock::now();
+    decoder_.Run(plan_, a, s);
+    result_.decode.host_s += Seconds(t0);
+    call_events_[4 * layer + 3].Record(s);
+    ++result_.decode.calls;
+    decoded_.push_back(layer);
+  }
+
+  const StepResult& FinishStep() override {
+    StreamHandle s = stream_.get();
+    if (decoding_) d_out_.CopyToHost(h_out_.data(), out_bytes_, 0, s);  // every layer: one copy
+    step_end_.Record(s);
+    if (kernel_timing_) TimeKernelsAlone();
+    stream_.Synchronize();  // the step's one synchronization
+    result_.step_stream_s = Elapsed(step_begin_, step_end_);
+    for (const int l : stored_) {
+      result_.store.stream_s += Elapsed(call_events_[4 * l], call_events_[4 * l + 1]);
+    }
+    for (const int l : decoded_) {
+      result_.decode.stream_s += Elapsed(call_events_[4 * l + 2], call_events_[4 * l + 3]);
+    }
+    if (kernel_timing_) {  // a replay holds kReps times this step's calls
+      if (!stored_.empty()) {
+        result_.store.kernels_s = Elapsed(graph_events_[0], graph_events_[1]) / kReps;
+      }
+      if (!decoded_.empty()) {
+        result_.decode.kernels_s = Elapsed(graph_events_[2], graph_events_[3]) / kReps;
+      }
+    }
+    return result_;
+  }
+
+ private:
+  static constexpr int kReps = 4;  // the step's calls, this many times over in one graph
+
+  struct InputLayout {  // byte offsets into the inputs buffer
+    int64_t key = 0, value = 0, query = 0, lens = 0, total = 0;
+  };
+
+  static void Fit(DeviceAllocation& a, int64_t bytes) {
+    if (a.size_bytes() < bytes) a = DeviceAllocation(std::max(bytes, 2 * a.size_bytes()));
+  }
+  static uint8_t* DeviceBytes(DeviceAllocation& a) { return static_cast<uint8_t*>(a.data()); }
+  static double Elapsed(const Event& a, const Event& b) { return 1e-3 * Event::ElapsedMs(a, b); }
+
+  StoreInputs StoreArgs(int layer) {
+    const int64_t layer_bytes = int64_t{t_} * hk_ * d_ * 4;
+    StoreInputs in;
+    in.key = DeviceBytes(d_in_) + in_.key + layer * layer_bytes;
+    in.value = DeviceBytes(d_in_) + in_.value + layer * layer_bytes;
+    in.dtype = DType::kF32;
+    in.slot_mapping = view_.slot_mapping;
+    in.slot_dtype = DType::kI64;
+    in.num_tokens = t_;
+    return in;
+  }
+
+  CudaDecodeArgs DecodeArgs(int layer) {
+    const int64_t rows = int64_t{layer} * b_ * hq_;
     CudaDecodeArgs a;
-    a.query = d_q_.data();
+    a.query = DeviceBytes(d_in_) + in_.query + rows * d_ * 4;
     a.query_dtype = DType::kF32;
     a.cache = cache_.layer_data(layer);
     a.num_blocks = cache_.num_blocks();
-    a.block_tables = d_tables_.data();
-    a.seq_lens = d_lens_.data();
-    a.output = d_out_.data();
+    a.block_tables = view_.block_tables;
+    a.seq_lens = decode_lens_;
+    float* out = reinterpret_cast<float*>(d_out_.data());
+    a.output = out + rows * d_;
     a.output_dtype = DType::kF32;
-    a.lse = d_lse_.data();
+    a.lse = out + int64_t{layers_} * b_ * hq_ * d_ + rows;
     a.workspace = decode_ws_.data();
     a.workspace_bytes = decode_ws_.size_bytes();
-    decoder_.Run(plan, a, stream_.get());
-    d_out_.CopyToHost(std::span<float>(out.data(), out.size()), 0, stream_.get());
-    d_lse_.CopyToHost(std::span<float>(lse.data(), lse.size()), 0, stream_.get());
-    stream_.Synchronize();
+    return a;
   }
 
-  void ApplyCopies(std::span<const BlockCopy> copies) override {
-    cache_.ApplyCopies(copies, stream_.get());
+  // Captures `calls` kReps times over on the stream into a graph, instantiates it into `exec`
+  // (the previous step's, complete since that step's synchronization, is destroyed first),
+  // launches it once to warm up and once between `begin` and `end`. Enqueued behind the step's
+  // work; nothing synchronizes.
+  template <typename Calls>
+  void TimeInGraph(cudaGraphExec_t& exec, Calls&& calls, Event& begin, Event& end) {
+    StreamHandle s = stream_.get();
+    if (exec != nullptr) {
+      TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      exec = nullptr;
+    }
+    cudaGraph_t graph = nullptr;
+    TQKV_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    try {
+      for (int r = 0; r < kReps; ++r) calls();
+    } catch (...) {
+      (void)cudaStreamEndCapture(s, &graph);
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      throw;
+    }
+    TQKV_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    if (instantiated != cudaSuccess) exec = nullptr;
+    TQKV_CUDA_CHECK(instantiated);
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up (uploads the graph)
+    begin.Record(s);
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    end.Record(s);
   }
-  void Sync() override { stream_.Synchronize(); }
 
- private:
-  template <typename T>
-  void Fit(DeviceBuffer<T>& buffer, int64_t n) {
-    if (buffer.size() < n) buffer = DeviceBuffer<T>(n + n / 2);  // grows rarely, geometrically
+  void TimeKernelsAlone() {
+    StreamHandle s = stream_.get();
+    const DeviceWorkspace ws{store_ws_.data(), store_ws_.size_bytes()};
+    if (!stored_.empty()) {
+      TimeInGraph(
+          store_graph_,
+          [&] {
+            for (const int l : stored_) {
+              store_.Store(StoreArgs(l), {cache_.layer_data(l), cache_.num_blocks()}, ws, s);
+            }
+          },
+          graph_events_[0], graph_events_[1]);
+    }
+    if (!decoded_.empty()) {
+      TimeInGraph(
+          decode_graph_,
+          [&] {
+            for (const int l : decoded_) decoder_.Run(plan_, DecodeArgs(l), s);
+          },
+          graph_events_[2], graph_events_[3]);
+    }
   }
 
+  int layers_, hq_, hk_, d_;
+  bool kernel_timing_;
   Stream stream_;
   KVCache cache_;
   StoreDeviceState store_;
   CudaDecoder decoder_;
-  DeviceBuffer<float> d_k_, d_v_, d_q_, d_out_, d_lse_;
-  DeviceBuffer<int64_t> d_slots_;
-  DeviceBuffer<int32_t> d_tables_, d_lens_;
-  DeviceBuffer<uint8_t> store_ws_, decode_ws_;
+  // Step state.
+  int32_t t_ = 0, b_ = 0;
+  InputLayout in_;
+  bool decoding_ = false;
+  DecodePlan plan_;
+  StepBatchView view_;  // device views of the batch's upload
+  const int32_t* decode_lens_ = nullptr;
+  int64_t out_bytes_ = 0;
+  std::vector<int> stored_, decoded_;
+  StepResult result_;
+  // Memory: device buffers grow geometrically and are reused every step.
+  DeviceBuffer<uint8_t> d_batch_;  // UploadStepBatch
+  HostAllocation h_in_;            // pinned inputs: K, V, Q, decode lengths
+  DeviceAllocation d_in_;
+  DeviceAllocation d_out_;  // outputs [layers, B, Hq, D], then LSEs [layers, B, Hq]
+  HostAllocation h_out_;
+  DeviceAllocation store_ws_, decode_ws_;
+  // Timing.
+  Event step_begin_, step_end_;
+  std::vector<Event> call_events_;  // per layer: store begin, end, decode begin, end
+  Event graph_events_[4];           // store graph begin, end, decode graph begin, end
+  cudaGraphExec_t store_graph_ = nullptr, decode_graph_ = nullptr;
 };
 #endif
 
 }  // namespace
 
 std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat& format,
-                                     const Quantizer* quantizer, int num_layers,
-                                     int32_t num_blocks) {
+                                     const Quantizer* quantizer, int num_layers, int32_t num_blocks,
+                                     int num_q_heads, bool kernel_timing) {
   if (device == "cpu") {
-    return std::make_unique<CpuBackend>(format, quantizer, num_layers, num_blocks);
+    return std::make_unique<CpuBackend>(format, quantizer, num_layers, num_blocks, num_q_heads);
   }
   RequireCudaDevice("tqkv sim --device cuda");
   if (quantizer == nullptr) {
@@ -214,10 +471,13 @@ std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat&
         "run on --device cpu (there is no store kernel for them yet)");
   }
 #if TQKV_HAVE_CUDA
-  return std::make_unique<CudaBackend>(format, quantizer, num_layers, num_blocks);
+  return std::make_unique<CudaBackend>(format, quantizer, num_layers, num_blocks, num_q_heads,
+                                       kernel_timing);
 #else
   (void)num_layers;
   (void)num_blocks;
+  (void)num_q_heads;
+  (void)kernel_timing;
   return nullptr;
 #endif
 }

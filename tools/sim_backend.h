@@ -1,11 +1,23 @@
-// Where the sim stores and decodes: the CPU reference or the CUDA kernels, behind one interface.
+// Where the sim stores and decodes: the CPU reference or the CUDA kernels, behind one interface
+// shaped like an engine's step (DESIGN.md, "One decode step, as data flows"):
+//
+//   StepInputs in = backend->PrepareStep(batch);   // host memory for the step's K/V/Q
+//   ... the sim writes every layer's K, V and queries into `in` ...
+//   backend->BeginStep(batch, decode_rows);        // copy-on-write copies, the batch's upload
+//                                                  // and the inputs' upload: one copy each
+//   for each layer: backend->Store(layer); backend->Decode(layer);   // launches only
+//   const StepResult& r = backend->FinishStep();  // the step's one synchronization; outputs
+//
+// On CUDA the per-layer calls do no host<->device traffic and never synchronize: the store reads
+// the slot mapping and the decode the block tables and lengths from the device copy of the
+// StepBatch (UploadStepBatch), K/V/Q from the step's one upload of inputs, and every layer's
+// outputs stay on the device until FinishStep reads them all back with one copy.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
-#include <vector>
 
 #include "kvcache/cache_format.h"
 #include "kvcache/step_batch.h"
@@ -13,24 +25,58 @@
 
 namespace tqkv::sim {
 
+// One step's inputs in host memory the backend owns (page-locked for CUDA, so that one
+// asynchronous copy uploads them all), fp32, in the batch's order; valid until the next
+// PrepareStep. T = batch.num_tokens(), B = batch.num_requests().
+struct StepInputs {
+  float* key = nullptr;    // [layers, T, Hk, D]: token t of layer l at (l · T + t) · Hk · D
+  float* value = nullptr;  // [layers, T, Hk, D]
+  float* query = nullptr;  // [layers, B, Hq, D]: the query of batch row i at (l · B + i) · Hq · D;
+                           // rows that are not decoded this step are zero
+};
+
+// Per-layer call times of one step, in seconds, summed over the step's calls.
+struct CallTimes {
+  int calls = 0;
+  double host_s = 0;     // host time inside the library call (on CPU: the whole work)
+  double stream_s = 0;   // CUDA events around each call on the stream (on CPU: = host_s)
+  double kernels_s = 0;  // the same calls captured in a CUDA graph and replayed, per call, times
+                         // `calls` (on CPU: = host_s)
+};
+
+struct StepResult {
+  // [layers, B, Hq, D] and [layers, B, Hq] on the host: the decoded rows' outputs (other rows
+  // are unspecified). Valid until the next BeginStep.
+  const float* output = nullptr;
+  const float* lse = nullptr;
+  CallTimes store, decode;
+  // CUDA: the step on the stream, from before its copies and uploads to its outputs on the host
+  // (events); CPU: 0.
+  double step_stream_s = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
-  // Stores K/V [T, Hk, D] (fp32, host) at slot_mapping [T] into layer `layer`.
-  virtual void Store(int layer, const std::vector<float>& k, const std::vector<float>& v,
-                     std::span<const int64_t> slot_mapping) = 0;
-  // Decode attention of queries [B, Hq, D] (fp32, host) over layer `layer` with block tables
-  // [B, width] and seq_lens [B]: output [B, Hq, D] and lse [B, Hq] (host).
-  virtual void Decode(int layer, const std::vector<float>& q, const std::vector<int32_t>& tables,
-                      int width, const std::vector<int32_t>& seq_lens, std::vector<float>& out,
-                      std::vector<float>& lse) = 0;
-  virtual void ApplyCopies(std::span<const BlockCopy> copies) = 0;
-  virtual void Sync() = 0;
+  // Host memory for the inputs of `batch` (which Schedule has just filled).
+  virtual StepInputs PrepareStep(const StepBatch& batch) = 0;
+  // Starts the step whose inputs PrepareStep returned: runs (CUDA: enqueues) the batch's
+  // copy-on-write copies, uploads the batch and the inputs. decode_rows: the batch rows whose
+  // query is decoded this step, increasing. `batch` must not be rescheduled before FinishStep.
+  virtual void BeginStep(const StepBatch& batch, std::span<const int32_t> decode_rows) = 0;
+  // Stores layer `layer`'s K/V of every token at the batch's slots.
+  virtual void Store(int layer) = 0;
+  // Decode attention of the decode rows' queries over layer `layer` (after its Store).
+  virtual void Decode(int layer) = 0;
+  // Ends the step: waits for it (the one synchronization of a CUDA step) and returns the outputs
+  // and times.
+  virtual const StepResult& FinishStep() = 0;
 };
 
-// device "cpu" or "cuda"; quantizer is null for the bf16 format.
+// device "cpu" or "cuda"; quantizer is null for the bf16 format. On CUDA, kernel_timing adds
+// the graph-replay timing pass to every step (StepResult::*.kernels_s; 0 without it).
 std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat& format,
-                                     const Quantizer* quantizer, int num_layers,
-                                     int32_t num_blocks);
+                                     const Quantizer* quantizer, int num_layers, int32_t num_blocks,
+                                     int num_q_heads, bool kernel_timing = true);
 
 }  // namespace tqkv::sim

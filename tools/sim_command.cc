@@ -49,9 +49,14 @@ void AddSimCommand(CLI::App& app) {
   cmd->add_flag("--no-prefix-caching", *no_prefix, "disable prefix caching");
   cmd->add_flag("--check", config->check_invariants,
                 "check the block manager's invariants after every step");
+  auto no_kernel_timing = std::make_shared<bool>(false);
+  cmd->add_flag("--no-kernel-timing", *no_kernel_timing,
+                "cuda: skip the pass that replays each step's stores and decodes from CUDA "
+                "graphs to time the kernels alone");
   cmd->add_option("--json", *json, "also write the report as JSON to this path");
-  cmd->callback([config, json, no_prefix] {
+  cmd->callback([config, json, no_prefix, no_kernel_timing] {
     config->enable_prefix_caching = !*no_prefix;
+    config->kernel_timing = !*no_kernel_timing;
     const sim::SimReport report = sim::RunSim(*config);
     fmt::print("{}", sim::FormatReport(*config, report));
     if (!json->empty()) {

@@ -64,6 +64,28 @@ TEST(SimTest, NumbersArePlausible) {
   EXPECT_GT(r.cosine_mean, 0.97);
   EXPECT_LE(r.cosine_worst, r.cosine_mean);
   EXPECT_GT(r.manager_us_per_step, 0.0);
+  // Every step with work stores every layer; decode calls only where some row decodes.
+  EXPECT_GT(r.store_calls, 0);
+  EXPECT_EQ(r.store_calls % c.layers, 0);
+  EXPECT_GT(r.decode_calls, 0);
+  EXPECT_EQ(r.decode_calls % c.layers, 0);
+  EXPECT_LE(r.decode_calls, r.store_calls);
+  // On the CPU the call is the work: host, stream and kernels times are the same CPU time.
+  EXPECT_GT(r.store_host_us_per_layer, 0.0);
+  EXPECT_GT(r.decode_host_us_per_layer, 0.0);
+  EXPECT_EQ(r.store_stream_us_per_layer, r.store_host_us_per_layer);
+  EXPECT_EQ(r.store_kernels_us_per_layer, r.store_host_us_per_layer);
+  EXPECT_EQ(r.decode_stream_us_per_layer, r.decode_host_us_per_layer);
+  EXPECT_EQ(r.decode_kernels_us_per_layer, r.decode_host_us_per_layer);
+  EXPECT_EQ(r.step_stream_us, 0.0);
+  EXPECT_GT(r.generate_us_per_step, 0.0);
+  EXPECT_GT(r.check_us_per_step, 0.0);
+  const std::string report = FormatReport(c, r);
+  EXPECT_THAT(report, HasSubstr("store per layer call (CPU)"));
+  EXPECT_THAT(report, HasSubstr("decode per layer call (CPU)"));
+  const std::string json = ReportJson(c, r);
+  EXPECT_THAT(json, HasSubstr("\"store_kernels_us_per_layer\""));
+  EXPECT_THAT(json, HasSubstr("\"decode_stream_us_per_layer\""));
 }
 
 TEST(SimTest, Bf16IsExactToBf16Rounding) {
