@@ -327,6 +327,8 @@ SimReport RunSim(const SimConfig& c) {
   std::vector<double> checksums, head_cos, head_rel;  // the step's checks, per row
   double manager_s = 0, generate_s = 0, check_s = 0, step_stream_s = 0;
   CallTimes store_t, decode_t;  // every layer call of the run
+  // Per step with calls: the step's mean per call (host, stream, kernels), for the medians.
+  std::vector<double> store_samples[3], decode_samples[3];
   double cos_sum = 0, rel_sum = 0;
   const int d = c.head_dim, hk = c.kv_heads, hq = c.q_heads;
   const size_t kv_row = size_t(hk) * d, q_row = size_t(hq) * d;
@@ -336,11 +338,16 @@ SimReport RunSim(const SimConfig& c) {
     fn();
     acc += std::chrono::duration<double>(Clock::now() - t0).count();
   };
-  auto add = [](CallTimes& acc, const CallTimes& step) {
+  auto add = [](CallTimes& acc, std::vector<double> (&samples)[3], const CallTimes& step) {
     acc.calls += step.calls;
     acc.host_s += step.host_s;
     acc.stream_s += step.stream_s;
     acc.kernels_s += step.kernels_s;
+    if (step.calls > 0) {
+      samples[0].push_back(step.host_s / step.calls);
+      samples[1].push_back(step.stream_s / step.calls);
+      samples[2].push_back(step.kernels_s / step.calls);
+    }
   };
 
   while (next_request < c.requests || !waiting.empty() || !running.empty()) {
@@ -476,8 +483,8 @@ SimReport RunSim(const SimConfig& c) {
       if (!decode_rows.empty()) backend->Decode(layer);
     }
     const StepResult& outputs = backend->FinishStep();
-    add(store_t, outputs.store);
-    add(decode_t, outputs.decode);
+    add(store_t, store_samples, outputs.store);
+    add(decode_t, decode_samples, outputs.decode);
     step_stream_s += outputs.step_stream_s;
 
     // Checksums of every layer's decode outputs; layer 0 against fp64 attention over raw K/V.
@@ -605,17 +612,21 @@ SimReport RunSim(const SimConfig& c) {
   rep.manager_us_per_step = 1e6 * manager_s / rep.steps;
   rep.store_us_per_step = 1e6 * store_t.stream_s / rep.steps;
   rep.decode_us_per_step = 1e6 * decode_t.stream_s / rep.steps;
-  auto per_call = [](const CallTimes& t, double CallTimes::*field) {
-    return t.calls > 0 ? 1e6 * (t.*field) / t.calls : 0.0;
+  // Medians over steps: a kernel's first launch in a process also loads its module (CUDA's lazy
+  // loading, milliseconds), which the per-step totals above include and a steady state does not.
+  auto median_us = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return 1e6 * v[v.size() / 2];
   };
   rep.store_calls = store_t.calls;
-  rep.store_host_us_per_layer = per_call(store_t, &CallTimes::host_s);
-  rep.store_stream_us_per_layer = per_call(store_t, &CallTimes::stream_s);
-  rep.store_kernels_us_per_layer = per_call(store_t, &CallTimes::kernels_s);
+  rep.store_host_us_per_layer = median_us(store_samples[0]);
+  rep.store_stream_us_per_layer = median_us(store_samples[1]);
+  rep.store_kernels_us_per_layer = median_us(store_samples[2]);
   rep.decode_calls = decode_t.calls;
-  rep.decode_host_us_per_layer = per_call(decode_t, &CallTimes::host_s);
-  rep.decode_stream_us_per_layer = per_call(decode_t, &CallTimes::stream_s);
-  rep.decode_kernels_us_per_layer = per_call(decode_t, &CallTimes::kernels_s);
+  rep.decode_host_us_per_layer = median_us(decode_samples[0]);
+  rep.decode_stream_us_per_layer = median_us(decode_samples[1]);
+  rep.decode_kernels_us_per_layer = median_us(decode_samples[2]);
   rep.step_stream_us = 1e6 * step_stream_s / rep.steps;
   rep.generate_us_per_step = 1e6 * generate_s / rep.steps;
   rep.check_us_per_step = 1e6 * check_s / rep.steps;
@@ -655,10 +666,10 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
       return c.kernel_timing ? fmt::format("{:.1f} / {:.1f} / {:.1f} us", host, stream, kernels)
                              : fmt::format("{:.1f} / {:.1f} / - us", host, stream);
     };
-    row("store per layer: host / stream / kernels",
+    row("store per layer (median): host / stream / kernels",
         times(r.store_host_us_per_layer, r.store_stream_us_per_layer,
               r.store_kernels_us_per_layer));
-    row("decode per layer: host / stream / kernels",
+    row("decode per layer (median): host / stream / kernels",
         times(r.decode_host_us_per_layer, r.decode_stream_us_per_layer,
               r.decode_kernels_us_per_layer));
     row("step on the stream (uploads to outputs)", fmt::format("{:.1f} us", r.step_stream_us));

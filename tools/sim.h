@@ -66,10 +66,11 @@ struct SimReport {
   // stream (CUDA events around each call).
   double store_us_per_step = 0;
   double decode_us_per_step = 0;
-  // One layer's Store or Decode call, averaged over the run's calls: the host time inside the
-  // library call, the call's time on the stream (events around it: launch gaps included), and
-  // the same calls' kernels alone (captured in a CUDA graph and replayed; 0 without
-  // kernel_timing). On cpu the call is the work: all three are its CPU time.
+  // One layer's Store or Decode call, the median over steps of a step's mean per call (a kernel's
+  // first launch also loads its module, which only the per-step totals above include): the host
+  // time inside the library call, the call's time on the stream (events around it: launch gaps
+  // included), and the same calls' kernels alone (captured in a CUDA graph and replayed; 0
+  // without kernel_timing). On cpu the call is the work: all three are its CPU time.
   int64_t store_calls = 0, decode_calls = 0;
   double store_host_us_per_layer = 0, store_stream_us_per_layer = 0, store_kernels_us_per_layer = 0;
   double decode_host_us_per_layer = 0, decode_stream_us_per_layer = 0,
