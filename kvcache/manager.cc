@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstring>
 #include <limits>
 
 #include "runtime/error.h"
@@ -528,10 +527,11 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests,
     if (written.owner == this && written.seq == r.seq && written.table_epoch == s.table_epoch &&
         written.length <= length) {
       // Same sequence, table only appended to: the row holds the old entries and nulls after.
-      std::memcpy(row + written.length, s.blocks.data() + written.length,
-                  static_cast<size_t>(length - written.length) * sizeof(int32_t));
+      // std::copy, not memcpy: a sequence may have no blocks yet, and memcpy from the null
+      // data() of an empty vector is undefined even for 0 bytes.
+      std::copy(s.blocks.begin() + written.length, s.blocks.end(), row + written.length);
     } else {
-      std::memcpy(row, s.blocks.data(), static_cast<size_t>(length) * sizeof(int32_t));
+      std::copy(s.blocks.begin(), s.blocks.end(), row);
       std::fill(row + length, row + width, kNullBlock);
     }
     written = StepBatch::RowState{this, r.seq, s.table_epoch, length};

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <limits>
 #include <optional>
 
 #include "runtime/error.h"
@@ -29,6 +30,129 @@ void RequireDim(const SafetensorsFile& file, std::string_view name, const Tensor
                             file.source_name, name, fmt::join(tensor.shape, ", "), dim, expected,
                             what));
   }
+}
+
+int DimAsInt(const SafetensorsFile& file, std::string_view name, const Tensor& tensor, int dim,
+             std::string_view what) {
+  const int64_t size = tensor.shape[dim];
+  if (size > std::numeric_limits<int>::max()) {
+    throw Error(fmt::format("{}: tensor '{}' has shape [{}]; dim {} ({}) must be at most {}",
+                            file.source_name, name, fmt::join(tensor.shape, ", "), dim, what,
+                            std::numeric_limits<int>::max()));
+  }
+  return static_cast<int>(size);
+}
+
+StoreInputTensors RequireStoreInputs(const SafetensorsFile& in) {
+  StoreInputTensors t;
+  const Tensor& key = RequireFloatTensor(in, "key", 3);
+  const Tensor& value = RequireFloatTensor(in, "value", 3);
+  if (value.dtype != key.dtype || value.shape != key.shape) {
+    throw Error(fmt::format("{}: tensor 'value' ({} [{}]) must match 'key' ({} [{}])",
+                            in.source_name, DTypeName(value.dtype), fmt::join(value.shape, ", "),
+                            DTypeName(key.dtype), fmt::join(key.shape, ", ")));
+  }
+  const Tensor& slots = in.at("slot_mapping");
+  if ((slots.dtype != DType::kI32 && slots.dtype != DType::kI64) || slots.shape.size() != 1) {
+    throw Error(fmt::format("{}: tensor 'slot_mapping' must be I32 or I64 [N]; it is {} [{}]",
+                            in.source_name, DTypeName(slots.dtype), fmt::join(slots.shape, ", ")));
+  }
+  RequireDim(in, "slot_mapping", slots, 0, key.shape[0], "N, the tokens of 'key'");
+  t.key = &key;
+  t.value = &value;
+  t.slot_mapping = &slots;
+  t.num_kv_heads = DimAsInt(in, "key", key, 1, "Hk, the KV heads");
+  t.head_dim = DimAsInt(in, "key", key, 2, "D, the head dim");
+  return t;
+}
+
+StoreInputs MakeStoreInputs(const StoreInputTensors& t) {
+  StoreInputs inputs;
+  inputs.key = t.key->data.data();
+  inputs.value = t.value->data.data();
+  inputs.dtype = t.key->dtype;
+  inputs.slot_mapping = t.slot_mapping->data.data();
+  inputs.slot_dtype = t.slot_mapping->dtype;
+  inputs.num_tokens = t.key->shape[0];
+  return inputs;
+}
+
+void CheckNumBlocks(int64_t num_blocks, const BlockFormat& f) {
+  const int64_t max_blocks = std::numeric_limits<int64_t>::max() / f.block_bytes;
+  if (num_blocks < 1 || num_blocks > max_blocks) {
+    throw InvalidArgument("tqkv store", "--num-blocks", num_blocks,
+                          fmt::format("1 to {} (blocks of {} bytes)", max_blocks, f.block_bytes));
+  }
+}
+
+Tensor TakeStoreCache(SafetensorsFile& prev, int64_t num_blocks, const BlockFormat& f) {
+  prev.Require("cache", DType::kU8, 2);
+  Tensor cache = std::move(prev.tensors.at("cache"));
+  RequireDim(prev, "cache", cache, 0, num_blocks, "--num-blocks");
+  RequireDim(prev, "cache", cache, 1, f.block_bytes,
+             fmt::format("block_bytes of {} at D={}, H={}, block {}", f.block_bytes, f.head_dim,
+                         f.num_kv_heads, f.block_size));
+  return cache;
+}
+
+DecodeInputTensors RequireDecodeInputs(const SafetensorsFile& cache_file, const SafetensorsFile& in,
+                                       const QuantizerFlags& flags) {
+  DecodeInputTensors t;
+  const Tensor& cache = cache_file.Require("cache", DType::kU8, 2);
+  const Tensor& query = RequireFloatTensor(in, "query", 3);
+  const Tensor& tables = in.Require("block_tables", DType::kI32, 2);
+  const Tensor& lens = in.Require("seq_lens", DType::kI32, 1);
+  const int64_t batch = query.shape[0];
+  RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'query'");
+  RequireDim(in, "seq_lens", lens, 0, batch, "B, the sequences of 'query'");
+  t.cache = &cache;
+  t.query = &query;
+  t.block_tables = &tables;
+  t.seq_lens = &lens;
+  t.batch = DimAsInt(in, "query", query, 0, "B, the sequences");
+  t.num_q_heads = DimAsInt(in, "query", query, 1, "Hq, the query heads");
+  t.head_dim = DimAsInt(in, "query", query, 2, "D, the head dim");
+  t.max_blocks_per_seq = DimAsInt(in, "block_tables", tables, 1, "W, the blocks per sequence");
+
+  // The KV head count follows from the cache's block_bytes.
+  const Preset& preset = PresetByName(flags.preset);
+  const int64_t per_head_block =
+      int64_t{MakeBlockFormat(preset, t.head_dim, 1, flags.block_size).block_bytes};
+  const int64_t block_bytes = cache.shape[1];
+  if (block_bytes % per_head_block != 0) {
+    throw Error(fmt::format(
+        "{}: cache block_bytes {} is not a multiple of {} (one KV head of {} at D={}, block {}); "
+        "check --preset, --block-size and the query's head_dim",
+        cache_file.source_name, block_bytes, per_head_block, preset.name, t.head_dim,
+        flags.block_size));
+  }
+  const int64_t num_kv_heads = block_bytes / per_head_block;
+  if (num_kv_heads > kMaxKvHeads) {
+    throw Error(fmt::format(
+        "{}: cache block_bytes {} holds {} KV heads of {} bytes ({} at D={}, block {}); allowed: "
+        "at most {}",
+        cache_file.source_name, block_bytes, num_kv_heads, per_head_block, preset.name, t.head_dim,
+        flags.block_size, kMaxKvHeads));
+  }
+  t.num_kv_heads = static_cast<int>(num_kv_heads);
+  return t;
+}
+
+DecodeInputs MakeDecodeInputs(const DecodeInputTensors& t, std::optional<float> scale,
+                              std::vector<float>& query_f32) {
+  query_f32.resize(static_cast<size_t>(t.query->num_elements()));
+  for (size_t i = 0; i < query_f32.size(); ++i) {
+    query_f32[i] = LoadAsFloat(t.query->data.data(), t.query->dtype, static_cast<int64_t>(i));
+  }
+  DecodeInputs inputs;
+  inputs.query = query_f32.data();
+  inputs.num_seqs = t.batch;
+  inputs.num_q_heads = t.num_q_heads;
+  inputs.block_tables = t.block_tables->values<int32_t>().data();
+  inputs.max_blocks_per_seq = t.max_blocks_per_seq;
+  inputs.seq_lens = t.seq_lens->values<int32_t>().data();
+  inputs.scale = scale;
+  return inputs;
 }
 
 Quantizer MakeQuantizer(const QuantizerFlags& flags, int head_dim, int num_kv_heads,

@@ -2,10 +2,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "attention/decode_cpu.h"
 #include "quant/quantizer.h"
 #include "runtime/safetensors.h"
 
@@ -31,6 +34,54 @@ const Tensor& RequireFloatTensor(const SafetensorsFile& file, std::string_view n
 // Throws unless tensor.shape[dim] == expected, naming the file, the tensor and both sizes.
 void RequireDim(const SafetensorsFile& file, std::string_view name, const Tensor& tensor, int dim,
                 int64_t expected, std::string_view what);
+
+// tensor.shape[dim] as an int; throws naming the file, the tensor and the dim when it does not fit.
+int DimAsInt(const SafetensorsFile& file, std::string_view name, const Tensor& tensor, int dim,
+             std::string_view what);
+
+// The input tensors of `tqkv store`, checked by RequireStoreInputs: key and value F32, F16 or BF16
+// [N, Hk, D] of one dtype and shape, slot_mapping I32 or I64 [N]. The pointers refer into the file.
+struct StoreInputTensors {
+  const Tensor* key = nullptr;
+  const Tensor* value = nullptr;
+  const Tensor* slot_mapping = nullptr;
+  int head_dim = 0;      // D (MakeQuantizer checks the allowed values)
+  int num_kv_heads = 0;  // Hk
+};
+StoreInputTensors RequireStoreInputs(const SafetensorsFile& in);
+
+// The StoreInputs (host pointers into the tensors) of checked store inputs.
+StoreInputs MakeStoreInputs(const StoreInputTensors& tensors);
+
+// `tqkv store --num-blocks`: from 1 to the most whose cache size in bytes fits in int64.
+void CheckNumBlocks(int64_t num_blocks, const BlockFormat& format);
+
+// `tqkv store --cache-in`: checks that `prev` has 'cache' U8 [num_blocks, block_bytes of `format`]
+// and moves it out.
+Tensor TakeStoreCache(SafetensorsFile& prev, int64_t num_blocks, const BlockFormat& format);
+
+// The inputs of `tqkv decode`, checked by RequireDecodeInputs: 'cache' U8 [NB, block_bytes] from
+// the cache file; query F32, F16 or BF16 [B, Hq, D], block_tables I32 [B, W] and seq_lens I32 [B]
+// from the input file. The KV head count follows from block_bytes, the preset and block size of
+// `flags`, and D. (DecodeCpu checks the rest: GQA ratio, seq_lens, block ids.)
+struct DecodeInputTensors {
+  const Tensor* cache = nullptr;
+  const Tensor* query = nullptr;
+  const Tensor* block_tables = nullptr;
+  const Tensor* seq_lens = nullptr;
+  int batch = 0;               // B
+  int num_q_heads = 0;         // Hq
+  int head_dim = 0;            // D
+  int max_blocks_per_seq = 0;  // W
+  int num_kv_heads = 0;        // Hk
+};
+DecodeInputTensors RequireDecodeInputs(const SafetensorsFile& cache_file, const SafetensorsFile& in,
+                                       const QuantizerFlags& flags);
+
+// The DecodeInputs of checked decode inputs; the query is converted to F32 into `query_f32`,
+// which must outlive the result.
+DecodeInputs MakeDecodeInputs(const DecodeInputTensors& tensors, std::optional<float> scale,
+                              std::vector<float>& query_f32);
 
 // Adds the quantizer-selecting flags to a subcommand.
 void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_required);

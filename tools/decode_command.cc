@@ -60,43 +60,15 @@ void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query
 
 void RunDecode(const DecodeFlags& flags) {
   const SafetensorsFile cache_file = ReadSafetensors(flags.cache);
-  const Tensor& cache = cache_file.Require("cache", DType::kU8, 2);
   const SafetensorsFile in = ReadSafetensors(flags.in);
-  const Tensor& query = RequireFloatTensor(in, "query", 3);
-  const Tensor& tables = in.Require("block_tables", DType::kI32, 2);
-  const Tensor& lens = in.Require("seq_lens", DType::kI32, 1);
-  const int64_t batch = query.shape[0];
-  RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'query'");
-  RequireDim(in, "seq_lens", lens, 0, batch, "B, the sequences of 'query'");
-  const int head_dim = static_cast<int>(query.shape[2]);
+  const DecodeInputTensors tensors = RequireDecodeInputs(cache_file, in, flags.quant);
+  const Tensor& cache = *tensors.cache;
+  const Tensor& query = *tensors.query;
+  const int64_t batch = tensors.batch;
+  const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
 
-  // The KV head count follows from the cache's block_bytes.
-  const Preset& preset = PresetByName(flags.quant.preset);
-  const int64_t per_head_block =
-      int64_t{MakeBlockFormat(preset, head_dim, 1, flags.quant.block_size).block_bytes};
-  const int64_t block_bytes = cache.shape[1];
-  if (block_bytes % per_head_block != 0) {
-    throw Error(fmt::format(
-        "{}: cache block_bytes {} is not a multiple of {} (one KV head of {} at D={}, block {}); "
-        "check --preset, --block-size and the query's head_dim",
-        cache_file.source_name, block_bytes, per_head_block, preset.name, head_dim,
-        flags.quant.block_size));
-  }
-  const int num_kv_heads = static_cast<int>(block_bytes / per_head_block);
-  const Quantizer q = MakeQuantizer(flags.quant, head_dim, num_kv_heads, in);
-
-  std::vector<float> query_f32(static_cast<size_t>(query.num_elements()));
-  for (size_t i = 0; i < query_f32.size(); ++i) {
-    query_f32[i] = LoadAsFloat(query.data.data(), query.dtype, static_cast<int64_t>(i));
-  }
-  DecodeInputs inputs;
-  inputs.query = query_f32.data();
-  inputs.num_seqs = static_cast<int>(batch);
-  inputs.num_q_heads = static_cast<int>(query.shape[1]);
-  inputs.block_tables = tables.values<int32_t>().data();
-  inputs.max_blocks_per_seq = static_cast<int>(tables.shape[1]);
-  inputs.seq_lens = lens.values<int32_t>().data();
-  inputs.scale = flags.scale;
+  std::vector<float> query_f32;
+  const DecodeInputs inputs = MakeDecodeInputs(tensors, flags.scale, query_f32);
   std::vector<float> output(query_f32.size()), lse(static_cast<size_t>(batch * query.shape[1]));
   // The CPU reference validates everything (seq_lens, block ids) on the host; the GPU path runs
   // it first in checking-only form so that bad tables give the same clear error.
@@ -104,7 +76,8 @@ void RunDecode(const DecodeFlags& flags) {
     DecodeInputs check = inputs;
     check.token_end = 0;  // validate, attend to nothing
     DecodeCpu(q, cache.data.data(), cache.shape[0], check, {output.data(), lse.data()});
-    DecodeOnDevice(q, cache, query, tables, lens, flags.scale, output, lse);
+    DecodeOnDevice(q, cache, query, *tensors.block_tables, *tensors.seq_lens, flags.scale, output,
+                   lse);
   } else {
     DecodeCpu(q, cache.data.data(), cache.shape[0], inputs, {output.data(), lse.data()});
   }

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs what tqkv's build needs from Debian's packages (idempotent; needs root or sudo).
 # The CUDA toolkit is optional: with /usr/local/cuda/bin/nvcc present the CUDA code is built too
-# (see bazel/cuda_configure.bzl).
+# (see bazel/cuda_configure.bzl). clang and its libFuzzer runtime build the fuzzers
+# (tools/fuzz/run.sh).
 set -euo pipefail
 packages=(
   bazel-bootstrap g++ ca-certificates python3
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -102,48 +102,23 @@ void StoreOnDevice(const Quantizer& q, const StoreOptions& options, const StoreI
 
 void RunStore(const StoreFlags& flags) {
   const SafetensorsFile in = ReadSafetensors(flags.in);
-  const Tensor& key = RequireFloatTensor(in, "key", 3);
-  const Tensor& value = RequireFloatTensor(in, "value", 3);
-  if (value.dtype != key.dtype || value.shape != key.shape) {
-    throw Error(fmt::format("{}: tensor 'value' ({} [{}]) must match 'key' ({} [{}])",
-                            in.source_name, DTypeName(value.dtype), fmt::join(value.shape, ", "),
-                            DTypeName(key.dtype), fmt::join(key.shape, ", ")));
-  }
-  const Tensor& slots = in.at("slot_mapping");
-  if ((slots.dtype != DType::kI32 && slots.dtype != DType::kI64) || slots.shape.size() != 1) {
-    throw Error(fmt::format("{}: tensor 'slot_mapping' must be I32 or I64 [N]; it is {} [{}]",
-                            in.source_name, DTypeName(slots.dtype), fmt::join(slots.shape, ", ")));
-  }
-  RequireDim(in, "slot_mapping", slots, 0, key.shape[0], "N, the tokens of 'key'");
-  const Quantizer q = MakeQuantizer(flags.quant, static_cast<int>(key.shape[2]),
-                                    static_cast<int>(key.shape[1]), in);
+  const StoreInputTensors tensors = RequireStoreInputs(in);
+  const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
   const BlockFormat& f = q.format();
-  if (flags.num_blocks < 1)
-    throw InvalidArgument("tqkv store", "--num-blocks", flags.num_blocks, ">= 1");
+  CheckNumBlocks(flags.num_blocks, f);
 
   SafetensorsFile out;
   out.source_name = flags.out;
   Tensor cache;
   if (!flags.cache_in.empty()) {
     SafetensorsFile prev = ReadSafetensors(flags.cache_in);
-    prev.Require("cache", DType::kU8, 2);
-    cache = std::move(prev.tensors.at("cache"));
-    RequireDim(prev, "cache", cache, 0, flags.num_blocks, "--num-blocks");
-    RequireDim(prev, "cache", cache, 1, f.block_bytes,
-               fmt::format("block_bytes of {} at D={}, H={}, block {}", f.block_bytes, f.head_dim,
-                           f.num_kv_heads, f.block_size));
+    cache = TakeStoreCache(prev, flags.num_blocks, f);
   } else {
     cache.dtype = DType::kU8;
     cache.shape = {flags.num_blocks, f.block_bytes};
     cache.data.assign(static_cast<size_t>(flags.num_blocks * f.block_bytes), 0);
   }
-  StoreInputs inputs;
-  inputs.key = key.data.data();
-  inputs.value = value.data.data();
-  inputs.dtype = key.dtype;
-  inputs.slot_mapping = slots.data.data();
-  inputs.slot_dtype = slots.dtype;
-  inputs.num_tokens = key.shape[0];
+  const StoreInputs inputs = MakeStoreInputs(tensors);
   if (flags.device == "cpu") {
     q.StoreCpu(inputs, {cache.data.data(), flags.num_blocks});
   } else if (flags.device == "cuda") {
