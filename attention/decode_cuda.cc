@@ -140,8 +140,9 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged) const {
     // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
     const decode_detail::MaybeSplitVariant wide = decode_detail::ChooseSplitVariant(
         state_->key_kind, value_bits, head_dim(), group, {staged, false, true, false});
-    const decode_detail::MaybeSplitVariant narrow = decode_detail::ChooseSplitVariant(
-        state_->key_kind, value_bits, head_dim(), group, {staged, true, false, false});
+    [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
+        decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
+                                          {staged, true, false, false});
     TQKV_CHECK(wide.ok);
 #if TQKV_HAVE_CUDA
     TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
