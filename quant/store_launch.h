@@ -106,4 +106,12 @@ bool LaunchNormalize(const NormalizeParams& params, StreamHandle stream);
 // when the format has no kMma kernel (head_dim 256, FP8 keys). Idempotent.
 bool PrepareMmaStore(const BlockFormat& format);
 
+// The same per head_dim (store_kernels_d{64,128,256}.cu, one instantiation unit each); chunks:
+// row chunks of the narrow kernel's CTA size (LaunchStore computes it).
+bool LaunchStoreD64(const StoreParams& params, int64_t chunks, StreamHandle stream);
+bool LaunchStoreD128(const StoreParams& params, int64_t chunks, StreamHandle stream);
+bool LaunchStoreD256(const StoreParams& params, int64_t chunks, StreamHandle stream);
+bool PrepareMmaStoreD64(const BlockFormat& format);
+bool PrepareMmaStoreD128(const BlockFormat& format);
+
 }  // namespace tqkv::store
