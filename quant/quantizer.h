@@ -16,9 +16,6 @@
 
 namespace tqkv {
 
-class StoreDeviceState;  // quant/store_cuda.h
-struct DeviceWorkspace;  // quant/store_cuda.h
-
 // Keys and values of the tokens to store, and where each goes.
 struct StoreInputs {
   const void* key = nullptr;           // [num_tokens, num_kv_heads, head_dim] of `dtype`
@@ -65,13 +62,8 @@ class Quantizer {
   // the slot; nothing is written when any input is invalid.
   void StoreCpu(const StoreInputs& inputs, CacheRef cache) const;
 
-  // The CUDA store of the same bytes (quant/store_cuda.h; defined in //quant:store_cuda): key,
-  // value and slot mapping of `inputs` and `layer_cache` in device memory, `state` built for this
-  // quantizer (its device tables), `workspace` of state.WorkspaceBytes(num_tokens) bytes. Runs on
-  // `stream` without allocating or synchronizing (CUDA-graph capturable). MSE indices may differ
-  // from StoreCpu by one where y lies within a few ulp of a midpoint (see quant/README.md).
-  void Store(const StoreInputs& inputs, CacheRef layer_cache, const StoreDeviceState& state,
-             DeviceWorkspace workspace, StreamHandle stream) const;
+  // The CUDA store of the same bytes is StoreDeviceState::Store (quant/store_cuda.h), which holds
+  // this quantizer's device tables.
 
   // Encodes one token-head (k, v: [D] fp32) into `block` at position `pos`, head `head`.
   void EncodeSlot(const float* k, const float* v, uint8_t* block, int pos, int head) const;

@@ -23,7 +23,7 @@
 namespace tqkv {
 namespace {
 
-constexpr const char* kWhere = "Quantizer::Store";
+constexpr const char* kWhere = "StoreDeviceState::Store";
 constexpr int64_t kAlign = 256;
 // cuBLAS's own recommendation for Hopper; handed to it with cublasSetWorkspace so that it never
 // allocates during a call (graph capture).
@@ -71,13 +71,6 @@ store::InputType ToInputType(DType t) {
   }
 }
 #endif
-
-bool SameQuantizer(const Quantizer& a, const Quantizer& b) {
-  const BlockFormat &fa = a.format(), &fb = b.format();
-  return a.preset().name == b.preset().name && fa.head_dim == fb.head_dim &&
-         fa.num_kv_heads == fb.num_kv_heads && fa.block_size == fb.block_size &&
-         a.rotation().id == b.rotation().id && a.codebook().centroids == b.codebook().centroids;
-}
 
 // The tensor-core store kernel holds Πᵀ in shared memory: head_dim 64 and 128.
 bool HasMmaKernel(const Quantizer& q) {
@@ -546,21 +539,5 @@ void StoreDeviceState::CheckStatus(DeviceWorkspace workspace, const StoreInputs&
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantizer::Store (declared in quantizer.h; the CPU reference stays in quantizer.cc)
-
-void Quantizer::Store(const StoreInputs& inputs, CacheRef layer_cache,
-                      const StoreDeviceState& state, DeviceWorkspace workspace,
-                      StreamHandle stream) const {
-  if (!SameQuantizer(*this, state.quantizer())) {
-    throw Error(fmt::format(
-        "{}: the StoreDeviceState was built for another quantizer ({}, D={}, H={}, block {}, "
-        "rotation id {:016x}); this one is {}, D={}, H={}, block {}, rotation id {:016x}",
-        kWhere, state.quantizer().preset().name, state.quantizer().format().head_dim,
-        state.quantizer().format().num_kv_heads, state.quantizer().format().block_size,
-        state.quantizer().rotation().id, preset().name, format().head_dim, format().num_kv_heads,
-        format().block_size, rotation().id));
-  }
-  state.Store(inputs, layer_cache, workspace, stream);
-}
 
 }  // namespace tqkv

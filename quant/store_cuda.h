@@ -2,7 +2,7 @@
 //
 //   StoreDeviceState state(quantizer);                    // once: device tables, cuBLAS handle
 //   DeviceAllocation ws(state.WorkspaceBytes(max_tokens));  // once: the caller owns all scratch
-//   quantizer.Store(inputs, cache, state, {ws.data(), ws.size_bytes()}, stream);  // every step
+//   state.Store(inputs, cache, {ws.data(), ws.size_bytes()}, stream);     // every step
 //
 // Paths (StorePath):
 //  - kFp8  (turboquant_k8v4): one kernel, E4M3 keys and quantized values.

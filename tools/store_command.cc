@@ -73,7 +73,7 @@ StoreOptions ParseStoreOptions(const StoreFlags& flags) {
   return o;
 }
 
-// Uploads inputs and cache, runs Quantizer::Store on the GPU, downloads the cache.
+// Uploads inputs and cache, runs StoreDeviceState::Store on the GPU, downloads the cache.
 void StoreOnDevice(const Quantizer& q, const StoreOptions& options, const StoreInputs& host,
                    Tensor& cache, int64_t num_blocks) {
   RejectDuplicateSlots(host);
@@ -94,7 +94,7 @@ void StoreOnDevice(const Quantizer& q, const StoreOptions& options, const StoreI
   in.slot_mapping = slots.data();
   const CacheRef ref{static_cast<uint8_t*>(device_cache.data()), num_blocks};
   const DeviceWorkspace ws{workspace.data(), workspace.size_bytes()};
-  q.Store(in, ref, state, ws, stream.get());
+  state.Store(in, ref, ws, stream.get());
   state.CheckStatus(ws, in, ref, stream.get());  // synchronizes; names the first bad slot
   device_cache.CopyToHost(cache.data.data(), device_cache.size_bytes(), 0, stream.get());
   stream.Synchronize();
