@@ -459,9 +459,6 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   auto* partial_out = reinterpret_cast<float*>(ws + q_bytes);
   auto* partial_lse =
       reinterpret_cast<float*>(ws + q_bytes + AlignUp(rows * plan.max_splits * d * 4));
-  const int dtype_code = [](DType t) {
-    return t == DType::kF32 ? 0 : (t == DType::kF16 ? 1 : 2);
-  }(a.query_dtype);
 
   SplitParams sp;
   // A dense Πᵀ is applied by the query prep kernel (fp32 q·Πᵀ into the workspace); a Hadamard Πᵀ
@@ -470,17 +467,17 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   if (query_prep) {
     QueryPrepParams qp;
     qp.query = a.query;
-    qp.in_dtype = dtype_code;
+    qp.in_dtype = a.query_dtype;
     qp.rotation = s.rotation.data();
     qp.out = qbuf;
     qp.rows = static_cast<int>(rows);
     qp.head_dim = d;
     TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
     sp.query = qbuf;
-    sp.query_dtype = 0;
+    sp.query_dtype = DType::kF32;
   } else {
     sp.query = a.query;
-    sp.query_dtype = dtype_code;
+    sp.query_dtype = a.query_dtype;
     sp.query_fwht = s.fwht ? 1 : 0;
     sp.query_signs = s.signs.data();
     sp.query_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
@@ -510,7 +507,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   sp.max_splits = plan.max_splits;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
-  const int out_dtype = a.output_dtype == DType::kF32 ? 0 : (a.output_dtype == DType::kF16 ? 1 : 2);
+  const DType out_dtype = a.output_dtype;
   if (plan.max_splits == 1) {  // the split kernel writes the output; no merge launch
     sp.output = a.output;
     sp.lse = a.lse;

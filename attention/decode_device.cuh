@@ -12,6 +12,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "runtime/dtype.h"
+
 namespace tqkv::decode_detail {
 
 // ------------------------------------------------------------------------------------------------
@@ -203,11 +205,11 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   return out;
 }
 
-// out[i] = x in the output dtype (0 fp32, 1 fp16, 2 bf16).
-__device__ __forceinline__ void StoreOutput(void* out, int dtype, int64_t i, float x) {
-  if (dtype == 0) {
+// out[i] = x in the output dtype (F32, F16 or BF16).
+__device__ __forceinline__ void StoreOutput(void* out, DType dtype, int64_t i, float x) {
+  if (dtype == DType::kF32) {
     static_cast<float*>(out)[i] = x;
-  } else if (dtype == 1) {
+  } else if (dtype == DType::kF16) {
     static_cast<__half*>(out)[i] = __float2half_rn(x);
   } else {
     static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);

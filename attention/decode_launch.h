@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/decode_variant.h"
+#include "runtime/dtype.h"
 
 namespace tqkv::decode_detail {
 
@@ -21,23 +22,23 @@ struct SplitParams {
   const uint8_t* cache = nullptr;         // [num_blocks, block_bytes]
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens = nullptr;      // [num_seqs]
-  // The query [num_seqs, num_q_heads, head_dim] in query_dtype (0 fp32, 1 fp16, 2 bf16): the
+  // The query [num_seqs, num_q_heads, head_dim] in query_dtype (F32, F16 or BF16): the
   // caller's, rotated by each CTA in its prologue (query_fwht: y = FWHT(q ⊙ signs) · query_scale,
   // the Hadamard kinds' q·Πᵀ; otherwise y = q), or the query prep's fp32 q·Πᵀ for dense Πᵀ.
   const void* query = nullptr;
   const float* query_signs = nullptr;  // [head_dim] ±1 (hadamard_signs) or nullptr
-  int query_dtype = 0;
+  DType query_dtype = DType::kF32;
   int query_fwht = 0;
   float query_scale = 1.0f;               // 1/√D with query_fwht
   float* partial_out = nullptr;           // [num_seqs, num_q_heads, max_splits, head_dim]
   float* partial_lse = nullptr;           // [num_seqs, num_q_heads, max_splits] natural log
   const uint2* codebook_table = nullptr;  // MSE keys: CodebookTable()
   // With one split per sequence (max_splits == 1) the split kernel writes the final output and
-  // LSE itself and no merge runs: output [num_seqs, num_q_heads, head_dim] in out_dtype (0 fp32,
+  // LSE itself and no merge runs: output [num_seqs, num_q_heads, head_dim] in out_dtype (F32,
   // 1 fp16, 2 bf16), lse [num_seqs, num_q_heads]. nullptr: partials for the merge.
   void* output = nullptr;
   float* lse = nullptr;
-  int out_dtype = 0;
+  DType out_dtype = DType::kF32;
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -65,7 +66,7 @@ struct MergeParams {
   const int32_t* seq_lens = nullptr;   // [num_seqs]
   void* output = nullptr;              // [num_seqs, num_q_heads, head_dim] in out_dtype
   float* lse = nullptr;                // [num_seqs, num_q_heads]
-  int out_dtype = 0;                   // 0 fp32, 1 fp16, 2 bf16
+  DType out_dtype = DType::kF32;       // F32, F16 or BF16
   int num_seqs = 0;
   int num_q_heads = 0;
   int head_dim = 0;
@@ -77,7 +78,7 @@ struct MergeParams {
 // rotations and unrotated kinds need none: the split kernel's prologue does their part.)
 struct QueryPrepParams {
   const void* query = nullptr;      // [num_seqs, num_q_heads, head_dim] in in_dtype
-  int in_dtype = 0;                 // 0 fp32, 1 fp16, 2 bf16
+  DType in_dtype = DType::kF32;     // F32, F16 or BF16
   const float* rotation = nullptr;  // Πᵀ [head_dim, head_dim]
   float* out = nullptr;             // [rows, head_dim] fp32
   int rows = 0;                     // num_seqs * num_q_heads

@@ -38,9 +38,9 @@ __global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
     float v = 0.0f;
     if (r < rows) {
       const int64_t at = static_cast<int64_t>(row0 + r) * n + i;
-      if (p.in_dtype == 0) {
+      if (p.in_dtype == DType::kF32) {
         v = static_cast<const float*>(p.query)[at];
-      } else if (p.in_dtype == 1) {
+      } else if (p.in_dtype == DType::kF16) {
         v = __half2float(static_cast<const __half*>(p.query)[at]);
       } else {
         v = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
   // the warps waited as long for the query as for the first block ids).
   uint32_t q_pre[kE / 2];
-  const bool q_prefetched = p.wait_at_start && p.query_dtype != 0 &&
+  const bool q_prefetched = p.wait_at_start && p.query_dtype != DType::kF32 &&
                             warp < p.num_q_heads / p.num_kv_heads && warp < Config::kQueryHeads;
   if (q_prefetched) {
     const int64_t row =
@@ -241,11 +241,11 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
           const int64_t at = row * kD + kE * lane + e;
           if (head == warp && q_prefetched) {
             const auto bits = static_cast<uint16_t>(q_pre[e / 2] >> (16 * (e % 2)));
-            x[e] = p.query_dtype == 1 ? __half2float(__ushort_as_half(bits))
+            x[e] = p.query_dtype == DType::kF16 ? __half2float(__ushort_as_half(bits))
                                       : __bfloat162float(__ushort_as_bfloat16(bits));
-          } else if (p.query_dtype == 0) {
+          } else if (p.query_dtype == DType::kF32) {
             x[e] = static_cast<const float*>(p.query)[at];
-          } else if (p.query_dtype == 1) {
+          } else if (p.query_dtype == DType::kF16) {
             x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
           } else {
             x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);

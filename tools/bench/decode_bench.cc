@@ -288,7 +288,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
           mp.seq_lens = d_lens.data();
           mp.output = out.data();
           mp.lse = lse.data();
-          mp.out_dtype = fp16 ? 1 : 2;
+          mp.out_dtype = fp16 ? DType::kF16 : DType::kBF16;
           mp.num_seqs = batch;
           mp.num_q_heads = g_hq;
           mp.head_dim = g_d;
