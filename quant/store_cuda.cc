@@ -59,19 +59,6 @@ GemmLayout MakeGemmLayout(const Quantizer& q, const StoreOptions& options, int64
   return l;
 }
 
-#if TQKV_HAVE_CUDA
-store::InputType ToInputType(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return store::InputType::kF16;
-    case DType::kBF16:
-      return store::InputType::kBF16;
-    default:
-      return store::InputType::kF32;
-  }
-}
-#endif
-
 // The tensor-core store kernel holds Πᵀ in shared memory: head_dim 64 and 128.
 bool HasMmaKernel(const Quantizer& q) {
   return q.format().head_dim == 64 || q.format().head_dim == 128;
@@ -402,7 +389,7 @@ void StoreDeviceState::Store(const StoreInputs& in, CacheRef cache, DeviceWorksp
   store::StoreParams p;
   p.key = in.key;
   p.value = in.value;
-  p.input = ToInputType(in.dtype);
+  p.input = in.dtype;  // F32, F16 or BF16 (ValidateStoreArguments)
   p.slot_mapping = in.slot_mapping;
   p.slots_are_i64 = in.slot_dtype == DType::kI64;
   p.num_tokens = in.num_tokens;

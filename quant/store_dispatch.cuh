@@ -20,21 +20,21 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Dispatch: head_dim, then bits, then input type, then key source, each in one switch.
 
-template <int D, int KB, int VB, InputType T>
+template <int D, int KB, int VB, DType T>
 constexpr auto kMmaKernel = StoreKernel<D, KB, VB, T, KeySource::kMma, StoreLayout::kNarrow>;
 
 template <int D, int KB, int VB>
 bool PrepareMmaBits() {
   if constexpr (D <= 128 && KB != 8) {
-    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kF32>>(MmaTiles<D, InputType::kF32>::kBytes);
-    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kF16>>(MmaTiles<D, InputType::kF16>::kBytes);
-    ResidentCtas<kMmaKernel<D, KB, VB, InputType::kBF16>>(MmaTiles<D, InputType::kBF16>::kBytes);
+    ResidentCtas<kMmaKernel<D, KB, VB, DType::kF32>>(MmaTiles<D, DType::kF32>::kBytes);
+    ResidentCtas<kMmaKernel<D, KB, VB, DType::kF16>>(MmaTiles<D, DType::kF16>::kBytes);
+    ResidentCtas<kMmaKernel<D, KB, VB, DType::kBF16>>(MmaTiles<D, DType::kBF16>::kBytes);
     return true;
   }
   return false;
 }
 
-template <int D, int KB, int VB, InputType T, StoreLayout kLayout>
+template <int D, int KB, int VB, DType T, StoreLayout kLayout>
 void LaunchStoreLayout(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   if constexpr (KB == 8) {
     LaunchPersistent<StoreKernel<D, KB, VB, T, KeySource::kFwht, kLayout>>(p, chunks, stream);
@@ -46,7 +46,7 @@ void LaunchStoreLayout(const StoreParams& p, int64_t chunks, StreamHandle stream
   }
 }
 
-template <int D, int KB, int VB, InputType T>
+template <int D, int KB, int VB, DType T>
 bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   if (p.key_source == KeySource::kMma) {
     if constexpr (D <= 128 && KB != 8) {
@@ -60,7 +60,7 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
   // fast or faster: a 128-thread CTA takes twice as long to copy the lookup tables into shared
   // memory, and with one iteration per CTA the tiles' copy has nothing to overlap (8 heads: N =
   // 2,048 tokens 10.4 µs narrow vs 11.8 wide; 4,096: 17.1 vs 16.8; 8,192: 25.6 vs 25.5).
-  if constexpr ((D == 128 || D == 256) && T != InputType::kF32 && KB != 8) {
+  if constexpr ((D == 128 || D == 256) && T != DType::kF32 && KB != 8) {
     const int64_t rows = p.num_tokens * p.format.num_kv_heads;
     const bool wide =
         ((p.fwht_kernel == StoreFwhtKernel::kAuto && rows >= kWideMinRows) ||
@@ -80,12 +80,12 @@ bool LaunchStoreTyped(const StoreParams& p, int64_t chunks, StreamHandle stream)
 template <int D, int KB, int VB>
 bool LaunchStoreBits(const StoreParams& p, int64_t chunks, StreamHandle stream) {
   switch (p.input) {
-    case InputType::kF32:
-      return LaunchStoreTyped<D, KB, VB, InputType::kF32>(p, chunks, stream);
-    case InputType::kF16:
-      return LaunchStoreTyped<D, KB, VB, InputType::kF16>(p, chunks, stream);
-    case InputType::kBF16:
-      return LaunchStoreTyped<D, KB, VB, InputType::kBF16>(p, chunks, stream);
+    case DType::kF32:
+      return LaunchStoreTyped<D, KB, VB, DType::kF32>(p, chunks, stream);
+    case DType::kF16:
+      return LaunchStoreTyped<D, KB, VB, DType::kF16>(p, chunks, stream);
+    case DType::kBF16:
+      return LaunchStoreTyped<D, KB, VB, DType::kBF16>(p, chunks, stream);
   }
   return false;
 }

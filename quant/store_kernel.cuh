@@ -22,9 +22,9 @@ namespace {
 // inputs before it computes the current one.
 //   KB: key bits (8 = FP8 E4M3 keys; 3 or 4 = MSE codes), VB: value bits.
 
-template <int D, int KB, InputType T, KeySource S, int N = kLaneElems>
+template <int D, int KB, DType T, KeySource S, int N = kLaneElems>
 struct KeyInput {
-  static constexpr InputType kType = (S == KeySource::kLoadY && KB != 8) ? InputType::kF32 : T;
+  static constexpr DType kType = (S == KeySource::kLoadY && KB != 8) ? DType::kF32 : T;
   using Raw = RawRow<kType, N>;
 };
 
@@ -57,18 +57,18 @@ constexpr int MinCtasPerSm(int key_bits, KeySource source, StoreLayout layout) {
   return key_bits == 8 ? 1 : 3;
 }
 
-template <int D, int KB, int VB, InputType T, KeySource S, StoreLayout kLayout>
+template <int D, int KB, int VB, DType T, KeySource S, StoreLayout kLayout>
 __global__ void __launch_bounds__(kCtaThreadsFor<kLayout>, MinCtasPerSm(KB, S, kLayout))
     StoreKernel(const StoreParams p) {
   constexpr int kThreads = kCtaThreadsFor<kLayout>;  // this kernel's CTA size
   constexpr int E = kLaneElemsFor<kLayout>;          // elements per lane
   constexpr int G = D / E;                           // lanes per row
   constexpr int kRows = kThreads / G;                // rows per CTA and iteration
-  static_assert(kLayout != kWide || (S == KeySource::kFwht && KB != 8 && T != InputType::kF32));
+  static_assert(kLayout != kWide || (S == KeySource::kFwht && KB != 8 && T != DType::kF32));
   constexpr bool kFp8 = KB == 8;
   constexpr bool kLoadY = S == KeySource::kLoadY && !kFp8;
   constexpr bool kMma = S == KeySource::kMma && !kFp8;
-  constexpr InputType KT = KeyInput<D, KB, T, S>::kType;
+  constexpr DType KT = KeyInput<D, KB, T, S>::kType;
   constexpr int kPairs = kFp8 ? 1 : 1 << (2 * KB);
   using Tiles = MmaTiles<D, T>;
 
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kLayout>, MinCtasPerSm(KB, S, k
   uint32_t hadamard_b[2][2] = {};
   uint32_t sign_spread = 0;
   if constexpr (kTensorFwht) {
-    constexpr uint32_t kOne = T == InputType::kBF16 ? 0x3F80u : 0x3C00u;
+    constexpr uint32_t kOne = T == DType::kBF16 ? 0x3F80u : 0x3C00u;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kLayout>, MinCtasPerSm(KB, S, k
     // taking vectors L, L + 32, L + 64, L + 96 (512 contiguous bytes per instruction: whole lines,
     // half the L2 requests of direct 16-byte loads at 4 lanes per row), while this iteration
     // computes. At the top of an iteration the lanes read their chunks from the buffers.
-    static_assert(E * 32 / 8 == kWideTileVecs && T != InputType::kF32);
+    static_assert(E * 32 / 8 == kWideTileVecs && T != DType::kF32);
     constexpr int kRowVecs = D / 8;                              // 16-byte vectors per row
     uint4* const tiles = tile_s + tid / 32 * 2 * kWideTileVecs;  // keys, then values
     const uint32_t tiles_addr = SmemAddr(tiles);
@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(kCtaThreadsFor<kLayout>, MinCtasPerSm(KB, S, k
     // Loads at the top of each iteration; other warps (three or more CTAs per SM) cover them.
     // The next chunk's key and value rows are prefetched into L2 meanwhile (each lane one or two
     // 32-byte sectors of each), so its loads wait for L2, not DRAM.
-    constexpr int kElemBytes = T == InputType::kF32 ? 4 : 2;
+    constexpr int kElemBytes = T == DType::kF32 ? 4 : 2;
     constexpr int kLaneBytes = E * kElemBytes;  // this lane's share of a row
     for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
       Loaded a;

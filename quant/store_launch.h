@@ -8,10 +8,9 @@
 #include "quant/block_format.h"
 #include "quant/store_device.h"
 #include "runtime/device.h"
+#include "runtime/dtype.h"
 
 namespace tqkv::store {
-
-enum class InputType { kF32, kF16, kBF16 };
 
 // Where the rotated unit key y = x̂ · Πᵀ of an MSE preset comes from.
 enum class KeySource {
@@ -42,7 +41,7 @@ struct DeviceStatus {
 struct StoreParams {
   const void* key = nullptr;    // [num_tokens, H, D] of `input` (FWHT and FP8 paths)
   const void* value = nullptr;  // [num_tokens, H, D] of `input`
-  InputType input = InputType::kF32;
+  DType input = DType::kF32;
   const void* slot_mapping = nullptr;  // [num_tokens] int32 or int64; < 0 = write nothing
   bool slots_are_i64 = true;
   int64_t num_tokens = 0;
@@ -83,7 +82,7 @@ struct StoreParams {
 // x̂ = k / (‖k‖ + 1e-8) for the GEMM path (every row, slots not read), and ‖k‖.
 struct NormalizeParams {
   const void* key = nullptr;  // [rows, D] of `input`
-  InputType input = InputType::kF32;
+  DType input = DType::kF32;
   int64_t rows = 0;
   int head_dim = 0;
   void* unit_keys = nullptr;  // [rows, D] fp32, or bf16 when unit_keys_bf16

@@ -23,9 +23,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Loads: 16 elements of a row per lane, kept raw (so that a loop iteration can prefetch the next
 // rows while it computes, and bf16/fp16 min/max can run on packed pairs).
 
-template <InputType T, int N = kLaneElems>
+template <DType T, int N = kLaneElems>
 struct RawRow {
-  static constexpr int kWords = (N / 8) * (T == InputType::kF32 ? 2 : 1);
+  static constexpr int kWords = (N / 8) * (T == DType::kF32 ? 2 : 1);
   uint4 w[kWords];
 };
 
@@ -99,10 +99,10 @@ __device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], ui
 __device__ __forceinline__ int HalfTileChunk(int r, int c) { return c ^ (r & 7); }
 __device__ __forceinline__ int YTileChunk(int r, int c) { return c ^ ((c >> 3) & 1) ^ (r & 7); }
 
-template <int D, InputType T>
+template <int D, DType T>
 struct MmaTiles {
   static constexpr int kRows = kThreads / (D / kLaneElems);
-  static constexpr int kKeyParts = T == InputType::kF32 ? 2 : 1;  // fp32 keys: hi + lo
+  static constexpr int kKeyParts = T == DType::kF32 ? 2 : 1;  // fp32 keys: hi + lo
   static constexpr int kRotationBytes = 2 * D * D * 2;
   static constexpr int kKeyBytes = kKeyParts * kRows * D * 2;
   static constexpr int kYBytes = kRows * D * 4;
@@ -113,22 +113,22 @@ struct MmaTiles {
 // The 16 elements of lane q of a row (row_elem = row · D; quant/store_device.h, LaneElement) of a
 // tensor of type T (16-byte aligned); zeros when !valid. 16-bit inputs: one 16-byte load per
 // chunk, consecutive across the lanes; fp32: two per chunk.
-template <InputType T, int G, int N>
+template <DType T, int G, int N>
 __device__ __forceinline__ void LoadRaw(const void* base, int64_t row_elem, int q, bool valid,
                                         RawRow<T, N>& r) {
-  constexpr int kSize = T == InputType::kF32 ? 4 : 2;
+  constexpr int kSize = T == DType::kF32 ? 4 : 2;
   const uint8_t* row = static_cast<const uint8_t*>(base) + row_elem * kSize;
 #pragma unroll
   for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
-    const int chunk = T == InputType::kF32 ? j / 2 : j;
-    const int half = T == InputType::kF32 ? j % 2 : 0;
+    const int chunk = T == DType::kF32 ? j / 2 : j;
+    const int half = T == DType::kF32 ? j % 2 : 0;
     r.w[j] = valid ? LoadStreaming(row + 8 * (q + chunk * G) * kSize + 16 * half)
                    : make_uint4(0, 0, 0, 0);
   }
 }
 
-__device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float& b) {
-  if (t == InputType::kBF16) {
+__device__ __forceinline__ void Unpack2(DType t, uint32_t w, float& a, float& b) {
+  if (t == DType::kBF16) {
     a = __uint_as_float(w << 16);
     b = __uint_as_float(w & 0xffff0000u);
   } else {
@@ -142,10 +142,10 @@ __device__ __forceinline__ void Unpack2(InputType t, uint32_t w, float& a, float
 
 // The two 16-bit elements of a word straight to fp64 (exact; one conversion each, from the
 // word's halves: no unpacking to fp32 first).
-template <InputType T>
+template <DType T>
 __device__ __forceinline__ void Unpack2F64(uint32_t w, double& a, double& b) {
-  static_assert(T == InputType::kBF16 || T == InputType::kF16);
-  if constexpr (T == InputType::kBF16) {
+  static_assert(T == DType::kBF16 || T == DType::kF16);
+  if constexpr (T == DType::kBF16) {
     asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f64.bf16 %0, lo;\n"
         " cvt.f64.bf16 %1, hi;\n}\n"
         : "=d"(a), "=d"(b)
@@ -158,14 +158,14 @@ __device__ __forceinline__ void Unpack2F64(uint32_t w, double& a, double& b) {
   }
 }
 
-template <InputType T, int N>
+template <DType T, int N>
 __device__ __forceinline__ void ToFloat(const RawRow<T, N>& r, float (&out)[N]) {
 #pragma unroll
   for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
     const uint32_t w[4] = {r.w[j].x, r.w[j].y, r.w[j].z, r.w[j].w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      if constexpr (T == InputType::kF32) {
+      if constexpr (T == DType::kF32) {
         out[4 * j + c] = __uint_as_float(w[c]);
       } else {
         Unpack2(T, w[c], out[8 * j + 2 * c], out[8 * j + 2 * c + 1]);
@@ -176,19 +176,19 @@ __device__ __forceinline__ void ToFloat(const RawRow<T, N>& r, float (&out)[N]) 
 
 // min and max of the lane's 16 elements, NaN skipped (fminf semantics); +inf / -inf if all NaN.
 // 16-bit inputs reduce as packed pairs (HMNMX2), which skip NaN the same way.
-template <InputType T, int N>
+template <DType T, int N>
 __device__ __forceinline__ void LaneMinMax(const RawRow<T, N>& r, const float (&v)[N], float& vmin,
                                            float& vmax) {
   vmin = INFINITY;
   vmax = -INFINITY;
-  if constexpr (T == InputType::kF32) {
+  if constexpr (T == DType::kF32) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       vmin = fminf(vmin, v[i]);
       vmax = fmaxf(vmax, v[i]);
     }
   } else {
-    using Pair = std::conditional_t<T == InputType::kBF16, __nv_bfloat162, __half2>;
+    using Pair = std::conditional_t<T == DType::kBF16, __nv_bfloat162, __half2>;
     constexpr int kPairs = N / 2;
     Pair p[kPairs];
 #pragma unroll

@@ -30,31 +30,31 @@ namespace {
 
 // Row groups (32 / G rows each) per warp tile: 4 KB of key loads in flight per warp, and at least
 // 8 norms (one sector) per tile.
-template <int D, InputType T>
-constexpr int kNormalizeGroups = (T != InputType::kF32) ? 4 : (D / 64 > 2 ? D / 64 : 2);
+template <int D, DType T>
+constexpr int kNormalizeGroups = (T != DType::kF32) ? 4 : (D / 64 > 2 ? D / 64 : 2);
 
-template <int D, InputType T>
+template <int D, DType T>
 constexpr int kNormalizeTileRows = kNormalizeGroups<D, T> * 32 / (D / kLaneElems);
 
 // Three CTAs (24 warps, at most 80 registers) per SM: 96 KB of loads in flight per SM. fp32 keys
 // at D = 256 hold 64 registers of loads (four 2 KB tiles per warp) and get two CTAs instead.
-template <int D, InputType T>
-constexpr int kNormalizeMinCtas = (T == InputType::kF32 && D == 256) ? 2 : 3;
+template <int D, DType T>
+constexpr int kNormalizeMinCtas = (T == DType::kF32 && D == 256) ? 2 : 3;
 
 // kOut: 0 = x̂ in fp32, 1 = x̂ in bf16, 2 = three copies of k · 2^s in bf16 and the row factors
 // (NormalizeParams::replicate_scaled; bf16 keys only).
-template <int D, InputType T, int kOut>
+template <int D, DType T, int kOut>
 __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
     NormalizeKernel(const NormalizeParams p) {
   constexpr bool kBf16Out = kOut == 1;
   constexpr bool kReplicate = kOut == 2;
-  static_assert(!kReplicate || T == InputType::kBF16);
+  static_assert(!kReplicate || T == DType::kBF16);
   constexpr int G = D / kLaneElems;
   constexpr int kWarpRows = 32 / G;  // rows of one group
   constexpr int kGroups = kNormalizeGroups<D, T>;
   constexpr int kTileRows = kNormalizeTileRows<D, T>;
   constexpr int kWarps = kThreads / 32;
-  constexpr bool kTileIn = T == InputType::kF32;
+  constexpr bool kTileIn = T == DType::kF32;
   constexpr bool kTileOut = kOut == 0;
   static_assert(kTileRows <= 32 && kTileRows * 4 >= 32);
   // A group's raw key: the contiguous tile (fp32) or LoadRaw's words (16-bit).
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kNormalizeMinCtas<D, T>)
   }
 }
 
-template <int D, InputType T, int kOut>
+template <int D, DType T, int kOut>
 void LaunchNormalizeTyped(const NormalizeParams& p, StreamHandle stream) {
   constexpr auto kKernel = NormalizeKernel<D, T, kOut>;
   constexpr int64_t kRowsPerCta = int64_t{kNormalizeTileRows<D, T>} * (kThreads / 32);
@@ -171,14 +171,14 @@ void LaunchNormalizeTyped(const NormalizeParams& p, StreamHandle stream) {
 template <int D, int kOut>
 bool LaunchNormalizeOut(const NormalizeParams& p, StreamHandle stream) {
   switch (p.input) {
-    case InputType::kF32:
-      LaunchNormalizeTyped<D, InputType::kF32, kOut>(p, stream);
+    case DType::kF32:
+      LaunchNormalizeTyped<D, DType::kF32, kOut>(p, stream);
       return true;
-    case InputType::kF16:
-      LaunchNormalizeTyped<D, InputType::kF16, kOut>(p, stream);
+    case DType::kF16:
+      LaunchNormalizeTyped<D, DType::kF16, kOut>(p, stream);
       return true;
-    case InputType::kBF16:
-      LaunchNormalizeTyped<D, InputType::kBF16, kOut>(p, stream);
+    case DType::kBF16:
+      LaunchNormalizeTyped<D, DType::kBF16, kOut>(p, stream);
       return true;
   }
   return false;
@@ -187,8 +187,8 @@ bool LaunchNormalizeOut(const NormalizeParams& p, StreamHandle stream) {
 template <int D>
 bool LaunchNormalizeDim(const NormalizeParams& p, StreamHandle stream) {
   if (p.replicate_scaled) {
-    if (p.input != InputType::kBF16 || p.factors == nullptr) return false;
-    LaunchNormalizeTyped<D, InputType::kBF16, 2>(p, stream);
+    if (p.input != DType::kBF16 || p.factors == nullptr) return false;
+    LaunchNormalizeTyped<D, DType::kBF16, 2>(p, stream);
     return true;
   }
   return p.unit_keys_bf16 ? LaunchNormalizeOut<D, 1>(p, stream)

@@ -54,9 +54,9 @@ __device__ __forceinline__ float RowNorm(const float (&k)[N]) {
 }
 
 // The same from the raw 16-bit words (the same products in the same partial sums).
-template <int G, InputType T, int N>
+template <int G, DType T, int N>
 __device__ __forceinline__ float RowNorm(const RawRow<T, N>& r) {
-  static_assert(T != InputType::kF32);
+  static_assert(T != DType::kF32);
   double ss[4] = {0.0, 0.0, 0.0, 0.0};
 #pragma unroll
   for (int j = 0; j < RawRow<T, N>::kWords; ++j) {
@@ -105,16 +105,16 @@ __device__ __forceinline__ void Fwht(float (&x)[N], int q) {
 }
 
 // c = a · b, m16n8k16, 16-bit inputs of type T, fp32 accumulation from zero.
-template <InputType T>
+template <DType T>
 __device__ __forceinline__ void MmaFromZero(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                             uint32_t b1) {
-  if constexpr (T == InputType::kBF16) {
+  if constexpr (T == DType::kBF16) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%10, %10, %10, %10};"
         : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
   } else {
-    static_assert(T == InputType::kF16);
+    static_assert(T == DType::kF16);
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%10, %10, %10, %10};"
         : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
@@ -130,7 +130,7 @@ __device__ __forceinline__ void MmaFromZero(float (&c)[4], const uint32_t (&a)[4
 // in: (a + b)·s, (a − b)·s as a·s ± fl(b·s), three operations per pair instead of four. The
 // products are exact and the sums fp32, so y is within the same few-ulp bound as the butterflies'
 // (the order of the sums and the scaling's rounding differ). Every lane of the warp must call it.
-template <InputType T, int G, bool kSigns>
+template <DType T, int G, bool kSigns>
 __device__ __forceinline__ void FwhtOnTensorCores(const RawRow<T, 32>& raw, uint32_t sign_spread,
                                                   const uint32_t (&b)[2][2], float scale,
                                                   float (&x)[32], int q) {
