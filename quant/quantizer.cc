@@ -145,22 +145,27 @@ void Quantizer::EncodeSlot(const float* k, const float* v, uint8_t* block, int p
   StoreHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head), FloatToHalfBits(vmin));
 }
 
+void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const char* where) {
+  if (in.num_tokens < 0) throw InvalidArgument(where, "num_tokens", in.num_tokens, ">= 0");
+  if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
+    throw InvalidArgument(where, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
+  }
+  if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
+    throw InvalidArgument(where, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
+  }
+  if (cache.num_blocks < 0) throw InvalidArgument(where, "num_blocks", cache.num_blocks, ">= 0");
+  if (in.num_tokens > 0 &&
+      (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
+       (cache.data == nullptr && cache.num_blocks > 0))) {
+    throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", where));
+  }
+}
+
 void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
   constexpr const char* kWhere = "Quantizer::StoreCpu";
   const BlockFormat& f = format_;
-  if (in.num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", in.num_tokens, ">= 0");
-  if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
-    throw InvalidArgument(kWhere, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
-  }
-  if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
-    throw InvalidArgument(kWhere, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
-  }
-  if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
+  ValidateStoreInputs(in, cache, kWhere);
   if (in.num_tokens == 0) return;
-  if (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
-      (cache.data == nullptr && cache.num_blocks > 0)) {
-    throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
-  }
   const int64_t num_slots = cache.num_blocks * f.block_size;
   std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes
   first_token.reserve(static_cast<size_t>(in.num_tokens));

@@ -32,6 +32,11 @@ struct CacheRef {
   int64_t num_blocks = 0;
 };
 
+// The checks every store makes, CPU or CUDA (Quantizer::StoreCpu, StoreDeviceState::Store): the
+// element types, num_tokens >= 0, num_blocks >= 0 and, for a non-empty store, no null pointer.
+// Throws tqkv::Error naming the argument, prefixed with `where`.
+void ValidateStoreInputs(const StoreInputs& inputs, const CacheRef& cache, const char* where);
+
 // One (token slot, head) decoded back to fp32.
 struct DequantizedSlot {
   std::vector<float> key_rotated;  // [D] k_norm · c[idx] in the rotated space (FP8: = key)

@@ -123,14 +123,7 @@ int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& opti
 void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
                             const StoreInputs& in, CacheRef cache, DeviceWorkspace workspace) {
   const BlockFormat& f = quantizer.format();
-  if (in.num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", in.num_tokens, ">= 0");
-  if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
-    throw InvalidArgument(kWhere, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
-  }
-  if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
-    throw InvalidArgument(kWhere, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
-  }
-  if (cache.num_blocks < 0) throw InvalidArgument(kWhere, "num_blocks", cache.num_blocks, ">= 0");
+  ValidateStoreInputs(in, cache, kWhere);
   const StorePath path = ResolveStorePath(quantizer, options);
   // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
   const int64_t max_rows =
@@ -166,10 +159,6 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
     throw Error(fmt::format("{}: workspace must be non-null and {}-byte aligned", kWhere, kAlign));
   }
   if (in.num_tokens == 0) return;
-  if (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
-      (cache.data == nullptr && cache.num_blocks > 0)) {
-    throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", kWhere));
-  }
   if (Misaligned(in.key, 16) || Misaligned(in.value, 16)) {
     throw Error(
         fmt::format("{}: key and value must be 16-byte aligned (the kernels read 16-byte "
