@@ -11,7 +11,6 @@
 #include "tests/synthetic_kv.h"
 
 namespace tqkv::testing {
-namespace {
 
 // Runs fn(i) for i in [0, n) on up to hardware_concurrency threads (the GPU machine has 16
 // cores; the CPU reference is most of a device test's time). The first exception is rethrown.
@@ -40,8 +39,6 @@ void ParallelFor(int n, const std::function<void(int)>& fn) {
   for (auto& th : pool) th.join();
   if (error) std::rethrow_exception(error);
 }
-
-}  // namespace
 
 Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_heads, uint64_t seed) {
   const BlockFormat& f = q.format();

@@ -4,12 +4,16 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "attention/decode_cpu.h"
 #include "quant/quantizer.h"
 
 namespace tqkv::testing {
+
+// Runs fn(i) for i in [0, n) on all cores; the first exception is rethrown.
+void ParallelFor(int n, const std::function<void(int)>& fn);
 
 struct Scenario {
   std::vector<int32_t> seq_lens;

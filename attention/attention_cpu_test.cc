@@ -1,0 +1,241 @@
+#include "attention/attention_cpu.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention/decode_cpu.h"
+#include "quant/numerics.h"
+#include "runtime/error.h"
+#include "tests/attention_scenario.h"
+
+namespace tqkv {
+namespace {
+
+using testing::AttentionScenario;
+using testing::BuildAttention;
+using ::testing::HasSubstr;
+
+const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                    "turboquant_3bit_nc"};
+
+struct Result {
+  std::vector<float> out, lse;
+};
+
+Result RunCpu(const Quantizer& q, const AttentionScenario& s, int32_t window = 0) {
+  Result r;
+  r.out.assign(static_cast<size_t>(s.num_tokens) * s.num_q_heads * q.format().head_dim, NAN);
+  r.lse.assign(static_cast<size_t>(s.num_tokens) * s.num_q_heads, NAN);
+  AttentionArgs a = testing::HostArgs(s, s.base.cache);
+  a.sliding_window = window;
+  a.output = r.out.data();
+  a.lse = r.lse.data();
+  AttentionCpu(q, a);
+  return r;
+}
+
+// One decode (DecodeCpu, an independent implementation of the one-token case) of query row
+// `row` over tokens [begin, end) of sequence b.
+Result DecodeOne(const Quantizer& q, const AttentionScenario& s, int b, int row, int32_t begin,
+                 int32_t end) {
+  const int d = q.format().head_dim, hq = s.num_q_heads;
+  Result r;
+  r.out.assign(static_cast<size_t>(hq) * d, NAN);
+  r.lse.assign(hq, NAN);
+  DecodeInputs in;
+  in.query = s.queries.data() + int64_t{row} * hq * d;
+  in.num_seqs = 1;
+  in.num_q_heads = hq;
+  in.block_tables = s.base.block_tables.data() + int64_t{b} * s.base.max_blocks;
+  in.max_blocks_per_seq = s.base.max_blocks;
+  in.seq_lens = &end;
+  in.token_begin = begin;
+  DecodeCpu(q, s.base.cache.data(), s.base.num_blocks, in, {r.out.data(), r.lse.data()});
+  return r;
+}
+
+void ExpectRowsMatch(const Result& r, const Result& ref, int row, int hq, int d,
+                     const std::string& what) {
+  for (int h = 0; h < hq; ++h) {
+    const float l = r.lse[int64_t{row} * hq + h], rl = ref.lse[h];
+    ASSERT_NEAR(l, rl, 1e-6 * std::max(1.0f, std::abs(rl))) << what << " row " << row << " h " << h;
+    for (int i = 0; i < d; ++i) {
+      const float o = r.out[(int64_t{row} * hq + h) * d + i], ro = ref.out[int64_t{h} * d + i];
+      ASSERT_NEAR(o, ro, 1e-6 * (1 + std::abs(ro))) << what << " row " << row << " h " << h;
+    }
+  }
+}
+
+// New token i of a sequence whose context ends at L attends exactly as a one-token decode over
+// the first L − q_len + i + 1 tokens would: causal within the new tokens, every preset, GQA
+// groups 1-4, block sizes 16 and 32, q_len from 1 (decode) to longer than a block; sequences of
+// q_len 0 (padding rows) produce nothing.
+TEST(AttentionCpuTest, EachNewTokenAttendsLikeADecodeOfItsPrefix) {
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128}) {
+      for (int group : {1, 3}) {
+        for (int bs : {16, 32}) {
+          const int hk = 2;
+          const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+          const std::vector<int32_t> lens = {1, 5, 40, 70, 9};
+          const std::vector<int32_t> q_lens = {1, 5, 33, 4, 0};
+          const AttentionScenario s = BuildAttention(q, lens, q_lens, hk * group, 99 + d + bs);
+          const Result r = RunCpu(q, s);
+          for (size_t b = 0; b < lens.size(); ++b) {
+            for (int i = 0; i < q_lens[b]; ++i) {
+              const int row = s.query_start_loc[b] + i;
+              const Result ref =
+                  DecodeOne(q, s, static_cast<int>(b), row, 0, lens[b] - q_lens[b] + i + 1);
+              ExpectRowsMatch(r, ref, row, hk * group, d,
+                              std::string(preset) + " D=" + std::to_string(d) +
+                                  " group=" + std::to_string(group) + " bs=" + std::to_string(bs));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// With a sliding window W, the query at position p reads (p − W, p]: the decode of that range.
+TEST(AttentionCpuTest, SlidingWindowReadsTheLastWindowTokens) {
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 64, 2, 16);
+  const std::vector<int32_t> lens = {100, 30};
+  const std::vector<int32_t> q_lens = {20, 30};
+  const AttentionScenario s = BuildAttention(q, lens, q_lens, 4, 7);
+  for (int32_t w : {1, 16, 37, 1000}) {
+    const Result r = RunCpu(q, s, w);
+    for (int b = 0; b < 2; ++b) {
+      for (int i = 0; i < q_lens[b]; ++i) {
+        const int32_t p = lens[b] - q_lens[b] + i;
+        const int row = s.query_start_loc[b] + i;
+        const Result ref = DecodeOne(q, s, b, row, std::max(0, p - w + 1), p + 1);
+        ExpectRowsMatch(r, ref, row, 4, 64, "window " + std::to_string(w));
+      }
+    }
+  }
+}
+
+// An uncompressed cache: fp64 attention over the K/V as stored (rounded to bf16 / fp16).
+TEST(AttentionCpuTest, PlainCachesMatchAttentionOverTheStoredValues) {
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int d = 64, hk = 2, group = 2, hq = hk * group, bs = 16;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, {50, 17}, {10, 17}, hq, 3);
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    std::vector<float> out(static_cast<size_t>(s.num_tokens) * hq * d), lse(s.num_tokens * hq);
+    AttentionArgs a = testing::HostArgs(s, cache);
+    a.output = out.data();
+    a.lse = lse.data();
+    AttentionCpu(f, a);
+    for (int b = 0; b < 2; ++b) {
+      const int32_t len = s.base.seq_lens[b];
+      const int32_t q_len = s.query_start_loc[b + 1] - s.query_start_loc[b];
+      for (int i = 0; i < q_len; ++i) {
+        const int row = s.query_start_loc[b] + i;
+        std::vector<double> o(size_t(hq) * d), l(hq);
+        ReferenceAttention(s.queries.data() + int64_t{row} * hq * d, s.base.keys[b].data(),
+                           s.base.values[b].data(), len - q_len + i + 1, hq, hk, d,
+                           1.0 / std::sqrt(double(d)), o.data(), l.data());
+        for (int h = 0; h < hq; ++h) {
+          ASSERT_NEAR(lse[int64_t{row} * hq + h], l[h], 1e-6 * std::max(1.0, std::abs(l[h])));
+          for (int e = 0; e < d; ++e) {
+            ASSERT_NEAR(out[(int64_t{row} * hq + h) * d + e], o[h * d + e],
+                        1e-6 * (1 + std::abs(o[h * d + e])));
+          }
+        }
+      }
+    }
+  }
+}
+
+// F16 / BF16 queries are read as such and outputs are the F32 result rounded to nearest.
+TEST(AttentionCpuTest, HalfPrecisionQueriesAndOutputs) {
+  const Quantizer q = Quantizer::Create("turboquant_k3v4_nc", 128, 2, 16);
+  AttentionScenario s = BuildAttention(q, {40, 20}, {8, 3}, 8, 5);
+  for (float& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+  const Result f32 = RunCpu(q, s);
+  std::vector<uint16_t> q16(s.queries.size());
+  for (size_t i = 0; i < q16.size(); ++i) q16[i] = FloatToBFloat16Bits(s.queries[i]);
+  for (DType out_type : {DType::kF16, DType::kBF16}) {
+    std::vector<uint16_t> out(f32.out.size());
+    std::vector<float> lse(f32.lse.size());
+    AttentionArgs a = testing::HostArgs(s, s.base.cache);
+    a.query = q16.data();
+    a.query_dtype = DType::kBF16;
+    a.output = out.data();
+    a.output_dtype = out_type;
+    a.lse = lse.data();
+    AttentionCpu(q, a);
+    EXPECT_EQ(lse, f32.lse);
+    for (size_t i = 0; i < out.size(); ++i) {
+      const uint16_t want = out_type == DType::kF16 ? FloatToHalfBits(f32.out[i])
+                                                    : FloatToBFloat16Bits(f32.out[i]);
+      ASSERT_EQ(out[i], want) << i;
+    }
+  }
+}
+
+// Bad input throws, naming the argument, its value and what is allowed, and writes nothing.
+TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 64, 2, 16);
+  AttentionScenario s = BuildAttention(q, {30, 20}, {5, 2}, 4, 11);
+  std::vector<float> out(static_cast<size_t>(s.num_tokens) * 4 * 64, -7.0f),
+      lse(s.num_tokens * 4, -7.0f);
+  auto expect_throw = [&](AttentionArgs a, const std::string& text) {
+    a.output = out.data();
+    a.lse = lse.data();
+    try {
+      AttentionCpu(q, a);
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+    EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == -7.0f; }));
+  };
+  const AttentionArgs good = testing::HostArgs(s, s.base.cache);
+  AttentionArgs a = good;
+  a.num_q_heads = 3;
+  expect_throw(a, "num_q_heads = 3; allowed: a positive multiple of num_kv_heads = 2");
+  a = good;
+  a.query_dtype = DType::kI32;
+  expect_throw(a, "query_dtype = I32");
+  a = good;
+  a.sliding_window = -1;
+  expect_throw(a, "sliding_window = -1");
+  std::vector<int32_t> loc = s.query_start_loc;
+  loc[1] = 9;  // past num_tokens
+  a = good;
+  a.query_start_loc = loc.data();
+  expect_throw(a, "query_start_loc[1] = 9; allowed: 0 (query_start_loc[0]) to num_tokens = 7");
+  loc = s.query_start_loc;
+  loc[0] = 1;
+  a.query_start_loc = loc.data();
+  expect_throw(a, "query_start_loc[0] = 1; allowed: 0");
+  std::vector<int32_t> lens = s.base.seq_lens;
+  lens[1] = 1;  // shorter than its 2 new tokens
+  a = good;
+  a.seq_lens = lens.data();
+  expect_throw(a, "seq_lens[1] = 1; allowed: the query length 2 to");
+  std::vector<int32_t> tables = s.base.block_tables;
+  tables[1] = static_cast<int32_t>(s.base.num_blocks);
+  a = good;
+  a.block_tables = tables.data();
+  expect_throw(a, "block_tables[0, 1]");
+  a = good;
+  a.num_tokens = 8;
+  expect_throw(a, "num_tokens = 8");
+  a = good;
+  a.scale = -1.0f;
+  expect_throw(a, "scale = -1");
+}
+
+}  // namespace
+}  // namespace tqkv
