@@ -1,0 +1,84 @@
+// Attention of a step's new tokens on a CUDA device (attention/attention.h): decode rows, verify
+// rows and prefill chunks in one call, over a TurboQuant cache (every preset) or a bf16/fp16 one.
+// Plan on the host, run on the device:
+//
+//   CudaAttention attention(quantizer);                 // once: uploads Πᵀ and the codebook
+//   AttentionPlan plan = attention.Plan(B, T, Hq, max_blocks, max_q_len);   // host only
+//   attention.Run(plan, args, stream);                  // never allocates; graph-capturable
+//
+// A plan whose every sequence has exactly one new token (max_q_len 1, num_tokens == num_seqs)
+// and no sliding window runs the decode kernels (attention/decode_cuda.h). Everything else runs
+// the chunk kernel (attention/attention_kernel.cuh: 64 query rows — new tokens × GQA heads — per
+// CTA against KV tiles dequantized in shared memory), split over the context where the grid
+// would not fill the device, then a log-sum-exp merge of the splits. The workspace does not grow
+// with the context: q·Πᵀ for MSE keys and, with splits, the partial outputs of the step's rows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "attention/attention.h"
+#include "attention/decode_cuda.h"
+#include "quant/block_format.h"
+#include "quant/quantizer.h"
+#include "runtime/device.h"
+
+namespace tqkv {
+
+struct AttentionOptions {
+  // Context tokens per split of the chunk kernel: 0 lets the plan choose; otherwise a multiple
+  // of 64 (tuning, benchmarks, tests).
+  int tokens_per_split = 0;
+  // false: never the decode kernels, the chunk kernel for one-token plans too.
+  bool decode_kernels = true;
+  DecodeOptions decode;  // the decode kernels' choices, where they run
+};
+
+struct AttentionPlan {
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int max_blocks_per_seq = 0;
+  int max_q_len = 0;
+  // One new token per sequence: the decode kernels, unless Run gets a sliding window.
+  bool decode = false;
+  DecodePlan decode_plan;
+  // The chunk kernel: 64-row tiles per (sequence, KV head), context tokens per split, splits.
+  int row_tiles = 0;
+  int tokens_per_split = 0;
+  int max_splits = 0;
+  int64_t workspace_bytes = 0;
+};
+
+class CudaAttention {
+ public:
+  explicit CudaAttention(const Quantizer& quantizer);
+  // For an uncompressed cache of format.dtype elements (BF16 or F16; anything else throws).
+  explicit CudaAttention(const Bf16BlockFormat& format);
+  ~CudaAttention();
+  CudaAttention(CudaAttention&&) noexcept;
+  CudaAttention& operator=(CudaAttention&&) noexcept;
+
+  int head_dim() const;
+  int num_kv_heads() const;
+  int block_size() const;
+
+  // Host only. max_q_len bounds every sequence's query length (query_start_loc[b + 1] −
+  // query_start_loc[b]); Run reads no more rows per sequence than that. Throws tqkv::Error for
+  // num_seqs outside 1..65535, num_tokens < 1, a num_q_heads that is not a multiple of
+  // num_kv_heads, max_q_len outside 1..num_tokens, or options out of range.
+  AttentionPlan Plan(int num_seqs, int num_tokens, int num_q_heads, int max_blocks_per_seq,
+                     int max_q_len, const AttentionOptions& options = {}) const;
+
+  // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches
+  // on `stream`. The per-sequence arrays are device memory and are not read on the host: they
+  // must hold what ValidateAttentionArrays accepts, with query lengths up to plan.max_q_len (a
+  // one-token plan: query_start_loc[b] = b).
+  void Run(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace tqkv

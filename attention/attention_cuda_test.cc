@@ -1,0 +1,300 @@
+// CUDA attention for several new tokens per sequence against the CPU reference (AttentionCpu) on
+// the same cache (GPU-tagged; skipped without a device): decode rows, verify rows and prefill
+// chunks mixed in one call, every preset and the bf16/fp16 caches, head dims 64/128/256, GQA
+// groups 1-8, every block size, splits, sliding windows. Outputs are poisoned with NaN before each
+// run; unused cache bytes are 0xFF (NaN as fp16 / bf16) and must never leak into results.
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention_cpu.h"
+#include "attention/attention_cuda.h"
+#include "quant/numerics.h"
+#include "runtime/error.h"
+#include "runtime/memory.h"
+#include "tests/attention_scenario.h"
+#include "tests/gpu_test_util.h"
+#if TQKV_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "runtime/cuda_check.h"
+#endif
+
+namespace tqkv {
+namespace {
+
+#if TQKV_HAVE_CUDA
+
+using testing::AttentionScenario;
+using testing::BuildAttention;
+
+const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                    "turboquant_3bit_nc"};
+
+// The decode kernels' bounds (attention/decode_cuda_test.cc): scores are fp32-level (query and
+// codebook as fp16 hi + lo parts), so the LSE is held to 1e-5 relative; outputs to 1e-3 of the
+// row's largest |element|. The chunk kernel also multiplies P's hi + lo parts by the plain caches'
+// values, so bf16/fp16 caches are held to the same bounds. One-token plans of k3v4_nc run the
+// decode kernels' hi-only twin: 1e-4 (as there).
+constexpr double kOutTol = 1e-3;
+constexpr double kLseTol = 1e-5;
+
+struct Errors {
+  double out = 0, lse = 0;
+  int64_t bad = 0;  // NaN / inf / unwritten
+};
+
+struct Case {
+  const Quantizer* quantizer = nullptr;  // or plain
+  const Bf16BlockFormat* plain = nullptr;
+  int32_t window = 0;
+  AttentionOptions options;
+  DType io = DType::kF32;  // query and output type
+};
+
+Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8_t>& cache,
+                     int* max_splits = nullptr) {
+  // Half-precision queries: the reference reads the same rounded values.
+  for (float& x : s.queries) {
+    if (c.io == DType::kF16) x = HalfBitsToFloat(FloatToHalfBits(x));
+    if (c.io == DType::kBF16) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+  }
+  const int d = c.quantizer ? c.quantizer->format().head_dim : c.plain->head_dim;
+  const int hq = s.num_q_heads;
+  std::vector<float> ref_out, ref_lse;
+  testing::ReferenceAttention(c.quantizer, c.plain, s, cache, c.window, ref_out, ref_lse);
+  const CudaAttention attn = c.quantizer ? CudaAttention(*c.quantizer) : CudaAttention(*c.plain);
+  const int num_seqs = static_cast<int>(s.base.seq_lens.size());
+  int max_q_len = 1;
+  for (int b = 0; b < num_seqs; ++b) {
+    max_q_len = std::max(max_q_len, s.query_start_loc[b + 1] - s.query_start_loc[b]);
+  }
+  const AttentionPlan plan =
+      attn.Plan(num_seqs, s.num_tokens, hq, s.base.max_blocks, max_q_len, c.options);
+  if (max_splits != nullptr) *max_splits = plan.max_splits;
+  const int64_t n = static_cast<int64_t>(s.num_tokens) * hq * d;
+  DeviceBuffer<uint8_t> dcache(static_cast<int64_t>(cache.size()));
+  dcache.CopyFromHost(cache);
+  DeviceBuffer<int32_t> tables(static_cast<int64_t>(s.base.block_tables.size())),
+      lens(num_seqs), loc(num_seqs + 1);
+  tables.CopyFromHost(s.base.block_tables);
+  lens.CopyFromHost(s.base.seq_lens);
+  loc.CopyFromHost(s.query_start_loc);
+  const bool half = c.io != DType::kF32;
+  DeviceBuffer<uint8_t> query(n * (half ? 2 : 4)), out(n * (half ? 2 : 4));
+  if (half) {
+    std::vector<uint16_t> q16(n);
+    for (int64_t i = 0; i < n; ++i) {
+      q16[i] = c.io == DType::kF16 ? FloatToHalfBits(s.queries[i]) : FloatToBFloat16Bits(s.queries[i]);
+    }
+    query.CopyFromHost(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(q16.data()), n * 2));
+  } else {
+    query.CopyFromHost(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.queries.data()), n * 4));
+  }
+  DeviceBuffer<float> lse(int64_t{s.num_tokens} * hq);
+  DeviceBuffer<uint8_t> ws(std::max<int64_t>(plan.workspace_bytes, 1));
+  out.FillBytes(0xFF);
+  lse.FillBytes(0xFF);
+  ws.FillBytes(0xFF);
+  AttentionArgs a;
+  a.query = query.data();
+  a.query_dtype = c.io;
+  a.num_seqs = num_seqs;
+  a.num_tokens = s.num_tokens;
+  a.num_q_heads = hq;
+  a.query_start_loc = loc.data();
+  a.seq_lens = lens.data();
+  a.block_tables = tables.data();
+  a.max_blocks_per_seq = s.base.max_blocks;
+  a.cache = dcache.data();
+  a.num_blocks = s.base.num_blocks;
+  a.sliding_window = c.window;
+  a.output = out.data();
+  a.output_dtype = c.io;
+  a.lse = lse.data();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws.size_bytes();
+  attn.Run(plan, a, nullptr);
+  TQKV_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> out_bytes(n * (half ? 2 : 4));
+  out.CopyToHost(out_bytes);
+  std::vector<float> o(n), l(int64_t{s.num_tokens} * hq);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!half) {
+      std::memcpy(&o[i], out_bytes.data() + 4 * i, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, out_bytes.data() + 2 * i, 2);
+      o[i] = c.io == DType::kF16 ? HalfBitsToFloat(b) : BFloat16BitsToFloat(b);
+    }
+  }
+  lse.CopyToHost(l);
+  Errors e;
+  for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
+    if (!std::isfinite(l[row])) {
+      ++e.bad;
+      continue;
+    }
+    e.lse = std::max(e.lse, std::abs(double(l[row]) - ref_lse[row]) /
+                                std::max(1.0, std::abs(double(ref_lse[row]))));
+    double row_max = 0;
+    for (int i = 0; i < d; ++i) row_max = std::max(row_max, std::abs(double(ref_out[row * d + i])));
+    for (int i = 0; i < d; ++i) {
+      const float x = o[row * d + i];
+      if (!std::isfinite(x)) {
+        ++e.bad;
+        continue;
+      }
+      e.out = std::max(e.out, std::abs(double(x) - ref_out[row * d + i]) / std::max(row_max, 1e-30));
+    }
+  }
+  return e;
+}
+
+// A step as an engine makes it: decode rows (q_len 1), verify rows (1 + 3 drafts, 1 + 7), a
+// prefill chunk after a cached prefix, a whole prompt, and a padding row (q_len 0).
+struct Step {
+  std::vector<int32_t> lens, q_lens;
+};
+Step MixedStep() { return {{300, 1, 77, 1000, 150, 65, 0}, {1, 1, 4, 200, 8, 65, 0}}; }
+
+void ExpectWithin(const Errors& e, double lse_tol, const std::string& what) {
+  EXPECT_EQ(e.bad, 0) << what;
+  EXPECT_LE(e.lse, lse_tol) << what;
+  EXPECT_LE(e.out, kOutTol) << what;
+}
+
+TEST(CudaAttentionTest, EveryPresetHeadDimGroupAndBlockSize) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const int groups[] = {1, 2, 3, 4, 8};
+  const int block_sizes[] = {16, 32, 64, 128};
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = groups[k % 5], bs = block_sizes[k % 4];
+      ++k;
+      const int hk = 2;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const Step step = MixedStep();
+      const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 100 + k);
+      const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
+      ExpectWithin(e, kLseTol,
+                   fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", preset, d, group,
+                               bs, e.out, e.lse));
+    }
+  }
+}
+
+TEST(CudaAttentionTest, PlainCachesEveryHeadDimAndGroup) {
+  TQKV_SKIP_WITHOUT_GPU();
+  int k = 0;
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int d : {64, 128, 256}) {
+      for (int group : {1, 4, 8}) {
+        const int hk = 2, bs = 16 << (k++ % 4);
+        const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+        const Step step = MixedStep();
+        AttentionScenario s = BuildAttention(any, step.lens, step.q_lens, hk * group, 200 + k);
+        const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+        const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+        const Errors e = RunAndCompare({.plain = &f}, s, cache);
+        ExpectWithin(e, kLseTol,
+                     fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", DTypeName(dtype),
+                                 d, group, bs, e.out, e.lse));
+      }
+    }
+  }
+}
+
+// The same step with forced splits of 64 and 256 tokens (merge path) and with the plan's own.
+TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 4, 16);
+  const Step step = MixedStep();
+  const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 16, 5);
+  for (int tps : {0, 64, 256}) {
+    int splits = 0;
+    Case c{.quantizer = &q};
+    c.options.tokens_per_split = tps;
+    const Errors e = RunAndCompare(c, s, s.base.cache, &splits);
+    if (tps == 64) EXPECT_EQ(splits, 1000 / 64 + 1);
+    ExpectWithin(e, kLseTol, fmt::format("tokens_per_split {} ({} splits)", tps, splits));
+  }
+}
+
+TEST(CudaAttentionTest, SlidingWindow) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_k3v4_nc", 128, 2, 32);
+  const Step step = MixedStep();
+  const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 8, 9);
+  for (int32_t w : {1, 50, 128, 333}) {
+    for (int tps : {0, 64}) {
+      Case c{.quantizer = &q, .window = w};
+      c.options.tokens_per_split = tps;
+      const Errors e = RunAndCompare(c, s, s.base.cache);
+      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps));
+    }
+  }
+}
+
+// One token per sequence runs the decode kernels; the chunk kernel (decode_kernels = false)
+// agrees with the same reference. Half-precision queries and outputs on both paths.
+TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (const char* preset : kPresetNames) {
+    const Quantizer q = Quantizer::Create(preset, 128, 8, 16);
+    const AttentionScenario s =
+        BuildAttention(q, {1, 100, 4096, 333}, {1, 1, 1, 1}, 32, 77);
+    for (bool decode : {true, false}) {
+      for (DType io : {DType::kF32, DType::kBF16}) {
+        Case c{.quantizer = &q, .io = io};
+        c.options.decode_kernels = decode;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        // bf16 I/O: the reference reads the same rounded query; the output adds half a bf16 ulp
+        // (2^-9 of an element).
+        const double out_tol = io == DType::kF32 ? kOutTol : kOutTol + 2e-3;
+        const double lse_tol = std::string(preset) == "turboquant_k3v4_nc" && decode ? 1e-4 : kLseTol;
+        const std::string what = fmt::format("{} decode kernels {} io {}: out {:.2e} lse {:.2e}",
+                                             preset, decode, DTypeName(io), e.out, e.lse);
+        EXPECT_EQ(e.bad, 0) << what;
+        EXPECT_LE(e.lse, lse_tol) << what;
+        EXPECT_LE(e.out, out_tol) << what;
+      }
+    }
+  }
+}
+
+TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
+  const CudaAttention attn(q);
+  EXPECT_THAT([&] { attn.Plan(2, 5, 30, 4, 3); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_q_heads = 30")));
+  EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 6); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("max_q_len = 6")));
+  EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, {.tokens_per_split = 100}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("tokens_per_split = 100")));
+  const AttentionPlan plan = attn.Plan(2, 5, 32, 4, 3);
+  AttentionArgs a;
+  a.num_seqs = 2;
+  a.num_tokens = 4;  // not the plan's 5
+  a.num_q_heads = 32;
+  EXPECT_THAT([&] { attn.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("null")));
+}
+
+#else
+
+TEST(CudaTest, NeedsCuda) { GTEST_SKIP() << "this build has no CUDA support"; }
+
+#endif  // TQKV_HAVE_CUDA
+
+}  // namespace
+}  // namespace tqkv

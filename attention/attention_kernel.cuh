@@ -1,0 +1,444 @@
+// Attention of several new tokens per sequence over a paged cache (attention/attention.h): one
+// kernel family for every cache kind (4/3-bit codebook keys, FP8 keys, bf16/fp16 caches), head_dim
+// 64/128/256 and any GQA group, FlashAttention-style.
+//
+// One CTA = (64-row tile, split of the context, KV head, sequence), 4 warps of 16 rows each. The
+// rows of a (sequence, KV head) are its (new token i, query head g of the group) pairs, r = i·G +
+// g, so the GQA heads and the new tokens share the MMA rows: a verify step of 4 tokens with a
+// group of 4 fills one warp's 16 rows, and the cache is read once for all of them. Per KV tile
+// (64 tokens; 32 at D = 256) the CTA dequantizes the tile into shared memory — MSE keys as their
+// centroids' fp16 hi and lo parts (the norm is applied to the score), FP8 keys as fp16 (exact),
+// value codes as fp16 integers (exact) — then each warp runs
+//
+//   S  = Q · Kᵀ        (hi·hi + lo·hi + hi·lo: fp32-level scores, like the decode kernels)
+//   P' = p · v_scale   (fp16 hi + lo parts)      O += P' · codes,   z += Σ p · v_zero
+//
+// with mma.sync m16n8k16 and an exact online softmax, and the output is (O + z) / l. Plain caches
+// multiply the query's hi + lo parts by the stored K and P's hi + lo parts by the stored V, in the
+// cache's type. Causality and the sliding window are a per-(row, token) mask; tiles past a
+// split's end are zero-filled so that masked weights never meet garbage.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/attention_launch.h"
+#include "attention/decode_device.cuh"
+
+namespace tqkv::attention_detail {
+
+using decode_detail::E4M3x2ToHalf2;
+using decode_detail::FastExp2;
+using decode_detail::IsPlain;
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <bool kFp16>
+__device__ __forceinline__ uint16_t ToBits(float x) {
+  if constexpr (kFp16) {
+    return __half_as_ushort(__float2half_rn(x));
+  } else {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+}
+template <bool kFp16>
+__device__ __forceinline__ float FromBits(uint16_t b) {
+  if constexpr (kFp16) {
+    return __half2float(__ushort_as_half(b));
+  } else {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  }
+}
+// x as hi + lo parts of the MMA type, packed in pairs (x0 in the low half).
+template <bool kFp16>
+__device__ __forceinline__ void SplitPair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const uint16_t h0 = ToBits<kFp16>(x0), h1 = ToBits<kFp16>(x1);
+  const uint16_t l0 = ToBits<kFp16>(x0 - FromBits<kFp16>(h0));
+  const uint16_t l1 = ToBits<kFp16>(x1 - FromBits<kFp16>(h1));
+  hi = uint32_t{h0} | uint32_t{h1} << 16;
+  lo = uint32_t{l0} | uint32_t{l1} << 16;
+}
+
+__device__ __forceinline__ float LoadQueryElement(const void* q, DType t, int64_t i) {
+  if (t == DType::kF32) return static_cast<const float*>(q)[i];
+  if (t == DType::kF16) return __half2float(static_cast<const __half*>(q)[i]);
+  return __bfloat162float(static_cast<const __nv_bfloat16*>(q)[i]);
+}
+
+// The shared-memory layout of one CTA: rows of head_dim 16-bit elements at a pitch of
+// 2·D + 16 bytes, so that the 8 row addresses of an ldmatrix phase fall on distinct bank groups.
+// The query is held as kQParts parts (hi, lo; bf16 caches: hi, mid, lo, so that bf16 parts carry
+// the fp32 query's 24 bits).
+template <int kD, int kQParts>
+struct ChunkLayout {
+  static constexpr int kKv = KvTile(kD);
+  static constexpr uint32_t kPitch = 2 * kD + 16;
+  static constexpr uint32_t kQ = 0;  // part j of row r at kQ + (j · kRowsPerCta + r) · kPitch
+  static constexpr uint32_t kKHi = kQ + kQParts * kRowsPerCta * kPitch;
+  static constexpr uint32_t kKLo = kKHi + kKv * kPitch;
+  static constexpr uint32_t kV = kKLo + kKv * kPitch;
+  static constexpr uint32_t kKScale = kV + kKv * kPitch;  // float [kKv]: log2-domain key scale
+  static constexpr uint32_t kVScale = kKScale + 4 * kKv;  // float [kKv]
+  static constexpr uint32_t kVZero = kVScale + 4 * kKv;   // float [kKv]
+  static constexpr uint32_t kCodebook = kVZero + 4 * kKv;  // uint32 [16]: hi | lo << 16
+  static constexpr int kBytes = kCodebook + 64;
+};
+
+template <KeyKind kKind>
+inline constexpr int kQueryParts = kKind == KeyKind::kBf16 ? 3 : 2;
+
+// The 8 codes of element group e8 (elements 8·e8 .. 8·e8 + 7) of a bit stream at `src`, as the
+// low bits of a 32-bit (4-bit codes) or 24-bit (3-bit codes) word.
+template <int kBits>
+__device__ __forceinline__ uint32_t LoadCodes8(const uint8_t* src, int e8) {
+  if constexpr (kBits == 4) {
+    return __ldg(reinterpret_cast<const uint32_t*>(src) + e8);
+  } else {
+    const uint8_t* p = src + 3 * e8;
+    return uint32_t{__ldg(p)} | uint32_t{__ldg(p + 1)} << 8 | uint32_t{__ldg(p + 2)} << 16;
+  }
+}
+
+// Dequantizes KV tile [tile_begin, tile_begin + kKv) of KV head h (tokens at or past `end`:
+// zeros) into shared memory.
+template <KeyKind kKind, int kValueBits, int kD>
+__device__ __forceinline__ void LoadKvTile(const ChunkParams& p, uint8_t* smem,
+                                           const int32_t* table, int h, int tile_begin, int end) {
+  using L = ChunkLayout<kD, kQueryParts<kKind>>;
+  constexpr int kGroups = kD / 8;  // 8-element groups per row
+  constexpr bool kPlain = IsPlain(kKind);
+  for (int u = threadIdx.x; u < L::kKv * kGroups; u += kWarps * 32) {
+    const int j = u / kGroups, e8 = u % kGroups;
+    const int t = tile_begin + j;
+    uint4 k_hi = {0, 0, 0, 0}, k_lo = {0, 0, 0, 0}, v = {0, 0, 0, 0};
+    if (t < end) {
+      const uint8_t* block = p.cache + int64_t{table[t / p.block_size]} * p.block_bytes;
+      const int pos = t % p.block_size;
+      if constexpr (kPlain) {
+        const int64_t at = 2 * ((int64_t{pos} * p.num_kv_heads + h) * kD) + 16 * e8;
+        k_hi = __ldg(reinterpret_cast<const uint4*>(block + at));
+        v = __ldg(reinterpret_cast<const uint4*>(block + p.meta_offset + at));
+      } else {
+        const uint8_t* slot =
+            block + (int64_t{pos} * p.num_kv_heads + h) * p.data_per_slot;
+        if constexpr (kKind == KeyKind::kFp8) {
+          const uint2 w = __ldg(reinterpret_cast<const uint2*>(slot) + e8);
+          k_hi.x = E4M3x2ToHalf2(w.x & 0xFFFFu);
+          k_hi.y = E4M3x2ToHalf2(w.x >> 16);
+          k_hi.z = E4M3x2ToHalf2(w.y & 0xFFFFu);
+          k_hi.w = E4M3x2ToHalf2(w.y >> 16);
+        } else {
+          constexpr int kKeyBits = kKind == KeyKind::kMse4 ? 4 : 3;
+          const uint32_t codes = LoadCodes8<kKeyBits>(slot, e8);
+          const uint32_t* cb = reinterpret_cast<const uint32_t*>(smem + L::kCodebook);
+          uint32_t hi[4], lo[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t c0 = cb[(codes >> (2 * k * kKeyBits)) & ((1u << kKeyBits) - 1u)];
+            const uint32_t c1 = cb[(codes >> ((2 * k + 1) * kKeyBits)) & ((1u << kKeyBits) - 1u)];
+            hi[k] = (c0 & 0xFFFFu) | (c1 << 16);
+            lo[k] = (c0 >> 16) | (c1 & 0xFFFF0000u);
+          }
+          k_hi = {hi[0], hi[1], hi[2], hi[3]};
+          k_lo = {lo[0], lo[1], lo[2], lo[3]};
+        }
+        const uint32_t vcodes = LoadCodes8<kValueBits>(slot + p.key_data_bytes, e8);
+        uint32_t vw[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t c0 = (vcodes >> (2 * k * kValueBits)) & ((1u << kValueBits) - 1u);
+          const uint32_t c1 = (vcodes >> ((2 * k + 1) * kValueBits)) & ((1u << kValueBits) - 1u);
+          const __half2 pair = __floats2half2_rn(static_cast<float>(c0), static_cast<float>(c1));
+          vw[k] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        v = {vw[0], vw[1], vw[2], vw[3]};
+      }
+    }
+    const uint32_t row = j * L::kPitch + 16 * e8;
+    *reinterpret_cast<uint4*>(smem + L::kKHi + row) = k_hi;
+    if constexpr (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3) {
+      *reinterpret_cast<uint4*>(smem + L::kKLo + row) = k_lo;
+    }
+    *reinterpret_cast<uint4*>(smem + L::kV + row) = v;
+  }
+  // Per-token scales: keys' (log2-domain softmax scale, times the norm for MSE keys), values'.
+  for (int j = threadIdx.x; j < L::kKv; j += kWarps * 32) {
+    const int t = tile_begin + j;
+    float ks = 0.0f, vs = 0.0f, vz = 0.0f;
+    if (t < end) {
+      ks = p.score_scale;
+      if constexpr (!kPlain) {
+        const uint8_t* block = p.cache + int64_t{table[t / p.block_size]} * p.block_bytes;
+        const int pos = t % p.block_size;
+        const __half* meta = reinterpret_cast<const __half*>(block + p.meta_offset) +
+                             int64_t{h} * p.num_meta * p.block_size + pos;
+        int f = 0;
+        if constexpr (kKind != KeyKind::kFp8) ks *= __half2float(meta[p.block_size * f++]);
+        vs = __half2float(meta[p.block_size * f++]);
+        vz = __half2float(meta[p.block_size * f]);
+      }
+    }
+    reinterpret_cast<float*>(smem + L::kKScale)[j] = ks;
+    reinterpret_cast<float*>(smem + L::kVScale)[j] = vs;
+    reinterpret_cast<float*>(smem + L::kVZero)[j] = vz;
+  }
+}
+
+template <KeyKind kKind, int kValueBits, int kD>
+__global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkParams p) {
+  using L = ChunkLayout<kD, kQueryParts<kKind>>;
+  constexpr int kQParts = kQueryParts<kKind>;
+  constexpr int kKv = L::kKv;
+  constexpr bool kPlain = IsPlain(kKind);
+  constexpr bool kFp16 = kKind != KeyKind::kBf16;  // the MMAs' operand type
+  constexpr bool kKeyLo = kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3;
+  constexpr int kSN = kKv / 8;  // score n-tiles (8 tokens each)
+  constexpr int kON = kD / 8;   // output n-tiles (8 d each)
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+
+  const int q_start = p.query_start_loc[b];
+  const int q_len = p.query_start_loc[b + 1] - q_start;
+  const int rows = q_len * group;
+  const int row0 = tile * kRowsPerCta;
+  if (row0 >= rows) return;
+  const int row_end = min(rows, row0 + kRowsPerCta);
+  const int len = p.seq_lens[b];
+  const int ctx0 = len - q_len;  // position of new token 0
+  // The context this tile's rows read: up to its last row's token, from its first row's window.
+  const int first_i = row0 / group, last_i = (row_end - 1) / group;
+  const int kv_end = ctx0 + last_i + 1;
+  const int kv_begin = p.sliding_window > 0 ? max(0, ctx0 + first_i - p.sliding_window + 1) : 0;
+  const int split_begin = kv_begin + split * p.tokens_per_split;
+  const int split_end = min(kv_end, split_begin + p.tokens_per_split);
+  const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
+
+  if constexpr (kKeyLo) {
+    if (threadIdx.x < 16) {
+      reinterpret_cast<uint32_t*>(smem + L::kCodebook)[threadIdx.x] =
+          uint32_t{p.centroid_hi[threadIdx.x]} | uint32_t{p.centroid_lo[threadIdx.x]} << 16;
+    }
+  }
+  // The tile's query rows as hi and lo parts (rows past the sequence's: zero).
+  for (int u = threadIdx.x; u < kRowsPerCta * kD / 2; u += kWarps * 32) {
+    const int r = u / (kD / 2), d = 2 * (u % (kD / 2));
+    float x0 = 0.0f, x1 = 0.0f;
+    if (row0 + r < row_end) {
+      const int i = (row0 + r) / group, gg = (row0 + r) % group;
+      const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + d;
+      x0 = LoadQueryElement(p.query, p.query_dtype, at);
+      x1 = LoadQueryElement(p.query, p.query_dtype, at + 1);
+    }
+#pragma unroll
+    for (int j = 0; j < kQParts; ++j) {  // each part is the rounding of what the earlier left
+      const uint16_t b0 = ToBits<kFp16>(x0), b1 = ToBits<kFp16>(x1);
+      *reinterpret_cast<uint32_t*>(smem + L::kQ + (j * kRowsPerCta + r) * L::kPitch + 2 * d) =
+          uint32_t{b0} | uint32_t{b1} << 16;
+      x0 -= FromBits<kFp16>(b0);
+      x1 -= FromBits<kFp16>(b1);
+    }
+  }
+
+  // This warp's two rows per thread: tile rows 16·warp + g and + 8.
+  const bool warp_active = row0 + 16 * warp < row_end;
+  int row_pos[2];  // position of the row's token; -1: no row (every token masked)
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int r = row0 + 16 * warp + g + 8 * k;
+    row_pos[k] = r < row_end ? ctx0 + r / group : -1;
+  }
+  float acc[kON][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, z[2] = {0.0f, 0.0f};
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+
+  for (int tile_begin = split_begin; tile_begin < split_end; tile_begin += kKv) {
+    __syncthreads();  // the previous tile has been used
+    LoadKvTile<kKind, kValueBits, kD>(p, smem, table, h, tile_begin, split_end);
+    __syncthreads();
+    if (!warp_active) continue;
+    float s[kSN][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      uint32_t a[kQParts][4];  // the query's parts, hi first
+#pragma unroll
+      for (int j = 0; j < kQParts; ++j) {
+        const int r = j * kRowsPerCta + 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1);
+        const uint32_t col = 2 * (16 * ks + 8 * (lane >> 4));
+        LdMatrixX4(smem_base + L::kQ + r * L::kPitch + col, a[j]);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < kSN / 2; ++n2) {
+        const int tok = 16 * n2 + (lane & 7) + 8 * (lane >> 4);
+        const uint32_t col = 2 * (16 * ks + 8 * ((lane >> 3) & 1));
+        uint32_t b_hi[4];
+        LdMatrixX4(smem_base + L::kKHi + tok * L::kPitch + col, b_hi);
+#pragma unroll
+        for (int j = 0; j < kQParts; ++j) {
+          decode_detail::MmaPlain<kFp16>(s[2 * n2], a[j], b_hi[0], b_hi[1]);
+          decode_detail::MmaPlain<kFp16>(s[2 * n2 + 1], a[j], b_hi[2], b_hi[3]);
+        }
+        if constexpr (kKeyLo) {
+          uint32_t b_lo[4];
+          LdMatrixX4(smem_base + L::kKLo + tok * L::kPitch + col, b_lo);
+          decode_detail::MmaPlain<kFp16>(s[2 * n2], a[0], b_lo[0], b_lo[1]);
+          decode_detail::MmaPlain<kFp16>(s[2 * n2 + 1], a[0], b_lo[2], b_lo[3]);
+        }
+      }
+    }
+    // Scale, mask, online softmax (log2 domain).
+    const float* kscale = reinterpret_cast<const float*>(smem + L::kKScale);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = 8 * n + 2 * tq + (c & 1);
+        const int t = tile_begin + j;
+        const int k = c >> 1;
+        const bool keep = t < split_end && t <= row_pos[k] &&
+                          (p.sliding_window == 0 || t > row_pos[k] - p.sliding_window);
+        s[n][c] = keep ? s[n][c] * kscale[j] : -INFINITY;
+        tile_max[k] = fmaxf(tile_max[k], s[n][c]);
+      }
+    }
+    float alpha[2], ref[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      tile_max[k] = fmaxf(tile_max[k], __shfl_xor_sync(0xffffffffu, tile_max[k], 1));
+      tile_max[k] = fmaxf(tile_max[k], __shfl_xor_sync(0xffffffffu, tile_max[k], 2));
+      const float m_new = fmaxf(m[k], tile_max[k]);
+      ref[k] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[k] = FastExp2(m[k] - ref[k]);  // m = -inf: 0 (nothing accumulated yet)
+      m[k] = m_new;
+      l[k] *= alpha[k];
+      z[k] *= alpha[k];
+    }
+#pragma unroll
+    for (int n = 0; n < kON; ++n) {
+      acc[n][0] *= alpha[0];
+      acc[n][1] *= alpha[0];
+      acc[n][2] *= alpha[1];
+      acc[n][3] *= alpha[1];
+    }
+    const float* vscale = reinterpret_cast<const float*>(smem + L::kVScale);
+    const float* vzero = reinterpret_cast<const float*>(smem + L::kVZero);
+#pragma unroll
+    for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k = c >> 1;
+        const float w = FastExp2(s[n][c] - ref[k]);
+        l[k] += w;
+        if constexpr (kPlain) {
+          s[n][c] = w;
+        } else {
+          const int j = 8 * n + 2 * tq + (c & 1);
+          z[k] += w * vzero[j];
+          s[n][c] = w * vscale[j];
+        }
+      }
+    }
+    // O += P' · V, 16 tokens per k-step.
+#pragma unroll
+    for (int kk = 0; kk < kKv / 16; ++kk) {
+      uint32_t a_hi[4], a_lo[4];
+      SplitPair<kFp16>(s[2 * kk][0], s[2 * kk][1], a_hi[0], a_lo[0]);
+      SplitPair<kFp16>(s[2 * kk][2], s[2 * kk][3], a_hi[1], a_lo[1]);
+      SplitPair<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1], a_hi[2], a_lo[2]);
+      SplitPair<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3], a_hi[3], a_lo[3]);
+#pragma unroll
+      for (int nd = 0; nd < kON / 2; ++nd) {
+        const int tok = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
+        const uint32_t col = 2 * (16 * nd + 8 * (lane >> 4));
+        uint32_t bv[4];
+        LdMatrixX4Trans(smem_base + L::kV + tok * L::kPitch + col, bv);
+        decode_detail::MmaPlain<kFp16>(acc[2 * nd], a_hi, bv[0], bv[1]);
+        decode_detail::MmaPlain<kFp16>(acc[2 * nd + 1], a_hi, bv[2], bv[3]);
+        decode_detail::MmaPlain<kFp16>(acc[2 * nd], a_lo, bv[0], bv[1]);
+        decode_detail::MmaPlain<kFp16>(acc[2 * nd + 1], a_lo, bv[2], bv[3]);
+      }
+    }
+  }
+  if (!warp_active) return;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 1);
+    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 2);
+    z[k] += __shfl_xor_sync(0xffffffffu, z[k], 1);
+    z[k] += __shfl_xor_sync(0xffffffffu, z[k], 2);
+  }
+  constexpr float kLn2 = 0.69314718055994530942f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int r = row0 + 16 * warp + g + 8 * k;
+    if (r >= row_end) continue;
+    const int i = r / group, gg = r % group;
+    const int64_t out_row = int64_t{q_start + i} * p.num_q_heads + h * group + gg;
+    const bool empty = l[k] == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / l[k];
+    const float zk = empty ? 0.0f : z[k];
+    const float lse = empty ? -INFINITY : (m[k] + __log2f(l[k])) * kLn2;
+    if (p.max_splits == 1) {
+#pragma unroll
+      for (int n = 0; n < kON; ++n) {
+        const int64_t at = out_row * kD + 8 * n + 2 * tq;
+        decode_detail::StoreOutput(p.output, p.out_dtype, at, (acc[n][2 * k] + zk) * inv);
+        decode_detail::StoreOutput(p.output, p.out_dtype, at + 1, (acc[n][2 * k + 1] + zk) * inv);
+      }
+      if (tq == 0) p.lse[out_row] = lse;
+    } else {
+      float* out = p.partial_out + (out_row * p.max_splits + split) * kD;
+#pragma unroll
+      for (int n = 0; n < kON; ++n) {
+        *reinterpret_cast<float2*>(out + 8 * n + 2 * tq) =
+            make_float2((acc[n][2 * k] + zk) * inv, (acc[n][2 * k + 1] + zk) * inv);
+      }
+      if (tq == 0) p.partial_lse[out_row * p.max_splits + split] = lse;
+    }
+  }
+}
+
+template <KeyKind kKind, int kValueBits, int kD>
+cudaError_t LaunchChunk(const ChunkParams& p, cudaStream_t stream) {
+  constexpr int kSmem = ChunkLayout<kD, kQueryParts<kKind>>::kBytes;
+  auto* kernel = ChunkAttentionKernel<kKind, kValueBits, kD>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits),
+                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.num_seqs));
+  kernel<<<grid, kWarps * 32, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <KeyKind kKind, int kValueBits>
+cudaError_t LaunchChunkOfBits(int head_dim, const ChunkParams& p, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      return LaunchChunk<kKind, kValueBits, 64>(p, stream);
+    case 128:
+      return LaunchChunk<kKind, kValueBits, 128>(p, stream);
+    case 256:
+      return LaunchChunk<kKind, kValueBits, 256>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace tqkv::attention_detail

@@ -1,0 +1,81 @@
+// Device-side interface of the attention kernels for several new tokens per sequence
+// (attention/attention_kernel.cuh): plain parameter structs and launch functions that return the
+// launch status. Included by the kernel files and by the host launcher (attention_cuda.cc) in CUDA
+// builds only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/decode_variant.h"
+#include "runtime/dtype.h"
+
+namespace tqkv::attention_detail {
+
+using decode_detail::KeyKind;
+
+// Query rows per CTA (4 warps × 16 rows of the MMAs) and the tokens of one KV tile by head_dim
+// (the tile's dequantized keys, hi and lo parts, and values live in shared memory).
+inline constexpr int kRowsPerCta = 64;
+inline constexpr int kWarps = 4;
+constexpr int KvTile(int head_dim) { return head_dim == 256 ? 32 : 64; }
+
+struct ChunkParams {
+  const uint8_t* cache = nullptr;            // [num_blocks, block_bytes]
+  const int32_t* block_tables = nullptr;     // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens = nullptr;         // [num_seqs]
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  // [num_tokens, num_q_heads, head_dim] in query_dtype: the caller's query, or for MSE keys the
+  // query prep's fp32 q·Πᵀ.
+  const void* query = nullptr;
+  DType query_dtype = DType::kF32;
+  // MSE keys: the 2^key_bits centroids as fp16 hi and lo parts (centroid = hi + lo to ~2^-22).
+  uint16_t centroid_hi[16] = {};
+  uint16_t centroid_lo[16] = {};
+  // max_splits == 1: the final output [num_tokens, num_q_heads, head_dim] in out_dtype and lse;
+  // otherwise partials [num_tokens · num_q_heads, max_splits, head_dim] and [.., max_splits].
+  void* output = nullptr;
+  float* lse = nullptr;
+  DType out_dtype = DType::kF32;
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  int64_t block_bytes = 0;
+  int64_t meta_offset = 0;  // compressed: start of the fp16 metadata; plain: value_offset
+  int data_per_slot = 0;    // compressed only
+  int key_data_bytes = 0;   // compressed only
+  int num_meta = 0;         // compressed only
+  int row_tiles = 0;        // kRowsPerCta-row tiles per (sequence, KV head): grid.x / max_splits
+  int tokens_per_split = 0;  // a multiple of the KV tile
+  int max_splits = 0;
+  int sliding_window = 0;
+  float score_scale = 0.0f;  // softmax scale · log2(e)
+};
+
+struct ChunkMergeParams {
+  const float* partial_out = nullptr;  // [rows, max_splits, head_dim]
+  const float* partial_lse = nullptr;  // [rows, max_splits]
+  void* output = nullptr;              // [rows, head_dim] in out_dtype
+  float* lse = nullptr;                // [rows]
+  DType out_dtype = DType::kF32;
+  int rows = 0;  // num_tokens · num_q_heads
+  int head_dim = 0;
+  int max_splits = 0;
+};
+
+// The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads,
+// num_seqs); cudaErrorInvalidValue for a combination that has none.
+cudaError_t LaunchChunkAttention(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p,
+                                 cudaStream_t stream);
+cudaError_t LaunchChunkMerge(const ChunkMergeParams& p, cudaStream_t stream);
+
+template <KeyKind kKind>
+cudaError_t LaunchChunkOfKind(int value_bits, int head_dim, const ChunkParams& p,
+                              cudaStream_t stream);
+
+}  // namespace tqkv::attention_detail
