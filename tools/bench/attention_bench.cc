@@ -1,0 +1,303 @@
+// Attention for several new tokens per sequence on the GPU (CudaAttention), Llama-3-8B layer shape
+// (Hq 32, Hk 8, D 128, block 16), the shapes of the issue:
+//   verify   batch 64 x 4k context, 1 (decode kernels; and the chunk kernel), 4 and 8 new tokens
+//   prefill  batch 1, a chunk of 2,048 or 8,192 tokens after a cached prefix of 0, 8k or 32k
+//   mixed    one 2,048-token chunk plus 63 decode rows at 4k in one call, and the two apart
+// for turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and bf16. Each shape is timed as
+// a CUDA graph of calls rotating over disjoint block sets (at least 256 MB together, so calls read
+// HBM, not L2): µs per call, FLOPs (4 · D · Hq per (query row, attended token), causal), TFLOP/s
+// and its fraction of 790 TFLOP/s (PERFORMANCE.md, bf16 dense measured), cache bytes read, GB/s
+// and the fraction of the read ceiling measured in this run, and the extra device memory of the
+// call (its workspace). --json OUT writes the rows for torch_attention_bench.py's joint table.
+//
+//   attention_bench [--quick] [--json OUT] [--kind NAME]
+#if TQKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention_cuda.h"
+#include "quant/quantizer.h"
+#include "runtime/error.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+#include "tools/bench/bench_kernels.h"
+#if TQKV_HAVE_CUDA
+#include "runtime/cuda_check.h"
+#endif
+
+#if TQKV_HAVE_CUDA
+namespace tqkv::bench {
+namespace {
+
+constexpr int kHq = 32, kHk = 8, kD = 128, kBlock = 16;
+constexpr double kPeakTflops = 790.0;  // bf16 dense, measured (PERFORMANCE.md)
+
+double Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// µs per call of `calls` calls captured in one CUDA graph: median of 5 replays.
+double GraphUs(const std::function<void(int)>& run, int calls, StreamHandle stream) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < calls; ++i) run(i);
+  TQKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  TQKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  Event start, end;
+  std::vector<float> ms;
+  for (int r = 0; r < 5; ++r) {
+    start.Record(stream);
+    TQKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    end.Record(stream);
+    end.Synchronize();
+    ms.push_back(Event::ElapsedMs(start, end) / calls);
+  }
+  TQKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TQKV_CUDA_CHECK(cudaGraphDestroy(graph));
+  return Median(ms) * 1e3;
+}
+
+double ReadCeilingGbs(Stream& stream) {
+  const int64_t bytes = int64_t{4} << 30;
+  DeviceBuffer<uint8_t> a(bytes);
+  DeviceBuffer<uint32_t> sink(4096);
+  FillRandomBytes(a.data(), bytes, 1, stream.get());
+  Event start, end;
+  std::vector<float> ms;
+  for (int i = 0; i < 6; ++i) {
+    start.Record(stream.get());
+    ReadFloor(a.data(), bytes, sink.data(), stream.get());
+    end.Record(stream.get());
+    end.Synchronize();
+    if (i > 0) ms.push_back(Event::ElapsedMs(start, end));
+  }
+  return double(bytes) / (Median(ms) * 1e-3) / 1e9;
+}
+
+// One step shape: per sequence, its context length after the step and its new tokens.
+struct Shape {
+  std::string name;
+  std::vector<int32_t> lens, q_lens;
+  bool decode_kernels = true;
+};
+
+Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
+  return {std::move(name), std::vector<int32_t>(batch, context), std::vector<int32_t>(batch, q_len),
+          decode_kernels};
+}
+
+struct Row {
+  std::string kind, shape;
+  double us = 0, flops = 0, bytes = 0, workspace = 0;
+  int splits = 0;
+};
+
+std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shapes, double read_gbs,
+                         Stream& stream) {
+  const bool plain = kind == "bf16";
+  std::optional<Quantizer> q;
+  std::optional<CudaAttention> attn;
+  int64_t block_bytes = 0, slot_bytes = 0;
+  if (plain) {
+    const Bf16BlockFormat f = MakeBf16BlockFormat(kD, kHk, kBlock, DType::kBF16);
+    attn.emplace(f);
+    block_bytes = f.block_bytes;
+    slot_bytes = f.SlotBytes();
+  } else {
+    q.emplace(Quantizer::Create(kind, kD, kHk, kBlock));
+    attn.emplace(*q);
+    block_bytes = q->format().block_bytes;
+    slot_bytes = q->format().slot_bytes;
+  }
+  int64_t max_blocks = 0;
+  for (const Shape& s : shapes) {
+    int64_t n = 0;
+    for (int32_t l : s.lens) n += (l + kBlock - 1) / kBlock;
+    max_blocks = std::max(max_blocks, n);
+  }
+  const int64_t pool_blocks = std::max(max_blocks, (int64_t{1} << 30) / block_bytes);
+  DeviceBuffer<uint8_t> pool(pool_blocks * block_bytes);
+  if (plain) {
+    FillRandomBf16(reinterpret_cast<uint16_t*>(pool.data()), pool.size_bytes() / 2, 7,
+                   stream.get());
+  } else {
+    const BlockFormat& f = q->format();
+    FillRandomBytes(pool.data(), pool.size_bytes(), 7, stream.get());
+    FixCompressedCache(pool.data(), pool_blocks, f.block_bytes, f.meta_offset, kHk, f.num_meta,
+                       kBlock, f.key_data_bytes, f.data_per_slot, f.fp8_keys, stream.get());
+  }
+  std::vector<Row> rows;
+  std::mt19937 rng(3);
+  for (const Shape& s : shapes) {
+    const int batch = static_cast<int>(s.lens.size());
+    int max_len = 0, max_q = 0, tokens = 0;
+    int64_t set_blocks = 0;
+    double flops = 0, bytes = 0;
+    std::vector<int32_t> loc = {0};
+    for (int b = 0; b < batch; ++b) {
+      max_len = std::max(max_len, s.lens[b]);
+      max_q = std::max(max_q, s.q_lens[b]);
+      tokens += s.q_lens[b];
+      loc.push_back(tokens);
+      set_blocks += (s.lens[b] + kBlock - 1) / kBlock;
+      for (int i = 0; i < s.q_lens[b]; ++i) {
+        flops += 4.0 * kD * kHq * (s.lens[b] - s.q_lens[b] + i + 1);
+      }
+      bytes += double(s.lens[b]) * kHk * slot_bytes;
+    }
+    const int width = (max_len + kBlock - 1) / kBlock;
+    const int sets = static_cast<int>(std::clamp<int64_t>(
+        ((int64_t{256} << 20) + set_blocks * block_bytes - 1) / (set_blocks * block_bytes), 1,
+        pool_blocks / set_blocks));
+    std::vector<int32_t> ids(pool_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::vector<int32_t> tables(static_cast<size_t>(sets) * batch * width, 0);
+    int next = 0;
+    for (int set = 0; set < sets; ++set) {
+      for (int b = 0; b < batch; ++b) {
+        for (int i = 0; i < (s.lens[b] + kBlock - 1) / kBlock; ++i) {
+          tables[(static_cast<size_t>(set) * batch + b) * width + i] = ids[next++];
+        }
+      }
+    }
+    DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(tables.size())), d_lens(batch),
+        d_loc(batch + 1);
+    d_tables.CopyFromHost(tables);
+    d_lens.CopyFromHost(s.lens);
+    d_loc.CopyFromHost(loc);
+    DeviceBuffer<uint16_t> query(int64_t{tokens} * kHq * kD), out(int64_t{tokens} * kHq * kD);
+    FillRandomBf16(query.data(), query.size(), 11, stream.get());
+    DeviceBuffer<float> lse(int64_t{tokens} * kHq);
+    AttentionOptions options;
+    options.decode_kernels = s.decode_kernels;
+    const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
+    DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
+    AttentionArgs a;
+    a.query = query.data();
+    a.query_dtype = DType::kBF16;
+    a.num_seqs = batch;
+    a.num_tokens = tokens;
+    a.num_q_heads = kHq;
+    a.query_start_loc = d_loc.data();
+    a.seq_lens = d_lens.data();
+    a.max_blocks_per_seq = width;
+    a.cache = pool.data();
+    a.num_blocks = pool_blocks;
+    a.output = out.data();
+    a.output_dtype = DType::kBF16;
+    a.lse = lse.data();
+    a.workspace = ws.data();
+    a.workspace_bytes = ws.size_bytes();
+    auto run = [&](int i) {
+      a.block_tables = d_tables.data() + static_cast<int64_t>(i % sets) * batch * width;
+      attn->Run(plan, a, stream.get());
+    };
+    for (int i = 0; i < 2; ++i) run(i);
+    Row r;
+    r.kind = kind;
+    r.shape = s.name;
+    r.us = GraphUs(run, std::max(4, std::min(16, sets)), stream.get());
+    r.flops = flops;
+    r.bytes = bytes;
+    r.workspace = static_cast<double>(plan.workspace_bytes);
+    r.splits = plan.decode ? plan.decode_plan.max_splits : plan.max_splits;
+    rows.push_back(r);
+    fmt::print(
+        "  {:<20} {:<24} {:9.1f} us  {:7.1f} TFLOP/s ({:4.1f}% of {:.0f})  {:8.1f} MB  "
+        "{:6.0f} GB/s ({:4.1f}% of read ceiling)  workspace {:.1f} MB  {}{} splits\n",
+        kind, s.name, r.us, flops / (r.us * 1e-6) / 1e12,
+        100 * flops / (r.us * 1e-6) / 1e12 / kPeakTflops, kPeakTflops, bytes / 1e6,
+        bytes / (r.us * 1e-6) / 1e9, 100 * bytes / (r.us * 1e-6) / 1e9 / read_gbs,
+        r.workspace / 1e6, plan.decode ? "decode kernels, " : "", r.splits);
+    std::fflush(stdout);
+  }
+  return rows;
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  std::string json_out, only_kind;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") {
+      quick = true;
+    } else if (arg == "--json" && i + 1 < argc) {
+      json_out = argv[++i];
+    } else if (arg == "--kind" && i + 1 < argc) {
+      only_kind = argv[++i];
+    } else {
+      fmt::print(stderr, "usage: attention_bench [--quick] [--json OUT] [--kind NAME]\n");
+      return 2;
+    }
+  }
+  std::vector<Shape> shapes = {
+      Uniform("verify 64x4k q1", 64, 4096, 1),
+      Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
+      Uniform("verify 64x4k q4", 64, 4096, 4),
+      Uniform("verify 64x4k q8", 64, 4096, 8),
+  };
+  for (int chunk : {2048, 8192}) {
+    for (int prefix : {0, 8192, 32768}) {
+      if (quick && chunk == 8192 && prefix == 8192) continue;
+      shapes.push_back(Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1,
+                               prefix + chunk, chunk));
+    }
+  }
+  Shape mixed{"mixed 2048 + 63x4k", {2048}, {2048}};
+  for (int i = 0; i < 63; ++i) {
+    mixed.lens.push_back(4096);
+    mixed.q_lens.push_back(1);
+  }
+  shapes.push_back(mixed);
+  shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
+  Stream stream;
+  const double read_gbs = ReadCeilingGbs(stream);
+  fmt::print("read ceiling {:.0f} GB/s\n", read_gbs);
+  std::vector<std::string> kinds = {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4",
+                                    "bf16"};
+  if (!only_kind.empty()) kinds = {only_kind};
+  nlohmann::json all = nlohmann::json::array();
+  for (const std::string& kind : kinds) {
+    for (const Row& r : RunKind(kind, shapes, read_gbs, stream)) {
+      all.push_back({{"kind", r.kind}, {"shape", r.shape}, {"us", r.us}, {"flops", r.flops},
+                     {"bytes", r.bytes}, {"workspace", r.workspace}, {"splits", r.splits},
+                     {"read_gbs", read_gbs}});
+    }
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << all.dump(1) << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace tqkv::bench
+
+int main(int argc, char** argv) {
+  try {
+    return tqkv::bench::Main(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "attention_bench: {}\n", e.what());
+    return 1;
+  }
+}
+#else
+#include <cstdio>
+int main() {
+  std::puts("attention_bench: this build has no CUDA support");
+  return 0;
+}
+#endif
