@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "attention/decode_cpu.h"
+#include "attention/decode_cpu.h"  // ReferenceAttention
 #include "kvcache/cache_format.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/manager.h"
@@ -169,35 +169,6 @@ class ActivationModel {
   std::vector<std::vector<float>> scale_, mean_, head_scale_;
 };
 
-// Runs fn(i) for every i in [0, n) on up to 16 threads (inline with one core). Each index runs
-// once and writes only its own results, so nothing depends on the number of threads.
-template <typename Fn>
-void ParallelFor(int n, Fn&& fn) {
-  const int threads =
-      std::min({n, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())), 16});
-  if (threads <= 1) {
-    for (int i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<int> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto work = [&] {
-    for (int i; (i = next.fetch_add(1)) < n;) {
-      try {
-        fn(i);
-      } catch (...) {
-        const std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
-}
 
 // One sequence of the manager: a request's branch (branch 0, or a fork).
 struct Branch {
@@ -213,6 +184,8 @@ struct Branch {
 };
 
 constexpr int kVocab = 32000;
+// The probability that a draft token is the one the target model samples (--spec-tokens).
+constexpr double kDraftAccuracy = 0.7;
 
 void Append(Branch& b, int32_t token) {
   b.hashes.push_back(Mix((b.hashes.empty() ? 0x1234567ull : b.hashes.back()) * 31 + token));
@@ -238,6 +211,7 @@ void Validate(const SimConfig& c) {
     bad("--shared-prefix", c.shared_prefix, fmt::format("0 to --prompt-len = {}", c.prompt_len));
   }
   if (c.decode_len < 1) bad("--decode-len", c.decode_len, ">= 1");
+  if (c.spec_tokens < 0 || c.spec_tokens > 64) bad("--spec-tokens", c.spec_tokens, "0 to 64");
   if (c.prefill_chunk < 1) bad("--prefill-chunk", c.prefill_chunk, ">= 1");
   if (c.max_running < 1) bad("--max-running", c.max_running, ">= 1");
   if (!(c.fork_fraction >= 0 && c.fork_fraction <= 1)) {
@@ -322,13 +296,20 @@ SimReport RunSim(const SimConfig& c) {
   StepBatch batch;
   std::vector<StepRequest> requests;
   std::vector<int> request_branch;                    // running index of each request
-  std::vector<int32_t> decode_rows;                   // batch rows whose query is decoded this step
+  std::vector<int32_t> drafts, accepted;              // per request: drafts verified, accepted
+  std::vector<int32_t> sampling_rows;                 // requests that sample this step
+  std::vector<std::vector<uint64_t>> step_hashes;     // per request: prefix hash of each new token
+  struct Row {
+    int i;          // request
+    int32_t token;  // row of the step's tokens
+  };
+  std::vector<Row> final_rows, checked_rows;
   std::vector<std::function<void()>> tasks;           // the step's generation work
   std::vector<double> checksums, head_cos, head_rel;  // the step's checks, per row
   double manager_s = 0, generate_s = 0, check_s = 0, step_stream_s = 0;
-  CallTimes store_t, decode_t;  // every layer call of the run
+  CallTimes store_t, attention_t;  // every layer call of the run
   // Per step with calls: the step's mean per call (host, stream, kernels), for the medians.
-  std::vector<double> store_samples[3], decode_samples[3];
+  std::vector<double> store_samples[3], attention_samples[3];
   double cos_sum = 0, rel_sum = 0;
   const int d = c.head_dim, hk = c.kv_heads, hq = c.q_heads;
   const size_t kv_row = size_t(hk) * d, q_row = size_t(hq) * d;
@@ -368,11 +349,13 @@ SimReport RunSim(const SimConfig& c) {
       running.push_back(std::move(b));
     }
 
-    // Build the step: decode tokens first, then prompt chunks within the token budget.
+    // Build the step: decode tokens first (each with up to --spec-tokens drafts to verify), then
+    // prompt chunks within the token budget.
     ScheduleResult result;
     for (;;) {
       requests.clear();
       request_branch.clear();
+      drafts.clear();
       int budget = c.prefill_chunk;
       for (int i = 0; i < static_cast<int>(running.size()); ++i) {
         Branch& b = running[i];
@@ -381,9 +364,12 @@ SimReport RunSim(const SimConfig& c) {
         if (done == 0) done = manager.Lookup(b.seq).num_tokens;  // fresh: its cached prefix
         const int64_t remaining = static_cast<int64_t>(b.tokens.size()) - done;
         const bool prompt_phase = b.generated == 0;
-        int n = 0;
+        int n = 0, k = 0;
         if (!prompt_phase) {
           n = static_cast<int>(remaining);  // the sampled token: 1
+          // Drafts never run past the branch's last token.
+          if (remaining == 1) k = std::min(c.spec_tokens, c.decode_len - b.generated - 1);
+          n += k;
         } else if (budget > 0) {
           n = static_cast<int>(std::min<int64_t>(remaining, budget));
           budget -= n;
@@ -391,6 +377,7 @@ SimReport RunSim(const SimConfig& c) {
         if (n > 0) {
           requests.push_back({b.seq, n, 0});
           request_branch.push_back(i);
+          drafts.push_back(k);
         }
       }
       timed(manager_s, [&] { result = manager.Schedule(requests, batch); });
@@ -416,17 +403,38 @@ SimReport RunSim(const SimConfig& c) {
     rep.cow_copies += static_cast<int64_t>(batch.copies().size());
 
     const int num_req = static_cast<int>(requests.size());
-    decode_rows.clear();  // requests whose last token is the newest known token
+    const int32_t num_tokens = batch.num_tokens();
+    // Per request: the prefix hash of every position it writes (drafts chain from the last known
+    // token), how many drafts the target model accepts (a seeded draft is right with probability
+    // kDraftAccuracy; the first wrong one and everything after it are rejected), and whether it
+    // samples this step (its last non-draft token is the newest known token).
+    sampling_rows.clear();
+    step_hashes.resize(num_req);
+    accepted.assign(num_req, 0);
     for (int i = 0; i < num_req; ++i) {
       const Branch& b = running[request_branch[i]];
-      if (batch.seq_lens()[i] == static_cast<int32_t>(b.tokens.size())) decode_rows.push_back(i);
+      const int32_t end = batch.seq_lens()[i];
+      const int32_t begin = end - requests[i].num_new_tokens;
+      std::vector<uint64_t>& h = step_hashes[i];
+      h.clear();
+      for (int32_t p = begin; p < end - drafts[i]; ++p) h.push_back(b.hashes[p]);
+      bool right = true;
+      for (int j = 1; j <= drafts[i]; ++j) {
+        const size_t pos = b.tokens.size() - 1 + j;
+        const int32_t truth = SampledToken(c.seed, b.request, b.branch, pos);
+        right = right && Mix(c.seed * 0x2545F4914F6CDD1Dull ^ Mix(b.request * 1000 + b.branch) ^
+                             (pos << 24)) % 1000 < kDraftAccuracy * 1000;
+        if (right) ++accepted[i];
+        const int32_t draft = right ? truth : (truth + 1) % kVocab;
+        h.push_back(Mix(h.back() * 31 + draft));
+      }
+      if (end - drafts[i] == static_cast<int32_t>(b.tokens.size())) sampling_rows.push_back(i);
     }
-    // The step's inputs, generated once for every layer: K/V of every new token in request order
-    // (the slot mapping's order), the newest token's query of each decode row; and the raw
-    // layer-0 K/V that the accuracy reference needs (a cached prefix is regenerated). Every
-    // value is a function of its own position and key, so the work splits over threads freely.
+    // The step's inputs, generated once for every layer: K/V and the query of every new token in
+    // request order (the slot mapping's order); and the raw layer-0 K/V that the accuracy
+    // reference needs (a cached prefix is regenerated). Every value is a function of its own
+    // position and key, so the work splits over threads freely.
     const StepInputs in = backend->PrepareStep(batch);
-    const int32_t num_tokens = batch.num_tokens();
     timed(generate_s, [&] {
       tasks.clear();
       for (int i = 0; i < num_req; ++i) {
@@ -434,12 +442,15 @@ SimReport RunSim(const SimConfig& c) {
         const int32_t end = batch.seq_lens()[i];
         const int32_t begin = end - requests[i].num_new_tokens;
         const size_t t0 = static_cast<size_t>(batch.query_start_loc()[i]);
+        const uint64_t query_key = Mix(b.request * 131 + b.branch);
         for (int layer = 0; layer < c.layers; ++layer) {
-          const size_t at = (size_t(layer) * num_tokens + t0) * kv_row;
+          const size_t at = size_t(layer) * num_tokens + t0;
           for (int32_t p = begin; p < end; ++p) {
-            const size_t t = at + static_cast<size_t>(p - begin) * kv_row;
-            tasks.push_back([&, layer, p, t] {
-              model.KeyValue(layer, p, b.hashes[p], in.key + t, in.value + t);
+            const size_t t = at + static_cast<size_t>(p - begin);
+            tasks.push_back([&, i, layer, p, t, begin, query_key] {
+              model.KeyValue(layer, p, step_hashes[i][p - begin], in.key + t * kv_row,
+                             in.value + t * kv_row);
+              model.Query(layer, p, query_key, in.query + t * q_row);
             });
           }
         }
@@ -455,19 +466,12 @@ SimReport RunSim(const SimConfig& c) {
           }
         }
       }
-      for (int layer = 0; layer < c.layers; ++layer) {
-        for (const int i : decode_rows) {
-          const Branch& b = running[request_branch[i]];
-          tasks.push_back([&, layer, i] {
-            model.Query(layer, static_cast<int64_t>(b.tokens.size()) - 1,
-                        Mix(b.request * 131 + b.branch),
-                        in.query + (size_t(layer) * num_req + i) * q_row);
-          });
-        }
-      }
       ParallelFor(static_cast<int>(tasks.size()), [&](int t) { tasks[t](); });
       for (int i = 0; i < num_req; ++i) {  // this step's layer-0 K/V, for the reference
         Branch& b = running[request_branch[i]];
+        const int32_t begin = batch.seq_lens()[i] - requests[i].num_new_tokens;
+        b.raw_k.resize(size_t(begin) * kv_row);  // drop rejected drafts of earlier steps
+        b.raw_v.resize(b.raw_k.size());
         const float* k = in.key + size_t(batch.query_start_loc()[i]) * kv_row;
         const float* v = in.value + size_t(batch.query_start_loc()[i]) * kv_row;
         const size_t n = size_t(requests[i].num_new_tokens) * kv_row;
@@ -476,41 +480,60 @@ SimReport RunSim(const SimConfig& c) {
       }
     });
 
-    // The step: copies and uploads, then every layer's store and decode, then the outputs.
-    backend->BeginStep(batch, decode_rows);
+    // The step: copies and uploads, then every layer's store and attention, then the outputs.
+    backend->BeginStep(batch);
     for (int layer = 0; layer < c.layers; ++layer) {
       backend->Store(layer);
-      if (!decode_rows.empty()) backend->Decode(layer);
+      backend->Attend(layer);
     }
     const StepResult& outputs = backend->FinishStep();
     add(store_t, store_samples, outputs.store);
-    add(decode_t, decode_samples, outputs.decode);
+    add(attention_t, attention_samples, outputs.attention);
     step_stream_s += outputs.step_stream_s;
 
-    // Checksums of every layer's decode outputs; layer 0 against fp64 attention over raw K/V.
-    // Computed per row on threads, then accounted in row order (the same sums every run).
+    // The rows whose outputs stand: every row but rejected drafts'. Checksums of every layer's
+    // outputs of those rows; layer 0 of the sampling rows (the last known token and the accepted
+    // drafts) against fp64 attention over the raw K/V. Computed per row on threads, then
+    // accounted in row order (the same sums every run).
     timed(check_s, [&] {
-      const size_t rows = decode_rows.size();
+      final_rows.clear();
+      checked_rows.clear();
+      for (int i = 0; i < num_req; ++i) {
+        const int32_t t0 = batch.query_start_loc()[i];
+        const int32_t kept = requests[i].num_new_tokens - drafts[i] + accepted[i];
+        for (int32_t r = 0; r < kept; ++r) final_rows.push_back({i, t0 + r});
+      }
+      for (const int i : sampling_rows) {
+        const int32_t t0 = batch.query_start_loc()[i];
+        const int32_t kept = requests[i].num_new_tokens - drafts[i] + accepted[i];
+        for (int32_t r = requests[i].num_new_tokens - drafts[i] - 1; r < kept; ++r) {
+          checked_rows.push_back({i, t0 + r});
+        }
+      }
+      const size_t rows = final_rows.size(), checks = checked_rows.size();
       checksums.assign(size_t(c.layers) * rows, 0.0);
-      head_cos.assign(rows * hq, 0.0);
-      head_rel.assign(rows * hq, 0.0);
-      ParallelFor(static_cast<int>((c.layers + 1) * rows), [&](int task) {
-        const size_t r = size_t(task) % rows;
-        const int layer = task / static_cast<int>(rows);
-        const int i = decode_rows[r];
-        const float* out0 = outputs.output + size_t(i) * q_row;  // layer 0
-        if (layer < c.layers) {
-          const float* out = outputs.output + (size_t(layer) * num_req + i) * q_row;
+      head_cos.assign(checks * hq, 0.0);
+      head_rel.assign(checks * hq, 0.0);
+      ParallelFor(static_cast<int>(c.layers * rows + checks), [&](int task) {
+        if (static_cast<size_t>(task) < c.layers * rows) {
+          const size_t r = size_t(task) % rows;
+          const int layer = task / static_cast<int>(rows);
+          const float* out =
+              outputs.output + (size_t(layer) * num_tokens + final_rows[r].token) * q_row;
           double checksum = 0;
           for (int e = 0; e < hq * d; ++e) checksum += out[e] * double((e % 97) + 1);
           checksums[size_t(layer) * rows + r] = checksum;
           return;
         }
+        const size_t r = size_t(task) - c.layers * rows;
+        const auto [i, t] = checked_rows[r];
         const Branch& b = running[request_branch[i]];
+        const int32_t pos = batch.seq_lens()[i] - requests[i].num_new_tokens +
+                            (t - batch.query_start_loc()[i]);
+        const float* out0 = outputs.output + size_t(t) * q_row;  // layer 0
         std::vector<double> ref(q_row), ref_lse(hq);
-        ReferenceAttention(in.query + size_t(i) * q_row, b.raw_k.data(), b.raw_v.data(),
-                           batch.seq_lens()[i], hq, hk, d, 1.0 / std::sqrt(double(d)), ref.data(),
-                           ref_lse.data());
+        ReferenceAttention(in.query + size_t(t) * q_row, b.raw_k.data(), b.raw_v.data(), pos + 1,
+                           hq, hk, d, 1.0 / std::sqrt(double(d)), ref.data(), ref_lse.data());
         for (int h = 0; h < hq; ++h) {
           double dot = 0, na = 0, nb = 0, err = 0;
           for (int e = 0; e < d; ++e) {
@@ -526,32 +549,37 @@ SimReport RunSim(const SimConfig& c) {
       });
       for (int layer = 0; layer < c.layers; ++layer) {
         for (size_t r = 0; r < rows; ++r) {
-          const Branch& b = running[request_branch[decode_rows[r]]];
-          rep.output_checksums[{b.request, b.branch, static_cast<int>(b.tokens.size()) - 1,
-                                layer}] = checksums[size_t(layer) * rows + r];
-          if (layer != 0) continue;
-          for (int h = 0; h < hq; ++h) {
-            const double cs = head_cos[r * hq + h], rel = head_rel[r * hq + h];
-            cos_sum += cs;
-            rel_sum += rel;
-            rep.cosine_worst = std::min(rep.cosine_worst, cs);
-            rep.rel_error_worst = std::max(rep.rel_error_worst, rel);
-            ++rep.accuracy_samples;
-          }
+          const auto [i, t] = final_rows[r];
+          const Branch& b = running[request_branch[i]];
+          const int32_t pos = batch.seq_lens()[i] - requests[i].num_new_tokens +
+                              (t - batch.query_start_loc()[i]);
+          rep.output_checksums[{b.request, b.branch, pos, layer}] =
+              checksums[size_t(layer) * rows + r];
+        }
+      }
+      for (size_t r = 0; r < checks; ++r) {
+        for (int h = 0; h < hq; ++h) {
+          const double cs = head_cos[r * hq + h], rel = head_rel[r * hq + h];
+          cos_sum += cs;
+          rel_sum += rel;
+          rep.cosine_worst = std::min(rep.cosine_worst, cs);
+          rep.rel_error_worst = std::max(rep.rel_error_worst, rel);
+          ++rep.accuracy_samples;
         }
       }
     });
 
-    // Account the step, sample tokens, fork, finish.
+    // Account the step, sample tokens (accepted drafts and one more), rewind rejected drafts,
+    // fork, finish.
     for (int i = 0; i < num_req; ++i) {
       if (running[request_branch[i]].generated == 0) {
         rep.prefill_tokens += requests[i].num_new_tokens;
-      } else {
-        ++rep.decode_tokens;
       }
+      rep.draft_tokens += drafts[i];
+      rep.accepted_drafts += accepted[i];
     }
     std::vector<Branch> forked;
-    for (int i : decode_rows) {
+    for (int i : sampling_rows) {
       Branch& b = running[request_branch[i]];
       if (b.generated == 0 && b.fork_after_prompt && b.branch == 0) {
         Branch child;
@@ -569,12 +597,21 @@ SimReport RunSim(const SimConfig& c) {
       }
     }
     for (Branch& child : forked) running.push_back(std::move(child));
-    for (int i : decode_rows) {
+    for (int i : sampling_rows) {
       Branch& b = running[request_branch[i]];
-      const int32_t t = SampledToken(c.seed, b.request, b.branch, b.tokens.size());
-      timed(manager_s, [&] { manager.Commit(b.seq, std::span<const int32_t>(&t, 1)); });
-      Append(b, t);
-      ++b.generated;
+      // Rejected drafts first, so that their positions are no longer scheduled when the
+      // accepted tokens make blocks trusted.
+      if (drafts[i] > accepted[i]) {
+        timed(manager_s, [&] { manager.Rewind(b.seq, drafts[i] - accepted[i]); });
+      }
+      std::vector<int32_t> produced;
+      for (int j = 0; j <= accepted[i]; ++j) {
+        produced.push_back(SampledToken(c.seed, b.request, b.branch, b.tokens.size() + j));
+      }
+      timed(manager_s, [&] { manager.Commit(b.seq, produced); });
+      if (b.generated > 0) rep.decode_tokens += static_cast<int64_t>(produced.size());
+      for (const int32_t t : produced) Append(b, t);
+      b.generated += static_cast<int>(produced.size());
     }
     // Forked children sample their own first token.
     for (size_t j = running.size() - forked.size(); j < running.size(); ++j) {
@@ -611,7 +648,7 @@ SimReport RunSim(const SimConfig& c) {
   rep.decode_tokens_per_s = rep.decode_tokens / rep.wall_s;
   rep.manager_us_per_step = 1e6 * manager_s / rep.steps;
   rep.store_us_per_step = 1e6 * store_t.stream_s / rep.steps;
-  rep.decode_us_per_step = 1e6 * decode_t.stream_s / rep.steps;
+  rep.attention_us_per_step = 1e6 * attention_t.stream_s / rep.steps;
   // Medians over steps: a kernel's first launch in a process also loads its module (CUDA's lazy
   // loading, milliseconds), which the per-step totals above include and a steady state does not.
   auto median_us = [](std::vector<double> v) {
@@ -623,10 +660,10 @@ SimReport RunSim(const SimConfig& c) {
   rep.store_host_us_per_layer = median_us(store_samples[0]);
   rep.store_stream_us_per_layer = median_us(store_samples[1]);
   rep.store_kernels_us_per_layer = median_us(store_samples[2]);
-  rep.decode_calls = decode_t.calls;
-  rep.decode_host_us_per_layer = median_us(decode_samples[0]);
-  rep.decode_stream_us_per_layer = median_us(decode_samples[1]);
-  rep.decode_kernels_us_per_layer = median_us(decode_samples[2]);
+  rep.attention_calls = attention_t.calls;
+  rep.attention_host_us_per_layer = median_us(attention_samples[0]);
+  rep.attention_stream_us_per_layer = median_us(attention_samples[1]);
+  rep.attention_kernels_us_per_layer = median_us(attention_samples[2]);
   rep.step_stream_us = 1e6 * step_stream_s / rep.steps;
   rep.generate_us_per_step = 1e6 * generate_s / rep.steps;
   rep.check_us_per_step = 1e6 * check_s / rep.steps;
@@ -649,6 +686,11 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
       fmt::format("{} + {} (cached prefix tokens skipped: {})", r.prefill_tokens,
                   r.decode_tokens, r.cached_tokens));
   row("decode tokens/s (wall)", fmt::format("{:.0f}", r.decode_tokens_per_s));
+  if (c.spec_tokens > 0) {
+    row("draft tokens verified / accepted",
+        fmt::format("{} / {} ({:.1f} %)", r.draft_tokens, r.accepted_drafts,
+                    r.draft_tokens > 0 ? 100.0 * r.accepted_drafts / r.draft_tokens : 0.0));
+  }
   row("KV bytes per token (all layers)",
       fmt::format("{} vs bf16 {} ({:.2f}x smaller)", r.kv_bytes_per_token, r.bf16_bytes_per_token,
                   double(r.bf16_bytes_per_token) / r.kv_bytes_per_token));
@@ -659,7 +701,7 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
       fmt::format("{} / {} / {}", r.preemptions, r.forks, r.cow_copies));
   row("manager time per step", fmt::format("{:.1f} us", r.manager_us_per_step));
   row("store time per step (all layers)", fmt::format("{:.1f} us", r.store_us_per_step));
-  row("decode time per step (all layers)", fmt::format("{:.1f} us", r.decode_us_per_step));
+  row("attention time per step (all layers)", fmt::format("{:.1f} us", r.attention_us_per_step));
   if (c.device == "cuda") {
     // What one layer's call costs the host, takes on the stream, and what its kernels alone take.
     auto times = [&](double host, double stream, double kernels) {
@@ -669,13 +711,13 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
     row("store per layer (median): host / stream / kernels",
         times(r.store_host_us_per_layer, r.store_stream_us_per_layer,
               r.store_kernels_us_per_layer));
-    row("decode per layer (median): host / stream / kernels",
-        times(r.decode_host_us_per_layer, r.decode_stream_us_per_layer,
-              r.decode_kernels_us_per_layer));
+    row("attention per layer (median): host / stream / kernels",
+        times(r.attention_host_us_per_layer, r.attention_stream_us_per_layer,
+              r.attention_kernels_us_per_layer));
     row("step on the stream (uploads to outputs)", fmt::format("{:.1f} us", r.step_stream_us));
   } else {
     row("store per layer call (CPU)", fmt::format("{:.1f} us", r.store_host_us_per_layer));
-    row("decode per layer call (CPU)", fmt::format("{:.1f} us", r.decode_host_us_per_layer));
+    row("attention per layer call (CPU)", fmt::format("{:.1f} us", r.attention_host_us_per_layer));
   }
   row("sim's own work per step (host)",
       fmt::format("K/V/Q generation {:.1f} us, accuracy checks {:.1f} us", r.generate_us_per_step,
@@ -695,11 +737,13 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
        {{"preset", c.preset}, {"device", c.device}, {"layers", c.layers}, {"q_heads", c.q_heads},
         {"kv_heads", c.kv_heads}, {"head_dim", c.head_dim}, {"block_size", c.block_size},
         {"requests", c.requests}, {"prompt_len", c.prompt_len},
-        {"shared_prefix", c.shared_prefix}, {"decode_len", c.decode_len}, {"seed", c.seed},
+        {"shared_prefix", c.shared_prefix}, {"decode_len", c.decode_len}, {"spec_tokens", c.spec_tokens}, {"seed", c.seed},
         {"prefix_caching", c.enable_prefix_caching}, {"kernel_timing", c.kernel_timing}}},
       {"steps", r.steps},
       {"prefill_tokens", r.prefill_tokens},
       {"decode_tokens", r.decode_tokens},
+      {"draft_tokens", r.draft_tokens},
+      {"accepted_drafts", r.accepted_drafts},
       {"cached_tokens", r.cached_tokens},
       {"decode_tokens_per_s", r.decode_tokens_per_s},
       {"kv_bytes_per_token", r.kv_bytes_per_token},
@@ -713,15 +757,15 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
       {"cow_copies", r.cow_copies},
       {"manager_us_per_step", r.manager_us_per_step},
       {"store_us_per_step", r.store_us_per_step},
-      {"decode_us_per_step", r.decode_us_per_step},
+      {"attention_us_per_step", r.attention_us_per_step},
       {"store_calls", r.store_calls},
       {"store_host_us_per_layer", r.store_host_us_per_layer},
       {"store_stream_us_per_layer", r.store_stream_us_per_layer},
       {"store_kernels_us_per_layer", r.store_kernels_us_per_layer},
-      {"decode_calls", r.decode_calls},
-      {"decode_host_us_per_layer", r.decode_host_us_per_layer},
-      {"decode_stream_us_per_layer", r.decode_stream_us_per_layer},
-      {"decode_kernels_us_per_layer", r.decode_kernels_us_per_layer},
+      {"attention_calls", r.attention_calls},
+      {"attention_host_us_per_layer", r.attention_host_us_per_layer},
+      {"attention_stream_us_per_layer", r.attention_stream_us_per_layer},
+      {"attention_kernels_us_per_layer", r.attention_kernels_us_per_layer},
       {"step_stream_us", r.step_stream_us},
       {"generate_us_per_step", r.generate_us_per_step},
       {"check_us_per_step", r.check_us_per_step},

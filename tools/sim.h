@@ -1,7 +1,9 @@
 // An engine-shaped serving simulation over the real API (`tqkv sim`): requests arrive, share a
-// system prompt, are prefilled in chunks and decoded token by token, some fork (n > 1 sampling),
+// system prompt, are prefilled in chunks and decoded token by token (or, with spec_tokens, verify
+// that many draft tokens per step, reject a random suffix and Rewind), some fork (n > 1 sampling),
 // and a Schedule shortfall preempts the lowest-priority sequence, like an engine. Every step calls
-// the real KVCacheManager and, for every layer, the real store and decode on the chosen device.
+// the real KVCacheManager and, for every layer, the real store and attention for every scheduled
+// token (prefill chunks, decode and verify rows; attention/attention.h) on the chosen device.
 //
 // K/V are a deterministic function of (layer, position, the token ids up to it), so a shared
 // prefix has the same K/V in every request (prefix caching is exact) and a preempted sequence
@@ -30,6 +32,10 @@ struct SimConfig {
   int prompt_len = 150;         // including the shared prefix
   int shared_prefix = 96;       // system prompt shared by every request
   int decode_len = 32;          // generated tokens per branch
+  // Speculative decoding: draft tokens verified per decoding sequence and step (0: none). A draft
+  // is right with a fixed seeded probability; the first wrong one and all after it are rejected
+  // and rewound, so the generated tokens are the same as without drafts.
+  int spec_tokens = 0;
   int prefill_chunk = 256;      // prompt tokens per step, all sequences together
   int max_running = 16;         // sequences in flight
   double fork_fraction = 0.25;  // requests that fork one extra branch after their prompt
@@ -38,7 +44,7 @@ struct SimConfig {
   bool enable_prefix_caching = true;
   bool check_invariants = false;  // CheckInvariants() after every step
   bool progress = true;           // a progress line on stderr while running
-  // cuda: after each step, replay its stores and its decodes from CUDA graphs to time the
+  // cuda: after each step, replay its stores and its attention calls from CUDA graphs to time the
   // kernels alone (SimReport::*_kernels_us_per_layer).
   bool kernel_timing = true;
 };
@@ -49,6 +55,8 @@ struct SimReport {
   int64_t prefill_tokens = 0;  // prompt tokens computed (stored), cached prefixes excluded
   int64_t cached_tokens = 0;   // prompt tokens served from the prefix cache
   int64_t decode_tokens = 0;   // generated tokens
+  int64_t draft_tokens = 0;    // drafts verified (spec_tokens)
+  int64_t accepted_drafts = 0;
   int64_t preemptions = 0;
   int64_t forks = 0;
   int64_t cow_copies = 0;
@@ -62,19 +70,19 @@ struct SimReport {
   double wall_s = 0;
   double decode_tokens_per_s = 0;  // generated tokens / wall time
   double manager_us_per_step = 0;  // Schedule + Commit + Fork + Free + AddSequence
-  // All layers' store / decode calls per step: on cpu their time, on cuda their time on the
+  // All layers' store / attention calls per step: on cpu their time, on cuda their time on the
   // stream (CUDA events around each call).
   double store_us_per_step = 0;
-  double decode_us_per_step = 0;
+  double attention_us_per_step = 0;
   // One layer's Store or Decode call, the median over steps of a step's mean per call (a kernel's
   // first launch also loads its module, which only the per-step totals above include): the host
   // time inside the library call, the call's time on the stream (events around it: launch gaps
   // included), and the same calls' kernels alone (captured in a CUDA graph and replayed; 0
   // without kernel_timing). On cpu the call is the work: all three are its CPU time.
-  int64_t store_calls = 0, decode_calls = 0;
+  int64_t store_calls = 0, attention_calls = 0;
   double store_host_us_per_layer = 0, store_stream_us_per_layer = 0, store_kernels_us_per_layer = 0;
-  double decode_host_us_per_layer = 0, decode_stream_us_per_layer = 0,
-         decode_kernels_us_per_layer = 0;
+  double attention_host_us_per_layer = 0, attention_stream_us_per_layer = 0,
+         attention_kernels_us_per_layer = 0;
   // cuda: a step on the stream, from before its copy-on-write copies and uploads to its outputs
   // on the host (the step's one synchronization); 0 on cpu.
   double step_stream_us = 0;
@@ -82,11 +90,14 @@ struct SimReport {
   // layer, and the checksums and fp64 reference attention of the accuracy checks.
   double generate_us_per_step = 0;
   double check_us_per_step = 0;
-  double cosine_mean = 0, cosine_worst = 1;  // decode output vs fp64 attention over raw K/V
+  // The sampling rows' outputs (last known token, accepted drafts) vs fp64 attention over the raw
+  // K/V.
+  double cosine_mean = 0, cosine_worst = 1;
   double rel_error_mean = 0, rel_error_worst = 0;
   int64_t accuracy_samples = 0;  // (query, head) pairs compared (layer 0)
-  // Decode outputs keyed by (request, branch, position, layer): a checksum of the output rows,
-  // for comparing runs (e.g. with and without prefix caching).
+  // Attention outputs keyed by (request, branch, position, layer): a checksum of the output rows
+  // of every computed token (prefill, decode, accepted drafts; not rejected drafts), for
+  // comparing runs (prefix caching on and off, with and without drafts, CPU and CUDA).
   std::map<std::tuple<int, int, int, int>, double> output_checksums;
 };
 

@@ -8,8 +8,8 @@
 #include <cstring>
 #include <vector>
 
-#include "attention/decode_cpu.h"
-#include "attention/decode_cuda.h"
+#include "attention/attention_cpu.h"
+#include "attention/attention_cuda.h"
 #include "kvcache/kv_cache.h"
 #include "quant/numerics.h"
 #include "quant/store_cuda.h"
@@ -32,16 +32,13 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-// The CPU reference: Quantizer::StoreCpu / DecodeCpu for TurboQuant; for bf16 / fp16, the values
-// are rounded to the format's type into the Bf16BlockFormat layout and attention is computed over
-// them in fp64. Each decoded row is one DecodeCpu call over that row of the batch's tables (the
-// same arithmetic as one call over all of them).
+// The CPU reference: Quantizer::StoreCpu and AttentionCpu for TurboQuant; for bf16 / fp16, the
+// values are rounded to the format's type into the Bf16BlockFormat layout, and AttentionCpu reads
+// them back. Each request of the batch is one AttentionCpu call over its row of the tables (the
+// same arithmetic as one call over all of them), on all cores.
 class CpuBackend : public Backend {
   static uint16_t Bits(const Bf16BlockFormat& f, float x) {
     return f.dtype == DType::kF16 ? FloatToHalfBits(x) : FloatToBFloat16Bits(x);
-  }
-  static float Value(const Bf16BlockFormat& f, uint16_t bits) {
-    return f.dtype == DType::kF16 ? HalfBitsToFloat(bits) : BFloat16BitsToFloat(bits);
   }
 
  public:
@@ -59,16 +56,15 @@ class CpuBackend : public Backend {
     const size_t q_row = size_t(hq_) * format_.head_dim;
     k_.resize(size_t(layers_) * t_ * row);
     v_.resize(k_.size());
-    q_in_.assign(size_t(layers_) * b_ * q_row, 0.0f);
+    q_in_.assign(size_t(layers_) * t_ * q_row, 0.0f);
     out_.resize(q_in_.size());
-    lse_.resize(size_t(layers_) * b_ * hq_);
+    lse_.resize(size_t(layers_) * t_ * hq_);
     return {k_.data(), v_.data(), q_in_.data()};
   }
 
-  void BeginStep(const StepBatch& batch, std::span<const int32_t> decode_rows) override {
+  void BeginStep(const StepBatch& batch) override {
     cache_.ApplyCopies(batch.copies());
     view_ = ViewStepBatch(batch, batch.bytes().data());
-    rows_.assign(decode_rows.begin(), decode_rows.end());
     result_ = StepResult{};
     result_.output = out_.data();
     result_.lse = lse_.data();
@@ -80,10 +76,10 @@ class CpuBackend : public Backend {
     Account(result_.store, Seconds(t0));
   }
 
-  void Decode(int layer) override {
+  void Attend(int layer) override {
     const auto t0 = Clock::now();
-    for (const int32_t i : rows_) DecodeRow(layer, i);
-    Account(result_.decode, Seconds(t0));
+    ParallelFor(b_, [&](int i) { AttendRow(layer, i); });
+    Account(result_.attention, Seconds(t0));
   }
 
   const StepResult& FinishStep() override { return result_; }
@@ -129,47 +125,30 @@ class CpuBackend : public Backend {
     }
   }
 
-  void DecodeRow(int layer, int32_t i) {
-    const int d = format_.head_dim, hk = format_.num_kv_heads;
-    const int width = view_.block_table_width;
-    const size_t at = size_t(layer) * b_ + i;
-    const float* q = q_in_.data() + at * hq_ * d;
-    const int32_t* table = view_.block_tables + size_t(i) * width;
-    float* out = out_.data() + at * hq_ * d;
-    float* lse = lse_.data() + at * hq_;
+  // Request i's tokens of one layer: one AttentionCpu call over its row of the batch.
+  void AttendRow(int layer, int32_t i) {
+    const int d = format_.head_dim;
+    const int32_t begin = view_.query_start_loc[i];
+    const int32_t loc[2] = {0, view_.query_start_loc[i + 1] - begin};
+    const size_t at = size_t(layer) * t_ + size_t(begin);
+    AttentionArgs a;
+    a.query = q_in_.data() + at * hq_ * d;
+    a.num_seqs = 1;
+    a.num_tokens = loc[1];
+    a.num_q_heads = hq_;
+    a.query_start_loc = loc;
+    a.seq_lens = view_.seq_lens + i;
+    a.block_tables = view_.block_tables + size_t(i) * view_.block_table_width;
+    a.max_blocks_per_seq = view_.block_table_width;
+    a.cache = cache_.layer_data(layer);
+    a.num_blocks = cache_.num_blocks();
+    a.output = out_.data() + at * hq_ * d;
+    a.lse = lse_.data() + at * hq_;
     if (q_ != nullptr) {
-      DecodeInputs in;
-      in.query = q;
-      in.num_seqs = 1;
-      in.num_q_heads = hq_;
-      in.block_tables = table;
-      in.max_blocks_per_seq = width;
-      in.seq_lens = view_.seq_lens + i;
-      DecodeCpu(*q_, cache_.layer_data(layer), cache_.num_blocks(), in, {out, lse});
-      return;
+      AttentionCpu(*q_, a);
+    } else {
+      AttentionCpu(format_.bf16_format, a);
     }
-    const Bf16BlockFormat& f = format_.bf16_format;
-    const int len = view_.seq_lens[i];
-    bf16_k_.clear();
-    bf16_v_.clear();
-    for (int t = 0; t < len; ++t) {
-      const uint8_t* block =
-          cache_.layer_data(layer) + int64_t{table[t / f.block_size]} * f.block_bytes;
-      for (int h = 0; h < hk; ++h) {
-        for (int e = 0; e < d; ++e) {
-          uint16_t kb, vb;
-          std::memcpy(&kb, block + f.KeyOffset(t % f.block_size, h) + 2 * e, 2);
-          std::memcpy(&vb, block + f.ValueOffset(t % f.block_size, h) + 2 * e, 2);
-          bf16_k_.push_back(Value(f, kb));
-          bf16_v_.push_back(Value(f, vb));
-        }
-      }
-    }
-    std::vector<double> o(size_t(hq_) * d), l(hq_);
-    ReferenceAttention(q, bf16_k_.data(), bf16_v_.data(), len, hq_, hk, d,
-                       1.0 / std::sqrt(double(d)), o.data(), l.data());
-    for (int e = 0; e < hq_ * d; ++e) out[e] = static_cast<float>(o[e]);
-    for (int h = 0; h < hq_; ++h) lse[h] = static_cast<float>(l[h]);
   }
 
   CacheFormat format_;
@@ -177,29 +156,28 @@ class CpuBackend : public Backend {
   int layers_, hq_;
   KVCache cache_;
   int32_t t_ = 0, b_ = 0;
-  std::vector<float> k_, v_, q_in_, out_, lse_, bf16_k_, bf16_v_;
+  std::vector<float> k_, v_, q_in_, out_, lse_;
   StepBatchView view_;
-  std::vector<int32_t> rows_;
   StepResult result_;
 };
 
 #if TQKV_HAVE_CUDA
 int64_t Align256(int64_t n) { return (n + 255) / 256 * 256; }
 
-// The CUDA path: StoreDeviceState (rotation + fused bucketize/pack kernel) and CudaDecoder on one
-// stream, the way an engine runs a step:
+// The CUDA path: StoreDeviceState (rotation + fused bucketize/pack kernel) and CudaAttention on
+// one stream, the way an engine runs a step:
 //  - BeginStep enqueues the copy-on-write copies, UploadStepBatch (slot mapping, block tables,
 //    lengths, query starts: one copy from the batch's pinned buffer) and one copy of the step's
-//    inputs (every layer's K, V and queries, from pinned memory), and plans the decode once.
-//  - Store(l) and Decode(l) only launch, reading device views of those two uploads (no copy, no
-//    synchronization): stream order puts them after the uploads and copies, and Decode(l) after
-//    Store(l) (the decode's split kernel is a programmatic dependent of the store kernel and
-//    waits for it before reading anything, attention/decode_cuda.h).
+//    inputs (every layer's K, V and queries, from pinned memory), and plans the attention once.
+//  - Store(l) and Attend(l) only launch, reading device views of those two uploads (no copy, no
+//    synchronization): stream order puts them after the uploads and copies, and Attend(l) after
+//    Store(l) (a decode-only step's split kernel is a programmatic dependent of the store kernel
+//    and waits for it before reading anything, attention/decode_cuda.h).
 //  - FinishStep enqueues one copy of every layer's outputs to pinned memory and synchronizes
 //    once; only then may the sim reschedule the batch and overwrite the inputs (PrepareStep).
-// Timing: events around each Store / Decode call (what the call takes on the stream, host launch
+// Timing: events around each Store / Attend call (what the call takes on the stream, host launch
 // gaps included), the host time inside each library call, and (kernel_timing) a pass after the
-// step's read-back that captures the step's stores, and its decodes, kReps times over in a CUDA
+// step's read-back that captures the step's stores, and its attention calls, kReps times over in a CUDA
 // graph each and replays it: the kernels alone. Replaying is idempotent (the same bytes to the
 // same slots, the same outputs).
 class CudaBackend : public Backend {
@@ -213,13 +191,13 @@ class CudaBackend : public Backend {
         kernel_timing_(kernel_timing),
         cache_(format, layers, blocks, CacheDevice::kCuda),
         store_(*q),
-        decoder_(*q) {
+        attention_(*q) {
     for (int i = 0; i < 4 * layers; ++i) call_events_.emplace_back();
   }
 
   ~CudaBackend() override {
     if (store_graph_ != nullptr) (void)cudaGraphExecDestroy(store_graph_);
-    if (decode_graph_ != nullptr) (void)cudaGraphExecDestroy(decode_graph_);
+    if (attention_graph_ != nullptr) (void)cudaGraphExecDestroy(attention_graph_);
   }
 
   StepInputs PrepareStep(const StepBatch& batch) override {
@@ -229,28 +207,28 @@ class CudaBackend : public Backend {
     in_.key = 0;
     in_.value = Align256(kv_bytes);
     in_.query = in_.value + Align256(kv_bytes);
-    in_.lens = in_.query + Align256(int64_t{layers_} * b_ * hq_ * d_ * 4);
-    in_.total = in_.lens + Align256(int64_t{b_} * 4);
+    in_.total = in_.query + Align256(int64_t{layers_} * t_ * hq_ * d_ * 4);
     // The previous step's copies completed at its FinishStep: the buffer is free to rewrite.
     if (h_in_.size_bytes() < in_.total) {
       h_in_ = HostAllocation(std::max(in_.total, 2 * h_in_.size_bytes()));
     }
     auto* base = static_cast<uint8_t*>(h_in_.data());
-    std::memset(base + in_.query, 0, static_cast<size_t>(in_.lens - in_.query));
     return {reinterpret_cast<float*>(base + in_.key), reinterpret_cast<float*>(base + in_.value),
             reinterpret_cast<float*>(base + in_.query)};
   }
 
-  void BeginStep(const StepBatch& batch, std::span<const int32_t> decode_rows) override {
+  void BeginStep(const StepBatch& batch) override {
     StreamHandle s = stream_.get();
-    decoding_ = !decode_rows.empty();
-    if (decoding_) plan_ = decoder_.Plan(b_, hq_, batch.block_table_width());
-    out_bytes_ = int64_t{layers_} * b_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
+    int max_q_len = 1;
+    const auto loc = batch.query_start_loc();
+    for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
+    plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len);
+    out_bytes_ = int64_t{layers_} * t_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
     // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
     // step's work is enqueued.
     Fit(d_in_, in_.total);
     Fit(store_ws_, store_.WorkspaceBytes(t_));
-    if (decoding_) Fit(decode_ws_, plan_.workspace_bytes);
+    Fit(attention_ws_, plan_.workspace_bytes);
     Fit(d_out_, out_bytes_);
     if (h_out_.size_bytes() < out_bytes_) {
       h_out_ = HostAllocation(std::max(out_bytes_, 2 * h_out_.size_bytes()));
@@ -259,22 +237,12 @@ class CudaBackend : public Backend {
     step_begin_.Record(s);
     cache_.ApplyCopies(batch.copies(), s);
     view_ = UploadStepBatch(batch, d_batch_, s);
-    // The decode reads the batch's lengths, except on steps where some rows are prefill chunks
-    // with no query to decode: then a copy with 0 for those rows (an empty sequence: no work)
-    // travels with the inputs.
-    decode_lens_ = view_.seq_lens;
-    if (decode_rows.size() != static_cast<size_t>(b_)) {
-      auto* lens = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(h_in_.data()) + in_.lens);
-      std::fill(lens, lens + b_, 0);
-      for (const int32_t i : decode_rows) lens[i] = batch.seq_lens()[static_cast<size_t>(i)];
-      decode_lens_ = reinterpret_cast<const int32_t*>(DeviceBytes(d_in_) + in_.lens);
-    }
-    d_in_.CopyFromHost(h_in_.data(), in_.total, 0, s);  // K, V, Q (and lengths): one copy
+    d_in_.CopyFromHost(h_in_.data(), in_.total, 0, s);  // K, V, Q: one copy
     result_ = StepResult{};
     result_.output = static_cast<const float*>(h_out_.data());
-    result_.lse = result_.output + int64_t{layers_} * b_ * hq_ * d_;
+    result_.lse = result_.output + int64_t{layers_} * t_ * hq_ * d_;
     stored_.clear();
-    decoded_.clear();
+    attended_.clear();
   }
 
   void Store(int layer) override {
@@ -291,22 +259,21 @@ class CudaBackend : public Backend {
     stored_.push_back(layer);
   }
 
-  void Decode(int layer) override {
-    if (!decoding_) return;
-    const CudaDecodeArgs a = DecodeArgs(layer);
+  void Attend(int layer) override {
+    const AttentionArgs a = AttendArgs(layer);
     StreamHandle s = stream_.get();
     call_events_[4 * layer + 2].Record(s);
     const auto t0 = Clock::now();
-    decoder_.Run(plan_, a, s);
-    result_.decode.host_s += Seconds(t0);
+    attention_.Run(plan_, a, s);
+    result_.attention.host_s += Seconds(t0);
     call_events_[4 * layer + 3].Record(s);
-    ++result_.decode.calls;
-    decoded_.push_back(layer);
+    ++result_.attention.calls;
+    attended_.push_back(layer);
   }
 
   const StepResult& FinishStep() override {
     StreamHandle s = stream_.get();
-    if (decoding_) d_out_.CopyToHost(h_out_.data(), out_bytes_, 0, s);  // every layer: one copy
+    if (!attended_.empty()) d_out_.CopyToHost(h_out_.data(), out_bytes_, 0, s);  // one copy
     step_end_.Record(s);
     if (kernel_timing_) TimeKernelsAlone();
     stream_.Synchronize();  // the step's one synchronization
@@ -314,15 +281,15 @@ class CudaBackend : public Backend {
     for (const int l : stored_) {
       result_.store.stream_s += Elapsed(call_events_[4 * l], call_events_[4 * l + 1]);
     }
-    for (const int l : decoded_) {
-      result_.decode.stream_s += Elapsed(call_events_[4 * l + 2], call_events_[4 * l + 3]);
+    for (const int l : attended_) {
+      result_.attention.stream_s += Elapsed(call_events_[4 * l + 2], call_events_[4 * l + 3]);
     }
     if (kernel_timing_) {  // a replay holds kReps times this step's calls
       if (!stored_.empty()) {
         result_.store.kernels_s = Elapsed(graph_events_[0], graph_events_[1]) / kReps;
       }
-      if (!decoded_.empty()) {
-        result_.decode.kernels_s = Elapsed(graph_events_[2], graph_events_[3]) / kReps;
+      if (!attended_.empty()) {
+        result_.attention.kernels_s = Elapsed(graph_events_[2], graph_events_[3]) / kReps;
       }
     }
     return result_;
@@ -332,7 +299,7 @@ class CudaBackend : public Backend {
   static constexpr int kReps = 4;  // the step's calls, this many times over in one graph
 
   struct InputLayout {  // byte offsets into the inputs buffer
-    int64_t key = 0, value = 0, query = 0, lens = 0, total = 0;
+    int64_t key = 0, value = 0, query = 0, total = 0;
   };
 
   static void Fit(DeviceAllocation& a, int64_t bytes) {
@@ -353,21 +320,26 @@ class CudaBackend : public Backend {
     return in;
   }
 
-  CudaDecodeArgs DecodeArgs(int layer) {
-    const int64_t rows = int64_t{layer} * b_ * hq_;
-    CudaDecodeArgs a;
+  AttentionArgs AttendArgs(int layer) {
+    const int64_t rows = int64_t{layer} * t_ * hq_;
+    AttentionArgs a;
     a.query = DeviceBytes(d_in_) + in_.query + rows * d_ * 4;
     a.query_dtype = DType::kF32;
+    a.num_seqs = b_;
+    a.num_tokens = t_;
+    a.num_q_heads = hq_;
+    a.query_start_loc = view_.query_start_loc;
+    a.seq_lens = view_.seq_lens;
+    a.block_tables = view_.block_tables;
+    a.max_blocks_per_seq = view_.block_table_width;
     a.cache = cache_.layer_data(layer);
     a.num_blocks = cache_.num_blocks();
-    a.block_tables = view_.block_tables;
-    a.seq_lens = decode_lens_;
     float* out = reinterpret_cast<float*>(d_out_.data());
     a.output = out + rows * d_;
     a.output_dtype = DType::kF32;
-    a.lse = out + int64_t{layers_} * b_ * hq_ * d_ + rows;
-    a.workspace = decode_ws_.data();
-    a.workspace_bytes = decode_ws_.size_bytes();
+    a.lse = out + int64_t{layers_} * t_ * hq_ * d_ + rows;
+    a.workspace = attention_ws_.data();
+    a.workspace_bytes = attention_ws_.size_bytes();
     return a;
   }
 
@@ -415,11 +387,11 @@ class CudaBackend : public Backend {
           },
           graph_events_[0], graph_events_[1]);
     }
-    if (!decoded_.empty()) {
+    if (!attended_.empty()) {
       TimeInGraph(
-          decode_graph_,
+          attention_graph_,
           [&] {
-            for (const int l : decoded_) decoder_.Run(plan_, DecodeArgs(l), s);
+            for (const int l : attended_) attention_.Run(plan_, AttendArgs(l), s);
           },
           graph_events_[2], graph_events_[3]);
     }
@@ -430,29 +402,27 @@ class CudaBackend : public Backend {
   Stream stream_;
   KVCache cache_;
   StoreDeviceState store_;
-  CudaDecoder decoder_;
+  CudaAttention attention_;
   // Step state.
   int32_t t_ = 0, b_ = 0;
   InputLayout in_;
-  bool decoding_ = false;
-  DecodePlan plan_;
+  AttentionPlan plan_;
   StepBatchView view_;  // device views of the batch's upload
-  const int32_t* decode_lens_ = nullptr;
   int64_t out_bytes_ = 0;
-  std::vector<int> stored_, decoded_;
+  std::vector<int> stored_, attended_;
   StepResult result_;
   // Memory: device buffers grow geometrically and are reused every step.
   DeviceBuffer<uint8_t> d_batch_;  // UploadStepBatch
-  HostAllocation h_in_;            // pinned inputs: K, V, Q, decode lengths
+  HostAllocation h_in_;            // pinned inputs: K, V, Q
   DeviceAllocation d_in_;
-  DeviceAllocation d_out_;  // outputs [layers, B, Hq, D], then LSEs [layers, B, Hq]
+  DeviceAllocation d_out_;  // outputs [layers, T, Hq, D], then LSEs [layers, T, Hq]
   HostAllocation h_out_;
-  DeviceAllocation store_ws_, decode_ws_;
+  DeviceAllocation store_ws_, attention_ws_;
   // Timing.
   Event step_begin_, step_end_;
-  std::vector<Event> call_events_;  // per layer: store begin, end, decode begin, end
-  Event graph_events_[4];           // store graph begin, end, decode graph begin, end
-  cudaGraphExec_t store_graph_ = nullptr, decode_graph_ = nullptr;
+  std::vector<Event> call_events_;  // per layer: store begin, end, attention begin, end
+  Event graph_events_[4];           // store graph begin, end, attention graph begin, end
+  cudaGraphExec_t store_graph_ = nullptr, attention_graph_ = nullptr;
 };
 #endif
 

@@ -36,6 +36,9 @@ void AddSimCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--decode-len", config->decode_len, "generated tokens per branch")
       ->capture_default_str();
+  cmd->add_option("--spec-tokens", config->spec_tokens,
+                  "draft tokens verified per decoding sequence and step (0: none)")
+      ->capture_default_str();
   cmd->add_option("--prefill-chunk", config->prefill_chunk, "prompt tokens per step")
       ->capture_default_str();
   cmd->add_option("--max-running", config->max_running, "sequences in flight")

@@ -45,7 +45,7 @@ void ExpectSameAsCpu(const char* preset) {
   EXPECT_EQ(gpu.cow_copies, cpu.cow_copies);
   EXPECT_GT(cpu.cow_copies, 0);
   EXPECT_EQ(gpu.store_calls, cpu.store_calls);
-  EXPECT_EQ(gpu.decode_calls, cpu.decode_calls);
+  EXPECT_EQ(gpu.attention_calls, cpu.attention_calls);
   ASSERT_EQ(gpu.output_checksums.size(), cpu.output_checksums.size());
   double scale = 0, worst = 0;
   for (const auto& [key, v] : cpu.output_checksums) scale = std::max(scale, std::abs(v));
@@ -63,14 +63,14 @@ void ExpectSameAsCpu(const char* preset) {
   EXPECT_GT(gpu.store_host_us_per_layer, 0.0);
   EXPECT_GT(gpu.store_stream_us_per_layer, 0.0);
   EXPECT_GT(gpu.store_kernels_us_per_layer, 0.0);
-  EXPECT_GT(gpu.decode_host_us_per_layer, 0.0);
-  EXPECT_GT(gpu.decode_stream_us_per_layer, 0.0);
-  EXPECT_GT(gpu.decode_kernels_us_per_layer, 0.0);
-  EXPECT_LE(gpu.decode_kernels_us_per_layer, 1.5 * gpu.decode_stream_us_per_layer + 2.0);
+  EXPECT_GT(gpu.attention_host_us_per_layer, 0.0);
+  EXPECT_GT(gpu.attention_stream_us_per_layer, 0.0);
+  EXPECT_GT(gpu.attention_kernels_us_per_layer, 0.0);
+  EXPECT_LE(gpu.attention_kernels_us_per_layer, 1.5 * gpu.attention_stream_us_per_layer + 2.0);
   EXPECT_GT(gpu.step_stream_us, 0.0);
   const std::string report = FormatReport(c, gpu);
   EXPECT_THAT(report, HasSubstr("store per layer (median): host / stream / kernels"));
-  EXPECT_THAT(report, HasSubstr("decode per layer (median): host / stream / kernels"));
+  EXPECT_THAT(report, HasSubstr("attention per layer (median): host / stream / kernels"));
 }
 
 TEST(SimCudaTest, FourBitMatchesCpu) {
@@ -98,8 +98,8 @@ TEST(SimCudaTest, KernelTimingOffChangesNothingButTheTimes) {
   const SimReport off = RunSim(c);
   EXPECT_EQ(off.output_checksums, on.output_checksums);
   EXPECT_EQ(off.store_kernels_us_per_layer, 0.0);
-  EXPECT_EQ(off.decode_kernels_us_per_layer, 0.0);
-  EXPECT_GT(off.decode_stream_us_per_layer, 0.0);
+  EXPECT_EQ(off.attention_kernels_us_per_layer, 0.0);
+  EXPECT_GT(off.attention_stream_us_per_layer, 0.0);
 }
 
 }  // namespace

@@ -28,12 +28,32 @@ SimConfig Small() {
   return c;
 }
 
+// Every output that both runs computed (request, branch, position, layer) has exactly the same
+// checksum in both; returns how many both computed. (Which tokens a run recomputes after a
+// preemption depends on its schedule, so each run may hold a few keys the other does not.)
+size_t ExpectSameOutputs(const SimReport& a, const SimReport& b) {
+  size_t both = 0;
+  for (const auto& [key, checksum] : a.output_checksums) {
+    const auto it = b.output_checksums.find(key);
+    if (it == b.output_checksums.end()) continue;
+    EXPECT_EQ(checksum, it->second) << "request " << std::get<0>(key) << " branch "
+                                    << std::get<1>(key) << " position " << std::get<2>(key)
+                                    << " layer " << std::get<3>(key);
+    ++both;
+  }
+  return both;
+}
+
 // The whole engine loop under memory pressure (preemption), forks (copy-on-write) and prefix
-// reuse; the manager's invariants hold after every step, and the outputs are exactly those of a
-// run without prefix caching (cached blocks hold the bytes a recomputation would write).
+// reuse; the manager's invariants hold after every step, and every output — prefill chunks
+// after a prefix hit included — is exactly that of a run without prefix caching, which computes
+// every prompt token (cached blocks hold the bytes a recomputation would write, and a new token's
+// attention reads its context from the cache either way).
 TEST(SimTest, PrefixCachingChangesNothingButTheWork) {
+  for (int spec : {0, 3}) {
   SimConfig on = Small();
   on.num_blocks = 1 + 3 * 5;  // room for about three sequences: forces preemption
+  on.spec_tokens = spec;
   const SimReport a = RunSim(on);
   SimConfig off = on;
   off.enable_prefix_caching = false;
@@ -49,7 +69,34 @@ TEST(SimTest, PrefixCachingChangesNothingButTheWork) {
   EXPECT_EQ(a.finished_branches, on.requests + a.forks);
   EXPECT_EQ(a.decode_tokens, b.decode_tokens);
   ASSERT_FALSE(a.output_checksums.empty());
-  EXPECT_EQ(a.output_checksums, b.output_checksums);
+  // Tokens computed with prefix caching on were computed without it too, with the same outputs
+  // (all but recomputations after preemptions, which differ); without it the cached prompt
+  // tokens are computed as well.
+  EXPECT_GE(ExpectSameOutputs(a, b), a.output_checksums.size() * 95 / 100);
+  EXPECT_GT(b.output_checksums.size(), a.output_checksums.size());
+  }
+}
+
+// Speculative decoding: drafts verified in the same call as the last token, a rejected suffix
+// rewound. The generated tokens are the same as without drafts, so every output of the run
+// without drafts (prefill and decode rows) is, exactly, an output of the run with them (accepted
+// drafts' rows are the decode rows of those positions), in fewer steps (all but recomputations
+// after preemptions, which differ between the two schedules).
+TEST(SimTest, SpeculativeVerifyMatchesPlainDecoding) {
+  SimConfig plain = Small();
+  plain.check_invariants = true;
+  SimConfig spec = plain;
+  spec.spec_tokens = 4;
+  const SimReport a = RunSim(plain);
+  const SimReport b = RunSim(spec);
+  EXPECT_GT(b.draft_tokens, 0);
+  EXPECT_GT(b.accepted_drafts, 0);
+  EXPECT_LT(b.accepted_drafts, b.draft_tokens);  // some rejected (and rewound)
+  EXPECT_EQ(a.draft_tokens, 0);
+  EXPECT_EQ(a.decode_tokens, b.decode_tokens);
+  EXPECT_LT(b.steps, a.steps);
+  EXPECT_GE(ExpectSameOutputs(a, b), a.output_checksums.size() * 95 / 100);
+  EXPECT_GT(b.cosine_mean, 0.97);
 }
 
 TEST(SimTest, NumbersArePlausible) {
@@ -67,25 +114,25 @@ TEST(SimTest, NumbersArePlausible) {
   // Every step with work stores every layer; decode calls only where some row decodes.
   EXPECT_GT(r.store_calls, 0);
   EXPECT_EQ(r.store_calls % c.layers, 0);
-  EXPECT_GT(r.decode_calls, 0);
-  EXPECT_EQ(r.decode_calls % c.layers, 0);
-  EXPECT_LE(r.decode_calls, r.store_calls);
+  EXPECT_GT(r.attention_calls, 0);
+  EXPECT_EQ(r.attention_calls % c.layers, 0);
+  EXPECT_LE(r.attention_calls, r.store_calls);
   // On the CPU the call is the work: host, stream and kernels times are the same CPU time.
   EXPECT_GT(r.store_host_us_per_layer, 0.0);
-  EXPECT_GT(r.decode_host_us_per_layer, 0.0);
+  EXPECT_GT(r.attention_host_us_per_layer, 0.0);
   EXPECT_EQ(r.store_stream_us_per_layer, r.store_host_us_per_layer);
   EXPECT_EQ(r.store_kernels_us_per_layer, r.store_host_us_per_layer);
-  EXPECT_EQ(r.decode_stream_us_per_layer, r.decode_host_us_per_layer);
-  EXPECT_EQ(r.decode_kernels_us_per_layer, r.decode_host_us_per_layer);
+  EXPECT_EQ(r.attention_stream_us_per_layer, r.attention_host_us_per_layer);
+  EXPECT_EQ(r.attention_kernels_us_per_layer, r.attention_host_us_per_layer);
   EXPECT_EQ(r.step_stream_us, 0.0);
   EXPECT_GT(r.generate_us_per_step, 0.0);
   EXPECT_GT(r.check_us_per_step, 0.0);
   const std::string report = FormatReport(c, r);
   EXPECT_THAT(report, HasSubstr("store per layer call (CPU)"));
-  EXPECT_THAT(report, HasSubstr("decode per layer call (CPU)"));
+  EXPECT_THAT(report, HasSubstr("attention per layer call (CPU)"));
   const std::string json = ReportJson(c, r);
   EXPECT_THAT(json, HasSubstr("\"store_kernels_us_per_layer\""));
-  EXPECT_THAT(json, HasSubstr("\"decode_stream_us_per_layer\""));
+  EXPECT_THAT(json, HasSubstr("\"attention_stream_us_per_layer\""));
 }
 
 TEST(SimTest, Bf16IsExactToBf16Rounding) {
