@@ -29,6 +29,43 @@ for dtype in F32 BF16; do
   done
 done
 
+# Several new tokens per sequence (query_start_loc): each sequence's last token attends to its
+# whole context, so its row is that sequence's decode output (same query, same cache).
+python3 $MAKE "$tmp/in.safetensors" "$tmp/q.safetensors" --varlen-out "$tmp/v.safetensors" --seed 5
+$TQKV store --preset turboquant_k3v4_nc --block-size 16 --num-blocks 10 \
+  --in "$tmp/in.safetensors" --out "$tmp/cache.safetensors" &&
+$TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" \
+  --in "$tmp/q.safetensors" --out "$tmp/out.safetensors" &&
+$TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" \
+  --in "$tmp/v.safetensors" --out "$tmp/vout.safetensors"
+check "query_start_loc: decode ran" test $? -eq 0
+python3 - "$tmp/out.safetensors" "$tmp/vout.safetensors" <<'PY'
+import json, struct, sys
+def read(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        data = raw[8 + n + a:8 + n + b]
+        out[name] = (t["shape"], struct.unpack(f"<{len(data) // 4}f", data))
+    return out
+dec, var = read(sys.argv[1]), read(sys.argv[2])
+(tq, hq, d), vo = var["output"]
+assert tq == 18, tq
+last = [0, 5, 17]  # the last row of each sequence (query_start_loc 0, 1, 6, 18)
+worst = 0.0
+for b, row in enumerate(last):
+    for i in range(hq * d):
+        x, y = vo[row * hq * d + i], dec["output"][1][b * hq * d + i]
+        worst = max(worst, abs(x - y) / (1 + abs(y)))
+assert worst < 1e-5, worst
+PY
+check "query_start_loc: each sequence's last row equals its decode" test $? -eq 0
+
 # --cache-in updates a cache in place: storing the same tokens again changes nothing.
 $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 \
   --in "$tmp/in.safetensors" --out "$tmp/c1.safetensors"

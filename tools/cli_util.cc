@@ -102,14 +102,24 @@ DecodeInputTensors RequireDecodeInputs(const SafetensorsFile& cache_file, const 
   const Tensor& query = RequireFloatTensor(in, "query", 3);
   const Tensor& tables = in.Require("block_tables", DType::kI32, 2);
   const Tensor& lens = in.Require("seq_lens", DType::kI32, 1);
-  const int64_t batch = query.shape[0];
-  RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'query'");
-  RequireDim(in, "seq_lens", lens, 0, batch, "B, the sequences of 'query'");
+  const bool varlen = in.contains("query_start_loc");
+  const int64_t batch = varlen ? lens.shape[0] : query.shape[0];
+  if (varlen) {
+    const Tensor& loc = in.Require("query_start_loc", DType::kI32, 1);
+    RequireDim(in, "query_start_loc", loc, 0, batch + 1, "B + 1, the sequences of 'seq_lens' + 1");
+    RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'seq_lens'");
+    t.query_start_loc = &loc;
+    t.batch = DimAsInt(in, "seq_lens", lens, 0, "B, the sequences");
+  } else {
+    RequireDim(in, "block_tables", tables, 0, batch, "B, the sequences of 'query'");
+    RequireDim(in, "seq_lens", lens, 0, batch, "B, the sequences of 'query'");
+    t.batch = DimAsInt(in, "query", query, 0, "B, the sequences");
+  }
+  t.num_tokens = DimAsInt(in, "query", query, 0, "T, the query rows");
   t.cache = &cache;
   t.query = &query;
   t.block_tables = &tables;
   t.seq_lens = &lens;
-  t.batch = DimAsInt(in, "query", query, 0, "B, the sequences");
   t.num_q_heads = DimAsInt(in, "query", query, 1, "Hq, the query heads");
   t.head_dim = DimAsInt(in, "query", query, 2, "D, the head dim");
   t.max_blocks_per_seq = DimAsInt(in, "block_tables", tables, 1, "W, the blocks per sequence");

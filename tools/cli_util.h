@@ -62,13 +62,17 @@ Tensor TakeStoreCache(SafetensorsFile& prev, int64_t num_blocks, const BlockForm
 
 // The inputs of `tqkv decode`, checked by RequireDecodeInputs: 'cache' U8 [NB, block_bytes] from
 // the cache file; query F32, F16 or BF16 [B, Hq, D], block_tables I32 [B, W] and seq_lens I32 [B]
-// from the input file. The KV head count follows from block_bytes, the preset and block size of
-// `flags`, and D. (DecodeCpu checks the rest: GQA ratio, seq_lens, block ids.)
+// from the input file, or with query_start_loc I32 [B + 1] several new tokens per sequence: query
+// [T, Hq, D] (attention/attention.h). The KV head count follows from block_bytes, the preset and
+// block size of `flags`, and D. (DecodeCpu / AttentionCpu check the rest: GQA ratio, seq_lens,
+// query starts, block ids.)
 struct DecodeInputTensors {
   const Tensor* cache = nullptr;
   const Tensor* query = nullptr;
   const Tensor* block_tables = nullptr;
   const Tensor* seq_lens = nullptr;
+  const Tensor* query_start_loc = nullptr;  // null: one query per sequence
+  int num_tokens = 0;          // T: query rows (B without query_start_loc)
   int batch = 0;               // B
   int num_q_heads = 0;         // Hq
   int head_dim = 0;            // D

@@ -1,8 +1,12 @@
-// `tqkv decode`: decode attention over a compressed paged cache (CPU reference).
+// `tqkv decode`: attention over a compressed paged cache, one query per sequence (decode) or,
+// given query_start_loc, several new tokens per sequence (verify, prefill chunks); CPU reference
+// or CUDA.
 #include <fmt/format.h>
 
 #include <optional>
 
+#include "attention/attention_cpu.h"
+#include "attention/attention_cuda.h"
 #include "attention/decode_cpu.h"
 #include "attention/decode_cuda.h"
 #include "runtime/memory.h"
@@ -58,6 +62,69 @@ void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query
   d_lse.CopyToHost(lse);
 }
 
+// Several new tokens per sequence (query_start_loc): AttentionCpu, or CudaAttention after the
+// same checks on the host; output F32 [T, Hq, D], lse F32 [T, Hq].
+void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeFlags& flags,
+                  std::vector<float>& output, std::vector<float>& lse) {
+  const Tensor& cache = *t.cache;
+  AttentionArgs a;
+  a.query = t.query->data.data();
+  a.query_dtype = t.query->dtype;
+  a.num_seqs = t.batch;
+  a.num_tokens = t.num_tokens;
+  a.num_q_heads = t.num_q_heads;
+  a.query_start_loc = t.query_start_loc->values<int32_t>().data();
+  a.seq_lens = t.seq_lens->values<int32_t>().data();
+  a.block_tables = t.block_tables->values<int32_t>().data();
+  a.max_blocks_per_seq = t.max_blocks_per_seq;
+  a.cache = cache.data.data();
+  a.num_blocks = cache.shape[0];
+  a.scale = flags.scale;
+  a.output = output.data();
+  a.lse = lse.data();
+  if (flags.device != "cuda") {
+    AttentionCpu(q, a);
+    return;
+  }
+  const BlockFormat& f = q.format();
+  const AttentionShape shape{f.head_dim, f.num_kv_heads, f.block_size};
+  ValidateAttentionShapes("tqkv decode", shape, a);
+  ValidateAttentionArrays("tqkv decode", shape, a);
+  int max_q_len = 1;
+  for (int b = 0; b < t.batch; ++b) {
+    max_q_len = std::max(max_q_len, a.query_start_loc[b + 1] - a.query_start_loc[b]);
+  }
+  DeviceBuffer<uint8_t> d_cache(static_cast<int64_t>(cache.data.size()));
+  d_cache.CopyFromHost(cache.data);
+  DeviceBuffer<uint8_t> d_query(static_cast<int64_t>(t.query->data.size()));
+  d_query.CopyFromHost(t.query->data);
+  DeviceBuffer<int32_t> d_tables(static_cast<int64_t>(t.block_tables->values<int32_t>().size()));
+  d_tables.CopyFromHost(t.block_tables->values<int32_t>());
+  DeviceBuffer<int32_t> d_lens(t.batch), d_loc(t.batch + 1);
+  d_lens.CopyFromHost(t.seq_lens->values<int32_t>());
+  d_loc.CopyFromHost(t.query_start_loc->values<int32_t>());
+  const CudaAttention attention(q);
+  const AttentionPlan plan = attention.Plan(t.batch, std::max(1, t.num_tokens), t.num_q_heads,
+                                            std::max(1, t.max_blocks_per_seq),
+                                            std::min(max_q_len, std::max(1, t.num_tokens)));
+  DeviceBuffer<uint8_t> workspace(std::max<int64_t>(1, plan.workspace_bytes));
+  DeviceBuffer<float> d_out(static_cast<int64_t>(std::max<size_t>(1, output.size()))),
+      d_lse(static_cast<int64_t>(std::max<size_t>(1, lse.size())));
+  a.query = d_query.data();
+  a.query_start_loc = d_loc.data();
+  a.seq_lens = d_lens.data();
+  a.block_tables = d_tables.data();
+  a.cache = d_cache.data();
+  a.output = d_out.data();
+  a.lse = d_lse.data();
+  a.workspace = workspace.data();
+  a.workspace_bytes = workspace.size_bytes();
+  if (t.num_tokens == 0) return;
+  attention.Run(plan, a, nullptr);
+  d_out.CopyToHost(std::span<float>(output));  // synchronous: waits for the attention
+  d_lse.CopyToHost(std::span<float>(lse));
+}
+
 void RunDecode(const DecodeFlags& flags) {
   const SafetensorsFile cache_file = ReadSafetensors(flags.cache);
   const SafetensorsFile in = ReadSafetensors(flags.in);
@@ -66,6 +133,19 @@ void RunDecode(const DecodeFlags& flags) {
   const Tensor& query = *tensors.query;
   const int64_t batch = tensors.batch;
   const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
+  if (tensors.query_start_loc != nullptr) {
+    const int64_t rows = int64_t{tensors.num_tokens} * tensors.num_q_heads;
+    std::vector<float> output(static_cast<size_t>(rows * tensors.head_dim)),
+        lse(static_cast<size_t>(rows));
+    RunAttention(q, tensors, flags, output, lse);
+    SafetensorsFile out;
+    out.source_name = flags.out;
+    out.tensors.emplace("output", Tensor::FromValues<float>(DType::kF32, query.shape, output));
+    out.tensors.emplace("lse", Tensor::FromValues<float>(
+                                   DType::kF32, {tensors.num_tokens, query.shape[1]}, lse));
+    WriteSafetensors(flags.out, out);
+    return;
+  }
 
   std::vector<float> query_f32;
   const DecodeInputs inputs = MakeDecodeInputs(tensors, flags.scale, query_f32);
@@ -95,14 +175,17 @@ void RunDecode(const DecodeFlags& flags) {
 void AddDecodeCommand(CLI::App& app) {
   auto flags = std::make_shared<DecodeFlags>();
   auto* cmd = app.add_subcommand("decode",
-                                 "Decode attention of query [B, Hq, D] over a compressed cache (CPU or CUDA)");
+                                 "Attention of query [B, Hq, D] (or [T, Hq, D] with query_start_loc) over a "
+                                 "compressed cache (CPU or CUDA)");
   AddQuantizerFlags(*cmd, flags->quant, /*block_size_required=*/false);
   cmd->add_option("--cache", flags->cache, "safetensors with 'cache' U8 [NB, block_bytes]")
       ->required();
-  cmd->add_option("--in", flags->in, "safetensors with query, block_tables, seq_lens "
-                                     "[, rotation, centroids]")
+  cmd->add_option("--in", flags->in,
+                  "safetensors with query, block_tables, seq_lens [, query_start_loc I32 [B + 1]: "
+                  "query [T, Hq, D], several new tokens per sequence] [, rotation, centroids]")
       ->required();
-  cmd->add_option("--out", flags->out, "safetensors to write: output F32 [B, Hq, D], lse F32 [B, Hq]")
+  cmd->add_option("--out", flags->out,
+                  "safetensors to write: output F32 [B or T, Hq, D], lse F32 [B or T, Hq]")
       ->required();
   cmd->add_option("--scale", flags->scale, "softmax scale (default 1/sqrt(D))");
   cmd->add_option("--device", flags->device, "cpu (reference, default) or cuda")

@@ -42,6 +42,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("store_in")
     ap.add_argument("query_in")
+    ap.add_argument("--varlen-out", help="also write several new tokens per sequence "
+                    "(query_start_loc; each sequence's last row is its query in query_in)")
     ap.add_argument("--dtype", default="F32", choices=["F32", "BF16"])
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -71,6 +73,19 @@ def main():
         "block_tables": ("I32", [len(lens), 3], struct.pack("<9i", *sum(tables, []))),
         "seq_lens": ("I32", [len(lens)], struct.pack("<3i", *lens)),
     })
+    if args.varlen_out:
+        q_lens = [1, 5, 12]
+        rows = []
+        for b, q_len in enumerate(q_lens):
+            rows += [rng.gauss(0, 1) for _ in range((q_len - 1) * hq * d)]
+            rows += query[b * hq * d:(b + 1) * hq * d]
+        loc = [0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)]
+        write_safetensors(args.varlen_out, {
+            "query": ("F32", [sum(q_lens), hq, d], pack_floats(rows, "F32")),
+            "query_start_loc": ("I32", [4], struct.pack("<4i", *loc)),
+            "block_tables": ("I32", [len(lens), 3], struct.pack("<9i", *sum(tables, []))),
+            "seq_lens": ("I32", [len(lens)], struct.pack("<3i", *lens)),
+        })
 
 
 if __name__ == "__main__":
