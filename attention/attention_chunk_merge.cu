@@ -1,4 +1,6 @@
 // The split merge of the chunk attention kernels and the dispatch by key kind.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "attention/attention_launch.h"
@@ -28,7 +30,60 @@ __global__ void ChunkMergeKernel(const ChunkMergeParams p) {
   if (d == 0) p.lse[row] = empty ? -INFINITY : m + __logf(sum);
 }
 
+// One CTA per sequence: its query row (one new token) or zeros, its length or 0, and its rows'
+// partials marked empty.
+__global__ void GatherDecodeRowsKernel(const DecodeRowsParams p) {
+  const int b = blockIdx.x;
+  const int q0 = p.query_start_loc[b];
+  const bool single = p.query_start_loc[b + 1] - q0 == 1;
+  if (threadIdx.x == 0) p.gathered_lens[b] = single ? p.seq_lens[b] : 0;
+  const int n = p.num_q_heads * p.head_dim;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float x = 0.0f;
+    if (single) {
+      const int64_t at = int64_t{q0} * n + i;
+      if (p.query_dtype == DType::kF32) {
+        x = static_cast<const float*>(p.query)[at];
+      } else if (p.query_dtype == DType::kF16) {
+        x = __half2float(static_cast<const __half*>(p.query)[at]);
+      } else {
+        x = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
+      }
+    }
+    p.gathered_query[int64_t{b} * n + i] = x;
+  }
+  if (single && p.partial_lse != nullptr) {
+    for (int i = threadIdx.x; i < p.num_q_heads * p.max_splits; i += blockDim.x) {
+      p.partial_lse[int64_t{q0} * p.num_q_heads * p.max_splits + i] = -INFINITY;
+    }
+  }
+}
+
+__global__ void ScatterDecodeRowsKernel(const DecodeRowsParams p) {
+  const int b = blockIdx.x;
+  const int q0 = p.query_start_loc[b];
+  if (p.query_start_loc[b + 1] - q0 != 1) return;
+  const int n = p.num_q_heads * p.head_dim;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    decode_detail::StoreOutput(p.output, p.out_dtype, int64_t{q0} * n + i,
+                               p.decode_out[int64_t{b} * n + i]);
+  }
+  for (int h = threadIdx.x; h < p.num_q_heads; h += blockDim.x) {
+    p.lse[int64_t{q0} * p.num_q_heads + h] = p.decode_lse[int64_t{b} * p.num_q_heads + h];
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchGatherDecodeRows(const DecodeRowsParams& p, cudaStream_t stream) {
+  GatherDecodeRowsKernel<<<static_cast<unsigned>(p.num_seqs), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream) {
+  ScatterDecodeRowsKernel<<<static_cast<unsigned>(p.num_seqs), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchChunkMerge(const ChunkMergeParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;

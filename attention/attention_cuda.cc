@@ -39,7 +39,6 @@ namespace {
 
 constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-constexpr int kRowsPerCta = 64;      // attention_detail::kRowsPerCta
 constexpr int kMinSplitTokens = 256;  // a split shorter than this costs more than it saves
 constexpr int kMaxSplits = 64;
 
@@ -48,16 +47,32 @@ int DeviceSmCount() {
   return devices.empty() ? 0 : devices.front().sm_count;
 }
 
-// Workspace sections: q·Πᵀ (MSE keys), partial outputs and LSEs (with splits).
+// Workspace sections in order: q·Πᵀ (MSE keys), partial outputs and LSEs (with splits), and for a
+// mixed call's decode rows the gathered queries, lengths, the decode's outputs and LSEs, then the
+// decode's own workspace.
 struct Sections {
   int64_t query = 0, partial_out = 0, partial_lse = 0;
+  int64_t rows_query = 0, rows_lens = 0, rows_out = 0, rows_lse = 0, rows_workspace = 0;
+  int64_t Total() const {
+    return query + partial_out + partial_lse + rows_query + rows_lens + rows_out + rows_lse +
+           rows_workspace;
+  }
 };
-Sections WorkspaceSections(bool rotate, int64_t rows, int d, int splits) {
+Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
+  const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   Sections s;
   s.query = rotate ? AlignUp(rows * d * 4) : 0;
-  if (splits > 1) {
-    s.partial_out = AlignUp(rows * splits * d * 4);
-    s.partial_lse = AlignUp(rows * splits * 4);
+  if (plan.max_splits > 1) {
+    s.partial_out = AlignUp(rows * plan.max_splits * d * 4);
+    s.partial_lse = AlignUp(rows * plan.max_splits * 4);
+  }
+  if (plan.decode_rows) {
+    const int64_t seq_rows = int64_t{plan.num_seqs} * plan.num_q_heads;
+    s.rows_query = AlignUp(seq_rows * d * 4);
+    s.rows_lens = AlignUp(int64_t{plan.num_seqs} * 4);
+    s.rows_out = AlignUp(seq_rows * d * 4);
+    s.rows_lse = AlignUp(seq_rows * 4);
+    s.rows_workspace = AlignUp(plan.decode_plan.workspace_bytes);
   }
   return s;
 }
@@ -146,11 +161,18 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   }
   // The chunk kernel (also a one-token plan's, for a sliding window).
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
-  plan.row_tiles = static_cast<int>((int64_t{max_q_len} * group + kRowsPerCta - 1) / kRowsPerCta);
+  // 16, 32 or 64 query rows (new tokens x GQA heads) per CTA: the fewest that hold a sequence's
+  // rows, up to 64 (the other warps of a CTA with fewer rows split each KV tile; head_dim 256's
+  // 32-token tiles split in two at most).
+  const int64_t seq_rows = int64_t{max_q_len} * group;
+  plan.row_warps = seq_rows <= 16 ? 1 : seq_rows <= 32 ? 2 : 4;
+  if (d == 256) plan.row_warps = std::max(plan.row_warps, 2);
+  const int64_t cta_rows = 16 * plan.row_warps;
+  plan.row_tiles = static_cast<int>((seq_rows + cta_rows - 1) / cta_rows);
   // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
   // the context until about two CTAs per SM have work.
   const int64_t busy_ctas =
-      std::max<int64_t>(1, (int64_t{num_tokens} * group + kRowsPerCta - 1) / kRowsPerCta) * hk;
+      std::max<int64_t>(1, (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows) * hk;
   int64_t splits = 1;
   if (options.tokens_per_split > 0) {
     plan.tokens_per_split = options.tokens_per_split;
@@ -169,9 +191,15 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                                       kMaxSplits));
   }
   plan.max_splits = static_cast<int>(splits);
-  const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8,
-                                       int64_t{num_tokens} * num_q_heads, d, plan.max_splits);
-  plan.workspace_bytes = std::max(decode_bytes, w.query + w.partial_out + w.partial_lse);
+  // Some sequences may have one new token (fewer tokens than every sequence at max_q_len): those
+  // run on the decode kernels.
+  plan.decode_rows = options.decode_kernels && !plan.decode && max_q_len > 1 && num_seqs > 1 &&
+                     int64_t{num_tokens} < int64_t{num_seqs} * max_q_len && group <= 16;
+  if (plan.decode_rows) {
+    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
+  }
+  const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);
+  plan.workspace_bytes = std::max(decode_bytes, w.Total());
   return plan;
 }
 
@@ -224,9 +252,50 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   const int d = head_dim();
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
-  const Sections w = WorkspaceSections(rotate, rows, d, plan.max_splits);
+  const Sections w = WorkspaceSections(rotate, plan, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+  // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
+  // after the chunk kernel (the decode kernels have no sliding window).
+  const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
+  DecodeRowsParams rp;
+  if (decode_rows) {
+    uint8_t* at = ws + w.query + w.partial_out + w.partial_lse;
+    rp.query_start_loc = a.query_start_loc;
+    rp.seq_lens = a.seq_lens;
+    rp.query = a.query;
+    rp.query_dtype = a.query_dtype;
+    rp.gathered_query = reinterpret_cast<float*>(at);
+    rp.gathered_lens = reinterpret_cast<int32_t*>(at + w.rows_query);
+    rp.partial_lse = plan.max_splits > 1
+                         ? reinterpret_cast<float*>(ws + w.query + w.partial_out)
+                         : nullptr;
+    rp.max_splits = plan.max_splits;
+    rp.decode_out = reinterpret_cast<float*>(at + w.rows_query + w.rows_lens);
+    rp.decode_lse = reinterpret_cast<float*>(at + w.rows_query + w.rows_lens + w.rows_out);
+    rp.output = a.output;
+    rp.lse = a.lse;
+    rp.out_dtype = a.output_dtype;
+    rp.num_seqs = plan.num_seqs;
+    rp.num_q_heads = plan.num_q_heads;
+    rp.head_dim = d;
+    TQKV_CUDA_CHECK(LaunchGatherDecodeRows(rp, stream));
+    CudaDecodeArgs da;
+    da.query = rp.gathered_query;
+    da.query_dtype = DType::kF32;
+    da.cache = a.cache;
+    da.num_blocks = a.num_blocks;
+    da.block_tables = a.block_tables;
+    da.seq_lens = rp.gathered_lens;
+    da.scale = a.scale;
+    da.output = const_cast<float*>(rp.decode_out);
+    da.output_dtype = DType::kF32;
+    da.lse = const_cast<float*>(rp.decode_lse);
+    da.workspace = at + w.rows_query + w.rows_lens + w.rows_out + w.rows_lse;
+    da.workspace_bytes = w.rows_workspace;
+    s.decoder.Run(plan.decode_plan, da, stream);
+  }
   ChunkParams p;
+  p.skip_single = decode_rows ? 1 : 0;
   if (rotate) {
     decode_detail::QueryPrepParams qp;
     qp.query = a.query;
@@ -271,6 +340,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     p.key_data_bytes = s.format.key_data_bytes;
     p.num_meta = s.format.num_meta;
   }
+  p.row_warps = plan.row_warps;
   p.row_tiles = plan.row_tiles;
   p.tokens_per_split = plan.tokens_per_split;
   p.max_splits = plan.max_splits;
@@ -278,17 +348,19 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.score_scale = scale * static_cast<float>(std::numbers::log2e);
   TQKV_CUDA_CHECK(LaunchChunkAttention(s.key_kind, s.value_bits, d, p, stream));
-  if (plan.max_splits == 1) return;
-  ChunkMergeParams mp;
-  mp.partial_out = p.partial_out;
-  mp.partial_lse = p.partial_lse;
-  mp.output = a.output;
-  mp.lse = a.lse;
-  mp.out_dtype = a.output_dtype;
-  mp.rows = static_cast<int>(rows);
-  mp.head_dim = d;
-  mp.max_splits = plan.max_splits;
-  TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
+  if (plan.max_splits > 1) {
+    ChunkMergeParams mp;
+    mp.partial_out = p.partial_out;
+    mp.partial_lse = p.partial_lse;
+    mp.output = a.output;
+    mp.lse = a.lse;
+    mp.out_dtype = a.output_dtype;
+    mp.rows = static_cast<int>(rows);
+    mp.head_dim = d;
+    mp.max_splits = plan.max_splits;
+    TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
+  }
+  if (decode_rows) TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
 #else
   (void)s;
   (void)stream;

@@ -7,9 +7,10 @@
 //   attention.Run(plan, args, stream);                  // never allocates; graph-capturable
 //
 // A plan whose every sequence has exactly one new token (max_q_len 1, num_tokens == num_seqs)
-// and no sliding window runs the decode kernels (attention/decode_cuda.h). Everything else runs
-// the chunk kernel (attention/attention_kernel.cuh: 64 query rows — new tokens × GQA heads — per
-// CTA against KV tiles dequantized in shared memory), split over the context where the grid
+// and no sliding window runs the decode kernels (attention/decode_cuda.h), and so do the
+// one-token sequences of a mixed call (decode rows beside prefill chunks). Everything else runs
+// the chunk kernel (attention/attention_kernel.cuh: 16 to 64 query rows — new tokens × GQA heads
+// — per CTA against KV tiles dequantized in shared memory), split over the context where the grid
 // would not fill the device, then a log-sum-exp merge of the splits. The workspace does not grow
 // with the context: q·Πᵀ for MSE keys and, with splits, the partial outputs of the step's rows.
 #pragma once
@@ -42,8 +43,13 @@ struct AttentionPlan {
   int max_q_len = 0;
   // One new token per sequence: the decode kernels, unless Run gets a sliding window.
   bool decode = false;
-  DecodePlan decode_plan;
-  // The chunk kernel: 64-row tiles per (sequence, KV head), context tokens per split, splits.
+  // A mixed call (some sequences of one new token, some of more): those of one token run on the
+  // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
+  bool decode_rows = false;
+  DecodePlan decode_plan;  // decode or decode_rows
+  // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4), row tiles per (sequence,
+  // KV head), context tokens per split, splits.
+  int row_warps = 4;
   int row_tiles = 0;
   int tokens_per_split = 0;
   int max_splits = 0;

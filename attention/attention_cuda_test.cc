@@ -16,6 +16,7 @@
 #include "attention/attention_cpu.h"
 #include "attention/attention_cuda.h"
 #include "quant/numerics.h"
+#include "quant/rotation.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/attention_scenario.h"
@@ -192,6 +193,28 @@ TEST(CudaAttentionTest, EveryPresetHeadDimGroupAndBlockSize) {
   }
 }
 
+// Every GQA group from 1 to 8 (the rows of a CTA are new tokens × the group's heads, so the
+// groups land differently on the 16-row MMA tiles) and every rotation kind (dense Πᵀ and
+// Hadamard: the query prep's q·Πᵀ).
+TEST(CudaAttentionTest, EveryGroupAndRotation) {
+  TQKV_SKIP_WITHOUT_GPU();
+  int k = 0;
+  for (int group = 1; group <= 8; ++group) {
+    const char* preset = group % 2 == 0 ? "turboquant_4bit_nc" : "turboquant_k3v4_nc";
+    const RotationKind kinds[] = {RotationKind::kHadamard, RotationKind::kHadamardSigns,
+                                  RotationKind::kHaar};
+    const RotationKind kind = kinds[group % 3];
+    const int d = group <= 4 ? 128 : 64, hk = 2, bs = 16 << (k++ % 4);
+    const Quantizer q = Quantizer::Create(preset, d, hk, bs, kind, 7 + group);
+    const Step step = MixedStep();
+    const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 300 + k);
+    const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
+    ExpectWithin(e, kLseTol,
+                 fmt::format("{} {} D={} group={} bs={}: out {:.2e} lse {:.2e}", preset,
+                             RotationKindName(kind), d, group, bs, e.out, e.lse));
+  }
+}
+
 TEST(CudaAttentionTest, PlainCachesEveryHeadDimAndGroup) {
   TQKV_SKIP_WITHOUT_GPU();
   int k = 0;
@@ -213,19 +236,24 @@ TEST(CudaAttentionTest, PlainCachesEveryHeadDimAndGroup) {
   }
 }
 
-// The same step with forced splits of 64 and 256 tokens (merge path) and with the plan's own.
+// The same step with forced splits of 64 and 256 tokens (merge path) and with the plan's own, its
+// one-token sequences on the decode kernels (the default) or on the chunk kernel.
 TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 4, 16);
   const Step step = MixedStep();
   const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 16, 5);
-  for (int tps : {0, 64, 256}) {
-    int splits = 0;
-    Case c{.quantizer = &q};
-    c.options.tokens_per_split = tps;
-    const Errors e = RunAndCompare(c, s, s.base.cache, &splits);
-    if (tps == 64) EXPECT_EQ(splits, 1000 / 64 + 1);
-    ExpectWithin(e, kLseTol, fmt::format("tokens_per_split {} ({} splits)", tps, splits));
+  for (bool decode_rows : {true, false}) {
+    for (int tps : {0, 64, 256}) {
+      int splits = 0;
+      Case c{.quantizer = &q};
+      c.options.tokens_per_split = tps;
+      c.options.decode_kernels = decode_rows;
+      const Errors e = RunAndCompare(c, s, s.base.cache, &splits);
+      if (tps == 64) EXPECT_EQ(splits, 1000 / 64 + 1);
+      ExpectWithin(e, kLseTol, fmt::format("tokens_per_split {} ({} splits), decode rows {}", tps,
+                                           splits, decode_rows));
+    }
   }
 }
 
@@ -258,8 +286,8 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
         c.options.decode_kernels = decode;
         const Errors e = RunAndCompare(c, s, s.base.cache);
         // bf16 I/O: the reference reads the same rounded query; the output adds half a bf16 ulp
-        // (2^-9 of an element).
-        const double out_tol = io == DType::kF32 ? kOutTol : kOutTol + 2e-3;
+        // (up to 2^-8 of an element).
+        const double out_tol = io == DType::kF32 ? kOutTol : kOutTol + 0.0039;
         const double lse_tol = std::string(preset) == "turboquant_k3v4_nc" && decode ? 1e-4 : kLseTol;
         const std::string what = fmt::format("{} decode kernels {} io {}: out {:.2e} lse {:.2e}",
                                              preset, decode, DTypeName(io), e.out, e.lse);

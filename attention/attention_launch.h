@@ -15,8 +15,9 @@ namespace tqkv::attention_detail {
 
 using decode_detail::KeyKind;
 
-// Query rows per CTA (4 warps × 16 rows of the MMAs) and the tokens of one KV tile by head_dim
-// (the tile's dequantized keys, hi and lo parts, and values live in shared memory).
+// The most query rows per CTA (4 warps × 16 rows of the MMAs; ChunkParams::row_warps picks 16, 32
+// or 64) and the tokens of one KV tile by head_dim (the tile's dequantized keys, hi and lo parts,
+// and values live in shared memory).
 inline constexpr int kRowsPerCta = 64;
 inline constexpr int kWarps = 4;
 constexpr int KvTile(int head_dim) { return head_dim == 256 ? 32 : 64; }
@@ -50,11 +51,14 @@ struct ChunkParams {
   int data_per_slot = 0;    // compressed only
   int key_data_bytes = 0;   // compressed only
   int num_meta = 0;         // compressed only
-  int row_tiles = 0;        // kRowsPerCta-row tiles per (sequence, KV head): grid.x / max_splits
+  int row_warps = 4;        // 1, 2 or 4 (not 1 at head_dim 256): 16 · row_warps rows per CTA
+  int row_tiles = 0;        // row tiles per (sequence, KV head): grid.x / max_splits
   int tokens_per_split = 0;  // a multiple of the KV tile
   int max_splits = 0;
   int sliding_window = 0;
   float score_scale = 0.0f;  // softmax scale · log2(e)
+  // Leave sequences of one new token alone (a mixed call runs them on the decode kernels).
+  int skip_single = 0;
 };
 
 struct ChunkMergeParams {
@@ -67,6 +71,32 @@ struct ChunkMergeParams {
   int head_dim = 0;
   int max_splits = 0;
 };
+
+// A mixed call's one-token sequences on the decode kernels: GatherDecodeRows writes, per sequence,
+// its query row (q_len 1) or zeros into query [num_seqs, num_q_heads, head_dim] F32 and its length
+// (q_len 1) or 0 into seq_lens, and marks those rows' split partials empty (lse −inf) so that the
+// chunk merge leaves them alone; ScatterDecodeRows copies the decode's rows to their places in the
+// call's output and LSE (after the chunk kernel and its merge).
+struct DecodeRowsParams {
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  const int32_t* seq_lens = nullptr;         // [num_seqs]
+  const void* query = nullptr;               // the call's [num_tokens, num_q_heads, head_dim]
+  DType query_dtype = DType::kF32;
+  float* gathered_query = nullptr;  // [num_seqs, num_q_heads, head_dim]
+  int32_t* gathered_lens = nullptr;  // [num_seqs]
+  float* partial_lse = nullptr;      // the chunk kernel's [num_tokens · num_q_heads, max_splits] or null
+  int max_splits = 0;
+  const float* decode_out = nullptr;  // [num_seqs, num_q_heads, head_dim]
+  const float* decode_lse = nullptr;  // [num_seqs, num_q_heads]
+  void* output = nullptr;             // the call's output in out_dtype, and LSE
+  float* lse = nullptr;
+  DType out_dtype = DType::kF32;
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int head_dim = 0;
+};
+cudaError_t LaunchGatherDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
+cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
 // The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads,
 // num_seqs); cudaErrorInvalidValue for a combination that has none.

@@ -1,7 +1,7 @@
-// The smallest complete engine loop over tqkv (CPU; swap StoreCpu/DecodeCpu for StoreDeviceState
-// and CudaDecoder to run on a GPU, see tools/sim_backend.cc):
+// The smallest complete engine loop over tqkv (CPU; swap StoreCpu/AttentionCpu for
+// StoreDeviceState and CudaAttention to run on a GPU, see tools/sim_backend.cc):
 //
-//   manager + cache → per step: Schedule → ApplyCopies → per layer Store + Decode → Commit
+//   manager + cache → per step: Schedule → ApplyCopies → per layer Store + Attention → Commit
 //
 // Two requests share a system prompt (the second one hits the prefix cache), each is prefilled in
 // one step and then decodes a few tokens. Built and run as a test (//tools:example_engine).
@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "attention/decode_cpu.h"
+#include "attention/attention_cpu.h"
 #include "kvcache/cache_format.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/manager.h"
@@ -65,8 +65,8 @@ int main() {
     }
     cache.ApplyCopies(batch.copies());  // copy-on-write, before this step's stores
 
-    // 4. Per layer: store the new tokens' K/V (from the model), then decode each sequence's last
-    //    token.
+    // 4. Per layer: store the new tokens' K/V (from the model), then attention for every new token
+    //    (the prompt's, after its cached prefix, and the decoded ones) over the cache.
     const int num_tokens = batch.num_tokens();
     for (int layer = 0; layer < kLayers; ++layer) {
       const std::vector<float> k = random_vector(size_t(num_tokens) * kKvHeads * kHeadDim);
@@ -80,16 +80,22 @@ int main() {
       in.num_tokens = num_tokens;
       quantizer.StoreCpu(in, {cache.layer_data(layer), cache.num_blocks()});
 
-      const std::vector<float> q = random_vector(size_t(batch.num_requests()) * kQHeads * kHeadDim);
-      std::vector<float> out(q.size()), lse(size_t(batch.num_requests()) * kQHeads);
-      DecodeInputs din;
-      din.query = q.data();
-      din.num_seqs = batch.num_requests();
-      din.num_q_heads = kQHeads;
-      din.block_tables = batch.block_tables().data();
-      din.max_blocks_per_seq = batch.block_table_width();
-      din.seq_lens = batch.seq_lens().data();
-      DecodeCpu(quantizer, cache.layer_data(layer), cache.num_blocks(), din, {out.data(), lse.data()});
+      const std::vector<float> q = random_vector(size_t(num_tokens) * kQHeads * kHeadDim);
+      std::vector<float> out(q.size()), lse(size_t(num_tokens) * kQHeads);
+      AttentionArgs a;
+      a.query = q.data();
+      a.num_seqs = batch.num_requests();
+      a.num_tokens = num_tokens;
+      a.num_q_heads = kQHeads;
+      a.query_start_loc = batch.query_start_loc().data();
+      a.seq_lens = batch.seq_lens().data();
+      a.block_tables = batch.block_tables().data();
+      a.max_blocks_per_seq = batch.block_table_width();
+      a.cache = cache.layer_data(layer);
+      a.num_blocks = cache.num_blocks();
+      a.output = out.data();
+      a.lse = lse.data();
+      AttentionCpu(quantizer, a);
       for (float x : out) {
         if (!std::isfinite(x)) return 1;
       }

@@ -258,6 +258,9 @@ int Main(int argc, char** argv) {
                                prefix + chunk, chunk));
     }
   }
+  // The extra device memory at 128k (the workspace does not grow with the context).
+  shapes.push_back(Uniform("verify 1x128k q8", 1, 131072, 8));
+  shapes.push_back(Uniform("prefill 2048 +128k", 1, 131072 + 2048, 2048));
   Shape mixed{"mixed 2048 + 63x4k", {2048}, {2048}};
   for (int i = 0; i < 63; ++i) {
     mixed.lens.push_back(4096);

@@ -135,7 +135,9 @@ def parse(shape):
     """attention_bench's shape names -> [(batch, kv_len, q_len), ...] (the calls of one step)."""
     parts = shape.split()
     if parts[0] == "verify":
-        return [(64, 4096, int(parts[2][1:]))]
+        batch, context = (int(x[:-1]) * 1024 if x.endswith("k") else int(x)
+                          for x in parts[1].split("x"))
+        return [(batch, context, int(parts[2][1:]))]
     if parts[0] == "prefill":
         chunk, prefix = int(parts[1]), int(parts[2][1:-1]) * 1024
         return [(1, prefix + chunk, chunk)]
