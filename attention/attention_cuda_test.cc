@@ -46,8 +46,13 @@ const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "tu
 constexpr double kOutTol = 1e-3;
 constexpr double kLseTol = 1e-5;
 
+// Rows of one-token sequences run on the decode kernels in a mixed call (AttentionPlan::
+// decode_rows) and are held to those kernels' own bounds (attention/decode_cuda_test.cc): 1e-4 LSE
+// for k3v4_nc's hi-only kernels, outputs 8e-3 for bf16 caches (P rounded to bf16); their plain
+// kernels also round the query to the cache type, so the plain tests round it first.
 struct Errors {
   double out = 0, lse = 0;
+  double decode_out = 0, decode_lse = 0;  // rows of one-token sequences
   int64_t bad = 0;  // NaN / inf / unwritten
 };
 
@@ -137,14 +142,21 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     }
   }
   lse.CopyToHost(l);
+  std::vector<bool> single(s.num_tokens, false);
+  for (int b = 0; b < num_seqs; ++b) {
+    if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
+  }
   Errors e;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
       ++e.bad;
       continue;
     }
-    e.lse = std::max(e.lse, std::abs(double(l[row]) - ref_lse[row]) /
-                                std::max(1.0, std::abs(double(ref_lse[row]))));
+    const bool one = single[row / hq];
+    double& lse_err = one ? e.decode_lse : e.lse;
+    double& out_err = one ? e.decode_out : e.out;
+    lse_err = std::max(lse_err, std::abs(double(l[row]) - ref_lse[row]) /
+                                    std::max(1.0, std::abs(double(ref_lse[row]))));
     double row_max = 0;
     for (int i = 0; i < d; ++i) row_max = std::max(row_max, std::abs(double(ref_out[row * d + i])));
     for (int i = 0; i < d; ++i) {
@@ -153,7 +165,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
         ++e.bad;
         continue;
       }
-      e.out = std::max(e.out, std::abs(double(x) - ref_out[row * d + i]) / std::max(row_max, 1e-30));
+      out_err = std::max(out_err, std::abs(double(x) - ref_out[row * d + i]) / std::max(row_max, 1e-30));
     }
   }
   return e;
@@ -166,10 +178,22 @@ struct Step {
 };
 Step MixedStep() { return {{300, 1, 77, 1000, 150, 65, 0}, {1, 1, 4, 200, 8, 65, 0}}; }
 
-void ExpectWithin(const Errors& e, double lse_tol, const std::string& what) {
+struct DecodeBounds {
+  double lse = kLseTol, out = kOutTol;
+};
+DecodeBounds DecodeBoundsOf(std::string_view kind) {
+  if (kind == "turboquant_k3v4_nc") return {1e-4, kOutTol};
+  if (kind == "BF16") return {kLseTol, 8e-3};
+  return {};
+}
+
+void ExpectWithin(const Errors& e, double lse_tol, const std::string& what,
+                  DecodeBounds decode = {}) {
   EXPECT_EQ(e.bad, 0) << what;
   EXPECT_LE(e.lse, lse_tol) << what;
   EXPECT_LE(e.out, kOutTol) << what;
+  EXPECT_LE(e.decode_lse, decode.lse) << what << " (one-token rows: decode kernels)";
+  EXPECT_LE(e.decode_out, decode.out) << what << " (one-token rows: decode kernels)";
 }
 
 TEST(CudaAttentionTest, EveryPresetHeadDimGroupAndBlockSize) {
@@ -188,7 +212,8 @@ TEST(CudaAttentionTest, EveryPresetHeadDimGroupAndBlockSize) {
       const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
       ExpectWithin(e, kLseTol,
                    fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", preset, d, group,
-                               bs, e.out, e.lse));
+                               bs, e.out, e.lse),
+                   DecodeBoundsOf(preset));
     }
   }
 }
@@ -211,7 +236,8 @@ TEST(CudaAttentionTest, EveryGroupAndRotation) {
     const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
     ExpectWithin(e, kLseTol,
                  fmt::format("{} {} D={} group={} bs={}: out {:.2e} lse {:.2e}", preset,
-                             RotationKindName(kind), d, group, bs, e.out, e.lse));
+                             RotationKindName(kind), d, group, bs, e.out, e.lse),
+                 DecodeBoundsOf(preset));
   }
 }
 
@@ -225,12 +251,17 @@ TEST(CudaAttentionTest, PlainCachesEveryHeadDimAndGroup) {
         const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
         const Step step = MixedStep();
         AttentionScenario s = BuildAttention(any, step.lens, step.q_lens, hk * group, 200 + k);
+        for (float& x : s.queries) {
+          x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                                   : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+        }
         const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
         const std::vector<uint8_t> cache = testing::StorePlain(s, f);
         const Errors e = RunAndCompare({.plain = &f}, s, cache);
         ExpectWithin(e, kLseTol,
                      fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", DTypeName(dtype),
-                                 d, group, bs, e.out, e.lse));
+                                 d, group, bs, e.out, e.lse),
+                     DecodeBoundsOf(DTypeName(dtype)));
       }
     }
   }
@@ -289,11 +320,13 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
         // (up to 2^-8 of an element).
         const double out_tol = io == DType::kF32 ? kOutTol : kOutTol + 0.0039;
         const double lse_tol = std::string(preset) == "turboquant_k3v4_nc" && decode ? 1e-4 : kLseTol;
+        // Every row is a one-token row here.
+        const double lse = std::max(e.lse, e.decode_lse), out = std::max(e.out, e.decode_out);
         const std::string what = fmt::format("{} decode kernels {} io {}: out {:.2e} lse {:.2e}",
-                                             preset, decode, DTypeName(io), e.out, e.lse);
+                                             preset, decode, DTypeName(io), out, lse);
         EXPECT_EQ(e.bad, 0) << what;
-        EXPECT_LE(e.lse, lse_tol) << what;
-        EXPECT_LE(e.out, out_tol) << what;
+        EXPECT_LE(lse, lse_tol) << what;
+        EXPECT_LE(out, out_tol) << what;
       }
     }
   }

@@ -77,23 +77,28 @@ __device__ __forceinline__ float LoadQueryElement(const void* q, DType t, int64_
   return __bfloat162float(static_cast<const __nv_bfloat16*>(q)[i]);
 }
 
+inline constexpr int kMaxStagedIds = 512;
+
 // The shared-memory layout of one CTA: rows of head_dim 16-bit elements at a pitch of
 // 2·D + 16 bytes, so that the 8 row addresses of an ldmatrix phase fall on distinct bank groups.
 // The query is held as kQParts parts (hi, lo; bf16 caches: hi, mid, lo, so that bf16 parts carry
 // the fp32 query's 24 bits).
-template <int kD, int kQParts>
+template <int kD, int kQParts, int kRows = kRowsPerCta>
 struct ChunkLayout {
   static constexpr int kKv = KvTile(kD);
   static constexpr uint32_t kPitch = 2 * kD + 16;
-  static constexpr uint32_t kQ = 0;  // part j of row r at kQ + (j · kRowsPerCta + r) · kPitch
-  static constexpr uint32_t kKHi = kQ + kQParts * kRowsPerCta * kPitch;
+  static constexpr uint32_t kQ = 0;  // part j of row r at kQ + (j · kRows + r) · kPitch
+  static constexpr uint32_t kKHi = kQ + kQParts * kRows * kPitch;
   static constexpr uint32_t kKLo = kKHi + kKv * kPitch;
   static constexpr uint32_t kV = kKLo + kKv * kPitch;
   static constexpr uint32_t kKScale = kV + kKv * kPitch;  // float [kKv]: log2-domain key scale
   static constexpr uint32_t kVScale = kKScale + 4 * kKv;  // float [kKv]
   static constexpr uint32_t kVZero = kVScale + 4 * kKv;   // float [kKv]
   static constexpr uint32_t kCodebook = kVZero + 4 * kKv;  // uint32 [16]: hi | lo << 16
-  static constexpr int kBytes = kCodebook + 64;
+  // The block ids of a split, where they fit (kMaxStagedIds): no dependent global load of the
+  // block table before each tile's loads.
+  static constexpr uint32_t kIds = kCodebook + 64;
+  static constexpr int kBytes = kIds + 4 * kMaxStagedIds;
 };
 
 template <KeyKind kKind>
@@ -113,10 +118,10 @@ __device__ __forceinline__ uint32_t LoadCodes8(const uint8_t* src, int e8) {
 
 // Dequantizes KV tile [tile_begin, tile_begin + kKv) of KV head h (tokens at or past `end`:
 // zeros) into shared memory.
-template <KeyKind kKind, int kValueBits, int kD>
+template <KeyKind kKind, int kValueBits, int kD, int kRows>
 __device__ __forceinline__ void LoadKvTile(const ChunkParams& p, uint8_t* smem,
                                            const int32_t* table, int h, int tile_begin, int end) {
-  using L = ChunkLayout<kD, kQueryParts<kKind>>;
+  using L = ChunkLayout<kD, kQueryParts<kKind>, kRows>;
   constexpr int kGroups = kD / 8;  // 8-element groups per row
   constexpr bool kPlain = IsPlain(kKind);
   for (int u = threadIdx.x; u < L::kKv * kGroups; u += kWarps * 32) {
@@ -199,7 +204,7 @@ __device__ __forceinline__ void LoadKvTile(const ChunkParams& p, uint8_t* smem,
 // The compressed kinds' next KV tile as raw words in registers: loaded before the current tile's
 // MMAs (so that the loads are in flight while they run) and dequantized into shared memory after
 // them. Each thread holds the codes of kUnits 8-element groups and one token's metadata.
-template <KeyKind kKind, int kValueBits, int kD>
+template <KeyKind kKind, int kValueBits, int kD, int kRows>
 struct RawTile {
   static constexpr int kKv = KvTile(kD);
   static constexpr int kGroups = kD / 8;
@@ -210,8 +215,9 @@ struct RawTile {
   uint32_t value[kUnits];
   float ks, vs, vz;
 
-  __device__ __forceinline__ void Fetch(const ChunkParams& p, const int32_t* table, int h,
-                                        int tile_begin, int end) {
+  // ids[t / block_size − id_base]: the split's ids staged in shared memory, or the block table.
+  __device__ __forceinline__ void Fetch(const ChunkParams& p, const int32_t* ids, int id_base,
+                                        int h, int tile_begin, int end) {
 #pragma unroll
     for (int k = 0; k < kUnits; ++k) {
       const int u = threadIdx.x + k * kWarps * 32;
@@ -221,7 +227,7 @@ struct RawTile {
       if constexpr (kKeyWords == 2) key[k][1] = 0;
       value[k] = 0;
       if (t < end) {
-        const uint8_t* slot = p.cache + int64_t{table[t / p.block_size]} * p.block_bytes +
+        const uint8_t* slot = p.cache + int64_t{ids[t / p.block_size - id_base]} * p.block_bytes +
                               (int64_t{t % p.block_size} * p.num_kv_heads + h) * p.data_per_slot;
         if constexpr (kKind == KeyKind::kFp8) {
           const uint2 w = __ldg(reinterpret_cast<const uint2*>(slot) + e8);
@@ -236,7 +242,7 @@ struct RawTile {
     ks = vs = vz = 0.0f;
     const int t = tile_begin + static_cast<int>(threadIdx.x);
     if (threadIdx.x < kKv && t < end) {
-      const uint8_t* block = p.cache + int64_t{table[t / p.block_size]} * p.block_bytes;
+      const uint8_t* block = p.cache + int64_t{ids[t / p.block_size - id_base]} * p.block_bytes;
       const __half* meta = reinterpret_cast<const __half*>(block + p.meta_offset) +
                            int64_t{h} * p.num_meta * p.block_size + t % p.block_size;
       int f = 0;
@@ -248,7 +254,7 @@ struct RawTile {
   }
 
   __device__ __forceinline__ void Commit(uint8_t* smem) const {
-    using L = ChunkLayout<kD, kQueryParts<kKind>>;
+    using L = ChunkLayout<kD, kQueryParts<kKind>, kRows>;
 #pragma unroll
     for (int k = 0; k < kUnits; ++k) {
       const int u = threadIdx.x + k * kWarps * 32;
@@ -303,7 +309,7 @@ struct RawTile {
 // tensor cores; their softmax states are merged through shared memory at the end.
 template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
 struct ChunkCta {
-  using L = ChunkLayout<kD, kQueryParts<kKind>>;
+  using L = ChunkLayout<kD, kQueryParts<kKind>, 16 * kRowWarps>;
   static constexpr int kQParts = kQueryParts<kKind>;
   static constexpr int kKv = L::kKv;
   static constexpr bool kPlain = IsPlain(kKind);
@@ -374,7 +380,7 @@ struct ChunkCta {
 #pragma unroll
       for (int j = 0; j < kQParts; ++j) {  // each part is the rounding of what the earlier left
         const uint16_t b0 = ToBits<kFp16>(x0), b1 = ToBits<kFp16>(x1);
-        *reinterpret_cast<uint32_t*>(smem + L::kQ + (j * kRowsPerCta + r) * L::kPitch + 2 * d) =
+        *reinterpret_cast<uint32_t*>(smem + L::kQ + (j * kRows + r) * L::kPitch + 2 * d) =
             uint32_t{b0} | uint32_t{b1} << 16;
         x0 -= FromBits<kFp16>(b0);
         x1 -= FromBits<kFp16>(b1);
@@ -389,7 +395,7 @@ struct ChunkCta {
       uint32_t a[kQParts][4];  // the query's parts, hi first
 #pragma unroll
       for (int j = 0; j < kQParts; ++j) {
-        const int r = j * kRowsPerCta + 16 * row_warp + (lane & 7) + 8 * ((lane >> 3) & 1);
+        const int r = j * kRows + 16 * row_warp + (lane & 7) + 8 * ((lane >> 3) & 1);
         LdMatrixX4(smem_base + L::kQ + r * L::kPitch + 2 * (16 * ks + 8 * (lane >> 4)), a[j]);
       }
 #pragma unroll
@@ -419,16 +425,32 @@ struct ChunkCta {
                                           float (&s)[kSN][4]) {
     const float* kscale = reinterpret_cast<const float*>(smem + L::kKScale);
     float tile_max[2] = {-INFINITY, -INFINITY};
+    // Most tiles of a long chunk lie wholly before every row of the warp and inside the split:
+    // no mask there (the warp's first row has the smallest position).
+    const int first_pos = ctx0 + (row0 + 16 * row_warp) / group;
+    const bool unmasked = p.sliding_window == 0 && tile_begin + tok0 + kWarpTokens <= split_end &&
+                          tile_begin + tok0 + kWarpTokens - 1 <= first_pos;
+    if (unmasked) {
 #pragma unroll
-    for (int n = 0; n < kSN; ++n) {
+      for (int n = 0; n < kSN; ++n) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int j = tok0 + 8 * n + 2 * tq + (c & 1);
-        const int t = tile_begin + j, k = c >> 1;
-        const bool keep = t < split_end && t <= row_pos[k] &&
-                          (p.sliding_window == 0 || t > row_pos[k] - p.sliding_window);
-        s[n][c] = keep ? s[n][c] * kscale[j] : -INFINITY;
-        tile_max[k] = fmaxf(tile_max[k], s[n][c]);
+        for (int c = 0; c < 4; ++c) {
+          s[n][c] *= kscale[tok0 + 8 * n + 2 * tq + (c & 1)];
+          tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[n][c]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = tok0 + 8 * n + 2 * tq + (c & 1);
+          const int t = tile_begin + j, k = c >> 1;
+          const bool keep = t < split_end && t <= row_pos[k] &&
+                            (p.sliding_window == 0 || t > row_pos[k] - p.sliding_window);
+          s[n][c] = keep ? s[n][c] * kscale[j] : -INFINITY;
+          tile_max[k] = fmaxf(tile_max[k], s[n][c]);
+        }
       }
     }
     float ref[2];
@@ -596,22 +618,35 @@ __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkP
   const int split_end = min(kv_end, split_begin + p.tokens_per_split);
   const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
   cta.LoadQuery(h);
+  // The split's block ids into shared memory where they fit.
+  const int id_begin = split_begin / p.block_size;
+  const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
+  const bool staged_ids = id_count <= kMaxStagedIds;
+  int32_t* smem_ids = reinterpret_cast<int32_t*>(smem + Cta::L::kIds);
+  if (staged_ids) {
+    for (int i = threadIdx.x; i < id_count; i += kWarps * 32) smem_ids[i] = table[id_begin + i];
+  }
+  const int32_t* ids = staged_ids ? smem_ids : table;
+  const int id_base = staged_ids ? id_begin : 0;
+  __syncthreads();
 
-  RawTile<kKind, kValueBits, kD> raw;
+  RawTile<kKind, kValueBits, kD, Cta::kRows> raw;
   if constexpr (!Cta::kPlain) {
-    if (split_begin < split_end) raw.Fetch(p, table, h, split_begin, split_end);
+    if (split_begin < split_end) raw.Fetch(p, ids, id_base, h, split_begin, split_end);
   }
   const int tok0 = cta.kv_part * Cta::kWarpTokens;
   for (int tile_begin = split_begin; tile_begin < split_end; tile_begin += Cta::kKv) {
     __syncthreads();  // the previous tile has been used
     if constexpr (Cta::kPlain) {
-      LoadKvTile<kKind, kValueBits, kD>(p, smem, table, h, tile_begin, split_end);
+      LoadKvTile<kKind, kValueBits, kD, Cta::kRows>(p, smem, table, h, tile_begin, split_end);
     } else {
       raw.Commit(smem);
     }
     __syncthreads();
     if constexpr (!Cta::kPlain) {
-      if (tile_begin + Cta::kKv < split_end) raw.Fetch(p, table, h, tile_begin + Cta::kKv, split_end);
+      if (tile_begin + Cta::kKv < split_end) {
+        raw.Fetch(p, ids, id_base, h, tile_begin + Cta::kKv, split_end);
+      }
     }
     if (!cta.active() || tile_begin + tok0 >= split_end) continue;
     float s[Cta::kSN][4] = {};
@@ -626,7 +661,7 @@ __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkP
 
 template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
 cudaError_t LaunchChunk(const ChunkParams& p, cudaStream_t stream) {
-  constexpr int kSmem = ChunkLayout<kD, kQueryParts<kKind>>::kBytes;
+  constexpr int kSmem = ChunkLayout<kD, kQueryParts<kKind>, 16 * kRowWarps>::kBytes;
   auto* kernel = ChunkAttentionKernel<kKind, kValueBits, kD, kRowWarps>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
