@@ -602,11 +602,8 @@ struct ChunkCta {
 // first row's window start to its last row's token; a split is tokens_per_split of that. The
 // compressed kinds load the next tile's codes into registers before this tile's MMAs (RawTile);
 // the plain kinds load each tile straight into shared memory.
-// Few-row CTAs (the memory-bound decode and verify shapes) are compiled for three per SM, so
-// that more tiles' loads are in flight; 64-row CTAs take the registers they need (two per SM).
 template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
-__global__ void __launch_bounds__(kWarps * 32, kRowWarps == 4 || kD == 256 ? 1 : 3)
-    ChunkAttentionKernel(const ChunkParams p) {
+__global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkParams p) {
   using Cta = ChunkCta<kKind, kValueBits, kD, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
