@@ -19,7 +19,6 @@
 
 namespace tqkv {
 
-using decode_detail::KeyKind;
 
 struct CudaAttention::State {
   explicit State(CudaDecoder d) : decoder(std::move(d)) {}
@@ -85,10 +84,8 @@ CudaAttention::CudaAttention(const Quantizer& q)
   s.format = q.format();
   s.shape = {s.format.head_dim, s.format.num_kv_heads, s.format.block_size};
   s.value_bits = s.format.value_bits;
-  if (s.format.fp8_keys) {
-    s.key_kind = KeyKind::kFp8;
-  } else {
-    s.key_kind = s.format.key_bits == 4 ? KeyKind::kMse4 : KeyKind::kMse3;
+  s.key_kind = s.format.key_kind();
+  if (!s.format.fp8_keys) {
     s.rotation = DeviceBuffer<float>(int64_t{s.format.head_dim} * s.format.head_dim);
     s.rotation.CopyFromHost(q.rotation().matrix);
     const auto& c = q.codebook().centroids;
@@ -109,7 +106,7 @@ CudaAttention::CudaAttention(const Bf16BlockFormat& format)
   s.plain = true;
   s.plain_format = format;
   s.shape = {format.head_dim, format.num_kv_heads, format.block_size};
-  s.key_kind = format.dtype == DType::kF16 ? KeyKind::kF16 : KeyKind::kBf16;
+  s.key_kind = format.key_kind();
   s.sm_count = DeviceSmCount();
 }
 

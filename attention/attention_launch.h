@@ -13,7 +13,6 @@
 
 namespace tqkv::attention_detail {
 
-using decode_detail::KeyKind;
 
 // The most query rows per CTA (4 warps × 16 rows of the MMAs; ChunkParams::row_warps picks 16, 32
 // or 64) and the tokens of one KV tile by head_dim (the tile's dequantized keys, hi and lo parts,

@@ -23,7 +23,7 @@ struct CudaDecoder::State {
   bool bf16 = false;
   BlockFormat format;  // compressed
   Bf16BlockFormat bf16_format;
-  decode_detail::KeyKind key_kind = decode_detail::KeyKind::kMse4;
+  KeyKind key_kind = KeyKind::kMse4;
   bool rotate_query = false;     // MSE keys: q·Πᵀ
   bool fwht = false;             // Πᵀ = diag(signs)·H/√D: rotated in the split kernel
   DeviceBuffer<float> rotation;  // dense Πᵀ [D, D] (for the query prep kernel)
@@ -64,11 +64,8 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
   State& s = *state_;
   s.format = q.format();
   const int d = s.format.head_dim;
-  if (s.format.fp8_keys) {
-    s.key_kind = decode_detail::KeyKind::kFp8;
-  } else {
-    s.key_kind =
-        s.format.key_bits == 4 ? decode_detail::KeyKind::kMse4 : decode_detail::KeyKind::kMse3;
+  s.key_kind = s.format.key_kind();
+  if (!s.format.fp8_keys) {
     s.rotate_query = true;
     const Rotation& r = q.rotation();
     s.fwht = r.kind == RotationKind::kHadamard || r.kind == RotationKind::kHadamardSigns;
@@ -114,8 +111,7 @@ CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_uniqu
   }
   state_->bf16 = true;
   state_->bf16_format = format;
-  state_->key_kind =
-      format.dtype == DType::kF16 ? decode_detail::KeyKind::kF16 : decode_detail::KeyKind::kBf16;
+  state_->key_kind = format.key_kind();
   state_->sm_count = DeviceSmCount();
 }
 

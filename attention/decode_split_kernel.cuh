@@ -43,7 +43,11 @@
 #include "attention/decode_cache_traits.cuh"
 #include "attention/decode_device.cuh"
 #include "attention/decode_launch.h"
+#include "attention/decode_split_compute.cuh"
 #include "attention/decode_split_config.cuh"
+#include "attention/decode_split_epilogue.cuh"
+#include "attention/decode_split_pipelines.cuh"
+#include "attention/decode_split_prologue.cuh"
 #include "attention/decode_variant.h"
 
 namespace tqkv::decode_detail {
@@ -64,13 +68,14 @@ namespace tqkv::decode_detail {
 // Split kernel SplitVariant::FromCode(kCode): one CTA per (split, KV head or pair of KV heads,
 // sequence). Its phases, in order: the loads that need not wait for the kernel ahead (codebook
 // entries, rotation signs), the wait, the block-table chain and the query's first row; then
-// finish_prologue (query rotation into shared memory, codebook replicas, block ids, query
-// fragments) once a pipeline's first copies are out; one of four chunk pipelines (bf16 staged,
-// bf16 from registers, compressed staged, compressed from registers) calling `compute` per chunk
-// (score MMAs, online softmax, P·V MMAs); the split's partial last chunk; the warps' merge through
-// shared memory and the output. (One function on purpose: the same code as member functions of a
-// per-CTA class compiled to different schedules, 5-9 % slower for k3v4_nc at batch 16; branch
-// split-cta-decomposition, commit a7bbadb.)
+// finish_prologue (decode_split_prologue.cuh: query rotation into shared memory, codebook
+// replicas, block ids, query fragments) once a pipeline's first copies are out; one of four chunk
+// pipelines (decode_split_pipelines.cuh) calling `compute` (decode_split_compute.cuh: score MMAs,
+// online softmax, P·V MMAs) per chunk; the split's partial last chunk; the warps' merge through
+// shared memory and the output (decode_split_epilogue.cuh). The phases are function objects
+// holding references to the kernel's values, or function templates over them, as the lambdas
+// they replaced were: a per-CTA class with member functions compiled to other schedules, 5-9 %
+// slower for k3v4_nc at batch 16 (a7bbadb).
 template <uint32_t kCode>
 __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32,
                                   kSplitMinCtas<SplitVariant::FromCode(kCode)>)
@@ -93,8 +98,6 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   static_assert(!V.one_cta ||
                 (kStaged && kKind == KeyKind::kMse4 && kSW == kStagedWarps && !kPaired));
   constexpr int kT = Config::kCtaWarps * 32;
-  // The cache copies with the L2 evict-first policy (CopyAsync16Fill), except 3-bit keys'.
-  constexpr bool kStreamCopies = kKind != KeyKind::kMse3;
   // kW: the warps that share one KV head's chunks (all of the CTA's but in a paired CTA).
   constexpr int kUnits = Config::kUnits;
   constexpr int kW = Config::kCtaWarps / kUnits;
@@ -102,7 +105,6 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   constexpr int kKSteps = Config::kKSteps;
   constexpr int kMTiles = Config::kMTiles;
   constexpr int kKW = Traits::kKeyWords;
-  constexpr int kVW = Traits::kValueWords;
   constexpr bool kCodebook = Traits::kLutEntries > 0;
   // The 8-warp staged kernel for 3-bit keys reads the centroids' scaled fp16 hi parts alone
   // (codebook_fp16.h: the plan picks it only for a codebook that scales to within kMaxHiOnlyError
@@ -219,124 +221,9 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
-  // Everything the split needs from earlier work: waits for the query prep grid where there is
-  // one (programmatic launch), rotates the group's query rows into shared memory and loads the
-  // fragments from there, and completes the table copy.
-  auto finish_prologue = [&] {
-    GridDependencyWait();
-    // Warp w rotates rows w, w + kW, ... of the group: lane l holds elements kE·l .. kE·l + kE - 1,
-    // so the transform's first log2(kE) butterfly stages are in registers and the other five
-    // cross lanes (shuffles). Sylvester order: y[j] = Σ_i x[i] (-1)^popcount(i & j).
-    uint16_t* q_hi = reinterpret_cast<uint16_t*>(smem + Config::kQueryOffset) +
-                     unit * 2 * Config::kQueryHeads * kD;
-    uint16_t* q_lo = q_hi + Config::kQueryHeads * kD;
-    for (int head = warp; head < Config::kQueryHeads; head += kW) {
-      float x[kE];
-#pragma unroll
-      for (int e = 0; e < kE; ++e) x[e] = 0.0f;
-      if (head < group) {
-        const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h * group + head;
-#pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const int64_t at = row * kD + kE * lane + e;
-          if (head == warp && q_prefetched) {
-            const auto bits = static_cast<uint16_t>(q_pre[e / 2] >> (16 * (e % 2)));
-            x[e] = p.query_dtype == DType::kF16 ? __half2float(__ushort_as_half(bits))
-                                      : __bfloat162float(__ushort_as_bfloat16(bits));
-          } else if (p.query_dtype == DType::kF32) {
-            x[e] = static_cast<const float*>(p.query)[at];
-          } else if (p.query_dtype == DType::kF16) {
-            x[e] = __half2float(static_cast<const __half*>(p.query)[at]);
-          } else {
-            x[e] = __bfloat162float(static_cast<const __nv_bfloat16*>(p.query)[at]);
-          }
-          x[e] *= q_sign[e];  // 1 without signs
-        }
-        if (p.query_fwht) {
-#pragma unroll
-          for (int m = 1; m < kE; m <<= 1) {
-#pragma unroll
-            for (int e = 0; e < kE; ++e) {
-              if ((e & m) == 0) {
-                const float u = x[e], v = x[e + m];
-                x[e] = u + v;
-                x[e + m] = u - v;
-              }
-            }
-          }
-#pragma unroll
-          for (int m = 1; m < 32; m <<= 1) {
-#pragma unroll
-            for (int e = 0; e < kE; ++e) {
-              const float o = __shfl_xor_sync(0xffffffffu, x[e], m);
-              x[e] = (lane & m) ? o - x[e] : x[e] + o;
-            }
-          }
-#pragma unroll
-          for (int e = 0; e < kE; ++e) x[e] *= p.query_scale;
-        }
-      }
-      // Fragment words hold element pairs (low half = even element), so the rows are stored as
-      // pairs.
-#pragma unroll
-      for (int e = 0; e < kE; e += 2) {
-        const int at = head * kD + kE * lane + e;
-        if constexpr (Traits::kPlain) {  // the cache's element type
-          *reinterpret_cast<uint32_t*>(q_hi + at) = PackPlain<Traits::kFp16>(x[e], x[e + 1]);
-        } else {
-          const __half2 hi = __floats2half2_rn(x[e], x[e + 1]);
-          const float2 hf = __half22float2(hi);
-          *reinterpret_cast<__half2*>(q_hi + at) = hi;
-          *reinterpret_cast<__half2*>(q_lo + at) = __floats2half2_rn(x[e] - hf.x, x[e + 1] - hf.y);
-        }
-      }
-    }
-    if constexpr (kCodebook) {
-      // 16-byte stores of two replicas (hi-only: four replicas of the hi pair, 32 per entry at
-      // 4-byte steps, so that the 32 lanes' 4-byte lookups hit 32 distinct banks: one wavefront);
-      // store c of lane l goes to 16-byte slot (c + l) mod 8 of its entry's 256-byte row, so each
-      // 8-lane phase of a store covers 8 distinct bank groups.
-      const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-#pragma unroll
-      for (int k = 0; k < kEntriesPerThread; ++k) {
-        const int e = threadIdx.x + k * kT;
-        if (e < Traits::kLutEntries) {
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const uint32_t at = base + 256u * e + 16u * ((c + lane) & 7);
-            const uint32_t second = kHiOnly ? entries[k].x : entries[k].y;
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at), "r"(entries[k].x),
-                         "r"(second)
-                         : "memory");
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kIdsPerThread; ++k) {
-      const int i = threadIdx.x + k * kT;
-      if (i < num_ids) ids_s[i] = ids_pre[k];
-    }
-    __syncthreads();  // the rotated rows, the table replicas and the block ids
-#pragma unroll
-    for (int part = 0; part < kQParts; ++part) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        // Packed: column g holds part g % 2 of head g / 2.
-        const int head = kPacked ? (g >> 1) : 8 * nt + g;
-        const uint16_t* q = ((kPacked ? (g & 1) : part) ? q_lo : q_hi) + head * kD +
-                            (kInterleavedKeys ? 8 : kD / 4) * t;
-#pragma unroll
-        for (int s = 0; s < kKSteps; ++s) {
-          // A thread's key element i is d = (D/4)·t + i, or with interleaved keys (its units are
-          // 4j + t) d = 32·(i / 8) + 8·t + i % 8.
-          const int at = kInterleavedKeys ? 32 * (s / 2) + 4 * (s % 2) : 4 * s;
-          qf[part][nt][s][0] = *reinterpret_cast<const uint32_t*>(q + at);
-          qf[part][nt][s][1] = *reinterpret_cast<const uint32_t*>(q + at + 2);
-        }
-      }
-    }
-  };
+  const SplitPrologue<V> finish_prologue{p,     unit,         warp,  lane,   b,       h,
+                                         group, q_prefetched, q_pre, q_sign, entries, num_ids,
+                                         ids_s, ids_pre,      g,     t,      qf};
 
   float acc[kMTiles][kNTiles][4];
   float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
@@ -370,12 +257,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
       static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + 2 * g);
   const int meta_field = 2 * p.block_size;  // bytes between fields of one head
 
-  // Registers of one chunk.
-  struct Chunk {
-    uint32_t kg[kKW], k8[kKW];     // key bytes of score rows g, g + 8 (tokens 2g, 2g + 1)
-    uint32_t v[4][kVW];            // value bytes of tokens 4t, 4t+2, 4t+1, 4t+3
-    uint32_t norm, vscale, vzero;  // fp16 pairs: tokens 2g (low half), 2g + 1 (high half)
-  };
+  using Chunk = SplitChunk<Traits>;
   // Block id of chunk c, or 0 past the split's full chunks. Loaded one chunk before the chunk's
   // data loads need it, so that a warp never waits for a table read before its next compute.
   auto block_of = [&](int c, int num_chunks) -> int {
@@ -411,573 +293,26 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
     }
   };
 
-  auto compute = [&]<bool kTail>(int c, Chunk& cur) {
-    const int t0 = begin + c * kChunk;
-    bool valid[2] = {true, true};  // tokens 2g, 2g + 1
-    if constexpr (kTail) {
-      valid[0] = t0 + 2 * g < end;
-      valid[1] = t0 + 2 * g + 1 < end;
-    }
-
-    // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA
-    // chains sp[k] (summed below). FP8 / bf16 keys: M rows g, g + 8 are tokens 2g, 2g + 1;
-    // chains k = q parts. Codebook keys: one MMA per token half (k = 2·half + q part), whose rows
-    // g and g + 8 hold the c_hi and c_lo parts of the same token (one 64-bit table load gives
-    // both, in the consecutive registers an MMA operand needs), so S = C[row g] + C[row g + 8].
-    // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
-    // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
-    // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
-    constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
-                           : Traits::kPlain ? 1
-                                            : (kCodebook ? 4 : 2);
-    float sp[kParts][kNTiles][4];
-#pragma unroll
-    for (int k = 0; k < kParts; ++k) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
-      }
-    }
-    StaticFor<kKSteps>([&](auto ks_c) {
-      constexpr int ks = decltype(ks_c)::value;
-      if constexpr (kHiOnly) {  // rows g, g + 8 = tokens 2g, 2g + 1; chains k = k-step mod 4
-        uint32_t a[4];
-        Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
-        MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
-      } else if constexpr (kCodebook) {
-        uint32_t a0[4], a1[4];
-        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
-        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
-        if constexpr (kPacked) {  // chains k = token half; q parts are columns
-          constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
-          MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
-          MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            MmaF16(sp[0][nt], a0, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-            MmaF16(sp[1][nt], a0, qf[1][nt][ks][0], qf[1][nt][ks][1]);
-            MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-            MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
-          }
-        }
-      } else {
-        uint32_t a[4];
-        Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          if constexpr (Traits::kPlain) {
-            MmaPlain<Traits::kFp16>(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          } else if constexpr (kPacked) {
-            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          } else {
-            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-            MmaF16(sp[1][nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
-          }
-        }
-      }
-    });
-    float row_scale[2], vs[2], vz[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_scale[i] =
-          Traits::kHasNorm
-              ? HalfBitsToFloat(static_cast<uint16_t>(cur.norm >> (16 * i))) * p.score_scale
-              : p.score_scale;
-      vs[i] =
-          Traits::kPlain ? 1.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vscale >> (16 * i)));
-      vz[i] = Traits::kPlain ? 0.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vzero >> (16 * i)));
-      if constexpr (kTail) {  // metadata of slots past the end may be NaN garbage (0 · NaN = NaN)
-        vs[i] = valid[i] ? vs[i] : 0.0f;
-        vz[i] = valid[i] ? vz[i] : 0.0f;
-      }
-    }
-
-    uint32_t pb[kNTiles][2], pb_lo[kNTiles][2];  // P' as 16-bit hi and lo parts
-    if constexpr (kPacked) {
-      // Head t: its scores for tokens 2g + r (columns 2t, 2t + 1 = q_hi, q_lo; codebook keys add
-      // the c_lo row g + 8), its running state in [0][0].
-      float s[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum;
-        if constexpr (kHiOnly) {  // row g + 8r of the four chains
-          sum =
-              ((sp[0][0][2 * r] + sp[0][0][2 * r + 1]) + (sp[2][0][2 * r] + sp[2][0][2 * r + 1])) +
-              ((sp[1][0][2 * r] + sp[1][0][2 * r + 1]) + (sp[3][0][2 * r] + sp[3][0][2 * r + 1]));
-        } else {
-          sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
-                          : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
-          if constexpr (kCodebook && kParts == 4) {
-            sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
-          }
-        }
-        s[r] = sum * row_scale[r];
-        if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
-      }
-      float mx = fmaxf(s[0], s[1]);
-      // As below: lazy unless a value scale is too large for p ≤ 2^kLazyMax.
-      const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
-      if (__any_sync(0xffffffffu, mx > (exact ? m[0][0] : m_thr[0][0]))) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float m_new = fmaxf(m[0][0], mx);
-        const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[0][0] - m_new);
-        m[0][0] = m_new;
-        m_thr[0][0] = m_new + kLazyMax;
-        l[0][0] *= corr;
-        z[0][0] *= corr;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][0][i] *= corr;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float pr = FastExp2(s[r] - m[0][0]);  // 0 past the end (s = -inf)
-        l[0][0] += pr;
-        z[0][0] += pr * vz[r];
-        const float pw = pr * vs[r];
-        // (row g = token 2g + r, columns 2t, 2t + 1) = (P'_hi, P'_lo) of head t.
-        const __half hi = __float2half_rn(pw);
-        const __half2 x = __halves2half2(hi, __float2half_rn(pw - __half2float(hi)));
-        pb[0][r] = Transpose8x8(*reinterpret_cast<const uint32_t*>(&x));
-        pb_lo[0][r] = 0u;
-      }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        // s[0..1]: token 2g, heads 2t, 2t+1; s[2..3]: token 2g + 1.
-        float s[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float sum;
-          if constexpr (kCodebook) {
-            const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
-            sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
-                  (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
-          } else {
-            sum = sp[0][nt][i];
-            if constexpr (kParts > 1) sum += sp[1][nt][i];
-          }
-          s[i] = sum * row_scale[i / 2];
-          if constexpr (kTail) s[i] = valid[i / 2] ? s[i] : -INFINITY;
-        }
-        float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-        // Rescale only when some score of the warp passes its head's running maximum by more than
-        // kLazyMax (a few times per split), or by anything when a value scale of the chunk is too
-        // large for p ≤ 2^kLazyMax; then m becomes the exact maximum so far.
-        const bool exact = !Traits::kPlain && fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
-        const float thr0 = exact ? m[nt][0] : m_thr[nt][0];
-        const float thr1 = exact ? m[nt][1] : m_thr[nt][1];
-        if (__any_sync(0xffffffffu, mx[0] > thr0 || mx[1] > thr1)) {
-          float corr[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
-            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
-            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
-            const float m_new = fmaxf(m[nt][j], mx[j]);
-            corr[j] = m_new == -INFINITY ? 1.0f : exp2f(m[nt][j] - m_new);
-            m[nt][j] = m_new;
-            m_thr[nt][j] = m_new + kLazyMax;
-            l[nt][j] *= corr[j];
-            z[nt][j] *= corr[j];
-          }
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            acc[mt][nt][0] *= corr[0];
-            acc[mt][nt][1] *= corr[1];
-            acc[mt][nt][2] *= corr[0];
-            acc[mt][nt][3] *= corr[1];
-          }
-        }
-        float pw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i / 2, j = i % 2;
-          // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
-          const float pr = FastExp2(s[i] - m[nt][j]);
-          l[nt][j] += pr;
-          if constexpr (!Traits::kPlain) z[nt][j] += pr * vz[r];
-          pw[i] = pr * vs[r];
-        }
-        // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
-        // give head g at tokens 4t, 4t+2 (k-slots 2t, 2t+1) and 4t+1, 4t+3 (k-slots 2t+8, 2t+9).
-        // Compressed kinds: P' = hi + lo (fp16 each, ~2^-22 together), two P·V MMAs keep the output
-        // at fp32 level (one fp16 P' leaves 2^-12 per token, which the zero-point term amplifies).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          uint32_t packed, packed_lo = 0;
-          if constexpr (Traits::kPlain) {  // P' in the cache's type, as flash-attention rounds it
-            packed = PackPlain<Traits::kFp16>(pw[2 * r], pw[2 * r + 1]);
-          } else {
-            const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
-            const __half2 y =
-                __floats2half2_rn(pw[2 * r] - __low2float(x), pw[2 * r + 1] - __high2float(x));
-            packed = *reinterpret_cast<const uint32_t*>(&x);
-            packed_lo = *reinterpret_cast<const uint32_t*>(&y);
-          }
-          pb[nt][r] = Transpose8x8(packed);
-          pb_lo[nt][r] = Traits::kPlain ? 0u : Transpose8x8(packed_lo);
-        }
-      }
-    }
-
-    // Plain values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
-    // 0 · NaN is NaN). Codes of the compressed kinds are always finite.
-    if constexpr (Traits::kPlain && kTail) {
-      const bool vvalid[4] = {t0 + 4 * t < end, t0 + 4 * t + 2 < end, t0 + 4 * t + 1 < end,
-                              t0 + 4 * t + 3 < end};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int w = 0; w < kVW; ++w) cur.v[i][w] = vvalid[i] ? cur.v[i][w] : 0u;
-      }
-    }
-    // Oᵀ[d, head] += Vᵀ[d, token] · P'ᵀ[token, head].
-    if constexpr (!Traits::kPlain && kValueBits == 4) {
-      StaticFor<kMTiles / 2>([&](auto pair_c) {
-        constexpr int mt = 2 * decltype(pair_c)::value;
-        uint32_t r01[2][2], r89[2][2];  // [m-tile][row g / g+8]
-        Traits::template RowsPair<mt>(cur.v[0], cur.v[1], r01);
-        Traits::template RowsPair<mt>(cur.v[2], cur.v[3], r89);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const uint32_t a[4] = {r01[k][0], r01[k][1], r89[k][0], r89[k][1]};
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
-            if constexpr (!kPacked) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
-          }
-        }
-      });
-    } else {
-      StaticFor<kMTiles>([&](auto mt_c) {
-        constexpr int mt = decltype(mt_c)::value;
-        uint32_t a[4];
-        Traits::template Rows<mt>(cur.v[0], cur.v[1], a[0], a[1]);
-        Traits::template Rows<mt>(cur.v[2], cur.v[3], a[2], a[3]);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          if constexpr (Traits::kPlain) {
-            MmaPlain<Traits::kFp16>(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
-          } else {
-            MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
-            if constexpr (!kPacked) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
-          }
-        }
-      });
-    }
-  };
+  // One chunk: scores, the online softmax and P·V (decode_split_compute.cuh).
+  const SplitCompute<V> compute{p, begin, end, g, t, lane_word, qf, acc, m, m_thr, l, z};
 
   // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
   // that only it pays for the end-of-sequence masks.
   const int num_full = (end - begin) / kChunk;
   // block_of(warp + k·kW, num_full) for the chunks read in the prologue (k < kStages).
   auto first_block = [&](int k) { return warp + k * kW < num_full ? first_block_ids[k] : 0; };
+  const SplitPipelineFrame frame{
+      p,           lane,         g,        t,          warp,       cta_warp, h,    begin, num_full,
+      block_shift, stride_token, head_off, value_base, meta_field, id0,      ids_s};
+  using Pipelines = SplitPipelines<V>;
   if constexpr (Traits::kPlain && kStaged) {
-    // Chunk c + (S - 1)·kW is copied into stage (k + S - 1) mod S while chunk c (this warp's k-th)
-    // is read from stage k mod S and computed, one commit group per chunk (empty past the end).
-    // Copy instruction i covers units 32·i .. 32·i + 31 of the chunk's 16 × kU units (token by
-    // token): lane l copies unit e % kU of token e / kU, e = 32·i + l (D = 64: two tokens per
-    // instruction), so each instruction reads whole runs of 128 or 256 key or value bytes.
-    using Layout = Bf16StagedLayout<kD>;
-    constexpr int kS = Layout::kStages;
-    constexpr uint32_t kPitch = Layout::kPitch;
-    constexpr int kU = Layout::kUnits;
-    constexpr int kCopies = 16 * kU / 32;
-    const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    uint32_t stage[kS];  // shared addresses of this warp's stages, stage[0] = the next read
-#pragma unroll
-    for (int s = 0; s < kS; ++s) stage[s] = smem_base + Layout::Stage(warp, s);
-    // Lane l's unit and its token within the instruction.
-    const uint32_t lane_unit = lane % kU;
-    const uint32_t lane_token = lane / kU;
-    // Destination of lane l's unit for each swizzle mask x (the mask is a compile-time function
-    // of the token, so each instruction picks one of these).
-    uint32_t copy_dst[8];
-#pragma unroll
-    for (int x = 0; x < 8; ++x) copy_dst[x] = kPitch * lane_token + 16u * (lane_unit ^ x);
-    // Source of lane l's unit: a key unit below kU / 2, a value unit above.
-    const uint32_t copy_src =
-        Pinned((lane_unit < kU / 2 ? 0u : static_cast<uint32_t>(value_base)) + head_off +
-               16u * (lane_unit % (kU / 2)) + lane_token * static_cast<uint32_t>(stride_token));
-    const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
-    const uint32_t token_bytes = static_cast<uint32_t>(stride_token);
-    auto issue = [&](int cc, uint32_t dst, int block) {
-      const uint32_t bytes = cc < num_full ? 16u : 0u;
-      const uint8_t* base =
-          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
-      const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
-      const uint8_t* src = base + pos0 * token_bytes;
-#pragma unroll
-      for (int i = 0; i < kCopies; ++i) {
-        // The instruction's first token and its swizzle mask (compile-time after unrolling; the
-        // mask ignores token bit 0, so both tokens of a D = 64 instruction share it).
-        const int tok = (32 * i) / kU;
-        const uint32_t x = Layout::Swizzle(tok);
-        CopyAsync16Fill<kStreamCopies>(dst + copy_dst[x] + kPitch * tok,
-                                       src + copy_src + tok * token_bytes, bytes);
-      }
-    };
-    // Reads: keys of token 2g (units 4j + t: from read_k[j % 2] + 64·(j - j % 2)) and 2g + 1
-    // (+kPitch: same mask); values of token 4t + c, units (D/64)·g + hh, from read_v[c / 2][hh]
-    // (+kPitch for odd c).
-    constexpr int kKeyUnits = kD / 32, kValueUnits = kD / 64;
-    const uint32_t key_x = t ^ Layout::Swizzle(2 * g);
-    const uint32_t read_k0 = Pinned(kPitch * (2 * g) + 16u * key_x);
-    const uint32_t read_k1 = Pinned(kPitch * (2 * g) + 16u * (key_x ^ 4u));
-    uint32_t read_v[2][kValueUnits];
-#pragma unroll
-    for (int c2 = 0; c2 < 2; ++c2) {
-      const uint32_t tok = 4 * t + 2 * c2;
-#pragma unroll
-      for (int hh = 0; hh < kValueUnits; ++hh) {
-        read_v[c2][hh] =
-            Pinned(kPitch * tok + 2u * kD + 16u * ((kValueUnits * g + hh) ^ Layout::Swizzle(tok)));
-      }
-    }
-    auto read = [&](uint32_t st, Chunk& ck) {
-#pragma unroll
-      for (int j = 0; j < kKeyUnits; ++j) {
-        const uint32_t a = st + (j & 1 ? read_k1 : read_k0) + 128u * (j >> 1);
-        uint32_t w[4];
-        SharedLoad16(a, w);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ck.kg[4 * j + i] = w[i];
-        SharedLoad16(a + kPitch, w);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ck.k8[4 * j + i] = w[i];
-      }
-      // v[0..3] = tokens 4t, 4t + 2, 4t + 1, 4t + 3.
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c2 = i & 1, odd = i >> 1;
-#pragma unroll
-        for (int hh = 0; hh < kValueUnits; ++hh) {
-          uint32_t w[4];
-          SharedLoad16(st + read_v[c2][hh] + kPitch * odd, w);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) ck.v[i][4 * hh + k] = w[k];
-        }
-      }
-    };
-    int first_blocks[kS];  // all read before any copy waits for one
-#pragma unroll
-    for (int k = 0; k < kS; ++k) first_blocks[k] = first_block(k);
-#pragma unroll
-    for (int k = 0; k < kS - 1; ++k) {
-      issue(warp + k * kW, stage[k], first_blocks[k]);
-      CopyAsyncCommit();
-    }
-    int next_block = first_blocks[kS - 1];
-    finish_prologue();
-    Chunk cur;
-#pragma unroll 1
-    for (int c = warp; c < num_full; c += kW) {
-      const int ahead = c + (kS - 1) * kW;
-      const int following = block_of(ahead + kW, num_full);
-      CopyAsyncWaitGroup<kS - 2>();
-      __syncwarp();  // every lane's copies of chunk c are complete and visible
-      read(stage[0], cur);
-      // The stage written here was read in the previous step (by mma operands every lane
-      // reached), so it is free.
-      issue(ahead, stage[kS - 1], next_block);
-      CopyAsyncCommit();
-      compute.template operator()<false>(c, cur);
-      next_block = following;
-      const uint32_t first = stage[0];
-#pragma unroll
-      for (int i = 0; i + 1 < kS; ++i) stage[i] = stage[i + 1];
-      stage[kS - 1] = first;
-    }
-    CopyAsyncWait();  // (only empty groups remain) before the merge reuses shared memory
+    Pipelines::PlainStaged(frame, first_block, block_of, finish_prologue, compute);
   } else if constexpr (Traits::kPlain) {
-    // A bf16 chunk is 4x the bytes of a compressed one: one buffer, and occupancy (more warps
-    // per SM) keeps enough loads in flight.
-    Chunk buf;
-    int block = first_block(0);
-    finish_prologue();
-#pragma unroll 1
-    for (int c = warp; c < num_full; c += kW) {
-      const int next = block_of(c + kW, num_full);
-      load(c, buf, block);
-      compute.template operator()<false>(c, buf);
-      block = next;
-    }
+    Pipelines::PlainRegisters(frame, first_block, block_of, finish_prologue, load, compute);
   } else if constexpr (kStaged) {
-    // Chunk c + (kStages - 1)·kW is copied into stage (k + 3) mod 4 while chunk c (this warp's
-    // k-th) is read from stage k mod 4 and computed; one commit group per chunk (empty past the
-    // end) keeps the wait count fixed. In copy instruction j (j = 0..3) lane l copies the 16-byte
-    // unit l mod 8 of token 4j + l / 8, so each 8-lane phase moves one token's whole slot: one
-    // L2 request per 128-byte line of the slot (two where a 112-byte slot of 3-bit keys crosses a
-    // line), where lane pairs over 16 tokens (v7y) made four per line, and twice that for the
-    // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
-    // (v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
-    // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
-    using Layout = StagedLayout<kKind, kSW>;
-    constexpr uint32_t kPitch = Layout::kPitch;
-    constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
-    static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
-    const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(cta_warp, s);
-    const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * cta_warp;
-    const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
-    // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
-    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
-    const uint32_t copy_dst =
-        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
-    const uint32_t copy_head = head_off;
-    // A warp's chunks lie kW·16 tokens apart; in the 8-warp kernels that is 128 tokens, a multiple
-    // of every block size (16-128), so the position of each of its chunks in its block is the
-    // same (kFixedPos: folded into copy_src once, no per-chunk position arithmetic).
-    constexpr bool kFixedPos = kW * kChunk == 128;
-    const uint32_t warp_pos =
-        kFixedPos ? (static_cast<uint32_t>(begin + warp * kChunk) & (p.block_size - 1)) : 0u;
-    const uint32_t copy_src =
-        Pinned((warp_pos + copy_tok) * stride_token + copy_head + 16u * copy_unit);
-    const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
-    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
-    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
-    const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
-    const uint32_t copy_meta =
-        Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
-               (lane >> 1) * meta_field + 16 * (lane & 1) + 2 * warp_pos);
-    const uint32_t meta_dst_lane = Pinned(meta_cells + 16u * lane);
-    const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
-    // Chunk cc into a stage; past the split's full chunks (block 0) nothing is read.
-    // (One 64-bit address per chunk, then 64-bit steps: a 64-bit product and sum per copy cost
-    // 7 more instructions per chunk.)
-    auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
-      const uint32_t bytes = cc < num_full ? 16u : 0u;
-      const uint8_t* base =
-          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
-      const uint32_t pos0 = kFixedPos ? 0u : (begin + cc * kChunk) & (p.block_size - 1);
-      const uint8_t* from = base + (pos0 * stride_token + copy_src);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        if constexpr (kKeyBytes + 64 == 128) {
-          CopyAsync16Fill<kStreamCopies>(to, from, bytes);
-        } else {
-          CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
-        }
-        from += copy_step;
-      }
-      CopyAsync16FillIf<kStreamCopies>(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
-    };
-    // Read offsets within a stage: keys of token 2g and 2g + 1 (+kPitch: the swizzle depends on
-    // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
-    // kKeyBytes + 8g; metadata of tokens 2g, 2g + 1.
-    auto at = [](uint32_t token, uint32_t byte) {
-      return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
-    };
-    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
-    uint32_t read_k[kKeyReads];
-#pragma unroll
-    for (int w = 0; w < kKeyReads; ++w) {
-      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
-    }
-    const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + 8u * g));
-    const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + 8u * g));
-    const uint32_t read_meta = Pinned(meta_cells + 4u * g);
-    auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
-      if constexpr (kKind == KeyKind::kMse4) {
-        SharedLoad16(st + read_k[0], ck.kg);
-        SharedLoad16(st + read_k[0] + kPitch, ck.k8);
-      } else {
-#pragma unroll
-        for (int w = 0; w < kKeyReads; ++w) {
-          ck.kg[w] = SharedLoad4(st + read_k[w]);
-          ck.k8[w] = SharedLoad4(st + read_k[w] + kPitch);
-        }
-      }
-      SharedLoad8(st + read_v0, ck.v[0]);
-      SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
-      SharedLoad8(st + read_v1, ck.v[1]);
-      SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
-      ck.norm = SharedLoad4(meta);
-      ck.vscale = SharedLoad4(meta + 32);
-      ck.vzero = SharedLoad4(meta + 64);
-    };
-    int first_blocks[kStages];  // all read before any copy waits for one
-#pragma unroll
-    for (int k = 0; k < kStages; ++k) first_blocks[k] = first_block(k);
-    constexpr int kPrologueStages = kStages - 1;
-#pragma unroll
-    for (int k = 0; k < kPrologueStages; ++k) {
-      issue(warp + k * kW, stage[k], meta_dst_lane + 128u * k, first_blocks[k]);
-      CopyAsyncCommit();
-    }
-    // The narrow kernel: block ids from global memory, each read one chunk before its copy.
-    [[maybe_unused]] int next_block = first_blocks[kStages - 1];
-    finish_prologue();
-    lane_word = Pinned(lane_word);
-    // The 8-warp kernels: block id of chunk cc from the split's ids in shared memory (read there
-    // past the end too, inside Config::kMaxIds, and dropped), 0 past its full chunks.
-    const uint32_t ids_lane = Pinned(static_cast<uint32_t>(__cvta_generic_to_shared(ids_s)) -
-                                     4u * static_cast<uint32_t>(id0));
-    auto staged_block = [&](int cc) -> int {
-      const uint32_t at =
-          ids_lane + 4u * static_cast<uint32_t>((begin + cc * kChunk) >> block_shift);
-      return cc < num_full ? static_cast<int>(SharedLoad4(at)) : 0;
-    };
-    Chunk cur;
-    uint32_t s = 0;  // stage of chunk c
-#pragma unroll 1
-    for (int c = warp; c < num_full; c += kW) {
-      const int ahead = c + (kStages - 1) * kW;
-      int following = 0;
-      if constexpr (Config::kMaxIds > 0) {
-        next_block = staged_block(ahead);
-      } else {
-        following = block_of(ahead + kW, num_full);
-      }
-      CopyAsyncWaitGroup<kStages - 2>();
-      __syncwarp();  // every lane's copies of chunk c are complete and visible
-      read(stage[0], read_meta + 128u * s, cur);
-      // The stage written here was read in the previous step; its reads fed that step's
-      // mma.sync instructions, which every lane of the warp had to reach, so it is free. (Issued
-      // after this step's reads: an LDGSTS holds its address registers until the memory pipe
-      // takes it, and the reads' destinations would otherwise reuse them and wait.)
-      issue(ahead, stage[kStages - 1], meta_dst_lane + 128u * ((s + kStages - 1) % kStages),
-            next_block);
-      CopyAsyncCommit();
-      compute.template operator()<false>(c, cur);
-      if constexpr (Config::kMaxIds == 0) next_block = following;
-      s = (s + 1) % kStages;
-      const uint32_t first = stage[0];
-#pragma unroll
-      for (int i = 0; i + 1 < kStages; ++i) stage[i] = stage[i + 1];
-      stage[kStages - 1] = first;
-    }
-    CopyAsyncWait();  // (only empty groups remain) before the merge reuses shared memory
+    Pipelines::Staged(frame, lane_word, first_block, block_of, finish_prologue, compute);
   } else {
-    // Two register buffers in turn. While chunk c is computed, the registers of chunk c + 1
-    // (this warp's next) are loading and the block id of chunk c + 2 is being read.
-    Chunk buf0, buf1;
-    int c = warp;
-    int next1 = first_block(1);
-    if (c < num_full) load(c, buf0, first_block(0));
-    finish_prologue();
-    auto step = [&](int cc, Chunk& cur, Chunk& nxt) {
-      const int next2 = block_of(cc + 2 * kW, num_full);
-      if (cc + kW < num_full) load(cc + kW, nxt, next1);
-      compute.template operator()<false>(cc, cur);
-      next1 = next2;
-    };
-#pragma unroll 1
-    for (; c < num_full; c += 2 * kW) {
-      step(c, buf0, buf1);
-      if (c + kW >= num_full) break;
-      step(c + kW, buf1, buf0);
-    }
+    Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
   }
   if ((end - begin) % kChunk != 0 && num_full % kW == warp) {
     Chunk tail;
@@ -993,116 +328,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // kernel is launched when every CTA of this grid has exited.
   if (p.trigger_dependents) LaunchDependents();
 
-  if constexpr (kPacked) {  // columns 2t, 2t + 1 hold the P'_hi and P'_lo sums of head t
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      acc[mt][0][0] += acc[mt][0][1];  // row g
-      acc[mt][0][2] += acc[mt][0][3];  // row g + 8
-    }
-  }
-
-  // Row sums: l and z are per-thread partials over tokens 2g, 2g+1; m is already warp-uniform
-  // per head column.
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        l[nt][j] += __shfl_xor_sync(0xffffffffu, l[nt][j], off);
-        z[nt][j] += __shfl_xor_sync(0xffffffffu, z[nt][j], off);
-      }
-    }
-  }
-
-  // Merge the four warps through shared memory (the table is no longer needed): every warp
-  // stores its (m, l, z) and its accumulator unscaled, then one pass rescales and sums them.
-  __syncthreads();
-  constexpr int kHeads = 8 * kNTiles;
-  // Rows per CTA warp (kCW); a paired CTA's heads 0-3 of unit u are its row heads 4u .. 4u + 3
-  // in the per-head arrays below.
-  constexpr int kCW = Config::kCtaWarps;
-  float* acc_s = reinterpret_cast<float*>(smem);             // [kCW][kHeads] rows, AccAt
-  float* stats = acc_s + kCW * kHeads * Config::kAccStride;  // [3][kCW][kHeads]: m, l, z
-  if (g == 0) {
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-      for (int j = 0; j < (kPacked ? 1 : 2); ++j) {
-        const int head = kPacked ? t : 8 * nt + 2 * t + j;
-        stats[(0 * kCW + cta_warp) * kHeads + head] = m[nt][j];
-        stats[(1 * kCW + cta_warp) * kHeads + head] = l[nt][j];
-        stats[(2 * kCW + cta_warp) * kHeads + head] = z[nt][j];
-      }
-    }
-  }
-  float* my_acc = acc_s + Config::AccAt(cta_warp * kHeads, 0);
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    const int d0 = Traits::D0(g, mt);
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (kPacked && i % 2 == 1) continue;  // folded into i - 1
-        const int head = kPacked ? t : 8 * nt + 2 * t + (i % 2);
-        my_acc[Config::AccAt(head, d0 + i / 2)] =
-            acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Traits::kOddRowScale);
-      }
-    }
-  }
-  __syncthreads();
-
-  // Final: out[head][d] = (Σ_w f_w · acc_w + z) / l with f_w = 2^(m_w - max m), z = Σ_w f_w z_w,
-  // l = Σ_w f_w l_w, lse = (max m + log2 l) · ln 2, for the group's heads. A warp without tokens
-  // has m = -inf and f = 0. The per-head factors first (one thread per head), then the elements.
-  // Paired CTAs: unit u's warps are u·kW .. u·kW + kW - 1 and its heads hh = u·group + head of
-  // the per-head arrays (rows b·Hq + h0·group + hh: the two KV heads' query rows are adjacent).
-  static_assert(kUnits * 4 <= kHeads || !kPaired);
-  float* factor = stats + 3 * kCW * kHeads;  // [kCW][kHeads] f_w, [kHeads] 1/l, [kHeads] z
-  if (threadIdx.x < kUnits * group) {
-    const int hh = threadIdx.x, u = kPaired ? hh / group : 0, head = kPaired ? hh % group : hh;
-    const int w0 = u * kW;
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = w0; w < w0 + kW; ++w) mm = fmaxf(mm, stats[w * kHeads + head]);
-    float ll = 0.0f, zz = 0.0f;
-#pragma unroll
-    for (int w = w0; w < w0 + kW; ++w) {
-      const float mw = stats[w * kHeads + head];
-      const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mm);
-      factor[w * kHeads + head] = f;
-      ll += f * stats[(kCW + w) * kHeads + head];
-      zz += f * stats[(2 * kCW + w) * kHeads + head];
-    }
-    factor[kCW * kHeads + hh] = 1.0f / ll;
-    factor[(kCW + 1) * kHeads + hh] = zz;
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
-    const float lse = (mm + log2f(ll)) * kLn2;
-    if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
-      p.lse[row] = lse;
-    } else {
-      p.partial_lse[row * p.max_splits + split] = lse;
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kUnits * group * kD; i += kT) {
-    const int hh = i / kD, d = i % kD, u = kPaired ? hh / group : 0;
-    const int head = kPaired ? hh % group : hh, w0 = u * kW;
-    float aa = 0.0f;
-#pragma unroll
-    for (int w = w0; w < w0 + kW; ++w) {
-      const float f = factor[w * kHeads + head];
-      aa += f == 0.0f ? 0.0f : f * acc_s[Config::AccAt(w * kHeads + head, d)];
-    }
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
-    const float out = (aa + factor[(kCW + 1) * kHeads + hh]) * factor[kCW * kHeads + hh];
-    if (p.output != nullptr) {  // one split per sequence: the final output, no merge
-      StoreOutput(p.output, p.out_dtype, row * kD + d, out);
-    } else {
-      p.partial_out[(row * p.max_splits + split) * kD + d] = out;
-    }
-  }
+  SplitEpilogue<V>::MergeWarps(p, acc, m, l, z, g, t, cta_warp, b, h0, group, split);
 }
 
 // Launch and occupancy of one instantiation of the split kernel.

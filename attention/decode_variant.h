@@ -8,21 +8,13 @@
 #include <array>
 #include <cstdint>
 
+#include "quant/key_kind.h"
+
 namespace tqkv::decode_detail {
 
-// How keys are stored; picks the kernel family.
-enum class KeyKind : uint8_t {
-  kMse4,  // 4-bit codebook indices + fp16 norm (turboquant_4bit_nc)
-  kMse3,  // 3-bit codebook indices + fp16 norm (turboquant_k3v4_nc, turboquant_3bit_nc)
-  kFp8,   // FP8 E4M3 per element (turboquant_k8v4)
-  kBf16,  // uncompressed bf16 K and V (the baseline layout of Bf16BlockFormat)
-  kF16,   // uncompressed fp16 K and V (Bf16BlockFormat with dtype F16)
-};
-inline constexpr std::array<KeyKind, 5> kKeyKinds = {KeyKind::kMse4, KeyKind::kMse3, KeyKind::kFp8,
-                                                     KeyKind::kBf16, KeyKind::kF16};
-
-// The uncompressed kinds (one kernel family, fp16 or bf16 MMAs).
-constexpr bool IsPlain(KeyKind k) { return k == KeyKind::kBf16 || k == KeyKind::kF16; }
+using ::tqkv::IsPlain;
+using ::tqkv::KeyKind;
+using ::tqkv::kKeyKinds;
 
 // How a split CTA brings its chunks to the tensor cores.
 enum class SplitPipeline : uint8_t {

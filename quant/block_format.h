@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "quant/preset.h"
+#include "quant/key_kind.h"
 #include "runtime/dtype.h"
 #include "runtime/host_device.h"
 
@@ -59,6 +60,9 @@ struct BlockFormat {
   }
   // Bytes of K and V per token per head for an uncompressed 16-bit cache (the bf16 baseline).
   TQKV_HOST_DEVICE int Bf16SlotBytes() const { return 4 * head_dim; }
+  TQKV_HOST_DEVICE KeyKind key_kind() const {
+    return fp8_keys ? KeyKind::kFp8 : (key_bits == 4 ? KeyKind::kMse4 : KeyKind::kMse3);
+  }
 };
 
 // An uncompressed 16-bit (bf16 or fp16) paged block, for layers an engine keeps uncompressed and as
@@ -80,6 +84,9 @@ struct Bf16BlockFormat {
     return value_offset + KeyOffset(pos, h);
   }
   TQKV_HOST_DEVICE int SlotBytes() const { return 4 * head_dim; }  // K + V of one token-head
+  TQKV_HOST_DEVICE KeyKind key_kind() const {
+    return dtype == DType::kF16 ? KeyKind::kF16 : KeyKind::kBf16;
+  }
 };
 
 // Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads); dtype kBF16 or kF16.

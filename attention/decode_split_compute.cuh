@@ -1,0 +1,323 @@
+// The split kernel's work on one chunk (DecodeSplitKernel's `compute`): the score MMAs, the online
+// softmax (lazy maximum; packed or unpacked heads) and the P·V MMAs. A function object holding
+// references to the kernel's running state, as a lambda capturing them would.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/decode_cache_traits.cuh"
+#include "attention/decode_device.cuh"
+#include "attention/decode_launch.h"
+#include "attention/decode_split_config.cuh"
+#include "attention/decode_variant.h"
+
+namespace tqkv::decode_detail {
+
+// Registers of one chunk.
+template <typename Traits>
+struct SplitChunk {
+  uint32_t kg[Traits::kKeyWords], k8[Traits::kKeyWords];  // key bytes of score rows g, g + 8
+                                                          // (tokens 2g, 2g + 1)
+  uint32_t v[4][Traits::kValueWords];  // value bytes of tokens 4t, 4t+2, 4t+1, 4t+3
+  uint32_t norm, vscale, vzero;        // fp16 pairs: tokens 2g (low half), 2g + 1 (high half)
+};
+
+template <SplitVariant V>
+struct SplitCompute {
+  using Config = SplitKernelConfig<V>;
+  using Traits = typename Config::Traits;
+  using Chunk = SplitChunk<Traits>;
+  static constexpr int kValueBits = V.value_bits;
+  static constexpr int kNTiles = V.n_tiles;
+  static constexpr bool kPacked = V.packed;
+  static constexpr bool kStaged = Config::kStaged;
+  static constexpr int kKSteps = Config::kKSteps;
+  static constexpr int kMTiles = Config::kMTiles;
+  static constexpr int kVW = Traits::kValueWords;
+  static constexpr bool kCodebook = Traits::kLutEntries > 0;
+  static constexpr bool kHiOnly = Config::kHiOnly;
+  static constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
+
+  const SplitParams& p;
+  const int& begin;
+  const int& end;
+  const int& g;
+  const int& t;
+  const uint32_t& lane_word;
+  const uint32_t (&qf)[kQParts][kNTiles][kKSteps][2];
+  float (&acc)[kMTiles][kNTiles][4];
+  float (&m)[kNTiles][2];
+  float (&m_thr)[kNTiles][2];
+  float (&l)[kNTiles][2];
+  float (&z)[kNTiles][2];
+
+  template <bool kTail>
+  __device__ __forceinline__ void operator()(int c, Chunk& cur) const {
+    const int t0 = begin + c * kChunk;
+    bool valid[2] = {true, true};  // tokens 2g, 2g + 1
+    if constexpr (kTail) {
+      valid[0] = t0 + 2 * g < end;
+      valid[1] = t0 + 2 * g + 1 < end;
+    }
+
+    // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA
+    // chains sp[k] (summed below). FP8 / bf16 keys: M rows g, g + 8 are tokens 2g, 2g + 1;
+    // chains k = q parts. Codebook keys: one MMA per token half (k = 2·half + q part), whose rows
+    // g and g + 8 hold the c_hi and c_lo parts of the same token (one 64-bit table load gives
+    // both, in the consecutive registers an MMA operand needs), so S = C[row g] + C[row g + 8].
+    // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
+    // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
+    // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
+    constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
+                           : Traits::kPlain ? 1
+                                            : (kCodebook ? 4 : 2);
+    float sp[kParts][kNTiles][4];
+#pragma unroll
+    for (int k = 0; k < kParts; ++k) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
+      }
+    }
+    StaticFor<kKSteps>([&](auto ks_c) {
+      constexpr int ks = decltype(ks_c)::value;
+      if constexpr (kHiOnly) {  // rows g, g + 8 = tokens 2g, 2g + 1; chains k = k-step mod 4
+        uint32_t a[4];
+        Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
+        MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
+      } else if constexpr (kCodebook) {
+        uint32_t a0[4], a1[4];
+        Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
+        Traits::template KeyFragHiLo<ks>(cur.k8, lane_word, a1);
+        if constexpr (kPacked) {  // chains k = token half; q parts are columns
+          constexpr int kChain = kStaged ? 2 * (ks & 1) : 0;
+          MmaF16(sp[kChain][0], a0, qf[0][0][ks][0], qf[0][0][ks][1]);
+          MmaF16(sp[kChain + 1][0], a1, qf[0][0][ks][0], qf[0][0][ks][1]);
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            MmaF16(sp[0][nt], a0, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[1][nt], a0, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+            MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          }
+        }
+      } else {
+        uint32_t a[4];
+        Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          if constexpr (Traits::kPlain) {
+            MmaPlain<Traits::kFp16>(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          } else if constexpr (kPacked) {
+            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          } else {
+            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+            MmaF16(sp[1][nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
+          }
+        }
+      }
+    });
+    float row_scale[2], vs[2], vz[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_scale[i] =
+          Traits::kHasNorm
+              ? HalfBitsToFloat(static_cast<uint16_t>(cur.norm >> (16 * i))) * p.score_scale
+              : p.score_scale;
+      vs[i] =
+          Traits::kPlain ? 1.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vscale >> (16 * i)));
+      vz[i] = Traits::kPlain ? 0.0f : HalfBitsToFloat(static_cast<uint16_t>(cur.vzero >> (16 * i)));
+      if constexpr (kTail) {  // metadata of slots past the end may be NaN garbage (0 · NaN = NaN)
+        vs[i] = valid[i] ? vs[i] : 0.0f;
+        vz[i] = valid[i] ? vz[i] : 0.0f;
+      }
+    }
+
+    uint32_t pb[kNTiles][2], pb_lo[kNTiles][2];  // P' as 16-bit hi and lo parts
+    if constexpr (kPacked) {
+      // Head t: its scores for tokens 2g + r (columns 2t, 2t + 1 = q_hi, q_lo; codebook keys add
+      // the c_lo row g + 8), its running state in [0][0].
+      float s[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum;
+        if constexpr (kHiOnly) {  // row g + 8r of the four chains
+          sum =
+              ((sp[0][0][2 * r] + sp[0][0][2 * r + 1]) + (sp[2][0][2 * r] + sp[2][0][2 * r + 1])) +
+              ((sp[1][0][2 * r] + sp[1][0][2 * r + 1]) + (sp[3][0][2 * r] + sp[3][0][2 * r + 1]));
+        } else {
+          sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
+                          : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+          if constexpr (kCodebook && kParts == 4) {
+            sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
+          }
+        }
+        s[r] = sum * row_scale[r];
+        if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
+      }
+      float mx = fmaxf(s[0], s[1]);
+      // As below: lazy unless a value scale is too large for p ≤ 2^kLazyMax.
+      const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      if (__any_sync(0xffffffffu, mx > (exact ? m[0][0] : m_thr[0][0]))) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[0][0], mx);
+        const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[0][0] - m_new);
+        m[0][0] = m_new;
+        m_thr[0][0] = m_new + kLazyMax;
+        l[0][0] *= corr;
+        z[0][0] *= corr;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][0][i] *= corr;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float pr = FastExp2(s[r] - m[0][0]);  // 0 past the end (s = -inf)
+        l[0][0] += pr;
+        z[0][0] += pr * vz[r];
+        const float pw = pr * vs[r];
+        // (row g = token 2g + r, columns 2t, 2t + 1) = (P'_hi, P'_lo) of head t.
+        const __half hi = __float2half_rn(pw);
+        const __half2 x = __halves2half2(hi, __float2half_rn(pw - __half2float(hi)));
+        pb[0][r] = Transpose8x8(*reinterpret_cast<const uint32_t*>(&x));
+        pb_lo[0][r] = 0u;
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        // s[0..1]: token 2g, heads 2t, 2t+1; s[2..3]: token 2g + 1.
+        float s[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float sum;
+          if constexpr (kCodebook) {
+            const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
+            sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
+                  (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
+          } else {
+            sum = sp[0][nt][i];
+            if constexpr (kParts > 1) sum += sp[1][nt][i];
+          }
+          s[i] = sum * row_scale[i / 2];
+          if constexpr (kTail) s[i] = valid[i / 2] ? s[i] : -INFINITY;
+        }
+        float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+        // Rescale only when some score of the warp passes its head's running maximum by more than
+        // kLazyMax (a few times per split), or by anything when a value scale of the chunk is too
+        // large for p ≤ 2^kLazyMax; then m becomes the exact maximum so far.
+        const bool exact = !Traits::kPlain && fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+        const float thr0 = exact ? m[nt][0] : m_thr[nt][0];
+        const float thr1 = exact ? m[nt][1] : m_thr[nt][1];
+        if (__any_sync(0xffffffffu, mx[0] > thr0 || mx[1] > thr1)) {
+          float corr[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
+            const float m_new = fmaxf(m[nt][j], mx[j]);
+            corr[j] = m_new == -INFINITY ? 1.0f : exp2f(m[nt][j] - m_new);
+            m[nt][j] = m_new;
+            m_thr[nt][j] = m_new + kLazyMax;
+            l[nt][j] *= corr[j];
+            z[nt][j] *= corr[j];
+          }
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            acc[mt][nt][0] *= corr[0];
+            acc[mt][nt][1] *= corr[1];
+            acc[mt][nt][2] *= corr[0];
+            acc[mt][nt][3] *= corr[1];
+          }
+        }
+        float pw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i / 2, j = i % 2;
+          // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
+          const float pr = FastExp2(s[i] - m[nt][j]);
+          l[nt][j] += pr;
+          if constexpr (!Traits::kPlain) z[nt][j] += pr * vz[r];
+          pw[i] = pr * vs[r];
+        }
+        // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
+        // give head g at tokens 4t, 4t+2 (k-slots 2t, 2t+1) and 4t+1, 4t+3 (k-slots 2t+8, 2t+9).
+        // Compressed kinds: P' = hi + lo (fp16 each, ~2^-22 together), two P·V MMAs keep the output
+        // at fp32 level (one fp16 P' leaves 2^-12 per token, which the zero-point term amplifies).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          uint32_t packed, packed_lo = 0;
+          if constexpr (Traits::kPlain) {  // P' in the cache's type, as flash-attention rounds it
+            packed = PackPlain<Traits::kFp16>(pw[2 * r], pw[2 * r + 1]);
+          } else {
+            const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+            const __half2 y =
+                __floats2half2_rn(pw[2 * r] - __low2float(x), pw[2 * r + 1] - __high2float(x));
+            packed = *reinterpret_cast<const uint32_t*>(&x);
+            packed_lo = *reinterpret_cast<const uint32_t*>(&y);
+          }
+          pb[nt][r] = Transpose8x8(packed);
+          pb_lo[nt][r] = Traits::kPlain ? 0u : Transpose8x8(packed_lo);
+        }
+      }
+    }
+
+    // Plain values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
+    // 0 · NaN is NaN). Codes of the compressed kinds are always finite.
+    if constexpr (Traits::kPlain && kTail) {
+      const bool vvalid[4] = {t0 + 4 * t < end, t0 + 4 * t + 2 < end, t0 + 4 * t + 1 < end,
+                              t0 + 4 * t + 3 < end};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int w = 0; w < kVW; ++w) cur.v[i][w] = vvalid[i] ? cur.v[i][w] : 0u;
+      }
+    }
+    // Oᵀ[d, head] += Vᵀ[d, token] · P'ᵀ[token, head].
+    if constexpr (!Traits::kPlain && kValueBits == 4) {
+      StaticFor<kMTiles / 2>([&](auto pair_c) {
+        constexpr int mt = 2 * decltype(pair_c)::value;
+        uint32_t r01[2][2], r89[2][2];  // [m-tile][row g / g+8]
+        Traits::template RowsPair<mt>(cur.v[0], cur.v[1], r01);
+        Traits::template RowsPair<mt>(cur.v[2], cur.v[3], r89);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t a[4] = {r01[k][0], r01[k][1], r89[k][0], r89[k][1]};
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
+            if constexpr (!kPacked) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+          }
+        }
+      });
+    } else {
+      StaticFor<kMTiles>([&](auto mt_c) {
+        constexpr int mt = decltype(mt_c)::value;
+        uint32_t a[4];
+        Traits::template Rows<mt>(cur.v[0], cur.v[1], a[0], a[1]);
+        Traits::template Rows<mt>(cur.v[2], cur.v[3], a[2], a[3]);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          if constexpr (Traits::kPlain) {
+            MmaPlain<Traits::kFp16>(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+          } else {
+            MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+            if constexpr (!kPacked) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+          }
+        }
+      });
+    }
+  }
+};
+
+}  // namespace tqkv::decode_detail
