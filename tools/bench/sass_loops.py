@@ -7,11 +7,13 @@ The staged decode kernels are bound by the instructions a warp executes per 16-t
   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -I. -c attention/decode_split_mse4.cu -o /tmp/dk.o
   python3 tools/bench/sass_loops.py /tmp/dk.o [NAME_SUBSTRING ...] [--histogram] [--dump DIR]
 
-For every kernel whose mangled name contains all substrings (default: the D = 128 staged compressed
-kernels), it prints the kernel's instruction count and its chunk loop: the largest backward branch
-whose body holds exactly one chunk's HMMAs (24 for the packed staged kernels), with its instruction
-count, HMMA and LDGSTS counts. Template arguments in the names: DecodeSplitKernel<KeyKind (0 4-bit,
-1 3-bit, 2 FP8, 3 bf16, 4 fp16), value bits, D, N tiles, packed, staged, warps per CTA>.
+For every kernel whose description contains all the given words (default: the D = 128 packed
+staged compressed kernels), it prints the kernel's instruction count and its chunk loop: the
+largest backward branch whose body holds exactly one chunk's HMMAs (24 for the packed staged
+kernels), with its instruction count, HMMA and LDGSTS counts. A kernel DecodeSplitKernel<code> is
+described by its SplitVariant (attention/decode_variant.h, SplitVariant::Code), e.g.
+"mse4 v4 D128 nt1 packed staged": key kind (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N
+tiles, packed or unpacked, pipeline (registers, staged, narrow, paired), hi_only, one_cta.
 
 cuobjdump is not in every CUDA toolkit image: the script looks in PATH, CUDA_HOME/bin,
 /usr/local/cuda/bin, then in a pip-installed nvidia-cuda-cuobjdump
@@ -25,7 +27,24 @@ import shutil
 import subprocess
 import sys
 
-DEFAULT_FILTER = ["ELi128ELi1ELb1ELb1E"]  # D = 128, one N tile, packed, staged
+DEFAULT_FILTER = ["D128", "nt1", "packed", "staged"]
+KINDS = ["mse4", "mse3", "fp8", "bf16", "f16"]
+PIPELINES = ["registers", "staged", "narrow", "paired"]
+
+
+def describe(name):
+    """SplitVariant of a DecodeSplitKernel<code> name, as words (SplitVariant::FromCode)."""
+    m = re.search(r"DecodeSplitKernelILj(\d+)E", name)
+    if not m:
+        return name
+    c = int(m.group(1))
+    words = [KINDS[c & 7], f"v{(c >> 3) & 31}", f"D{(c >> 8) & 511}", f"nt{(c >> 17) & 3}",
+             "packed" if (c >> 19) & 1 else "unpacked", PIPELINES[(c >> 20) & 3]]
+    if (c >> 22) & 1:
+        words.append("hi_only")
+    if (c >> 23) & 1:
+        words.append("one_cta")
+    return " ".join(words)
 CHUNK_HMMAS = int(os.environ.get("CHUNK_HMMAS", "24"))  # 16: the hi-only score path
 
 
@@ -86,10 +105,10 @@ def main(argv):
         os.makedirs(dump, exist_ok=True)
     filters = [a for a in rest if not a.startswith("--") and a != dump] or DEFAULT_FILTER
     for name, code in kernels(obj):
-        if not all(f in name for f in filters):
+        short = describe(name)
+        if short == name or not all(f in short.split() for f in filters):
             continue
         loop = chunk_loop(code)
-        short = re.sub(r"^.*DecodeSplitKernel", "DecodeSplitKernel", name)
         if loop is None:
             print(f"{short}: {len(code)} instructions, no {CHUNK_HMMAS}-HMMA chunk loop")
             continue
