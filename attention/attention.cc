@@ -20,14 +20,16 @@ void ValidateAttentionShapes(std::string_view where, const AttentionShape& shape
   if (a.num_seqs < 0) throw InvalidArgument(where, "num_seqs", a.num_seqs, ">= 0");
   if (a.num_tokens < 0) throw InvalidArgument(where, "num_tokens", a.num_tokens, ">= 0");
   if (a.num_q_heads < 1 || a.num_q_heads % shape.num_kv_heads != 0) {
-    throw InvalidArgument(where, "num_q_heads", a.num_q_heads,
-                          fmt::format("a positive multiple of num_kv_heads = {}",
-                                      shape.num_kv_heads));
+    throw InvalidArgument(
+        where, "num_q_heads", a.num_q_heads,
+        fmt::format("a positive multiple of num_kv_heads = {}", shape.num_kv_heads));
   }
   if (a.max_blocks_per_seq < 0) {
     throw InvalidArgument(where, "max_blocks_per_seq", a.max_blocks_per_seq, ">= 0");
   }
-  if (a.num_blocks < 0) throw InvalidArgument(where, "num_blocks", a.num_blocks, ">= 0");
+  if (a.cache.num_blocks < 0) {
+    throw InvalidArgument(where, "cache.num_blocks", a.cache.num_blocks, ">= 0");
+  }
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(where, "scale", *a.scale, "finite and > 0");
   }
@@ -50,10 +52,10 @@ void ValidateAttentionShapes(std::string_view where, const AttentionShape& shape
         a.num_seqs));
   }
   if (a.num_tokens > 0 &&
-      (a.query == nullptr || a.output == nullptr || a.lse == nullptr || a.cache == nullptr)) {
-    throw Error(fmt::format(
-        "{}: query, output, lse and cache must not be null (num_tokens = {})", where,
-        a.num_tokens));
+      (a.query == nullptr || a.output == nullptr || a.lse == nullptr || a.cache.data == nullptr)) {
+    throw Error(
+        fmt::format("{}: query, output, lse and cache.data must not be null (num_tokens = {})",
+                    where, a.num_tokens));
   }
 }
 
@@ -67,9 +69,9 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
   for (int b = 0; b < a.num_seqs; ++b) {
     const int32_t begin = a.query_start_loc[b], end = a.query_start_loc[b + 1];
     if (end < begin || end > a.num_tokens) {
-      throw InvalidArgument(where, fmt::format("query_start_loc[{}]", b + 1), end,
-                            fmt::format("{} (query_start_loc[{}]) to num_tokens = {}", begin, b,
-                                        a.num_tokens));
+      throw InvalidArgument(
+          where, fmt::format("query_start_loc[{}]", b + 1), end,
+          fmt::format("{} (query_start_loc[{}]) to num_tokens = {}", begin, b, a.num_tokens));
     }
     const int32_t q_len = end - begin;
     const int32_t len = a.seq_lens[b];
@@ -84,10 +86,10 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
     if (a.sliding_window > 0) first = std::max<int64_t>(0, len - q_len - a.sliding_window + 1);
     for (int64_t i = first / shape.block_size; i * shape.block_size < len; ++i) {
       const int32_t id = a.block_tables[int64_t{b} * a.max_blocks_per_seq + i];
-      if (id < 0 || id >= a.num_blocks) {
+      if (id < 0 || id >= a.cache.num_blocks) {
         throw InvalidArgument(where, fmt::format("block_tables[{}, {}]", b, i), id,
-                              fmt::format("0 to {} (num_blocks {})", a.num_blocks - 1,
-                                          a.num_blocks));
+                              fmt::format("0 to {} (cache.num_blocks {})", a.cache.num_blocks - 1,
+                                          a.cache.num_blocks));
       }
     }
   }

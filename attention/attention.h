@@ -18,6 +18,7 @@
 #include <optional>
 #include <string_view>
 
+#include "quant/cache_ref.h"
 #include "runtime/dtype.h"
 
 namespace tqkv {
@@ -36,9 +37,7 @@ struct AttentionArgs {
   const int32_t* seq_lens = nullptr;
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   int max_blocks_per_seq = 0;
-  // The layer's cache, [num_blocks, block_bytes].
-  const uint8_t* cache = nullptr;
-  int64_t num_blocks = 0;
+  ConstCacheRef cache;         // the layer's cache
   std::optional<float> scale;  // softmax scale; default 1/√D
   int32_t sliding_window = 0;  // 0: none; else a query at position p reads (p − window, p]
   void* output = nullptr;      // [num_tokens, num_q_heads, head_dim]: F32, F16 or BF16

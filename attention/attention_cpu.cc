@@ -117,7 +117,8 @@ void Attend(const Cache& cache, const AttentionShape& shape, const AttentionArgs
       keys.resize(static_cast<size_t>(len - first) * d);
       values.resize(static_cast<size_t>(len - first) * d);
       for (int32_t t = first; t < len; ++t) {
-        const uint8_t* block = a.cache + int64_t{table[t / shape.block_size]} * cache.block_bytes();
+        const uint8_t* block =
+            a.cache.data + int64_t{table[t / shape.block_size]} * cache.block_bytes();
         const int pos = t % shape.block_size;
         cache.Key(block, pos, h, keys.data() + int64_t{t - first} * d);
         cache.Value(block, pos, h, values.data() + int64_t{t - first} * d);
@@ -127,7 +128,8 @@ void Attend(const Cache& cache, const AttentionShape& shape, const AttentionArgs
         const int32_t lo = a.sliding_window > 0 ? std::max(0, p - a.sliding_window + 1) : 0;
         for (int g = 0; g < group; ++g) {
           const int64_t out_row = int64_t{q_begin + i} * a.num_q_heads + h * group + g;
-          for (int e = 0; e < d; ++e) q_in[e] = LoadElement(a.query, a.query_dtype, out_row * d + e);
+          for (int e = 0; e < d; ++e)
+            q_in[e] = LoadElement(a.query, a.query_dtype, out_row * d + e);
           cache.Query(q_in.data(), q_map.data());
           for (int e = 0; e < d; ++e) q[e] = q_map[e];
           scores.resize(static_cast<size_t>(p + 1 - lo));

@@ -55,7 +55,7 @@ Result DecodeOne(const Quantizer& q, const AttentionScenario& s, int b, int row,
   in.max_blocks_per_seq = s.base.max_blocks;
   in.seq_lens = &end;
   in.token_begin = begin;
-  DecodeCpu(q, s.base.cache.data(), s.base.num_blocks, in, {r.out.data(), r.lse.data()});
+  DecodeCpu(q, {s.base.cache.data(), s.base.num_blocks}, in, {r.out.data(), r.lse.data()});
   return r;
 }
 
@@ -175,8 +175,8 @@ TEST(AttentionCpuTest, HalfPrecisionQueriesAndOutputs) {
     AttentionCpu(q, a);
     EXPECT_EQ(lse, f32.lse);
     for (size_t i = 0; i < out.size(); ++i) {
-      const uint16_t want = out_type == DType::kF16 ? FloatToHalfBits(f32.out[i])
-                                                    : FloatToBFloat16Bits(f32.out[i]);
+      const uint16_t want =
+          out_type == DType::kF16 ? FloatToHalfBits(f32.out[i]) : FloatToBFloat16Bits(f32.out[i]);
       ASSERT_EQ(out[i], want) << i;
     }
   }

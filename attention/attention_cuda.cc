@@ -19,7 +19,6 @@
 
 namespace tqkv {
 
-
 struct CudaAttention::State {
   explicit State(CudaDecoder d) : decoder(std::move(d)) {}
   CudaDecoder decoder;
@@ -78,8 +77,7 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
 
 }  // namespace
 
-CudaAttention::CudaAttention(const Quantizer& q)
-    : state_(std::make_unique<State>(CudaDecoder(q))) {
+CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State>(CudaDecoder(q))) {
   State& s = *state_;
   s.format = q.format();
   s.shape = {s.format.head_dim, s.format.num_kv_heads, s.format.block_size};
@@ -181,11 +179,11 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     splits = (max_len + plan.tokens_per_split - 1) / plan.tokens_per_split;
   }
   if (splits > kMaxSplits) {
-    throw InvalidArgument(kWhere, "options.tokens_per_split", options.tokens_per_split,
-                          fmt::format("at least {} for max_blocks_per_seq · block_size = {} "
-                                      "(at most {} splits)",
-                                      (max_len + kMaxSplits - 1) / kMaxSplits, max_len,
-                                      kMaxSplits));
+    throw InvalidArgument(
+        kWhere, "options.tokens_per_split", options.tokens_per_split,
+        fmt::format("at least {} for max_blocks_per_seq · block_size = {} "
+                    "(at most {} splits)",
+                    (max_len + kMaxSplits - 1) / kMaxSplits, max_len, kMaxSplits));
   }
   plan.max_splits = static_cast<int>(splits);
   // Some sequences may have one new token (fewer tokens than every sequence at max_q_len): those
@@ -210,21 +208,25 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
   if (a.num_seqs != plan.num_seqs || a.num_tokens != plan.num_tokens ||
       a.num_q_heads != plan.num_q_heads || a.max_blocks_per_seq != plan.max_blocks_per_seq) {
-    throw Error(fmt::format(
-        "{}: the arguments' shape (num_seqs {}, num_tokens {}, num_q_heads {}, "
-        "max_blocks_per_seq {}) differs from the plan's ({}, {}, {}, {})",
-        kWhere, a.num_seqs, a.num_tokens, a.num_q_heads, a.max_blocks_per_seq, plan.num_seqs,
-        plan.num_tokens, plan.num_q_heads, plan.max_blocks_per_seq));
+    throw Error(
+        fmt::format("{}: the arguments' shape (num_seqs {}, num_tokens {}, num_q_heads {}, "
+                    "max_blocks_per_seq {}) differs from the plan's ({}, {}, {}, {})",
+                    kWhere, a.num_seqs, a.num_tokens, a.num_q_heads, a.max_blocks_per_seq,
+                    plan.num_seqs, plan.num_tokens, plan.num_q_heads, plan.max_blocks_per_seq));
   }
-  if (plan.workspace_bytes > 0 && (a.workspace == nullptr || a.workspace_bytes < plan.workspace_bytes)) {
+  if (plan.workspace_bytes > 0 &&
+      (a.workspace == nullptr || a.workspace_bytes < plan.workspace_bytes)) {
     throw InvalidArgument(kWhere, "workspace_bytes", a.workspace == nullptr ? 0 : a.workspace_bytes,
                           fmt::format(">= {} (AttentionPlan::workspace_bytes) with a non-null "
                                       "workspace",
                                       plan.workspace_bytes));
   }
-  if (a.num_blocks < 1) throw InvalidArgument(kWhere, "num_blocks", a.num_blocks, ">= 1");
-  if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0) {
-    throw InvalidArgument(kWhere, "cache", fmt::format("{}", static_cast<const void*>(a.cache)),
+  if (a.cache.num_blocks < 1) {
+    throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks, ">= 1");
+  }
+  if (reinterpret_cast<uintptr_t>(a.cache.data) % 16 != 0) {
+    throw InvalidArgument(kWhere, "cache.data",
+                          fmt::format("{}", static_cast<const void*>(a.cache.data)),
                           "a 16-byte aligned device pointer");
   }
   if (plan.decode && a.sliding_window == 0) {
@@ -232,7 +234,6 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     da.query = a.query;
     da.query_dtype = a.query_dtype;
     da.cache = a.cache;
-    da.num_blocks = a.num_blocks;
     da.block_tables = a.block_tables;
     da.seq_lens = a.seq_lens;
     da.scale = a.scale;
@@ -263,9 +264,8 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     rp.query_dtype = a.query_dtype;
     rp.gathered_query = reinterpret_cast<float*>(at);
     rp.gathered_lens = reinterpret_cast<int32_t*>(at + w.rows_query);
-    rp.partial_lse = plan.max_splits > 1
-                         ? reinterpret_cast<float*>(ws + w.query + w.partial_out)
-                         : nullptr;
+    rp.partial_lse =
+        plan.max_splits > 1 ? reinterpret_cast<float*>(ws + w.query + w.partial_out) : nullptr;
     rp.max_splits = plan.max_splits;
     rp.decode_out = reinterpret_cast<float*>(at + w.rows_query + w.rows_lens);
     rp.decode_lse = reinterpret_cast<float*>(at + w.rows_query + w.rows_lens + w.rows_out);
@@ -280,7 +280,6 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     da.query = rp.gathered_query;
     da.query_dtype = DType::kF32;
     da.cache = a.cache;
-    da.num_blocks = a.num_blocks;
     da.block_tables = a.block_tables;
     da.seq_lens = rp.gathered_lens;
     da.scale = a.scale;
@@ -308,7 +307,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     p.query = a.query;
     p.query_dtype = a.query_dtype;
   }
-  p.cache = a.cache;
+  p.cache = a.cache.data;
   p.block_tables = a.block_tables;
   p.seq_lens = a.seq_lens;
   p.query_start_loc = a.query_start_loc;

@@ -3,6 +3,8 @@
 // chunks mixed in one call, every preset and the bf16/fp16 caches, head dims 64/128/256, GQA
 // groups 1-8, every block size, splits, sliding windows. Outputs are poisoned with NaN before each
 // run; unused cache bytes are 0xFF (NaN as fp16 / bf16) and must never leak into results.
+#include "attention/attention_cuda.h"
+
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,7 +16,6 @@
 #include <vector>
 
 #include "attention/attention_cpu.h"
-#include "attention/attention_cuda.h"
 #include "quant/numerics.h"
 #include "quant/rotation.h"
 #include "runtime/error.h"
@@ -53,7 +54,7 @@ constexpr double kLseTol = 1e-5;
 struct Errors {
   double out = 0, lse = 0;
   double decode_out = 0, decode_lse = 0;  // rows of one-token sequences
-  int64_t bad = 0;  // NaN / inf / unwritten
+  int64_t bad = 0;                        // NaN / inf / unwritten
 };
 
 struct Case {
@@ -87,8 +88,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   const int64_t n = static_cast<int64_t>(s.num_tokens) * hq * d;
   DeviceBuffer<uint8_t> dcache(static_cast<int64_t>(cache.size()));
   dcache.CopyFromHost(cache);
-  DeviceBuffer<int32_t> tables(static_cast<int64_t>(s.base.block_tables.size())),
-      lens(num_seqs), loc(num_seqs + 1);
+  DeviceBuffer<int32_t> tables(static_cast<int64_t>(s.base.block_tables.size())), lens(num_seqs),
+      loc(num_seqs + 1);
   tables.CopyFromHost(s.base.block_tables);
   lens.CopyFromHost(s.base.seq_lens);
   loc.CopyFromHost(s.query_start_loc);
@@ -97,9 +98,11 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   if (half) {
     std::vector<uint16_t> q16(n);
     for (int64_t i = 0; i < n; ++i) {
-      q16[i] = c.io == DType::kF16 ? FloatToHalfBits(s.queries[i]) : FloatToBFloat16Bits(s.queries[i]);
+      q16[i] =
+          c.io == DType::kF16 ? FloatToHalfBits(s.queries[i]) : FloatToBFloat16Bits(s.queries[i]);
     }
-    query.CopyFromHost(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(q16.data()), n * 2));
+    query.CopyFromHost(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(q16.data()), n * 2));
   } else {
     query.CopyFromHost(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.queries.data()), n * 4));
@@ -119,8 +122,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   a.seq_lens = lens.data();
   a.block_tables = tables.data();
   a.max_blocks_per_seq = s.base.max_blocks;
-  a.cache = dcache.data();
-  a.num_blocks = s.base.num_blocks;
+  a.cache = {dcache.data(), s.base.num_blocks};
   a.sliding_window = c.window;
   a.output = out.data();
   a.output_dtype = c.io;
@@ -165,7 +167,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
         ++e.bad;
         continue;
       }
-      out_err = std::max(out_err, std::abs(double(x) - ref_out[row * d + i]) / std::max(row_max, 1e-30));
+      out_err =
+          std::max(out_err, std::abs(double(x) - ref_out[row * d + i]) / std::max(row_max, 1e-30));
     }
   }
   return e;
@@ -282,8 +285,9 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
       c.options.decode_kernels = decode_rows;
       const Errors e = RunAndCompare(c, s, s.base.cache, &splits);
       if (tps == 64) EXPECT_EQ(splits, 1000 / 64 + 1);
-      ExpectWithin(e, kLseTol, fmt::format("tokens_per_split {} ({} splits), decode rows {}", tps,
-                                           splits, decode_rows));
+      ExpectWithin(
+          e, kLseTol,
+          fmt::format("tokens_per_split {} ({} splits), decode rows {}", tps, splits, decode_rows));
     }
   }
 }
@@ -309,8 +313,7 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
   TQKV_SKIP_WITHOUT_GPU();
   for (const char* preset : kPresetNames) {
     const Quantizer q = Quantizer::Create(preset, 128, 8, 16);
-    const AttentionScenario s =
-        BuildAttention(q, {1, 100, 4096, 333}, {1, 1, 1, 1}, 32, 77);
+    const AttentionScenario s = BuildAttention(q, {1, 100, 4096, 333}, {1, 1, 1, 1}, 32, 77);
     for (bool decode : {true, false}) {
       for (DType io : {DType::kF32, DType::kBF16}) {
         Case c{.quantizer = &q, .io = io};
@@ -319,7 +322,8 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
         // bf16 I/O: the reference reads the same rounded query; the output adds half a bf16 ulp
         // (up to 2^-8 of an element).
         const double out_tol = io == DType::kF32 ? kOutTol : kOutTol + 0.0039;
-        const double lse_tol = std::string(preset) == "turboquant_k3v4_nc" && decode ? 1e-4 : kLseTol;
+        const double lse_tol =
+            std::string(preset) == "turboquant_k3v4_nc" && decode ? 1e-4 : kLseTol;
         // Every row is a one-token row here.
         const double lse = std::max(e.lse, e.decode_lse), out = std::max(e.out, e.decode_out);
         const std::string what = fmt::format("{} decode kernels {} io {}: out {:.2e} lse {:.2e}",

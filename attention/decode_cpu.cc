@@ -61,10 +61,10 @@ void Validate(const BlockFormat& f, int64_t num_blocks, const DecodeInputs& in,
 
 }  // namespace
 
-void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blocks,
-               const DecodeInputs& in, DecodeOutputs out) {
+void DecodeCpu(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& in,
+               DecodeOutputs out) {
   const BlockFormat& f = quantizer.format();
-  Validate(f, num_blocks, in, out);
+  Validate(f, cache.num_blocks, in, out);
   const int d = f.head_dim;
   const int group = in.num_q_heads / f.num_kv_heads;
   const double scale = in.scale ? *in.scale : 1.0 / std::sqrt(static_cast<double>(d));
@@ -86,7 +86,7 @@ void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blo
       for (int32_t t = begin; t < end; ++t) {
         const int32_t block_id =
             in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
-        const uint8_t* block = cache + int64_t{block_id} * f.block_bytes;
+        const uint8_t* block = cache.data + int64_t{block_id} * f.block_bytes;
         const int pos = t % f.block_size;
         const uint8_t* codes = block + f.KeyCodesOffset(pos, h);
         double dot = 0.0;
@@ -104,7 +104,7 @@ void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blo
       for (int32_t t = begin; t < end; ++t) {
         const int32_t block_id =
             in.block_tables[int64_t{b} * in.max_blocks_per_seq + t / f.block_size];
-        const uint8_t* block = cache + int64_t{block_id} * f.block_bytes;
+        const uint8_t* block = cache.data + int64_t{block_id} * f.block_bytes;
         const int pos = t % f.block_size;
         const double p = std::exp(scores[t - begin] - max_score);
         sum += p;

@@ -32,8 +32,8 @@ struct DecodeOutputs {
 // Validates every input first (shapes, GQA ratio, seq_lens, block ids of used blocks, scale) and
 // throws tqkv::Error naming the argument, its value and what is allowed. Computes in fp64 and
 // rounds the outputs to fp32. An empty token range gives output 0 and lse -inf.
-void DecodeCpu(const Quantizer& quantizer, const uint8_t* cache, int64_t num_blocks,
-               const DecodeInputs& inputs, DecodeOutputs outputs);
+void DecodeCpu(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& inputs,
+               DecodeOutputs outputs);
 
 // Merges two partial results over disjoint token ranges (out_a/out_b [head_dim]):
 // lse = log(e^lse_a + e^lse_b), out = e^(lse_a − lse) · out_a + e^(lse_b − lse) · out_b.

@@ -33,7 +33,7 @@ Result Decode(const Quantizer& q, const Scenario& s, DecodeInputs in) {
   Result r;
   r.out.assign(s.queries.size(), NAN);
   r.lse.assign(s.seq_lens.size() * s.num_q_heads, NAN);
-  DecodeCpu(q, s.cache.data(), s.num_blocks, in, {r.out.data(), r.lse.data()});
+  DecodeCpu(q, {s.cache.data(), s.num_blocks}, in, {r.out.data(), r.lse.data()});
   return r;
 }
 
@@ -130,7 +130,7 @@ TEST(DecodeCpuTest, InvalidInputsAreErrorsNamingTheArgument) {
   auto message = [&](DecodeInputs in) -> std::string {
     std::vector<float> out(s.queries.size()), lse(8);
     try {
-      DecodeCpu(q, s.cache.data(), s.num_blocks, in, {out.data(), lse.data()});
+      DecodeCpu(q, {s.cache.data(), s.num_blocks}, in, {out.data(), lse.data()});
     } catch (const Error& e) {
       return e.what();
     }

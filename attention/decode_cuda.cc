@@ -398,7 +398,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
       a.output_dtype != DType::kBF16) {
     throw InvalidArgument(kWhere, "output_dtype", DTypeName(a.output_dtype), "F32, F16, BF16");
   }
-  if (a.query == nullptr || a.cache == nullptr || a.block_tables == nullptr ||
+  if (a.query == nullptr || a.cache.data == nullptr || a.block_tables == nullptr ||
       a.seq_lens == nullptr || a.output == nullptr || a.lse == nullptr || a.workspace == nullptr) {
     throw Error(
         fmt::format("{}: query, cache, block_tables, seq_lens, output, lse and workspace "
@@ -409,9 +409,12 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     throw InvalidArgument(kWhere, "workspace_bytes", a.workspace_bytes,
                           fmt::format(">= {} (DecodePlan::workspace_bytes)", plan.workspace_bytes));
   }
-  if (a.num_blocks < 1) throw InvalidArgument(kWhere, "num_blocks", a.num_blocks, ">= 1");
-  if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0) {  // slots are read in 16-byte copies
-    throw InvalidArgument(kWhere, "cache", fmt::format("{}", static_cast<const void*>(a.cache)),
+  if (a.cache.num_blocks < 1) {
+    throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks, ">= 1");
+  }
+  if (reinterpret_cast<uintptr_t>(a.cache.data) % 16 != 0) {  // slots are read in 16-byte copies
+    throw InvalidArgument(kWhere, "cache.data",
+                          fmt::format("{}", static_cast<const void*>(a.cache.data)),
                           "a 16-byte aligned device pointer");
   }
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
@@ -478,7 +481,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     sp.query_signs = s.signs.data();
     sp.query_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   }
-  sp.cache = a.cache;
+  sp.cache = a.cache.data;
   sp.block_tables = a.block_tables;
   sp.seq_lens = a.seq_lens;
   sp.partial_out = partial_out;

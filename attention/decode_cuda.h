@@ -124,10 +124,9 @@ struct DecodePlan {
 };
 
 struct CudaDecodeArgs {
-  const void* query = nullptr;       // [num_seqs, num_q_heads, head_dim] device
-  DType query_dtype = DType::kBF16;  // F16, BF16 or F32
-  const uint8_t* cache = nullptr;    // [num_blocks, block_bytes] device
-  int64_t num_blocks = 0;
+  const void* query = nullptr;            // [num_seqs, num_q_heads, head_dim] device
+  DType query_dtype = DType::kBF16;       // F16, BF16 or F32
+  ConstCacheRef cache;                    // device
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq] device
   const int32_t* seq_lens = nullptr;      // [num_seqs] device; each <= max_blocks · block_size
   std::optional<float> scale;             // default 1/√D

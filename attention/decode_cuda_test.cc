@@ -118,8 +118,7 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
   CudaDecodeArgs a;
   a.query = d.query.data();
   a.query_dtype = DType::kF32;
-  a.cache = d.cache.data();
-  a.num_blocks = num_blocks;
+  a.cache = {d.cache.data(), num_blocks};
   a.block_tables = d.tables.data();
   a.seq_lens = d.lens.data();
   a.output = out.data();
@@ -334,8 +333,7 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
             CudaDecodeArgs a;
             a.query = i == 0 ? dev.query.data() : outs[i - 1].data();
             a.query_dtype = DType::kF32;
-            a.cache = dev.cache.data();
-            a.num_blocks = s.num_blocks;
+            a.cache = {dev.cache.data(), s.num_blocks};
             a.block_tables = dev.tables.data();
             a.seq_lens = dev.lens.data();
             a.output = outs[i].data();
@@ -537,8 +535,7 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
     CudaDecodeArgs a;
     a.query = query.data();
     a.query_dtype = q_dtype;
-    a.cache = dev.cache.data();
-    a.num_blocks = s.num_blocks;
+    a.cache = {dev.cache.data(), s.num_blocks};
     a.block_tables = dev.tables.data();
     a.seq_lens = dev.lens.data();
     a.output = out.data();
@@ -765,8 +762,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
       CudaDecodeArgs a;
       a.query = dev.query.data();
       a.query_dtype = DType::kF32;
-      a.cache = dev.cache.data();
-      a.num_blocks = s.num_blocks;
+      a.cache = {dev.cache.data(), s.num_blocks};
       a.block_tables = dev.tables.data();
       a.seq_lens = dev.lens.data();
       a.output = out.data();
@@ -805,13 +801,13 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   CudaDecodeArgs a;
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
   DeviceBuffer<uint8_t> small(16);
-  a.query = a.cache = small.data();
+  a.query = small.data();
+  a.cache = {small.data(), 1};
   a.block_tables = a.seq_lens = reinterpret_cast<const int32_t*>(small.data());
   a.output = small.data();
   a.lse = reinterpret_cast<float*>(small.data());
   a.workspace = small.data();
   a.workspace_bytes = 16;
-  a.num_blocks = 1;
   try {
     decoder.Run(plan, a, nullptr);
     FAIL();
@@ -831,17 +827,17 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   a.workspace = ws.data();
   a.workspace_bytes = plan.workspace_bytes;
-  a.cache = small.data() + 4;
+  a.cache.data = small.data() + 4;
   try {
     decoder.Run(plan, a, nullptr);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("cache = "));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("cache.data = "));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("16-byte aligned"));
   }
   // A plan for the narrow split kernel is refused where there is none: 4bit_nc's runs on paired
   // CTAs (two KV heads each), so not with an odd number of KV heads.
-  a.cache = ws.data();
+  a.cache.data = ws.data();
   const CudaDecoder odd4(Quantizer::Create("turboquant_4bit_nc", 128, 3, 16));
   DecodePlan narrow = odd4.Plan(4, 12, 10);
   EXPECT_FALSE(narrow.narrow);

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "quant/block_format.h"
+#include "quant/cache_ref.h"
 #include "quant/codebook.h"
 #include "quant/preset.h"
 #include "quant/rotation.h"
@@ -24,12 +25,6 @@ struct StoreInputs {
   const void* slot_mapping = nullptr;  // [num_tokens] of `slot_dtype`; < 0 = write nothing
   DType slot_dtype = DType::kI64;      // kI32 or kI64
   int64_t num_tokens = 0;
-};
-
-// One layer's cache as the CPU sees it.
-struct CacheRef {
-  uint8_t* data = nullptr;  // [num_blocks, block_bytes]
-  int64_t num_blocks = 0;
 };
 
 // The checks every store makes, CPU or CUDA (Quantizer::StoreCpu, StoreDeviceState::Store): the

@@ -69,8 +69,7 @@ AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& c
   a.seq_lens = s.base.seq_lens.data();
   a.block_tables = s.base.block_tables.data();
   a.max_blocks_per_seq = s.base.max_blocks;
-  a.cache = cache.data();
-  a.num_blocks = s.base.num_blocks;
+  a.cache = {cache.data(), s.base.num_blocks};
   return a;
 }
 

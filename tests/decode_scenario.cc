@@ -119,7 +119,7 @@ void ReferenceDecode(const Quantizer& q, const Scenario& s, std::vector<float>& 
     one.query = all.query + int64_t{b} * hq * d;
     one.block_tables = all.block_tables + int64_t{b} * all.max_blocks_per_seq;
     one.seq_lens = all.seq_lens + b;
-    DecodeCpu(q, s.cache.data(), s.num_blocks, one,
+    DecodeCpu(q, {s.cache.data(), s.num_blocks}, one,
               {out.data() + int64_t{b} * hq * d, lse.data() + int64_t{b} * hq});
   });
 }

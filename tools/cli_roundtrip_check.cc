@@ -33,8 +33,8 @@ int main(int argc, char** argv) {
 
   const Tensor& key = in.at("key");
   const Tensor& slots = in.at("slot_mapping");
-  const Quantizer q = cli::MakeQuantizer(flags, static_cast<int>(key.shape[2]),
-                                         static_cast<int>(key.shape[1]), in);
+  const Quantizer q =
+      cli::MakeQuantizer(flags, static_cast<int>(key.shape[2]), static_cast<int>(key.shape[1]), in);
   std::vector<uint8_t> cache(static_cast<size_t>(num_blocks * q.format().block_bytes), 0);
   StoreInputs s;
   s.key = key.data.data();
@@ -58,11 +58,13 @@ int main(int argc, char** argv) {
   d.max_blocks_per_seq = static_cast<int>(query_in.at("block_tables").shape[1]);
   d.seq_lens = query_in.at("seq_lens").values<int32_t>().data();
   std::vector<float> out(query.values<float>().size()), lse(d.num_seqs * d.num_q_heads);
-  DecodeCpu(q, cache.data(), num_blocks, d, {out.data(), lse.data()});
+  DecodeCpu(q, {cache.data(), num_blocks}, d, {out.data(), lse.data()});
   const auto got_out = decoded.at("output").values<float>();
   const auto got_lse = decoded.at("lse").values<float>();
-  if (got_out.size() != out.size() || std::memcmp(got_out.data(), out.data(), out.size() * 4) != 0 ||
-      got_lse.size() != lse.size() || std::memcmp(got_lse.data(), lse.data(), lse.size() * 4) != 0) {
+  if (got_out.size() != out.size() ||
+      std::memcmp(got_out.data(), out.data(), out.size() * 4) != 0 ||
+      got_lse.size() != lse.size() ||
+      std::memcmp(got_lse.data(), lse.data(), lse.size() * 4) != 0) {
     fmt::print("FAIL: output/lse written by tqkv decode differ from DecodeCpu\n");
     return 1;
   }

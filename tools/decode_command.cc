@@ -9,9 +9,9 @@
 #include "attention/attention_cuda.h"
 #include "attention/decode_cpu.h"
 #include "attention/decode_cuda.h"
-#include "runtime/memory.h"
 #include "quant/quantizer.h"
 #include "runtime/error.h"
+#include "runtime/memory.h"
 #include "runtime/safetensors.h"
 #include "tools/cli_util.h"
 #include "tools/commands.h"
@@ -43,12 +43,12 @@ void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query
   const CudaDecoder decoder(q);
   const DecodePlan plan = decoder.Plan(batch, hq, static_cast<int>(tables.shape[1]));
   DeviceBuffer<uint8_t> workspace(plan.workspace_bytes);
-  DeviceBuffer<float> d_out(static_cast<int64_t>(output.size())), d_lse(static_cast<int64_t>(lse.size()));
+  DeviceBuffer<float> d_out(static_cast<int64_t>(output.size())),
+      d_lse(static_cast<int64_t>(lse.size()));
   CudaDecodeArgs a;
   a.query = d_query.data();
   a.query_dtype = query.dtype;
-  a.cache = d_cache.data();
-  a.num_blocks = cache.shape[0];
+  a.cache = {d_cache.data(), cache.shape[0]};
   a.block_tables = d_tables.data();
   a.seq_lens = d_lens.data();
   a.scale = scale;
@@ -77,8 +77,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeF
   a.seq_lens = t.seq_lens->values<int32_t>().data();
   a.block_tables = t.block_tables->values<int32_t>().data();
   a.max_blocks_per_seq = t.max_blocks_per_seq;
-  a.cache = cache.data.data();
-  a.num_blocks = cache.shape[0];
+  a.cache = {cache.data.data(), cache.shape[0]};
   a.scale = flags.scale;
   a.output = output.data();
   a.lse = lse.data();
@@ -114,7 +113,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeF
   a.query_start_loc = d_loc.data();
   a.seq_lens = d_lens.data();
   a.block_tables = d_tables.data();
-  a.cache = d_cache.data();
+  a.cache.data = d_cache.data();
   a.output = d_out.data();
   a.lse = d_lse.data();
   a.workspace = workspace.data();
@@ -141,8 +140,8 @@ void RunDecode(const DecodeFlags& flags) {
     SafetensorsFile out;
     out.source_name = flags.out;
     out.tensors.emplace("output", Tensor::FromValues<float>(DType::kF32, query.shape, output));
-    out.tensors.emplace("lse", Tensor::FromValues<float>(
-                                   DType::kF32, {tensors.num_tokens, query.shape[1]}, lse));
+    out.tensors.emplace(
+        "lse", Tensor::FromValues<float>(DType::kF32, {tensors.num_tokens, query.shape[1]}, lse));
     WriteSafetensors(flags.out, out);
     return;
   }
@@ -155,18 +154,17 @@ void RunDecode(const DecodeFlags& flags) {
   if (flags.device == "cuda") {
     DecodeInputs check = inputs;
     check.token_end = 0;  // validate, attend to nothing
-    DecodeCpu(q, cache.data.data(), cache.shape[0], check, {output.data(), lse.data()});
+    DecodeCpu(q, {cache.data.data(), cache.shape[0]}, check, {output.data(), lse.data()});
     DecodeOnDevice(q, cache, query, *tensors.block_tables, *tensors.seq_lens, flags.scale, output,
                    lse);
   } else {
-    DecodeCpu(q, cache.data.data(), cache.shape[0], inputs, {output.data(), lse.data()});
+    DecodeCpu(q, {cache.data.data(), cache.shape[0]}, inputs, {output.data(), lse.data()});
   }
 
   SafetensorsFile out;
   out.source_name = flags.out;
   out.tensors.emplace("output", Tensor::FromValues<float>(DType::kF32, query.shape, output));
-  out.tensors.emplace("lse",
-                      Tensor::FromValues<float>(DType::kF32, {batch, query.shape[1]}, lse));
+  out.tensors.emplace("lse", Tensor::FromValues<float>(DType::kF32, {batch, query.shape[1]}, lse));
   WriteSafetensors(flags.out, out);
 }
 
@@ -174,9 +172,10 @@ void RunDecode(const DecodeFlags& flags) {
 
 void AddDecodeCommand(CLI::App& app) {
   auto flags = std::make_shared<DecodeFlags>();
-  auto* cmd = app.add_subcommand("decode",
-                                 "Attention of query [B, Hq, D] (or [T, Hq, D] with query_start_loc) over a "
-                                 "compressed cache (CPU or CUDA)");
+  auto* cmd = app.add_subcommand(
+      "decode",
+      "Attention of query [B, Hq, D] (or [T, Hq, D] with query_start_loc) over a "
+      "compressed cache (CPU or CUDA)");
   AddQuantizerFlags(*cmd, flags->quant, /*block_size_required=*/false);
   cmd->add_option("--cache", flags->cache, "safetensors with 'cache' U8 [NB, block_bytes]")
       ->required();

@@ -54,7 +54,8 @@ int main() {
     std::vector<StepRequest> requests;
     for (SeqId s : seqs) {
       const SequenceInfo info = manager.GetSequenceInfo(s);
-      const int64_t done = info.num_scheduled > 0 ? info.num_scheduled : manager.Lookup(s).num_tokens;
+      const int64_t done =
+          info.num_scheduled > 0 ? info.num_scheduled : manager.Lookup(s).num_tokens;
       requests.push_back({s, static_cast<int32_t>(info.num_tokens - done), 0});
     }
     const ScheduleResult result = manager.Schedule(requests, batch);
@@ -91,8 +92,7 @@ int main() {
       a.seq_lens = batch.seq_lens().data();
       a.block_tables = batch.block_tables().data();
       a.max_blocks_per_seq = batch.block_table_width();
-      a.cache = cache.layer_data(layer);
-      a.num_blocks = cache.num_blocks();
+      a.cache = {cache.layer_data(layer), cache.num_blocks()};
       a.output = out.data();
       a.lse = lse.data();
       AttentionCpu(quantizer, a);
@@ -108,8 +108,8 @@ int main() {
     }
     manager.CheckInvariants();
     const KVCacheStats st = manager.Stats();
-    std::printf("step %d: %d tokens, %d blocks in use, prefix hits %lld tokens\n", step,
-                num_tokens, st.blocks_in_use, static_cast<long long>(st.prefix_hit_tokens));
+    std::printf("step %d: %d tokens, %d blocks in use, prefix hits %lld tokens\n", step, num_tokens,
+                st.blocks_in_use, static_cast<long long>(st.prefix_hit_tokens));
   }
   for (SeqId s : seqs) manager.Free(s);
   // The second request reused the first one's two full system-prompt blocks.

@@ -140,8 +140,7 @@ class CpuBackend : public Backend {
     a.seq_lens = view_.seq_lens + i;
     a.block_tables = view_.block_tables + size_t(i) * view_.block_table_width;
     a.max_blocks_per_seq = view_.block_table_width;
-    a.cache = cache_.layer_data(layer);
-    a.num_blocks = cache_.num_blocks();
+    a.cache = {cache_.layer_data(layer), cache_.num_blocks()};
     a.output = out_.data() + at * hq_ * d;
     a.lse = lse_.data() + at * hq_;
     if (q_ != nullptr) {
@@ -177,8 +176,8 @@ int64_t Align256(int64_t n) { return (n + 255) / 256 * 256; }
 //    once; only then may the sim reschedule the batch and overwrite the inputs (PrepareStep).
 // Timing: events around each Store / Attend call (what the call takes on the stream, host launch
 // gaps included), the host time inside each library call, and (kernel_timing) a pass after the
-// step's read-back that captures the step's stores, and its attention calls, kReps times over in a CUDA
-// graph each and replays it: the kernels alone. Replaying is idempotent (the same bytes to the
+// step's read-back that captures the step's stores, and its attention calls, kReps times over in a
+// CUDA graph each and replays it: the kernels alone. Replaying is idempotent (the same bytes to the
 // same slots, the same outputs).
 class CudaBackend : public Backend {
  public:
@@ -332,8 +331,7 @@ class CudaBackend : public Backend {
     a.seq_lens = view_.seq_lens;
     a.block_tables = view_.block_tables;
     a.max_blocks_per_seq = view_.block_table_width;
-    a.cache = cache_.layer_data(layer);
-    a.num_blocks = cache_.num_blocks();
+    a.cache = {cache_.layer_data(layer), cache_.num_blocks()};
     float* out = reinterpret_cast<float*>(d_out_.data());
     a.output = out + rows * d_;
     a.output_dtype = DType::kF32;

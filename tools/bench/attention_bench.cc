@@ -196,8 +196,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     a.query_start_loc = d_loc.data();
     a.seq_lens = d_lens.data();
     a.max_blocks_per_seq = width;
-    a.cache = pool.data();
-    a.num_blocks = pool_blocks;
+    a.cache = {pool.data(), pool_blocks};
     a.output = out.data();
     a.output_dtype = DType::kBF16;
     a.lse = lse.data();
@@ -254,8 +253,8 @@ int Main(int argc, char** argv) {
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
       if (quick && chunk == 8192 && prefix == 8192) continue;
-      shapes.push_back(Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1,
-                               prefix + chunk, chunk));
+      shapes.push_back(
+          Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
     }
   }
   // The extra device memory at 128k (the workspace does not grow with the context).
@@ -277,8 +276,13 @@ int Main(int argc, char** argv) {
   nlohmann::json all = nlohmann::json::array();
   for (const std::string& kind : kinds) {
     for (const Row& r : RunKind(kind, shapes, read_gbs, stream)) {
-      all.push_back({{"kind", r.kind}, {"shape", r.shape}, {"us", r.us}, {"flops", r.flops},
-                     {"bytes", r.bytes}, {"workspace", r.workspace}, {"splits", r.splits},
+      all.push_back({{"kind", r.kind},
+                     {"shape", r.shape},
+                     {"us", r.us},
+                     {"flops", r.flops},
+                     {"bytes", r.bytes},
+                     {"workspace", r.workspace},
+                     {"splits", r.splits},
                      {"read_gbs", read_gbs}});
     }
   }

@@ -59,7 +59,7 @@ void Decode(const cli::QuantizerFlags& flags, std::optional<float> scale,
   const DecodeInputs inputs = cli::MakeDecodeInputs(tensors, scale, query_f32);
   std::vector<float> output(query_f32.size());
   std::vector<float> lse(static_cast<size_t>(int64_t{tensors.batch} * tensors.num_q_heads));
-  DecodeCpu(q, tensors.cache->data.data(), tensors.cache->shape[0], inputs,
+  DecodeCpu(q, {tensors.cache->data.data(), tensors.cache->shape[0]}, inputs,
             {output.data(), lse.data()});
 }
 
