@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "model/gguf_writer.h"
 #include "quant/numerics.h"
 #include "runtime/error.h"
 
@@ -19,25 +20,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Writes GGUF bytes field by field (the test's own writer, from the format's description).
-class Writer {
- public:
-  template <typename T>
-  Writer& Put(T v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    bytes.insert(bytes.end(), p, p + sizeof(T));
-    return *this;
-  }
-  Writer& Str(const std::string& s) {
-    Put<uint64_t>(s.size());
-    bytes.insert(bytes.end(), s.begin(), s.end());
-    return *this;
-  }
-  void Align(size_t a) {
-    while (bytes.size() % a != 0) bytes.push_back(0);
-  }
-  std::vector<uint8_t> bytes;
-};
+using Writer = GgufWriter;
 
 uint16_t Half(float x) { return FloatToHalfBits(x); }
 
