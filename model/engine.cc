@@ -1,0 +1,214 @@
+#include "model/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "attention/attention_cpu.h"
+#include "kvcache/cache_format.h"
+#include "kvcache/kv_cache.h"
+#include "kvcache/manager.h"
+#include "quant/numerics.h"
+#include "quant/quantizer.h"
+#include "runtime/error.h"
+
+namespace tqkv::model {
+namespace {
+
+// Writes fp32 K/V rows [n, H, D] as bf16 into an uncompressed paged cache at the slots.
+void StoreBf16(const Bf16BlockFormat& f, const float* k, const float* v, const int64_t* slots,
+               int n, uint8_t* cache) {
+  const int hd = f.num_kv_heads * f.head_dim;
+  for (int t = 0; t < n; ++t) {
+    const int64_t block = slots[t] / f.block_size;
+    const int pos = static_cast<int>(slots[t] % f.block_size);
+    uint8_t* base = cache + block * f.block_bytes;
+    for (int h = 0; h < f.num_kv_heads; ++h) {
+      auto* kd = reinterpret_cast<uint16_t*>(base + f.KeyOffset(pos, h));
+      auto* vd = reinterpret_cast<uint16_t*>(base + f.ValueOffset(pos, h));
+      for (int i = 0; i < f.head_dim; ++i) {
+        kd[i] = FloatToBFloat16Bits(k[int64_t{t} * hd + h * f.head_dim + i]);
+        vd[i] = FloatToBFloat16Bits(v[int64_t{t} * hd + h * f.head_dim + i]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+struct CpuEngine::State {
+  std::optional<Quantizer> quantizer;  // the compressed layers'
+  CacheFormat compressed_format, bf16_format;
+  std::vector<int> cache_layer;  // layer -> its index in the compressed or the bf16 cache
+  std::vector<bool> bf16_layer;
+  std::optional<KVCache> compressed, bf16;
+  std::optional<KVCacheManager> manager;
+  int32_t num_blocks = 0;
+  StepBatch batch;
+};
+
+CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
+    : model_(model), policy_(std::move(policy)), state_(std::make_unique<State>()) {
+  const LlamaConfig& c = model_.config();
+  if (policy_.boundary_layers < 0 || 2 * policy_.boundary_layers > c.num_layers) {
+    throw InvalidArgument("CpuEngine", "policy.boundary_layers", policy_.boundary_layers,
+                          fmt::format("0 to {}", c.num_layers / 2));
+  }
+  State& s = *state_;
+  const bool all_bf16 = policy_.preset == "bf16";
+  s.bf16_format = MakeCacheFormat("bf16", c.head_dim, c.num_kv_heads, policy_.block_size);
+  if (!all_bf16) {
+    s.compressed_format =
+        MakeCacheFormat(policy_.preset, c.head_dim, c.num_kv_heads, policy_.block_size);
+    s.quantizer.emplace(
+        Quantizer::Create(policy_.preset, c.head_dim, c.num_kv_heads, policy_.block_size));
+  }
+  int num_compressed = 0, num_bf16 = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const bool bf16 =
+        all_bf16 || l < policy_.boundary_layers || l >= c.num_layers - policy_.boundary_layers;
+    s.bf16_layer.push_back(bf16);
+    s.cache_layer.push_back(bf16 ? num_bf16++ : num_compressed++);
+  }
+  s.num_blocks = policy_.num_blocks;
+}
+
+CpuEngine::~CpuEngine() = default;
+CpuEngine::CpuEngine(CpuEngine&&) noexcept = default;
+
+bool CpuEngine::IsBf16Layer(int layer) const { return state_->bf16_layer.at(layer); }
+
+int64_t CpuEngine::kv_bytes_per_token() const {
+  const State& s = *state_;
+  const int hk = model_.config().num_kv_heads;
+  int64_t bytes = 0;
+  for (bool bf16 : s.bf16_layer) {
+    bytes += hk * (bf16 ? s.bf16_format.slot_bytes : s.compressed_format.slot_bytes);
+  }
+  return bytes;
+}
+
+int64_t CpuEngine::prefix_hit_tokens() const {
+  return state_->manager ? state_->manager->Stats().prefix_hit_tokens : 0;
+}
+
+std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk) {
+  const LlamaConfig& c = model_.config();
+  const int n = static_cast<int>(tokens.size());
+  if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
+  if (n < 1) return {};
+  State& s = *state_;
+  const int32_t blocks_needed =
+      static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
+  if (!s.manager) {  // the manager and caches, sized by the first call unless the policy says
+    if (s.num_blocks == 0) s.num_blocks = std::max(blocks_needed, 2);
+    KVCacheManagerOptions o;
+    o.num_blocks = s.num_blocks;
+    o.block_size = policy_.block_size;
+    FormatTag tag = MakeFormatTag(s.quantizer ? s.compressed_format : s.bf16_format,
+                                  s.quantizer ? s.quantizer->rotation().id : 0);
+    if (policy_.boundary_layers > 0 && s.quantizer) {  // the tag covers the per-layer policy
+      tag.preset += fmt::format("+bf16x{}", policy_.boundary_layers);
+    }
+    o.format = tag;
+    s.manager.emplace(o);
+    const int num_bf16 =
+        static_cast<int>(std::count(s.bf16_layer.begin(), s.bf16_layer.end(), true));
+    const int num_compressed = c.num_layers - num_bf16;
+    if (num_compressed > 0) {
+      s.compressed.emplace(s.compressed_format, num_compressed, s.num_blocks, CacheDevice::kCpu);
+    }
+    if (num_bf16 > 0) s.bf16.emplace(s.bf16_format, num_bf16, s.num_blocks, CacheDevice::kCpu);
+  }
+  if (blocks_needed > s.num_blocks) {
+    throw InvalidArgument(
+        "CpuEngine::Forward", "tokens.size()", n,
+        fmt::format("at most {} with {} blocks of {}", (s.num_blocks - 1) * policy_.block_size,
+                    s.num_blocks, policy_.block_size));
+  }
+  KVCacheManager& m = *s.manager;
+  const SeqId seq = m.AddSequence(tokens);
+  const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
+  std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
+  std::vector<float> x, q, k, v, attn, lse;
+  int done = 0;
+  while (done < n) {
+    const SequenceInfo info = m.GetSequenceInfo(seq);
+    const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(seq).num_tokens;
+    const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
+    if (step <= 0) break;  // (the manager always leaves a prompt's last token to compute)
+    const StepRequest request{seq, step, 0};
+    const ScheduleResult r = m.Schedule(std::span<const StepRequest>(&request, 1), s.batch);
+    if (!r.admitted) {
+      throw Error(fmt::format("CpuEngine::Forward: {} blocks missing", r.blocks_missing));
+    }
+    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
+    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
+    // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
+    const int first = static_cast<int>(start);
+    x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
+    for (int t = 0; t < step; ++t)
+      model_.Embed(tokens[first + t], x.data() + int64_t{t} * c.hidden);
+    q.resize(static_cast<size_t>(step) * hq * d);
+    k.resize(static_cast<size_t>(step) * hk * d);
+    v.resize(k.size());
+    attn.resize(q.size());
+    lse.resize(static_cast<size_t>(step) * hq);
+    for (int l = 0; l < c.num_layers; ++l) {
+      for (int t = 0; t < step; ++t) {
+        model_.AttentionInputs(l, x.data() + int64_t{t} * c.hidden, first + t,
+                               q.data() + int64_t{t} * hq * d, k.data() + int64_t{t} * hk * d,
+                               v.data() + int64_t{t} * hk * d);
+      }
+      const bool bf16 = s.bf16_layer[l];
+      KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
+      uint8_t* layer = cache.layer_data(s.cache_layer[l]);
+      if (bf16) {
+        StoreBf16(s.bf16_format.bf16_format, k.data(), v.data(), s.batch.slot_mapping().data(),
+                  step, layer);
+      } else {
+        StoreInputs in;
+        in.key = k.data();
+        in.value = v.data();
+        in.dtype = DType::kF32;
+        in.slot_mapping = s.batch.slot_mapping().data();
+        in.slot_dtype = DType::kI64;
+        in.num_tokens = step;
+        s.quantizer->StoreCpu(in, {layer, cache.num_blocks()});
+      }
+      AttentionArgs a;
+      a.query = q.data();
+      a.num_seqs = s.batch.num_requests();
+      a.num_tokens = step;
+      a.num_q_heads = hq;
+      a.query_start_loc = s.batch.query_start_loc().data();
+      a.seq_lens = s.batch.seq_lens().data();
+      a.block_tables = s.batch.block_tables().data();
+      a.max_blocks_per_seq = s.batch.block_table_width();
+      a.cache = {layer, cache.num_blocks()};
+      a.output = attn.data();
+      a.lse = lse.data();
+      if (bf16) {
+        AttentionCpu(s.bf16_format.bf16_format, a);
+      } else {
+        AttentionCpu(*s.quantizer, a);
+      }
+      for (int t = 0; t < step; ++t) {
+        float* xt = x.data() + int64_t{t} * c.hidden;
+        model_.AttentionOutput(l, attn.data() + int64_t{t} * hq * d, xt);
+        model_.FeedForward(l, xt);
+      }
+    }
+    for (int t = 0; t < step; ++t) {
+      model_.Logits(x.data() + int64_t{t} * c.hidden, logits.data() + int64_t{first + t} * c.vocab);
+    }
+    done = first + step;
+    m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
+  }
+  m.Free(seq);
+  return logits;
+}
+
+}  // namespace tqkv::model

@@ -1,0 +1,132 @@
+#include "model/engine.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <vector>
+
+#include "model/gguf.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "runtime/error.h"
+
+namespace tqkv::model {
+namespace {
+
+struct Loaded {
+  LlamaModel model;
+  Tokenizer tokenizer;
+};
+
+// SmolLM2-135M (tools/test.sh fetches it), loaded once.
+const Loaded* SmolLm2() {
+  static const std::optional<Loaded> loaded = []() -> std::optional<Loaded> {
+    const char* path = std::getenv("TQKV_SMOLLM2_GGUF");
+    if (path == nullptr || *path == '\0') return std::nullopt;
+    const GgufFile f = GgufFile::Open(path);
+    return Loaded{LlamaModel::FromGguf(f), Tokenizer::FromGguf(f)};
+  }();
+  return loaded ? &*loaded : nullptr;
+}
+
+constexpr const char* kText =
+    "The history of the city begins in the Roman period, when a small settlement grew up on the "
+    "northern bank of the river. Over the following centuries it became an important market town.";
+
+int Argmax(const float* x, int n) { return static_cast<int>(std::max_element(x, x + n) - x); }
+
+// Fraction of positions whose top-1 token agrees, and the largest logit difference.
+std::pair<double, float> Compare(const std::vector<float>& a, const std::vector<float>& b,
+                                 int vocab) {
+  const size_t n = a.size() / vocab;
+  int agree = 0;
+  float max_diff = 0.0f;
+  for (size_t p = 0; p < n; ++p) {
+    agree += Argmax(a.data() + p * vocab, vocab) == Argmax(b.data() + p * vocab, vocab);
+    for (int i = 0; i < vocab; ++i) {
+      max_diff = std::max(max_diff, std::fabs(a[p * vocab + i] - b[p * vocab + i]));
+    }
+  }
+  return {static_cast<double>(agree) / n, max_diff};
+}
+
+TEST(EngineTest, ReferenceForwardContinuesAFact) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const std::vector<int32_t> ids = s->tokenizer.Encode("The capital of France is");
+  const std::vector<float> logits = ReferenceForward(s->model, ids);
+  const int vocab = s->model.config().vocab;
+  const int next = Argmax(logits.data() + (ids.size() - 1) * vocab, vocab);
+  EXPECT_EQ(s->tokenizer.Decode(std::vector<int32_t>{next}), " Paris");
+}
+
+// A bf16 cache differs from the exact fp32 reference only by rounding K and V to bf16.
+TEST(EngineTest, Bf16CacheMatchesTheReference) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const std::vector<int32_t> ids = s->tokenizer.Encode(kText);
+  const std::vector<float> ref = ReferenceForward(s->model, ids);
+  CpuEngine bf16(s->model, {"bf16", 0, 16, 0});
+  const auto [agree, diff] = Compare(bf16.Forward(ids, 16), ref, s->model.config().vocab);
+  EXPECT_EQ(agree, 1.0);
+  EXPECT_LT(diff, 0.25f);
+  EXPECT_EQ(bf16.kv_bytes_per_token(), 30 * 3 * 4 * 64);
+}
+
+// Through TurboQuant 4bit_nc: the chunking of the prefill does not change a bit, a prefix hit
+// gives the same logits for the positions it computes, and the top-1 token mostly agrees with
+// the reference.
+TEST(EngineTest, FourBitCacheIsChunkAndPrefixInvariant) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const int vocab = s->model.config().vocab;
+  const std::vector<int32_t> ids = s->tokenizer.Encode(kText);
+  CpuEngine a(s->model, {"turboquant_4bit_nc", 0, 16, 0});
+  const std::vector<float> whole = a.Forward(ids, 64);
+  CpuEngine b(s->model, {"turboquant_4bit_nc", 0, 16, 0});
+  EXPECT_EQ(b.Forward(ids, 5), whole);
+  // The second run of the same tokens starts after the full blocks the first one published.
+  const std::vector<float> again = b.Forward(ids, 64);
+  const int64_t hit = b.prefix_hit_tokens();
+  EXPECT_EQ(hit, static_cast<int64_t>(ids.size() - 1) / 16 * 16);
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const bool cached = static_cast<int64_t>(p) < hit;
+    for (int i = 0; i < vocab; i += 997) {
+      if (cached) {
+        EXPECT_TRUE(std::isnan(again[p * vocab + i])) << p;
+      } else {
+        ASSERT_EQ(again[p * vocab + i], whole[p * vocab + i]) << p;
+      }
+    }
+  }
+  const auto [agree, diff] = Compare(whole, ReferenceForward(s->model, ids), vocab);
+  EXPECT_GE(agree, 0.85);
+  EXPECT_EQ(a.kv_bytes_per_token(), 30 * 3 * (32 + 32 + 3 * 2));
+}
+
+TEST(EngineTest, BoundaryLayersAreBf16) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  CpuEngine e(s->model, {"turboquant_4bit_nc", 2, 16, 0});
+  for (int l = 0; l < 30; ++l) EXPECT_EQ(e.IsBf16Layer(l), l < 2 || l >= 28) << l;
+  EXPECT_EQ(e.kv_bytes_per_token(), 4 * 3 * 4 * 64 + 26 * 3 * 70);
+  EXPECT_THAT(
+      [&] {
+        CpuEngine(s->model, {"turboquant_4bit_nc", 16, 16, 0});
+      },
+      ::testing::ThrowsMessage<Error>(
+          ::testing::HasSubstr("policy.boundary_layers = 16; allowed: 0 to 15")));
+  const std::vector<int32_t> ids = s->tokenizer.Encode("The capital of France is");
+  const std::vector<float> logits = e.Forward(ids, 4);
+  const int vocab = s->model.config().vocab;
+  EXPECT_EQ(s->tokenizer.Decode(
+                std::vector<int32_t>{Argmax(logits.data() + (ids.size() - 1) * vocab, vocab)}),
+            " Paris");
+}
+
+}  // namespace
+}  // namespace tqkv::model

@@ -1,0 +1,214 @@
+#include "model/llama.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace tqkv::model {
+namespace {
+
+constexpr const char* kWhere = "LlamaModel::FromGguf";
+
+std::vector<float> Load(const GgufFile& f, const std::string& name,
+                        std::initializer_list<int64_t> dims) {
+  const GgufTensor& t = f.Tensor(name);
+  if (!std::equal(t.dims.begin(), t.dims.end(), dims.begin(), dims.end())) {
+    throw Error(fmt::format("{}: tensor '{}' has dims [{}]; expected [{}]", kWhere, name,
+                            fmt::join(t.dims, ", "), fmt::join(dims, ", ")));
+  }
+  return f.Dequantize(t);
+}
+
+int PositiveInt(const GgufFile& f, const std::string& key) {
+  const int64_t v = f.GetInt(key);
+  if (v <= 0 || v > (int64_t{1} << 24)) {
+    throw InvalidArgument(kWhere, key, v, "1 to 2^24");
+  }
+  return static_cast<int>(v);
+}
+
+void RmsNorm(const float* x, const float* w, int n, float eps, float* y) {
+  double ss = 0.0;
+  for (int i = 0; i < n; ++i) ss += double{x[i]} * x[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+// Rotates adjacent pairs of each head of x [heads · d] by pos · base^(-2i / d).
+void Rope(float* x, int heads, int d, int pos, float base) {
+  for (int i = 0; i < d / 2; ++i) {
+    const double theta = pos * std::pow(static_cast<double>(base), -2.0 * i / d);
+    const auto c = static_cast<float>(std::cos(theta)), s = static_cast<float>(std::sin(theta));
+    for (int h = 0; h < heads; ++h) {
+      float* p = x + h * d + 2 * i;
+      const float a = p[0], b = p[1];
+      p[0] = a * c - b * s;
+      p[1] = a * s + b * c;
+    }
+  }
+}
+
+}  // namespace
+
+void MatVec(const float* w, const float* x, int in, int out, float* y) {
+  for (int o = 0; o < out; ++o) {
+    const float* row = w + static_cast<int64_t>(o) * in;
+    float acc[8] = {};
+    int i = 0;
+    for (; i + 8 <= in; i += 8) {
+      for (int k = 0; k < 8; ++k) acc[k] += row[i + k] * x[i + k];
+    }
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < in; ++i) sum += row[i] * x[i];
+    y[o] = sum;
+  }
+}
+
+LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
+  const std::string arch = f.GetString("general.architecture");
+  if (arch != "llama") throw InvalidArgument(kWhere, "general.architecture", arch, "llama");
+  LlamaModel m;
+  LlamaConfig& c = m.c_;
+  c.num_layers = PositiveInt(f, "llama.block_count");
+  c.hidden = PositiveInt(f, "llama.embedding_length");
+  c.ffn = PositiveInt(f, "llama.feed_forward_length");
+  c.num_heads = PositiveInt(f, "llama.attention.head_count");
+  c.num_kv_heads = f.Find("llama.attention.head_count_kv") != nullptr
+                       ? PositiveInt(f, "llama.attention.head_count_kv")
+                       : c.num_heads;
+  c.context = PositiveInt(f, "llama.context_length");
+  if (c.hidden % c.num_heads != 0 || c.num_heads % c.num_kv_heads != 0) {
+    throw Error(fmt::format("{}: {} heads of {} KV heads over hidden {}", kWhere, c.num_heads,
+                            c.num_kv_heads, c.hidden));
+  }
+  c.head_dim = c.hidden / c.num_heads;
+  if (c.head_dim % 2 != 0) throw InvalidArgument(kWhere, "head_dim", c.head_dim, "even");
+  c.rms_eps = static_cast<float>(f.GetFloat("llama.attention.layer_norm_rms_epsilon"));
+  if (f.Find("llama.rope.freq_base") != nullptr) {
+    c.rope_base = static_cast<float>(f.GetFloat("llama.rope.freq_base"));
+  }
+  const GgufTensor& emb = f.Tensor("token_embd.weight");
+  if (emb.dims.size() != 2 || emb.dims[0] != c.hidden) {
+    throw Error(fmt::format("{}: token_embd.weight has dims [{}]; expected [{}, vocab]", kWhere,
+                            fmt::join(emb.dims, ", "), c.hidden));
+  }
+  c.vocab = static_cast<int>(emb.dims[1]);
+  m.embedding_ = f.Dequantize(emb);
+  if (f.HasTensor("output.weight")) m.output_ = Load(f, "output.weight", {c.hidden, c.vocab});
+  m.output_norm_ = Load(f, "output_norm.weight", {c.hidden});
+  const int64_t kv = int64_t{c.num_kv_heads} * c.head_dim;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = fmt::format("blk.{}.", l);
+    Layer layer;
+    layer.attn_norm = Load(f, p + "attn_norm.weight", {c.hidden});
+    layer.wq = Load(f, p + "attn_q.weight", {c.hidden, c.hidden});
+    layer.wk = Load(f, p + "attn_k.weight", {c.hidden, kv});
+    layer.wv = Load(f, p + "attn_v.weight", {c.hidden, kv});
+    layer.wo = Load(f, p + "attn_output.weight", {c.hidden, c.hidden});
+    layer.ffn_norm = Load(f, p + "ffn_norm.weight", {c.hidden});
+    layer.gate = Load(f, p + "ffn_gate.weight", {c.hidden, c.ffn});
+    layer.up = Load(f, p + "ffn_up.weight", {c.hidden, c.ffn});
+    layer.down = Load(f, p + "ffn_down.weight", {c.ffn, c.hidden});
+    m.layers_.push_back(std::move(layer));
+  }
+  return m;
+}
+
+void LlamaModel::Embed(int32_t token, float* x) const {
+  if (token < 0 || token >= c_.vocab) {
+    throw InvalidArgument("LlamaModel::Embed", "token", token,
+                          fmt::format("0 to {}", c_.vocab - 1));
+  }
+  std::copy_n(embedding_.data() + int64_t{token} * c_.hidden, c_.hidden, x);
+}
+
+void LlamaModel::AttentionInputs(int layer, const float* x, int pos, float* q, float* k,
+                                 float* v) const {
+  const Layer& w = layers_.at(static_cast<size_t>(layer));
+  std::vector<float> h(static_cast<size_t>(c_.hidden));
+  RmsNorm(x, w.attn_norm.data(), c_.hidden, c_.rms_eps, h.data());
+  const int kv = c_.num_kv_heads * c_.head_dim;
+  MatVec(w.wq.data(), h.data(), c_.hidden, c_.hidden, q);
+  MatVec(w.wk.data(), h.data(), c_.hidden, kv, k);
+  MatVec(w.wv.data(), h.data(), c_.hidden, kv, v);
+  Rope(q, c_.num_heads, c_.head_dim, pos, c_.rope_base);
+  Rope(k, c_.num_kv_heads, c_.head_dim, pos, c_.rope_base);
+}
+
+void LlamaModel::AttentionOutput(int layer, const float* attn, float* x) const {
+  const Layer& w = layers_.at(static_cast<size_t>(layer));
+  std::vector<float> o(static_cast<size_t>(c_.hidden));
+  MatVec(w.wo.data(), attn, c_.hidden, c_.hidden, o.data());
+  for (int i = 0; i < c_.hidden; ++i) x[i] += o[i];
+}
+
+void LlamaModel::FeedForward(int layer, float* x) const {
+  const Layer& w = layers_.at(static_cast<size_t>(layer));
+  std::vector<float> h(static_cast<size_t>(c_.hidden)), g(static_cast<size_t>(c_.ffn)),
+      u(static_cast<size_t>(c_.ffn)), o(static_cast<size_t>(c_.hidden));
+  RmsNorm(x, w.ffn_norm.data(), c_.hidden, c_.rms_eps, h.data());
+  MatVec(w.gate.data(), h.data(), c_.hidden, c_.ffn, g.data());
+  MatVec(w.up.data(), h.data(), c_.hidden, c_.ffn, u.data());
+  for (int i = 0; i < c_.ffn; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // SiLU · up
+  MatVec(w.down.data(), g.data(), c_.ffn, c_.hidden, o.data());
+  for (int i = 0; i < c_.hidden; ++i) x[i] += o[i];
+}
+
+void LlamaModel::Logits(const float* x, float* logits) const {
+  std::vector<float> h(static_cast<size_t>(c_.hidden));
+  RmsNorm(x, output_norm_.data(), c_.hidden, c_.rms_eps, h.data());
+  MatVec(output_.empty() ? embedding_.data() : output_.data(), h.data(), c_.hidden, c_.vocab,
+         logits);
+}
+
+std::vector<float> ReferenceForward(const LlamaModel& model, std::span<const int32_t> tokens) {
+  const LlamaConfig& c = model.config();
+  const int n = static_cast<int>(tokens.size());
+  const int d = c.head_dim, kv = c.num_kv_heads * d, group = c.num_heads / c.num_kv_heads;
+  // keys / values [layer][pos][kv]
+  std::vector<float> keys(static_cast<size_t>(c.num_layers) * n * kv), values(keys.size());
+  std::vector<float> logits(static_cast<size_t>(n) * c.vocab);
+  std::vector<float> x(static_cast<size_t>(c.hidden)), q(static_cast<size_t>(c.hidden)),
+      attn(static_cast<size_t>(c.hidden)), p(static_cast<size_t>(n));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int t = 0; t < n; ++t) {
+    model.Embed(tokens[t], x.data());
+    for (int l = 0; l < c.num_layers; ++l) {
+      float* k_l = keys.data() + static_cast<int64_t>(l) * n * kv;
+      float* v_l = values.data() + static_cast<int64_t>(l) * n * kv;
+      model.AttentionInputs(l, x.data(), t, q.data(), k_l + int64_t{t} * kv, v_l + int64_t{t} * kv);
+      for (int h = 0; h < c.num_heads; ++h) {
+        const int g = h / group;
+        const float* qh = q.data() + h * d;
+        float mx = -INFINITY;
+        for (int s = 0; s <= t; ++s) {
+          const float* ks = k_l + int64_t{s} * kv + g * d;
+          float dot = 0.0f;
+          for (int i = 0; i < d; ++i) dot += qh[i] * ks[i];
+          p[s] = dot * scale;
+          mx = std::max(mx, p[s]);
+        }
+        double sum = 0.0;
+        for (int s = 0; s <= t; ++s) sum += (p[s] = std::exp(p[s] - mx));
+        float* out = attn.data() + h * d;
+        std::fill_n(out, d, 0.0f);
+        for (int s = 0; s <= t; ++s) {
+          const float w = static_cast<float>(p[s] / sum);
+          const float* vs = v_l + int64_t{s} * kv + g * d;
+          for (int i = 0; i < d; ++i) out[i] += w * vs[i];
+        }
+      }
+      model.AttentionOutput(l, attn.data(), x.data());
+      model.FeedForward(l, x.data());
+    }
+    model.Logits(x.data(), logits.data() + int64_t{t} * c.vocab);
+  }
+  return logits;
+}
+
+}  // namespace tqkv::model

@@ -1,0 +1,72 @@
+// A Llama-architecture decoder from a GGUF file (llama.cpp's tensor names and conventions), on the
+// CPU in fp32: the weights are dequantized once, and the forward pass is split at the KV cache so
+// that an engine stores each layer's K/V and runs attention itself (through tqkv), while
+// ReferenceForward runs the whole model over an exact fp32 cache of its own.
+//
+// Conventions of llama.cpp's "llama" architecture in GGUF: a linear layer's weight has dims
+// {in, out} (row o holds the `in` weights of output o); the converter permuted the Q and K rows
+// so that RoPE rotates adjacent pairs (2i, 2i + 1) by pos · base^(-2i / head_dim); query head h
+// reads KV head h / (n_heads / n_kv_heads); without output.weight the output layer is the token
+// embedding (tied).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "model/gguf.h"
+
+namespace tqkv::model {
+
+struct LlamaConfig {
+  int num_layers = 0;
+  int hidden = 0;     // embedding length
+  int ffn = 0;        // feed-forward length
+  int num_heads = 0;  // query heads
+  int num_kv_heads = 0;
+  int head_dim = 0;  // hidden / num_heads
+  int vocab = 0;
+  int context = 0;  // trained context length
+  float rms_eps = 1e-5f;
+  float rope_base = 10000.0f;
+};
+
+class LlamaModel {
+ public:
+  // Reads general.architecture "llama", the llama.* hyperparameters and every layer's tensors.
+  // Throws tqkv::Error naming what is missing or has the wrong shape.
+  static LlamaModel FromGguf(const GgufFile& file);
+
+  const LlamaConfig& config() const { return c_; }
+
+  // x = the token's embedding [hidden].
+  void Embed(int32_t token, float* x) const;
+  // From the residual x [hidden] at position pos: the layer's attention inputs, q [num_heads ·
+  // head_dim], k and v [num_kv_heads · head_dim], with RoPE applied to q and k.
+  void AttentionInputs(int layer, const float* x, int pos, float* q, float* k, float* v) const;
+  // x += Wo · attn (attn [num_heads · head_dim], the attention output of every head).
+  void AttentionOutput(int layer, const float* attn, float* x) const;
+  // x += FFN(RMSNorm(x)): SwiGLU.
+  void FeedForward(int layer, float* x) const;
+  // logits [vocab] of the final residual x.
+  void Logits(const float* x, float* logits) const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down;
+  };
+  LlamaConfig c_;
+  std::vector<float> embedding_;  // [vocab, hidden]
+  std::vector<float> output_;     // [vocab, hidden], empty when tied to the embedding
+  std::vector<float> output_norm_;
+  std::vector<Layer> layers_;
+};
+
+// The whole model over `tokens` (positions 0 .. n-1) with an exact fp32 KV cache and plain
+// softmax attention: logits [n, vocab]. The reference the tqkv-backed runs are measured against.
+std::vector<float> ReferenceForward(const LlamaModel& model, std::span<const int32_t> tokens);
+
+// y[o] = Σ_i w[o · in + i] · x[i] for o < out.
+void MatVec(const float* w, const float* x, int in, int out, float* y);
+
+}  // namespace tqkv::model
