@@ -149,19 +149,14 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
     const int first = static_cast<int>(start);
     x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
-    for (int t = 0; t < step; ++t)
-      model_.Embed(tokens[first + t], x.data() + int64_t{t} * c.hidden);
+    model_.Embed(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), x.data());
     q.resize(static_cast<size_t>(step) * hq * d);
     k.resize(static_cast<size_t>(step) * hk * d);
     v.resize(k.size());
     attn.resize(q.size());
     lse.resize(static_cast<size_t>(step) * hq);
     for (int l = 0; l < c.num_layers; ++l) {
-      for (int t = 0; t < step; ++t) {
-        model_.AttentionInputs(l, x.data() + int64_t{t} * c.hidden, first + t,
-                               q.data() + int64_t{t} * hq * d, k.data() + int64_t{t} * hk * d,
-                               v.data() + int64_t{t} * hk * d);
-      }
+      model_.AttentionInputs(l, x.data(), step, first, q.data(), k.data(), v.data());
       const bool bf16 = s.bf16_layer[l];
       KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
       uint8_t* layer = cache.layer_data(s.cache_layer[l]);
@@ -195,15 +190,10 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
       } else {
         AttentionCpu(*s.quantizer, a);
       }
-      for (int t = 0; t < step; ++t) {
-        float* xt = x.data() + int64_t{t} * c.hidden;
-        model_.AttentionOutput(l, attn.data() + int64_t{t} * hq * d, xt);
-        model_.FeedForward(l, xt);
-      }
+      model_.AttentionOutput(l, attn.data(), step, x.data());
+      model_.FeedForward(l, step, x.data());
     }
-    for (int t = 0; t < step; ++t) {
-      model_.Logits(x.data() + int64_t{t} * c.hidden, logits.data() + int64_t{first + t} * c.vocab);
-    }
+    model_.Logits(x.data(), step, logits.data() + int64_t{first} * c.vocab);
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
   }

@@ -55,17 +55,20 @@ void Rope(float* x, int heads, int d, int pos, float base) {
 
 }  // namespace
 
-void MatVec(const float* w, const float* x, int in, int out, float* y) {
+void MatMul(const float* w, const float* x, int n, int in, int out, float* y) {
   for (int o = 0; o < out; ++o) {
     const float* row = w + static_cast<int64_t>(o) * in;
-    float acc[8] = {};
-    int i = 0;
-    for (; i + 8 <= in; i += 8) {
-      for (int k = 0; k < 8; ++k) acc[k] += row[i + k] * x[i + k];
+    for (int t = 0; t < n; ++t) {
+      const float* xt = x + static_cast<int64_t>(t) * in;
+      float acc[8] = {};
+      int i = 0;
+      for (; i + 8 <= in; i += 8) {
+        for (int k = 0; k < 8; ++k) acc[k] += row[i + k] * xt[i + k];
+      }
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < in; ++i) sum += row[i] * xt[i];
+      y[static_cast<int64_t>(t) * out + o] = sum;
     }
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < in; ++i) sum += row[i] * x[i];
-    y[o] = sum;
   }
 }
 
@@ -119,50 +122,64 @@ LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
   return m;
 }
 
-void LlamaModel::Embed(int32_t token, float* x) const {
-  if (token < 0 || token >= c_.vocab) {
-    throw InvalidArgument("LlamaModel::Embed", "token", token,
-                          fmt::format("0 to {}", c_.vocab - 1));
+void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    const int32_t token = tokens[t];
+    if (token < 0 || token >= c_.vocab) {
+      throw InvalidArgument("LlamaModel::Embed", "token", token,
+                            fmt::format("0 to {}", c_.vocab - 1));
+    }
+    std::copy_n(embedding_.data() + int64_t{token} * c_.hidden, c_.hidden,
+                x + static_cast<int64_t>(t) * c_.hidden);
   }
-  std::copy_n(embedding_.data() + int64_t{token} * c_.hidden, c_.hidden, x);
 }
 
-void LlamaModel::AttentionInputs(int layer, const float* x, int pos, float* q, float* k,
+void LlamaModel::AttentionInputs(int layer, const float* x, int n, int pos0, float* q, float* k,
                                  float* v) const {
   const Layer& w = layers_.at(static_cast<size_t>(layer));
-  std::vector<float> h(static_cast<size_t>(c_.hidden));
-  RmsNorm(x, w.attn_norm.data(), c_.hidden, c_.rms_eps, h.data());
-  const int kv = c_.num_kv_heads * c_.head_dim;
-  MatVec(w.wq.data(), h.data(), c_.hidden, c_.hidden, q);
-  MatVec(w.wk.data(), h.data(), c_.hidden, kv, k);
-  MatVec(w.wv.data(), h.data(), c_.hidden, kv, v);
-  Rope(q, c_.num_heads, c_.head_dim, pos, c_.rope_base);
-  Rope(k, c_.num_kv_heads, c_.head_dim, pos, c_.rope_base);
+  const int hid = c_.hidden, kv = c_.num_kv_heads * c_.head_dim;
+  std::vector<float> h(static_cast<size_t>(n) * hid);
+  for (int t = 0; t < n; ++t) {
+    RmsNorm(x + int64_t{t} * hid, w.attn_norm.data(), hid, c_.rms_eps, h.data() + int64_t{t} * hid);
+  }
+  MatMul(w.wq.data(), h.data(), n, hid, hid, q);
+  MatMul(w.wk.data(), h.data(), n, hid, kv, k);
+  MatMul(w.wv.data(), h.data(), n, hid, kv, v);
+  for (int t = 0; t < n; ++t) {
+    Rope(q + int64_t{t} * hid, c_.num_heads, c_.head_dim, pos0 + t, c_.rope_base);
+    Rope(k + int64_t{t} * kv, c_.num_kv_heads, c_.head_dim, pos0 + t, c_.rope_base);
+  }
 }
 
-void LlamaModel::AttentionOutput(int layer, const float* attn, float* x) const {
+void LlamaModel::AttentionOutput(int layer, const float* attn, int n, float* x) const {
   const Layer& w = layers_.at(static_cast<size_t>(layer));
-  std::vector<float> o(static_cast<size_t>(c_.hidden));
-  MatVec(w.wo.data(), attn, c_.hidden, c_.hidden, o.data());
-  for (int i = 0; i < c_.hidden; ++i) x[i] += o[i];
+  std::vector<float> o(static_cast<size_t>(n) * c_.hidden);
+  MatMul(w.wo.data(), attn, n, c_.hidden, c_.hidden, o.data());
+  for (size_t i = 0; i < o.size(); ++i) x[i] += o[i];
 }
 
-void LlamaModel::FeedForward(int layer, float* x) const {
+void LlamaModel::FeedForward(int layer, int n, float* x) const {
   const Layer& w = layers_.at(static_cast<size_t>(layer));
-  std::vector<float> h(static_cast<size_t>(c_.hidden)), g(static_cast<size_t>(c_.ffn)),
-      u(static_cast<size_t>(c_.ffn)), o(static_cast<size_t>(c_.hidden));
-  RmsNorm(x, w.ffn_norm.data(), c_.hidden, c_.rms_eps, h.data());
-  MatVec(w.gate.data(), h.data(), c_.hidden, c_.ffn, g.data());
-  MatVec(w.up.data(), h.data(), c_.hidden, c_.ffn, u.data());
-  for (int i = 0; i < c_.ffn; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // SiLU · up
-  MatVec(w.down.data(), g.data(), c_.ffn, c_.hidden, o.data());
-  for (int i = 0; i < c_.hidden; ++i) x[i] += o[i];
+  const int hid = c_.hidden, ffn = c_.ffn;
+  std::vector<float> h(static_cast<size_t>(n) * hid), g(static_cast<size_t>(n) * ffn), u(g.size()),
+      o(h.size());
+  for (int t = 0; t < n; ++t) {
+    RmsNorm(x + int64_t{t} * hid, w.ffn_norm.data(), hid, c_.rms_eps, h.data() + int64_t{t} * hid);
+  }
+  MatMul(w.gate.data(), h.data(), n, hid, ffn, g.data());
+  MatMul(w.up.data(), h.data(), n, hid, ffn, u.data());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // SiLU · up
+  MatMul(w.down.data(), g.data(), n, ffn, hid, o.data());
+  for (size_t i = 0; i < o.size(); ++i) x[i] += o[i];
 }
 
-void LlamaModel::Logits(const float* x, float* logits) const {
-  std::vector<float> h(static_cast<size_t>(c_.hidden));
-  RmsNorm(x, output_norm_.data(), c_.hidden, c_.rms_eps, h.data());
-  MatVec(output_.empty() ? embedding_.data() : output_.data(), h.data(), c_.hidden, c_.vocab,
+void LlamaModel::Logits(const float* x, int n, float* logits) const {
+  std::vector<float> h(static_cast<size_t>(n) * c_.hidden);
+  for (int t = 0; t < n; ++t) {
+    RmsNorm(x + int64_t{t} * c_.hidden, output_norm_.data(), c_.hidden, c_.rms_eps,
+            h.data() + int64_t{t} * c_.hidden);
+  }
+  MatMul(output_.empty() ? embedding_.data() : output_.data(), h.data(), n, c_.hidden, c_.vocab,
          logits);
 }
 
@@ -170,24 +187,22 @@ std::vector<float> ReferenceForward(const LlamaModel& model, std::span<const int
   const LlamaConfig& c = model.config();
   const int n = static_cast<int>(tokens.size());
   const int d = c.head_dim, kv = c.num_kv_heads * d, group = c.num_heads / c.num_kv_heads;
-  // keys / values [layer][pos][kv]
-  std::vector<float> keys(static_cast<size_t>(c.num_layers) * n * kv), values(keys.size());
+  // The whole sequence layer by layer (a prefill in one chunk): residuals x [n, hidden], this
+  // layer's keys and values [n, kv], exact causal softmax attention in fp32 (fp64 sums).
+  std::vector<float> x(static_cast<size_t>(n) * c.hidden), q(x.size()), attn(x.size());
+  std::vector<float> keys(static_cast<size_t>(n) * kv), values(keys.size()), p(n);
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab);
-  std::vector<float> x(static_cast<size_t>(c.hidden)), q(static_cast<size_t>(c.hidden)),
-      attn(static_cast<size_t>(c.hidden)), p(static_cast<size_t>(n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int t = 0; t < n; ++t) {
-    model.Embed(tokens[t], x.data());
-    for (int l = 0; l < c.num_layers; ++l) {
-      float* k_l = keys.data() + static_cast<int64_t>(l) * n * kv;
-      float* v_l = values.data() + static_cast<int64_t>(l) * n * kv;
-      model.AttentionInputs(l, x.data(), t, q.data(), k_l + int64_t{t} * kv, v_l + int64_t{t} * kv);
+  model.Embed(tokens, x.data());
+  for (int l = 0; l < c.num_layers; ++l) {
+    model.AttentionInputs(l, x.data(), n, 0, q.data(), keys.data(), values.data());
+    for (int t = 0; t < n; ++t) {
       for (int h = 0; h < c.num_heads; ++h) {
         const int g = h / group;
-        const float* qh = q.data() + h * d;
+        const float* qh = q.data() + int64_t{t} * c.hidden + h * d;
         float mx = -INFINITY;
         for (int s = 0; s <= t; ++s) {
-          const float* ks = k_l + int64_t{s} * kv + g * d;
+          const float* ks = keys.data() + int64_t{s} * kv + g * d;
           float dot = 0.0f;
           for (int i = 0; i < d; ++i) dot += qh[i] * ks[i];
           p[s] = dot * scale;
@@ -195,19 +210,19 @@ std::vector<float> ReferenceForward(const LlamaModel& model, std::span<const int
         }
         double sum = 0.0;
         for (int s = 0; s <= t; ++s) sum += (p[s] = std::exp(p[s] - mx));
-        float* out = attn.data() + h * d;
+        float* out = attn.data() + int64_t{t} * c.hidden + h * d;
         std::fill_n(out, d, 0.0f);
         for (int s = 0; s <= t; ++s) {
           const float w = static_cast<float>(p[s] / sum);
-          const float* vs = v_l + int64_t{s} * kv + g * d;
+          const float* vs = values.data() + int64_t{s} * kv + g * d;
           for (int i = 0; i < d; ++i) out[i] += w * vs[i];
         }
       }
-      model.AttentionOutput(l, attn.data(), x.data());
-      model.FeedForward(l, x.data());
     }
-    model.Logits(x.data(), logits.data() + int64_t{t} * c.vocab);
+    model.AttentionOutput(l, attn.data(), n, x.data());
+    model.FeedForward(l, n, x.data());
   }
+  model.Logits(x.data(), n, logits.data());
   return logits;
 }
 

@@ -39,17 +39,20 @@ class LlamaModel {
 
   const LlamaConfig& config() const { return c_; }
 
-  // x = the token's embedding [hidden].
-  void Embed(int32_t token, float* x) const;
-  // From the residual x [hidden] at position pos: the layer's attention inputs, q [num_heads ·
-  // head_dim], k and v [num_kv_heads · head_dim], with RoPE applied to q and k.
-  void AttentionInputs(int layer, const float* x, int pos, float* q, float* k, float* v) const;
-  // x += Wo · attn (attn [num_heads · head_dim], the attention output of every head).
-  void AttentionOutput(int layer, const float* attn, float* x) const;
+  // Every per-token function works on n tokens at once (rows of x [n, hidden]), so that each weight
+  // row is read once per call, not once per token.
+  // x = the tokens' embeddings.
+  void Embed(std::span<const int32_t> tokens, float* x) const;
+  // From the residuals x at positions pos0 .. pos0 + n - 1: the layer's attention inputs q [n,
+  // num_heads · head_dim], k and v [n, num_kv_heads · head_dim], with RoPE applied to q and k.
+  void AttentionInputs(int layer, const float* x, int n, int pos0, float* q, float* k,
+                       float* v) const;
+  // x += Wo · attn (attn [n, num_heads · head_dim], the attention output of every head).
+  void AttentionOutput(int layer, const float* attn, int n, float* x) const;
   // x += FFN(RMSNorm(x)): SwiGLU.
-  void FeedForward(int layer, float* x) const;
-  // logits [vocab] of the final residual x.
-  void Logits(const float* x, float* logits) const;
+  void FeedForward(int layer, int n, float* x) const;
+  // logits [n, vocab] of the final residuals x.
+  void Logits(const float* x, int n, float* logits) const;
 
  private:
   struct Layer {
@@ -66,7 +69,7 @@ class LlamaModel {
 // softmax attention: logits [n, vocab]. The reference the tqkv-backed runs are measured against.
 std::vector<float> ReferenceForward(const LlamaModel& model, std::span<const int32_t> tokens);
 
-// y[o] = Σ_i w[o · in + i] · x[i] for o < out.
-void MatVec(const float* w, const float* x, int in, int out, float* y);
+// y[t, o] = Σ_i w[o · in + i] · x[t · in + i] for t < n, o < out.
+void MatMul(const float* w, const float* x, int n, int in, int out, float* y);
 
 }  // namespace tqkv::model
