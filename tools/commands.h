@@ -9,5 +9,6 @@ void AddInfoCommand(CLI::App& app);
 void AddStoreCommand(CLI::App& app);
 void AddDecodeCommand(CLI::App& app);
 void AddSimCommand(CLI::App& app);
+void AddEvalCommand(CLI::App& app);
 
 }  // namespace tqkv::cli

@@ -1,4 +1,4 @@
-// tqkv: command-line front end of the library (info, store, decode, bench, sim).
+// tqkv: command-line front end of the library (info, store, decode, sim, eval).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   tqkv::cli::AddStoreCommand(app);
   tqkv::cli::AddDecodeCommand(app);
   tqkv::cli::AddSimCommand(app);
+  tqkv::cli::AddEvalCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

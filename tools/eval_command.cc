@@ -1,0 +1,169 @@
+// `tqkv eval`: a GGUF Llama model teacher-forced over a text through tqkv's KV cache (CPU), per
+// cache policy: perplexity and its change against the exact fp32 reference, top-1 next-token
+// agreement with the reference, and KV bytes per token.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/engine.h"
+#include "model/gguf.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "runtime/error.h"
+#include "tools/commands.h"
+
+namespace tqkv::cli {
+namespace {
+
+struct EvalFlags {
+  std::string model;
+  std::string text = "/usr/share/common-licenses/GPL-3";  // Debian's base-files
+  int tokens = 4096;
+  int window = 512;
+  int chunk = 128;
+  std::vector<std::string> presets = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                      "turboquant_3bit_nc"};
+  std::vector<int> boundary_layers = {0, 2};
+  std::string json;
+};
+
+// Negative log-likelihood of each next token, and the argmax, per position but the last.
+struct Scores {
+  std::vector<double> nll;
+  std::vector<int32_t> top1;
+};
+
+Scores Score(const std::vector<float>& logits, std::span<const int32_t> ids, int vocab) {
+  Scores s;
+  for (size_t t = 0; t + 1 < ids.size(); ++t) {
+    const float* row = logits.data() + t * vocab;
+    const float mx = *std::max_element(row, row + vocab);
+    double sum = 0.0;
+    for (int i = 0; i < vocab; ++i) sum += std::exp(double{row[i]} - mx);
+    s.nll.push_back(mx + std::log(sum) - row[ids[t + 1]]);
+    s.top1.push_back(static_cast<int32_t>(std::max_element(row, row + vocab) - row));
+  }
+  return s;
+}
+
+void RunEval(const EvalFlags& flags) {
+  const auto start = std::chrono::steady_clock::now();
+  const model::GgufFile file = model::GgufFile::Open(flags.model);
+  const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
+  const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
+  std::ifstream in(flags.text, std::ios::binary);
+  if (!in) throw InvalidArgument("tqkv eval", "--text", flags.text, "a readable text file");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  std::vector<int32_t> ids = tokenizer.Encode(buffer.str());
+  if (static_cast<int>(ids.size()) < flags.tokens) {
+    throw InvalidArgument("tqkv eval", "--tokens", flags.tokens,
+                          fmt::format("at most the text's {} tokens", ids.size()));
+  }
+  ids.resize(static_cast<size_t>(flags.tokens));
+  const int vocab = llama.config().vocab;
+  const int windows = (flags.tokens + flags.window - 1) / flags.window;
+  auto window_ids = [&](int w) {
+    const int begin = w * flags.window;
+    return std::span<const int32_t>(ids).subspan(
+        static_cast<size_t>(begin),
+        static_cast<size_t>(std::min(flags.window, flags.tokens - begin)));
+  };
+  // The reference: exact fp32 attention over an fp32 cache.
+  std::vector<Scores> ref;
+  double ref_nll = 0.0;
+  size_t scored = 0;
+  for (int w = 0; w < windows; ++w) {
+    ref.push_back(Score(model::ReferenceForward(llama, window_ids(w)), window_ids(w), vocab));
+    for (double x : ref.back().nll) ref_nll += x;
+    scored += ref.back().nll.size();
+  }
+  const double ref_ppl = std::exp(ref_nll / static_cast<double>(scored));
+  fmt::print("{}: {} tokens of {} in {} windows of {}, prefill chunks of {}\n", flags.model,
+             flags.tokens, flags.text, windows, flags.window, flags.chunk);
+  fmt::print("{:<28} {:>10} {:>9} {:>8} {:>12} {:>8}\n", "KV cache", "perplexity", "change",
+             "top-1", "KV B/token", "vs bf16");
+  fmt::print("{:<28} {:>10.4f} {:>9} {:>8} {:>12} {:>8}\n", "fp32 (reference)", ref_ppl, "", "", "",
+             "");
+  nlohmann::json report = {{"model", flags.model},     {"text", flags.text},
+                           {"tokens", flags.tokens},   {"window", flags.window},
+                           {"reference_ppl", ref_ppl}, {"runs", nlohmann::json::array()}};
+  std::vector<std::pair<std::string, int>> policies = {{"bf16", 0}};
+  for (const std::string& p : flags.presets) {
+    for (int b : flags.boundary_layers) policies.emplace_back(p, b);
+  }
+  int64_t bf16_bytes = 0;
+  for (const auto& [preset, boundary] : policies) {
+    model::CpuEngine engine(llama, {preset, boundary, 16, 0});
+    double nll = 0.0;
+    size_t agree = 0;
+    for (int w = 0; w < windows; ++w) {
+      const Scores s = Score(engine.Forward(window_ids(w), flags.chunk), window_ids(w), vocab);
+      for (size_t t = 0; t < s.nll.size(); ++t) {
+        nll += s.nll[t];
+        agree += s.top1[t] == ref[w].top1[t];
+      }
+    }
+    const double ppl = std::exp(nll / static_cast<double>(scored));
+    const double change = 100.0 * (ppl / ref_ppl - 1.0);
+    const double top1 = static_cast<double>(agree) / static_cast<double>(scored);
+    const int64_t bytes = engine.kv_bytes_per_token();
+    if (preset == "bf16") bf16_bytes = bytes;
+    const std::string name = boundary > 0 ? fmt::format("{} + bf16 x{}", preset, boundary) : preset;
+    fmt::print("{:<28} {:>10.4f} {:>+8.2f}% {:>8.4f} {:>12} {:>7.2f}x\n", name, ppl, change, top1,
+               bytes, static_cast<double>(bf16_bytes) / static_cast<double>(bytes));
+    std::fflush(stdout);
+    report["runs"].push_back({{"preset", preset},
+                              {"boundary_layers", boundary},
+                              {"ppl", ppl},
+                              {"ppl_change_percent", change},
+                              {"top1_agreement", top1},
+                              {"kv_bytes_per_token", bytes}});
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fmt::print("{:.1f} s\n", seconds);
+  if (!flags.json.empty()) {
+    std::ofstream out(flags.json);
+    out << report.dump(1) << "\n";
+    if (!out) throw Error(fmt::format("tqkv eval: cannot write {}", flags.json));
+  }
+}
+
+}  // namespace
+
+void AddEvalCommand(CLI::App& app) {
+  auto flags = std::make_shared<EvalFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "eval",
+      "Teacher-force a GGUF Llama model over a text through tqkv's KV cache on the CPU: "
+      "perplexity, top-1 agreement with the fp32 reference and KV bytes per token, per policy");
+  cmd->add_option("--model", flags->model,
+                  "GGUF file (python3 tools/model/fetch_model.py fetches SmolLM2-135M)")
+      ->required();
+  cmd->add_option("--text", flags->text, "UTF-8 text file")->capture_default_str();
+  cmd->add_option("--tokens", flags->tokens, "tokens of the text to score")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--window", flags->window, "tokens per sequence (context of each window)")
+      ->check(CLI::Range(2, 8192))
+      ->capture_default_str();
+  cmd->add_option("--chunk", flags->chunk, "prefill chunk (tokens per step)")
+      ->check(CLI::Range(1, 8192))
+      ->capture_default_str();
+  cmd->add_option("--presets", flags->presets, "TurboQuant presets")->capture_default_str();
+  cmd->add_option("--boundary-layers", flags->boundary_layers,
+                  "bf16 layers at each end, per preset")
+      ->capture_default_str();
+  cmd->add_option("--json", flags->json, "write the results as JSON");
+  cmd->callback([flags] { RunEval(*flags); });
+}
+
+}  // namespace tqkv::cli

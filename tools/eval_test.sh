@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# `tqkv eval` on the real model (TQKV_SMOLLM2_GGUF, set by tools/test.sh): 256 tokens of Debian's
+# GPL-3 text in two windows, a bf16 cache and two TurboQuant presets; the JSON report must show
+# the bf16 cache equal to the fp32 reference up to bf16 rounding and the presets' top-1 agreement
+# and perplexity change within bounds (measured: bf16 +0.25 %, 0.988; 4bit_nc 0.73).
+set -euo pipefail
+if [ -z "${TQKV_SMOLLM2_GGUF:-}" ]; then
+  echo "SKIP: TQKV_SMOLLM2_GGUF not set (tools/test.sh sets it)"
+  exit 0
+fi
+tqkv=tools/tqkv
+out=${TEST_TMPDIR:-/tmp}/eval.json
+"$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
+  --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"
+python3 - "$out" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+runs = {(x["preset"], x["boundary_layers"]): x for x in r["runs"]}
+def check(cond, what):
+    if not cond:
+        sys.exit(f"FAIL: {what}: {json.dumps(runs)}")
+bf16 = runs[("bf16", 0)]
+check(abs(bf16["ppl_change_percent"]) < 1.0, "bf16 perplexity within 1 % of fp32")
+check(bf16["top1_agreement"] >= 0.97, "bf16 top-1 agreement >= 0.97")
+check(runs[("turboquant_k8v4", 0)]["top1_agreement"] >= 0.80, "k8v4 top-1 >= 0.80")
+check(runs[("turboquant_4bit_nc", 0)]["top1_agreement"] >= 0.60, "4bit_nc top-1 >= 0.60")
+check(abs(runs[("turboquant_4bit_nc", 0)]["ppl_change_percent"]) < 25, "4bit_nc ppl within 25 %")
+check(bf16["kv_bytes_per_token"] == 23040, "bf16 KV bytes per token")
+check(runs[("turboquant_4bit_nc", 0)]["kv_bytes_per_token"] == 6300, "4bit_nc KV bytes")
+print("ok")
+PY
