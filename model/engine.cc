@@ -94,7 +94,47 @@ int64_t CpuEngine::prefix_hit_tokens() const {
   return state_->manager ? state_->manager->Stats().prefix_hit_tokens : 0;
 }
 
-std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk) {
+void LayerErrors::Resize(int layers) {
+  const auto n = static_cast<size_t>(layers);
+  key_err.resize(n, 0.0);
+  key_norm.resize(n, 0.0);
+  value_err.resize(n, 0.0);
+  value_norm.resize(n, 0.0);
+  cosine_sum.resize(n, 0.0);
+  cosine_min.resize(n, 1.0);
+  outputs.resize(n, 0);
+}
+
+namespace {
+
+// Exact attention of one token's heads (q [hq, d]) at position pos over fp32 K/V [pos + 1, hk, d].
+void ExactAttention(const float* q, const float* keys, const float* values, int pos, int hq, int hk,
+                    int d, float* out) {
+  const int group = hq / hk;
+  std::vector<double> p(static_cast<size_t>(pos) + 1);
+  for (int h = 0; h < hq; ++h) {
+    const int g = h / group;
+    double mx = -INFINITY;
+    for (int s = 0; s <= pos; ++s) {
+      double dot = 0.0;
+      for (int i = 0; i < d; ++i) dot += double{q[h * d + i]} * keys[(int64_t{s} * hk + g) * d + i];
+      p[s] = dot / std::sqrt(static_cast<double>(d));
+      mx = std::max(mx, p[s]);
+    }
+    double sum = 0.0;
+    for (int s = 0; s <= pos; ++s) sum += (p[s] = std::exp(p[s] - mx));
+    for (int i = 0; i < d; ++i) {
+      double o = 0.0;
+      for (int s = 0; s <= pos; ++s) o += p[s] * values[(int64_t{s} * hk + g) * d + i];
+      out[h * d + i] = static_cast<float>(o / sum);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
+                                      LayerErrors* errors) {
   const LlamaConfig& c = model_.config();
   const int n = static_cast<int>(tokens.size());
   if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
@@ -132,7 +172,15 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   const SeqId seq = m.AddSequence(tokens);
   const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
-  std::vector<float> x, q, k, v, attn, lse;
+  std::vector<float> x, q, k, v, attn, lse, exact(static_cast<size_t>(hq) * d);
+  // With `errors`: every layer's exact K/V of this sequence, [layer][position][hk · d].
+  std::vector<std::vector<float>> k_hist, v_hist;
+  if (errors != nullptr) {
+    errors->Resize(c.num_layers);
+    k_hist.assign(static_cast<size_t>(c.num_layers),
+                  std::vector<float>(static_cast<size_t>(n) * hk * d, 0.0f));
+    v_hist = k_hist;
+  }
   int done = 0;
   while (done < n) {
     const SequenceInfo info = m.GetSequenceInfo(seq);
@@ -148,6 +196,12 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
     // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
     const int first = static_cast<int>(start);
+    if (errors != nullptr && done == 0 && first > 0) {
+      throw Error(fmt::format(
+          "CpuEngine::Forward: layer errors need the whole sequence, but {} tokens came from "
+          "the prefix cache",
+          first));
+    }
     x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
     model_.Embed(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), x.data());
     q.resize(static_cast<size_t>(step) * hq * d);
@@ -189,6 +243,49 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
         AttentionCpu(s.bf16_format.bf16_format, a);
       } else {
         AttentionCpu(*s.quantizer, a);
+      }
+      if (errors != nullptr) {
+        const int kv = hk * d;
+        std::copy(k.begin(), k.end(), k_hist[l].begin() + int64_t{first} * kv);
+        std::copy(v.begin(), v.end(), v_hist[l].begin() + int64_t{first} * kv);
+        auto bf16 = [](float x) { return BFloat16BitsToFloat(FloatToBFloat16Bits(x)); };
+        for (int t = 0; t < step; ++t) {
+          for (int h = 0; h < hk; ++h) {
+            const float* kt = k.data() + int64_t{t} * kv + h * d;
+            const float* vt = v.data() + int64_t{t} * kv + h * d;
+            std::vector<float> kq(static_cast<size_t>(d)), vq(static_cast<size_t>(d));
+            if (s.bf16_layer[l]) {
+              for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
+            } else {
+              const DequantizedSlot ds =
+                  s.quantizer->Dequantize(layer, cache.num_blocks(), s.batch.slot_mapping()[t], h);
+              kq = ds.key;
+              vq = ds.value;
+            }
+            for (int i = 0; i < d; ++i) {
+              errors->key_err[l] += std::pow(double{kt[i]} - kq[i], 2);
+              errors->key_norm[l] += double{kt[i]} * kt[i];
+              errors->value_err[l] += std::pow(double{vt[i]} - vq[i], 2);
+              errors->value_norm[l] += double{vt[i]} * vt[i];
+            }
+          }
+          ExactAttention(q.data() + int64_t{t} * hq * d, k_hist[l].data(), v_hist[l].data(),
+                         first + t, hq, hk, d, exact.data());
+          for (int h = 0; h < hq; ++h) {
+            const float* a_h = attn.data() + (int64_t{t} * hq + h) * d;
+            const float* e_h = exact.data() + int64_t{h} * d;
+            double ab = 0.0, aa = 0.0, bb = 0.0;
+            for (int i = 0; i < d; ++i) {
+              ab += double{a_h[i]} * e_h[i];
+              aa += double{a_h[i]} * a_h[i];
+              bb += double{e_h[i]} * e_h[i];
+            }
+            const double cosine = ab / std::sqrt(std::max(aa * bb, 1e-300));
+            errors->cosine_sum[l] += cosine;
+            errors->cosine_min[l] = std::min(errors->cosine_min[l], cosine);
+            ++errors->outputs[l];
+          }
+        }
       }
       model_.AttentionOutput(l, attn.data(), step, x.data());
       model_.FeedForward(l, step, x.data());

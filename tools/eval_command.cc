@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +32,7 @@ struct EvalFlags {
   std::vector<std::string> presets = {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                                       "turboquant_3bit_nc"};
   std::vector<int> boundary_layers = {0, 2};
+  bool diagnose = false;
   std::string json;
 };
 
@@ -104,8 +106,11 @@ void RunEval(const EvalFlags& flags) {
     model::CpuEngine engine(llama, {preset, boundary, 16, 0});
     double nll = 0.0;
     size_t agree = 0;
+    model::LayerErrors errors;
     for (int w = 0; w < windows; ++w) {
-      const Scores s = Score(engine.Forward(window_ids(w), flags.chunk), window_ids(w), vocab);
+      const Scores s =
+          Score(engine.Forward(window_ids(w), flags.chunk, flags.diagnose ? &errors : nullptr),
+                window_ids(w), vocab);
       for (size_t t = 0; t < s.nll.size(); ++t) {
         nll += s.nll[t];
         agree += s.top1[t] == ref[w].top1[t];
@@ -119,13 +124,35 @@ void RunEval(const EvalFlags& flags) {
     const std::string name = boundary > 0 ? fmt::format("{} + bf16 x{}", preset, boundary) : preset;
     fmt::print("{:<28} {:>10.4f} {:>+8.2f}% {:>8.4f} {:>12} {:>7.2f}x\n", name, ppl, change, top1,
                bytes, static_cast<double>(bf16_bytes) / static_cast<double>(bytes));
+    nlohmann::json run = {{"preset", preset},
+                          {"boundary_layers", boundary},
+                          {"ppl", ppl},
+                          {"ppl_change_percent", change},
+                          {"top1_agreement", top1},
+                          {"kv_bytes_per_token", bytes}};
+    if (flags.diagnose) {
+      std::vector<double> key, value, cosine, worst;
+      for (int l = 0; l < llama.config().num_layers; ++l) {
+        key.push_back(errors.key_mse(l));
+        value.push_back(errors.value_mse(l));
+        cosine.push_back(errors.mean_cosine(l));
+        worst.push_back(errors.cosine_min[l]);
+      }
+      const auto [kmin, kmax] = std::minmax_element(key.begin(), key.end());
+      fmt::print(
+          "{:<28} key rel. MSE per layer {:.4f} .. {:.4f}, value {:.4f} (mean); attention "
+          "cosine per layer {:.5f} (mean), {:.5f} (worst layer), {:.4f} (worst output)\n",
+          "", *kmin, *kmax, std::accumulate(value.begin(), value.end(), 0.0) / value.size(),
+          std::accumulate(cosine.begin(), cosine.end(), 0.0) / cosine.size(),
+          *std::min_element(cosine.begin(), cosine.end()),
+          *std::min_element(worst.begin(), worst.end()));
+      run["layer_key_mse"] = key;
+      run["layer_value_mse"] = value;
+      run["layer_mean_cosine"] = cosine;
+      run["layer_min_cosine"] = worst;
+    }
     std::fflush(stdout);
-    report["runs"].push_back({{"preset", preset},
-                              {"boundary_layers", boundary},
-                              {"ppl", ppl},
-                              {"ppl_change_percent", change},
-                              {"top1_agreement", top1},
-                              {"kv_bytes_per_token", bytes}});
+    report["runs"].push_back(run);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -162,6 +189,9 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--boundary-layers", flags->boundary_layers,
                   "bf16 layers at each end, per preset")
       ->capture_default_str();
+  cmd->add_flag("--diagnose", flags->diagnose,
+                "also each layer's key and value relative MSE and attention-output cosine "
+                "against exact fp32 attention (slower)");
   cmd->add_option("--json", flags->json, "write the results as JSON");
   cmd->callback([flags] { RunEval(*flags); });
 }
