@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <optional>
+#include <random>
 
 #include "attention/attention_cpu.h"
 #include "kvcache/cache_format.h"
@@ -47,6 +49,7 @@ struct CpuEngine::State {
   std::optional<KVCacheManager> manager;
   int32_t num_blocks = 0;
   StepBatch batch;
+  std::vector<float> x, q, k, v, attn, lse;  // one step's activations
 };
 
 CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
@@ -133,15 +136,9 @@ void ExactAttention(const float* q, const float* keys, const float* values, int 
 
 }  // namespace
 
-std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
-                                      LayerErrors* errors) {
+void CpuEngine::Prepare(int32_t blocks_needed, const char* where, int n) {
   const LlamaConfig& c = model_.config();
-  const int n = static_cast<int>(tokens.size());
-  if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
-  if (n < 1) return {};
   State& s = *state_;
-  const int32_t blocks_needed =
-      static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
   if (!s.manager) {  // the manager and caches, sized by the first call unless the policy says
     if (s.num_blocks == 0) s.num_blocks = std::max(blocks_needed, 2);
     KVCacheManagerOptions o;
@@ -164,22 +161,137 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   }
   if (blocks_needed > s.num_blocks) {
     throw InvalidArgument(
-        "CpuEngine::Forward", "tokens.size()", n,
+        where, "tokens", n,
         fmt::format("at most {} with {} blocks of {}", (s.num_blocks - 1) * policy_.block_size,
                     s.num_blocks, policy_.block_size));
   }
+}
+
+void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, float* logits,
+                        ExactState* exact) {
+  const LlamaConfig& c = model_.config();
+  State& s = *state_;
+  const int step = static_cast<int>(step_tokens.size());
+  const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
+  std::vector<float>& x = s.x;
+  std::vector<float>& q = s.q;
+  std::vector<float>& k = s.k;
+  std::vector<float>& v = s.v;
+  std::vector<float>& attn = s.attn;
+  std::vector<float>& lse = s.lse;
+  std::vector<float> exact_out(static_cast<size_t>(hq) * d);
+  x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
+  model_.Embed(step_tokens, x.data());
+  q.resize(static_cast<size_t>(step) * hq * d);
+  k.resize(static_cast<size_t>(step) * hk * d);
+  v.resize(k.size());
+  attn.resize(q.size());
+  lse.resize(static_cast<size_t>(step) * hq);
+  for (int l = 0; l < c.num_layers; ++l) {
+    model_.AttentionInputs(l, x.data(), step, first, q.data(), k.data(), v.data());
+    const bool bf16 = s.bf16_layer[l];
+    KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
+    uint8_t* layer = cache.layer_data(s.cache_layer[l]);
+    if (bf16) {
+      StoreBf16(s.bf16_format.bf16_format, k.data(), v.data(), s.batch.slot_mapping().data(), step,
+                layer);
+    } else {
+      StoreInputs in;
+      in.key = k.data();
+      in.value = v.data();
+      in.dtype = DType::kF32;
+      in.slot_mapping = s.batch.slot_mapping().data();
+      in.slot_dtype = DType::kI64;
+      in.num_tokens = step;
+      s.quantizer->StoreCpu(in, {layer, cache.num_blocks()});
+    }
+    AttentionArgs a;
+    a.query = q.data();
+    a.num_seqs = s.batch.num_requests();
+    a.num_tokens = step;
+    a.num_q_heads = hq;
+    a.query_start_loc = s.batch.query_start_loc().data();
+    a.seq_lens = s.batch.seq_lens().data();
+    a.block_tables = s.batch.block_tables().data();
+    a.max_blocks_per_seq = s.batch.block_table_width();
+    a.cache = {layer, cache.num_blocks()};
+    a.output = attn.data();
+    a.lse = lse.data();
+    if (bf16) {
+      AttentionCpu(s.bf16_format.bf16_format, a);
+    } else {
+      AttentionCpu(*s.quantizer, a);
+    }
+    if (exact != nullptr) {
+      const int kv = hk * d;
+      std::copy(k.begin(), k.end(), exact->k_hist[l].begin() + int64_t{first} * kv);
+      std::copy(v.begin(), v.end(), exact->v_hist[l].begin() + int64_t{first} * kv);
+      auto bf16 = [](float x) { return BFloat16BitsToFloat(FloatToBFloat16Bits(x)); };
+      for (int t = 0; t < step; ++t) {
+        for (int h = 0; h < hk; ++h) {
+          const float* kt = k.data() + int64_t{t} * kv + h * d;
+          const float* vt = v.data() + int64_t{t} * kv + h * d;
+          std::vector<float> kq(static_cast<size_t>(d)), vq(static_cast<size_t>(d));
+          if (s.bf16_layer[l]) {
+            for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
+          } else {
+            const DequantizedSlot ds =
+                s.quantizer->Dequantize(layer, cache.num_blocks(), s.batch.slot_mapping()[t], h);
+            kq = ds.key;
+            vq = ds.value;
+          }
+          for (int i = 0; i < d; ++i) {
+            exact->errors->key_err[l] += std::pow(double{kt[i]} - kq[i], 2);
+            exact->errors->key_norm[l] += double{kt[i]} * kt[i];
+            exact->errors->value_err[l] += std::pow(double{vt[i]} - vq[i], 2);
+            exact->errors->value_norm[l] += double{vt[i]} * vt[i];
+          }
+        }
+        ExactAttention(q.data() + int64_t{t} * hq * d, exact->k_hist[l].data(),
+                       exact->v_hist[l].data(), first + t, hq, hk, d, exact_out.data());
+        for (int h = 0; h < hq; ++h) {
+          const float* a_h = attn.data() + (int64_t{t} * hq + h) * d;
+          const float* e_h = exact_out.data() + int64_t{h} * d;
+          double ab = 0.0, aa = 0.0, bb = 0.0;
+          for (int i = 0; i < d; ++i) {
+            ab += double{a_h[i]} * e_h[i];
+            aa += double{a_h[i]} * a_h[i];
+            bb += double{e_h[i]} * e_h[i];
+          }
+          const double cosine = ab / std::sqrt(std::max(aa * bb, 1e-300));
+          exact->errors->cosine_sum[l] += cosine;
+          exact->errors->cosine_min[l] = std::min(exact->errors->cosine_min[l], cosine);
+          ++exact->errors->outputs[l];
+        }
+      }
+    }
+    model_.AttentionOutput(l, attn.data(), step, x.data());
+    model_.FeedForward(l, step, x.data());
+  }
+  model_.Logits(x.data(), step, logits);
+}
+
+std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
+                                      LayerErrors* errors) {
+  const LlamaConfig& c = model_.config();
+  const int n = static_cast<int>(tokens.size());
+  if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
+  if (n < 1) return {};
+  State& s = *state_;
+  const int32_t blocks_needed =
+      static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
+  Prepare(blocks_needed, "CpuEngine::Forward", n);
   KVCacheManager& m = *s.manager;
   const SeqId seq = m.AddSequence(tokens);
-  const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
+  const int d = c.head_dim, hk = c.num_kv_heads;
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
-  std::vector<float> x, q, k, v, attn, lse, exact(static_cast<size_t>(hq) * d);
-  // With `errors`: every layer's exact K/V of this sequence, [layer][position][hk · d].
-  std::vector<std::vector<float>> k_hist, v_hist;
+  ExactState exact_state;
   if (errors != nullptr) {
     errors->Resize(c.num_layers);
-    k_hist.assign(static_cast<size_t>(c.num_layers),
-                  std::vector<float>(static_cast<size_t>(n) * hk * d, 0.0f));
-    v_hist = k_hist;
+    exact_state.errors = errors;
+    exact_state.k_hist.assign(static_cast<size_t>(c.num_layers),
+                              std::vector<float>(static_cast<size_t>(n) * hk * d, 0.0f));
+    exact_state.v_hist = exact_state.k_hist;
   }
   int done = 0;
   while (done < n) {
@@ -202,100 +314,88 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
           "the prefix cache",
           first));
     }
-    x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
-    model_.Embed(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), x.data());
-    q.resize(static_cast<size_t>(step) * hq * d);
-    k.resize(static_cast<size_t>(step) * hk * d);
-    v.resize(k.size());
-    attn.resize(q.size());
-    lse.resize(static_cast<size_t>(step) * hq);
-    for (int l = 0; l < c.num_layers; ++l) {
-      model_.AttentionInputs(l, x.data(), step, first, q.data(), k.data(), v.data());
-      const bool bf16 = s.bf16_layer[l];
-      KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
-      uint8_t* layer = cache.layer_data(s.cache_layer[l]);
-      if (bf16) {
-        StoreBf16(s.bf16_format.bf16_format, k.data(), v.data(), s.batch.slot_mapping().data(),
-                  step, layer);
-      } else {
-        StoreInputs in;
-        in.key = k.data();
-        in.value = v.data();
-        in.dtype = DType::kF32;
-        in.slot_mapping = s.batch.slot_mapping().data();
-        in.slot_dtype = DType::kI64;
-        in.num_tokens = step;
-        s.quantizer->StoreCpu(in, {layer, cache.num_blocks()});
-      }
-      AttentionArgs a;
-      a.query = q.data();
-      a.num_seqs = s.batch.num_requests();
-      a.num_tokens = step;
-      a.num_q_heads = hq;
-      a.query_start_loc = s.batch.query_start_loc().data();
-      a.seq_lens = s.batch.seq_lens().data();
-      a.block_tables = s.batch.block_tables().data();
-      a.max_blocks_per_seq = s.batch.block_table_width();
-      a.cache = {layer, cache.num_blocks()};
-      a.output = attn.data();
-      a.lse = lse.data();
-      if (bf16) {
-        AttentionCpu(s.bf16_format.bf16_format, a);
-      } else {
-        AttentionCpu(*s.quantizer, a);
-      }
-      if (errors != nullptr) {
-        const int kv = hk * d;
-        std::copy(k.begin(), k.end(), k_hist[l].begin() + int64_t{first} * kv);
-        std::copy(v.begin(), v.end(), v_hist[l].begin() + int64_t{first} * kv);
-        auto bf16 = [](float x) { return BFloat16BitsToFloat(FloatToBFloat16Bits(x)); };
-        for (int t = 0; t < step; ++t) {
-          for (int h = 0; h < hk; ++h) {
-            const float* kt = k.data() + int64_t{t} * kv + h * d;
-            const float* vt = v.data() + int64_t{t} * kv + h * d;
-            std::vector<float> kq(static_cast<size_t>(d)), vq(static_cast<size_t>(d));
-            if (s.bf16_layer[l]) {
-              for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
-            } else {
-              const DequantizedSlot ds =
-                  s.quantizer->Dequantize(layer, cache.num_blocks(), s.batch.slot_mapping()[t], h);
-              kq = ds.key;
-              vq = ds.value;
-            }
-            for (int i = 0; i < d; ++i) {
-              errors->key_err[l] += std::pow(double{kt[i]} - kq[i], 2);
-              errors->key_norm[l] += double{kt[i]} * kt[i];
-              errors->value_err[l] += std::pow(double{vt[i]} - vq[i], 2);
-              errors->value_norm[l] += double{vt[i]} * vt[i];
-            }
-          }
-          ExactAttention(q.data() + int64_t{t} * hq * d, k_hist[l].data(), v_hist[l].data(),
-                         first + t, hq, hk, d, exact.data());
-          for (int h = 0; h < hq; ++h) {
-            const float* a_h = attn.data() + (int64_t{t} * hq + h) * d;
-            const float* e_h = exact.data() + int64_t{h} * d;
-            double ab = 0.0, aa = 0.0, bb = 0.0;
-            for (int i = 0; i < d; ++i) {
-              ab += double{a_h[i]} * e_h[i];
-              aa += double{a_h[i]} * a_h[i];
-              bb += double{e_h[i]} * e_h[i];
-            }
-            const double cosine = ab / std::sqrt(std::max(aa * bb, 1e-300));
-            errors->cosine_sum[l] += cosine;
-            errors->cosine_min[l] = std::min(errors->cosine_min[l], cosine);
-            ++errors->outputs[l];
-          }
-        }
-      }
-      model_.AttentionOutput(l, attn.data(), step, x.data());
-      model_.FeedForward(l, step, x.data());
-    }
-    model_.Logits(x.data(), step, logits.data() + int64_t{first} * c.vocab);
+    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), first,
+            logits.data() + int64_t{first} * c.vocab, errors == nullptr ? nullptr : &exact_state);
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
   }
   m.Free(seq);
   return logits;
+}
+
+Generation CpuEngine::Generate(std::span<const int32_t> prompt, int max_new_tokens, int chunk,
+                               const Sampling& sampling, int32_t stop_token) {
+  const LlamaConfig& c = model_.config();
+  const int n = static_cast<int>(prompt.size());
+  if (n < 1) throw InvalidArgument("CpuEngine::Generate", "prompt.size()", n, ">= 1");
+  if (max_new_tokens < 0) {
+    throw InvalidArgument("CpuEngine::Generate", "max_new_tokens", max_new_tokens, ">= 0");
+  }
+  if (chunk < 1) throw InvalidArgument("CpuEngine::Generate", "chunk", chunk, ">= 1");
+  if (!(sampling.temperature >= 0.0f)) {
+    throw InvalidArgument("CpuEngine::Generate", "temperature", sampling.temperature, ">= 0");
+  }
+  State& s = *state_;
+  const int total = n + max_new_tokens;
+  Prepare(static_cast<int32_t>((total + policy_.block_size - 1) / policy_.block_size) + 1,
+          "CpuEngine::Generate", total);
+  KVCacheManager& m = *s.manager;
+  const SeqId seq = m.AddSequence(prompt);
+  std::vector<int32_t> tokens(prompt.begin(), prompt.end());
+  std::vector<float> logits;
+  std::mt19937_64 rng(sampling.seed);
+  Generation g;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto schedule = [&](int step) {
+    const StepRequest request{seq, step, 0};
+    const ScheduleResult r = m.Schedule(std::span<const StepRequest>(&request, 1), s.batch);
+    if (!r.admitted) {
+      throw Error(fmt::format("CpuEngine::Generate: {} blocks missing", r.blocks_missing));
+    }
+    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
+    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
+  };
+  // Prefill in chunks (after a prefix hit, from its end); the last chunk's last row predicts.
+  int64_t start = m.Lookup(seq).num_tokens;
+  g.prefix_hit_tokens = start;
+  while (start < n) {
+    const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
+    schedule(step);
+    logits.resize(static_cast<size_t>(step) * c.vocab);
+    RunStep(std::span<const int32_t>(tokens).subspan(static_cast<size_t>(start),
+                                                     static_cast<size_t>(step)),
+            static_cast<int>(start), logits.data(), nullptr);
+    start += step;
+    if (start < n) m.Commit(seq, {});
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  // Decode: sample from the last row, commit the token, then compute it.
+  const float* last = logits.data() + logits.size() - c.vocab;
+  for (int i = 0; i < max_new_tokens; ++i) {
+    int32_t next;
+    if (sampling.temperature == 0.0f) {
+      next = static_cast<int32_t>(std::max_element(last, last + c.vocab) - last);
+    } else {
+      const float mx = *std::max_element(last, last + c.vocab);
+      std::vector<double> w(static_cast<size_t>(c.vocab));
+      for (int v = 0; v < c.vocab; ++v) w[v] = std::exp((last[v] - mx) / sampling.temperature);
+      next = static_cast<int32_t>(std::discrete_distribution<int>(w.begin(), w.end())(rng));
+    }
+    g.tokens.push_back(next);
+    m.Commit(seq, std::span<const int32_t>(&next, 1));
+    if (next == stop_token || i + 1 == max_new_tokens) break;
+    tokens.push_back(next);
+    schedule(1);
+    logits.resize(static_cast<size_t>(c.vocab));
+    RunStep(std::span<const int32_t>(&next, 1), static_cast<int>(tokens.size()) - 1, logits.data(),
+            nullptr);
+    last = logits.data();
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  g.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  g.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  m.Free(seq);
+  return g;
 }
 
 }  // namespace tqkv::model

@@ -37,6 +37,17 @@ struct LayerErrors {
   double mean_cosine(int l) const { return cosine_sum[l] / static_cast<double>(outputs[l]); }
 };
 
+struct Sampling {
+  float temperature = 0.0f;  // 0: greedy
+  uint64_t seed = 0;
+};
+
+struct Generation {
+  std::vector<int32_t> tokens;    // the new tokens (the stop token included if reached)
+  int64_t prefix_hit_tokens = 0;  // prompt tokens served from the prefix cache
+  double prefill_seconds = 0.0, decode_seconds = 0.0;
+};
+
 class CpuEngine {
  public:
   CpuEngine(const LlamaModel& model, KvPolicy policy);
@@ -52,6 +63,12 @@ class CpuEngine {
   std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,
                              LayerErrors* errors = nullptr);
 
+  // Generates up to max_new_tokens after `prompt` (prefilled in chunks; a prefix hit on an earlier
+  // call's blocks is skipped), stopping after stop_token; one token per decode step, each
+  // stored and attended through the cache like the prompt's.
+  Generation Generate(std::span<const int32_t> prompt, int max_new_tokens, int chunk,
+                      const Sampling& sampling = {}, int32_t stop_token = -1);
+
   // Whether layer l's cache is uncompressed bf16.
   bool IsBf16Layer(int layer) const;
   // KV bytes per token over all layers (the cache formats' slot bytes · KV heads).
@@ -61,6 +78,17 @@ class CpuEngine {
 
  private:
   struct State;
+  // Exact K/V of the sequence so far, for LayerErrors.
+  struct ExactState {
+    LayerErrors* errors = nullptr;
+    std::vector<std::vector<float>> k_hist, v_hist;  // [layer][position · kv heads · head_dim]
+  };
+  // The step the manager scheduled into the batch (one sequence, positions first ..): every
+  // layer's store, attention and the rest of the layer; the logits of each token into `logits`.
+  void RunStep(std::span<const int32_t> step_tokens, int first, float* logits, ExactState* exact);
+  // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
+  // throws if a sequence of n tokens needs more blocks than there are.
+  void Prepare(int32_t blocks_needed, const char* where, int n);
   const LlamaModel& model_;
   KvPolicy policy_;
   std::unique_ptr<State> state_;

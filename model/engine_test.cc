@@ -137,6 +137,39 @@ TEST(EngineTest, LayerErrorsMatchTheFormat) {
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("came from the prefix cache")));
 }
 
+// Generation one token per decode step through the cache: greedy through a bf16 cache is the
+// fp32 reference's greedy continuation; a prefix hit does not change the tokens; sampling is
+// reproducible by seed.
+TEST(EngineTest, GeneratesThroughTheCache) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const int vocab = s->model.config().vocab;
+  std::vector<int32_t> ids = s->tokenizer.Encode("The capital of France is");
+  std::vector<int32_t> greedy;  // by recomputing the whole reference each token
+  for (int i = 0; i < 6; ++i) {
+    const std::vector<float> logits = ReferenceForward(s->model, ids);
+    greedy.push_back(Argmax(logits.data() + (ids.size() - 1) * vocab, vocab));
+    ids.push_back(greedy.back());
+  }
+  ids.resize(ids.size() - 6);
+  CpuEngine bf16(s->model, {"bf16", 0, 16, 64});
+  const Generation g = bf16.Generate(ids, 6, 4);
+  EXPECT_EQ(g.tokens, greedy);
+  EXPECT_EQ(s->tokenizer.Decode(std::vector<int32_t>{g.tokens[0]}), " Paris");
+
+  CpuEngine four(s->model, {"turboquant_4bit_nc", 0, 16, 64});
+  const std::vector<int32_t> prompt = s->tokenizer.Encode(kText);
+  const Generation first = four.Generate(prompt, 12, 16);
+  const Generation again = four.Generate(prompt, 12, 16);
+  EXPECT_EQ(first.prefix_hit_tokens, 0);
+  EXPECT_EQ(again.prefix_hit_tokens, static_cast<int64_t>(prompt.size() - 1) / 16 * 16);
+  EXPECT_EQ(again.tokens, first.tokens);
+  const Generation a = four.Generate(prompt, 12, 16, {0.8f, 7});
+  const Generation b = four.Generate(prompt, 12, 16, {0.8f, 7});
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(four.Generate(prompt, 12, 16, {}, first.tokens[2]).tokens.size(), 3u);  // stop token
+}
+
 TEST(EngineTest, BoundaryLayersAreBf16) {
   const Loaded* s = SmolLm2();
   if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";

@@ -10,5 +10,6 @@ void AddStoreCommand(CLI::App& app);
 void AddDecodeCommand(CLI::App& app);
 void AddSimCommand(CLI::App& app);
 void AddEvalCommand(CLI::App& app);
+void AddGenerateCommand(CLI::App& app);
 
 }  // namespace tqkv::cli

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `tqkv eval` on the real model (TQKV_SMOLLM2_GGUF, set by tools/test.sh): 256 tokens of Debian's
+# `tqkv generate` and `tqkv eval` on the real model (TQKV_SMOLLM2_GGUF, set by tools/test.sh): 256 tokens of Debian's
 # GPL-3 text in two windows, a bf16 cache and two TurboQuant presets; the JSON report must show
 # the bf16 cache equal to the fp32 reference up to bf16 rounding and the presets' top-1 agreement
 # and perplexity change within bounds (measured: bf16 +0.25 %, 0.988; 4bit_nc 0.73).
@@ -9,6 +9,10 @@ if [ -z "${TQKV_SMOLLM2_GGUF:-}" ]; then
   exit 0
 fi
 tqkv=tools/tqkv
+# Greedy through a 4bit_nc cache, chat turns: the model names the capital.
+"$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --chat --max-tokens 8 \
+  --prompt "What is the capital of France?" | tee "${TEST_TMPDIR:-/tmp}/generate.txt"
+grep -q "Paris" "${TEST_TMPDIR:-/tmp}/generate.txt" || { echo "FAIL: no Paris"; exit 1; }
 out=${TEST_TMPDIR:-/tmp}/eval.json
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
   --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"

@@ -1,4 +1,4 @@
-// tqkv: command-line front end of the library (info, store, decode, sim, eval).
+// tqkv: command-line front end of the library (info, store, decode, sim, eval, generate).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   tqkv::cli::AddDecodeCommand(app);
   tqkv::cli::AddSimCommand(app);
   tqkv::cli::AddEvalCommand(app);
+  tqkv::cli::AddGenerateCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
