@@ -167,8 +167,8 @@ void CpuEngine::Prepare(int32_t blocks_needed, const char* where, int n) {
   }
 }
 
-void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, float* logits,
-                        ExactState* exact) {
+void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, bool last_only,
+                        float* logits, ExactState* exact) {
   const LlamaConfig& c = model_.config();
   State& s = *state_;
   const int step = static_cast<int>(step_tokens.size());
@@ -268,7 +268,11 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, float* 
     model_.AttentionOutput(l, attn.data(), step, x.data());
     model_.FeedForward(l, step, x.data());
   }
-  model_.Logits(x.data(), step, logits);
+  if (last_only) {
+    model_.Logits(x.data() + int64_t{step - 1} * c.hidden, 1, logits);
+  } else {
+    model_.Logits(x.data(), step, logits);
+  }
 }
 
 std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
@@ -314,7 +318,7 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
           "the prefix cache",
           first));
     }
-    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), first,
+    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), first, false,
             logits.data() + int64_t{first} * c.vocab, errors == nullptr ? nullptr : &exact_state);
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
@@ -361,16 +365,16 @@ Generation CpuEngine::Generate(std::span<const int32_t> prompt, int max_new_toke
   while (start < n) {
     const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
     schedule(step);
-    logits.resize(static_cast<size_t>(step) * c.vocab);
+    logits.resize(static_cast<size_t>(c.vocab));  // the chunk's last row only
     RunStep(std::span<const int32_t>(tokens).subspan(static_cast<size_t>(start),
                                                      static_cast<size_t>(step)),
-            static_cast<int>(start), logits.data(), nullptr);
+            static_cast<int>(start), true, logits.data(), nullptr);
     start += step;
     if (start < n) m.Commit(seq, {});
   }
   const auto t1 = std::chrono::steady_clock::now();
   // Decode: sample from the last row, commit the token, then compute it.
-  const float* last = logits.data() + logits.size() - c.vocab;
+  const float* last = logits.data();
   for (int i = 0; i < max_new_tokens; ++i) {
     int32_t next;
     if (sampling.temperature == 0.0f) {
@@ -387,8 +391,8 @@ Generation CpuEngine::Generate(std::span<const int32_t> prompt, int max_new_toke
     tokens.push_back(next);
     schedule(1);
     logits.resize(static_cast<size_t>(c.vocab));
-    RunStep(std::span<const int32_t>(&next, 1), static_cast<int>(tokens.size()) - 1, logits.data(),
-            nullptr);
+    RunStep(std::span<const int32_t>(&next, 1), static_cast<int>(tokens.size()) - 1, true,
+            logits.data(), nullptr);
     last = logits.data();
   }
   const auto t2 = std::chrono::steady_clock::now();

@@ -84,8 +84,10 @@ class CpuEngine {
     std::vector<std::vector<float>> k_hist, v_hist;  // [layer][position · kv heads · head_dim]
   };
   // The step the manager scheduled into the batch (one sequence, positions first ..): every
-  // layer's store, attention and the rest of the layer; the logits of each token into `logits`.
-  void RunStep(std::span<const int32_t> step_tokens, int first, float* logits, ExactState* exact);
+  // layer's store, attention and the rest of the layer; the logits of each token (last_only: of
+  // the last one) into `logits`.
+  void RunStep(std::span<const int32_t> step_tokens, int first, bool last_only, float* logits,
+               ExactState* exact);
   // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
   // throws if a sequence of n tokens needs more blocks than there are.
   void Prepare(int32_t blocks_needed, const char* where, int n);
