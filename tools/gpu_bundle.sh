@@ -11,7 +11,7 @@ out=${1:-.gpu_bundle}
 
 tests=$(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | sort)
 benches=$(bazel query 'attr(tags, "\bbenchmark\b", kind("cc_binary", //...))' 2>/dev/null | sort)
-bazel build $tests $benches //tools:tqkv
+bazel build $tests $benches //tools:tqkv //tools/bench:initcheck_cublas_probe
 
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
@@ -38,6 +38,7 @@ for t in $tests; do copy_binary "$t" >>"$out/tests.txt"; done
 : >"$out/benchmarks.txt"
 for b in $benches; do copy_binary "$b" >>"$out/benchmarks.txt"; done
 copy_binary //tools:tqkv >/dev/null
+copy_binary //tools/bench:initcheck_cublas_probe >/dev/null
 cp tools/gpu_bundle_run_all.sh "$out/run_all.sh"
 cp tools/gpu_check.sh tools/sim_compare.py tools/testdata/make_cli_inputs.py \
   tools/bench/torch_decode_bench.py tools/bench/decode_gpu_run.sh tools/bench/store_gpu_run.sh \
