@@ -3,10 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <optional>
-#include <random>
 
 #include "attention/attention_cpu.h"
 #include "kvcache/cache_format.h"
@@ -50,6 +48,7 @@ struct CpuEngine::State {
   int32_t num_blocks = 0;
   StepBatch batch;
   std::vector<float> x, q, k, v, attn, lse;  // one step's activations
+  std::vector<int32_t> positions;
 };
 
 CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
@@ -167,11 +166,57 @@ void CpuEngine::Prepare(int32_t blocks_needed, const char* where, int n) {
   }
 }
 
-void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, bool last_only,
+KVCacheManager& CpuEngine::manager() {
+  if (!state_->manager) {
+    if (policy_.num_blocks == 0) {
+      throw InvalidArgument("CpuEngine::manager", "policy.num_blocks", 0,
+                            ">= 2 (a server sizes its block pool)");
+    }
+    Prepare(0, "CpuEngine::manager", 0);
+  }
+  return *state_->manager;
+}
+
+ScheduleResult CpuEngine::Schedule(std::span<const StepRequest> requests) {
+  State& s = *state_;
+  const ScheduleResult r = manager().Schedule(requests, s.batch);
+  if (r.admitted) {
+    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
+    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
+  }
+  return r;
+}
+
+const StepBatch& CpuEngine::batch() const { return state_->batch; }
+
+void CpuEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
+                        float* logits) {
+  RunStep(tokens, logit_rows, logits, nullptr);
+}
+
+void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const int32_t> logit_rows,
                         float* logits, ExactState* exact) {
   const LlamaConfig& c = model_.config();
   State& s = *state_;
   const int step = static_cast<int>(step_tokens.size());
+  if (!s.manager || step != s.batch.num_tokens()) {
+    throw InvalidArgument("CpuEngine::Compute", "tokens.size()", step,
+                          fmt::format("the scheduled step's {} tokens",
+                                      s.manager ? s.batch.num_tokens() : 0));
+  }
+  for (int32_t row : logit_rows) {
+    if (row < 0 || row >= step) {
+      throw InvalidArgument("CpuEngine::Compute", "logit_rows", row,
+                            fmt::format("0 to {}", step - 1));
+    }
+  }
+  // Each row's position: the last rows of its sequence's context.
+  std::vector<int32_t>& positions = s.positions;
+  positions.resize(static_cast<size_t>(step));
+  for (int32_t i = 0; i < s.batch.num_requests(); ++i) {
+    const int32_t q0 = s.batch.query_start_loc()[i], q1 = s.batch.query_start_loc()[i + 1];
+    for (int32_t t = q0; t < q1; ++t) positions[t] = s.batch.seq_lens()[i] - (q1 - t);
+  }
   const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
   std::vector<float>& x = s.x;
   std::vector<float>& q = s.q;
@@ -188,7 +233,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, bool la
   attn.resize(q.size());
   lse.resize(static_cast<size_t>(step) * hq);
   for (int l = 0; l < c.num_layers; ++l) {
-    model_.AttentionInputs(l, x.data(), step, first, q.data(), k.data(), v.data());
+    model_.AttentionInputs(l, x.data(), step, positions.data(), q.data(), k.data(), v.data());
     const bool bf16 = s.bf16_layer[l];
     KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
     uint8_t* layer = cache.layer_data(s.cache_layer[l]);
@@ -223,6 +268,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, bool la
       AttentionCpu(*s.quantizer, a);
     }
     if (exact != nullptr) {
+      const int first = positions[0];
       const int kv = hk * d;
       std::copy(k.begin(), k.end(), exact->k_hist[l].begin() + int64_t{first} * kv);
       std::copy(v.begin(), v.end(), exact->v_hist[l].begin() + int64_t{first} * kv);
@@ -268,11 +314,14 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, int first, bool la
     model_.AttentionOutput(l, attn.data(), step, x.data());
     model_.FeedForward(l, step, x.data());
   }
-  if (last_only) {
-    model_.Logits(x.data() + int64_t{step - 1} * c.hidden, 1, logits);
-  } else {
-    model_.Logits(x.data(), step, logits);
+  // The final norm and output layer for the wanted rows only (a prefill chunk wants its last).
+  const int rows = static_cast<int>(logit_rows.size());
+  std::vector<float> last(static_cast<size_t>(rows) * c.hidden);
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(x.data() + int64_t{logit_rows[r]} * c.hidden, c.hidden,
+                last.data() + int64_t{r} * c.hidden);
   }
+  model_.Logits(last.data(), rows, logits);
 }
 
 std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
@@ -304,12 +353,10 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
     if (step <= 0) break;  // (the manager always leaves a prompt's last token to compute)
     const StepRequest request{seq, step, 0};
-    const ScheduleResult r = m.Schedule(std::span<const StepRequest>(&request, 1), s.batch);
+    const ScheduleResult r = Schedule(std::span<const StepRequest>(&request, 1));
     if (!r.admitted) {
       throw Error(fmt::format("CpuEngine::Forward: {} blocks missing", r.blocks_missing));
     }
-    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
-    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
     // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
     const int first = static_cast<int>(start);
     if (errors != nullptr && done == 0 && first > 0) {
@@ -318,88 +365,15 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
           "the prefix cache",
           first));
     }
-    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), first, false,
+    std::vector<int32_t> rows(static_cast<size_t>(step));
+    for (int t = 0; t < step; ++t) rows[t] = t;
+    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), rows,
             logits.data() + int64_t{first} * c.vocab, errors == nullptr ? nullptr : &exact_state);
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
   }
   m.Free(seq);
   return logits;
-}
-
-Generation CpuEngine::Generate(std::span<const int32_t> prompt, int max_new_tokens, int chunk,
-                               const Sampling& sampling, int32_t stop_token) {
-  const LlamaConfig& c = model_.config();
-  const int n = static_cast<int>(prompt.size());
-  if (n < 1) throw InvalidArgument("CpuEngine::Generate", "prompt.size()", n, ">= 1");
-  if (max_new_tokens < 0) {
-    throw InvalidArgument("CpuEngine::Generate", "max_new_tokens", max_new_tokens, ">= 0");
-  }
-  if (chunk < 1) throw InvalidArgument("CpuEngine::Generate", "chunk", chunk, ">= 1");
-  if (!(sampling.temperature >= 0.0f)) {
-    throw InvalidArgument("CpuEngine::Generate", "temperature", sampling.temperature, ">= 0");
-  }
-  State& s = *state_;
-  const int total = n + max_new_tokens;
-  Prepare(static_cast<int32_t>((total + policy_.block_size - 1) / policy_.block_size) + 1,
-          "CpuEngine::Generate", total);
-  KVCacheManager& m = *s.manager;
-  const SeqId seq = m.AddSequence(prompt);
-  std::vector<int32_t> tokens(prompt.begin(), prompt.end());
-  std::vector<float> logits;
-  std::mt19937_64 rng(sampling.seed);
-  Generation g;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto schedule = [&](int step) {
-    const StepRequest request{seq, step, 0};
-    const ScheduleResult r = m.Schedule(std::span<const StepRequest>(&request, 1), s.batch);
-    if (!r.admitted) {
-      throw Error(fmt::format("CpuEngine::Generate: {} blocks missing", r.blocks_missing));
-    }
-    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
-    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
-  };
-  // Prefill in chunks (after a prefix hit, from its end); the last chunk's last row predicts.
-  int64_t start = m.Lookup(seq).num_tokens;
-  g.prefix_hit_tokens = start;
-  while (start < n) {
-    const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
-    schedule(step);
-    logits.resize(static_cast<size_t>(c.vocab));  // the chunk's last row only
-    RunStep(std::span<const int32_t>(tokens).subspan(static_cast<size_t>(start),
-                                                     static_cast<size_t>(step)),
-            static_cast<int>(start), true, logits.data(), nullptr);
-    start += step;
-    if (start < n) m.Commit(seq, {});
-  }
-  const auto t1 = std::chrono::steady_clock::now();
-  // Decode: sample from the last row, commit the token, then compute it.
-  const float* last = logits.data();
-  for (int i = 0; i < max_new_tokens; ++i) {
-    int32_t next;
-    if (sampling.temperature == 0.0f) {
-      next = static_cast<int32_t>(std::max_element(last, last + c.vocab) - last);
-    } else {
-      const float mx = *std::max_element(last, last + c.vocab);
-      std::vector<double> w(static_cast<size_t>(c.vocab));
-      for (int v = 0; v < c.vocab; ++v) w[v] = std::exp((last[v] - mx) / sampling.temperature);
-      next = static_cast<int32_t>(std::discrete_distribution<int>(w.begin(), w.end())(rng));
-    }
-    g.tokens.push_back(next);
-    m.Commit(seq, std::span<const int32_t>(&next, 1));
-    if (next == stop_token || i + 1 == max_new_tokens) break;
-    tokens.push_back(next);
-    schedule(1);
-    logits.resize(static_cast<size_t>(c.vocab));
-    RunStep(std::span<const int32_t>(&next, 1), static_cast<int>(tokens.size()) - 1, true,
-            logits.data(), nullptr);
-    last = logits.data();
-  }
-  const auto t2 = std::chrono::steady_clock::now();
-  g.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
-  g.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
-  m.Free(seq);
-  return g;
 }
 
 }  // namespace tqkv::model

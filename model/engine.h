@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/manager.h"
+#include "kvcache/step_batch.h"
 #include "model/llama.h"
 
 namespace tqkv::model {
@@ -37,17 +39,6 @@ struct LayerErrors {
   double mean_cosine(int l) const { return cosine_sum[l] / static_cast<double>(outputs[l]); }
 };
 
-struct Sampling {
-  float temperature = 0.0f;  // 0: greedy
-  uint64_t seed = 0;
-};
-
-struct Generation {
-  std::vector<int32_t> tokens;    // the new tokens (the stop token included if reached)
-  int64_t prefix_hit_tokens = 0;  // prompt tokens served from the prefix cache
-  double prefill_seconds = 0.0, decode_seconds = 0.0;
-};
-
 class CpuEngine {
  public:
   CpuEngine(const LlamaModel& model, KvPolicy policy);
@@ -63,12 +54,23 @@ class CpuEngine {
   std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,
                              LayerErrors* errors = nullptr);
 
-  // Generates up to max_new_tokens after `prompt` (prefilled in chunks; a prefix hit on an earlier
-  // call's blocks is skipped), stopping after stop_token; one token per decode step, each
-  // stored and attended through the cache like the prompt's.
-  Generation Generate(std::span<const int32_t> prompt, int max_new_tokens, int chunk,
-                      const Sampling& sampling = {}, int32_t stop_token = -1);
+  // The serving interface (model/server.h drives it). The block manager over this engine's
+  // caches, created on first use with policy.num_blocks blocks (throws when that is 0: a server
+  // sizes its pool; Forward sizes it to the sequence).
+  KVCacheManager& manager();
+  // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
+  // apply the step's copy-on-write copies.
+  ScheduleResult Schedule(std::span<const StepRequest> requests);
+  const StepBatch& batch() const;
+  // Runs the scheduled step: tokens[t] is the token at row t of the batch (its slot_mapping
+  // order; positions follow from seq_lens and query_start_loc), every layer's K/V are stored and
+  // attended through the cache; the logits of the rows in `logit_rows` go to logits
+  // [logit_rows.size(), vocab]. A row's result depends only on its sequence's tokens and cache,
+  // not on the other rows of the batch.
+  void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
+               float* logits);
 
+  const LlamaModel& model() const { return model_; }
   // Whether layer l's cache is uncompressed bf16.
   bool IsBf16Layer(int layer) const;
   // KV bytes per token over all layers (the cache formats' slot bytes · KV heads).
@@ -83,11 +85,10 @@ class CpuEngine {
     LayerErrors* errors = nullptr;
     std::vector<std::vector<float>> k_hist, v_hist;  // [layer][position · kv heads · head_dim]
   };
-  // The step the manager scheduled into the batch (one sequence, positions first ..): every
-  // layer's store, attention and the rest of the layer; the logits of each token (last_only: of
-  // the last one) into `logits`.
-  void RunStep(std::span<const int32_t> step_tokens, int first, bool last_only, float* logits,
-               ExactState* exact);
+  // Compute, with the exact-attention comparison of LayerErrors when `exact` is set (one
+  // sequence whose positions all ran through this engine).
+  void RunStep(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
+               float* logits, ExactState* exact);
   // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
   // throws if a sequence of n tokens needs more blocks than there are.
   void Prepare(int32_t blocks_needed, const char* where, int n);

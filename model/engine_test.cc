@@ -1,5 +1,7 @@
 #include "model/engine.h"
 
+#include "model/server.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -137,6 +139,25 @@ TEST(EngineTest, LayerErrorsMatchTheFormat) {
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("came from the prefix cache")));
 }
 
+Request Req(std::vector<int32_t> prompt, int max_new, Sampling sampling = {}) {
+  Request r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = max_new;
+  r.sampling = sampling;
+  return r;
+}
+
+// One request through a Server of its own on `engine` (prefill in chunks of `chunk`).
+Completion GenerateOne(CpuEngine& engine, const std::vector<int32_t>& prompt, int max_new,
+                       int chunk, Sampling sampling = {}, int32_t stop = -1) {
+  Server server(engine, {1, chunk});
+  Request r = Req(prompt, max_new, sampling);
+  r.stop_token = stop;
+  const int id = server.Submit(std::move(r));
+  server.RunToCompletion();
+  return server.completion(id);
+}
+
 // Generation one token per decode step through the cache: greedy through a bf16 cache is the
 // fp32 reference's greedy continuation; a prefix hit does not change the tokens; sampling is
 // reproducible by seed.
@@ -153,21 +174,117 @@ TEST(EngineTest, GeneratesThroughTheCache) {
   }
   ids.resize(ids.size() - 6);
   CpuEngine bf16(s->model, {"bf16", 0, 16, 64});
-  const Generation g = bf16.Generate(ids, 6, 4);
+  const Completion g = GenerateOne(bf16, ids, 6, 4);
+  EXPECT_TRUE(g.finished);
   EXPECT_EQ(g.tokens, greedy);
   EXPECT_EQ(s->tokenizer.Decode(std::vector<int32_t>{g.tokens[0]}), " Paris");
 
   CpuEngine four(s->model, {"turboquant_4bit_nc", 0, 16, 64});
   const std::vector<int32_t> prompt = s->tokenizer.Encode(kText);
-  const Generation first = four.Generate(prompt, 12, 16);
-  const Generation again = four.Generate(prompt, 12, 16);
+  const Completion first = GenerateOne(four, prompt, 12, 16);
+  const Completion again = GenerateOne(four, prompt, 12, 16);
   EXPECT_EQ(first.prefix_hit_tokens, 0);
   EXPECT_EQ(again.prefix_hit_tokens, static_cast<int64_t>(prompt.size() - 1) / 16 * 16);
   EXPECT_EQ(again.tokens, first.tokens);
-  const Generation a = four.Generate(prompt, 12, 16, {0.8f, 7});
-  const Generation b = four.Generate(prompt, 12, 16, {0.8f, 7});
+  const Completion a = GenerateOne(four, prompt, 12, 16, {0.8f, 7});
+  const Completion b = GenerateOne(four, prompt, 12, 16, {0.8f, 7});
   EXPECT_EQ(a.tokens, b.tokens);
-  EXPECT_EQ(four.Generate(prompt, 12, 16, {}, first.tokens[2]).tokens.size(), 3u);  // stop token
+  EXPECT_NE(a.tokens, first.tokens);
+  EXPECT_EQ(GenerateOne(four, prompt, 12, 16, {}, first.tokens[2]).tokens.size(), 3u);  // stop
+}
+
+// The serving loop: requests arriving over several steps, batched together, sharing a chat system
+// prompt through the prefix cache, and (with a small pool) preempted and recomputed, generate
+// exactly the tokens each request generates alone on a fresh engine. A request longer than the
+// pool fails alone.
+TEST(EngineTest, ServerBatchesLikeOneAtATime) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const std::string system =
+      "<|im_start|>system\nYou are a helpful assistant running inside a small test. Answer every "
+      "question in one short sentence, be precise, and do not add any explanation.<|im_end|>\n";
+  std::vector<Request> requests;
+  for (const char* q : {"What is the capital of France?", "Name a large ocean.",
+                        "What color is the sky on a clear day?"}) {
+    requests.push_back(Req(s->tokenizer.Encode(
+                               system + "<|im_start|>user\n" + q + "<|im_end|>\n<|im_start|>assistant\n",
+                               true),
+                           8));
+  }
+  requests.push_back(Req(s->tokenizer.Encode(kText), 8, {0.8f, 3}));
+  ASSERT_GE(requests[0].prompt.size(), 48u);
+
+  std::vector<std::vector<int32_t>> alone;
+  for (const Request& r : requests) {
+    CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 64});
+    const Completion c = GenerateOne(engine, r.prompt, r.max_new_tokens, 32, r.sampling);
+    ASSERT_EQ(c.tokens.size(), 8u);
+    alone.push_back(c.tokens);
+  }
+
+  // Arrivals at steps 0, 0, 2 and 5; 16-token steps, so prompts take several chunks.
+  auto serve = [&](int32_t num_blocks, int max_running) {
+    CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, num_blocks});
+    Server server(engine, {max_running, 16});
+    const int arrive[] = {0, 0, 2, 5};
+    for (int step = 0, next = 0; next < 4 || !server.idle(); ++step) {
+      for (; next < 4 && arrive[next] <= step; ++next) {
+        EXPECT_EQ(server.Submit(requests[next]), next);
+      }
+      server.Step();
+    }
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_TRUE(server.completion(i).finished);
+      EXPECT_EQ(server.completion(i).tokens, alone[i]) << "request " << i;
+    }
+    EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+    return server.stats();
+  };
+  const ServerStats roomy = serve(64, 4);
+  EXPECT_GE(roomy.max_batch_sequences, 3);
+  EXPECT_GE(roomy.prefix_hit_tokens, 2 * 32);  // two later requests reuse the system prompt
+  EXPECT_EQ(roomy.preemptions, 0);
+  EXPECT_EQ(roomy.generated_tokens, 32);
+  const ServerStats tight = serve(9, 4);  // 8 usable blocks of 16: about two requests at once
+  EXPECT_GT(tight.preemptions, 0);
+
+  CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 9});
+  Server server(engine, {4, 64});
+  std::vector<int32_t> huge;
+  for (int i = 0; i < 8; ++i) huge.insert(huge.end(), requests[3].prompt.begin(), requests[3].prompt.end());
+  const int bad = server.Submit(Req(huge, 4));
+  const int good = server.Submit(requests[1]);
+  server.RunToCompletion();
+  EXPECT_THAT(server.completion(bad).error, ::testing::HasSubstr("more than the pool"));
+  EXPECT_TRUE(server.completion(bad).tokens.empty());
+  EXPECT_EQ(server.completion(good).tokens, alone[1]);
+}
+
+// Bad requests and options are refused, naming the field, and leave the server as it was.
+TEST(EngineTest, ServerRejectsBadInput) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  CpuEngine sized(s->model, {"turboquant_4bit_nc", 0, 16, 0});
+  EXPECT_THROW((void)Server(sized, ServerOptions{}), Error);  // the pool must be sized
+  CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 16});
+  EXPECT_THROW((void)Server(engine, ServerOptions{0, 16}), Error);
+  EXPECT_THROW((void)Server(engine, ServerOptions{4, 0}), Error);
+  Server server(engine, {});
+  auto message = [&](Request r) {
+    try {
+      server.Submit(std::move(r));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(message(Req({}, 4)), ::testing::HasSubstr("prompt.size()"));
+  EXPECT_THAT(message(Req({1, 49152}, 4)), ::testing::HasSubstr("49152"));
+  EXPECT_THAT(message(Req({1, 2}, 0)), ::testing::HasSubstr("max_new_tokens"));
+  EXPECT_THAT(message(Req({1, 2}, 4, {-1.0f, 0})), ::testing::HasSubstr("temperature"));
+  EXPECT_TRUE(server.idle());
+  EXPECT_FALSE(server.Step());
+  EXPECT_EQ(server.Submit(Req({1, 2}, 2)), 0);  // ids start at 0: nothing was queued before
 }
 
 TEST(EngineTest, BoundaryLayersAreBf16) {

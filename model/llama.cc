@@ -136,6 +136,13 @@ void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
 
 void LlamaModel::AttentionInputs(int layer, const float* x, int n, int pos0, float* q, float* k,
                                  float* v) const {
+  std::vector<int32_t> positions(static_cast<size_t>(n));
+  for (int t = 0; t < n; ++t) positions[t] = pos0 + t;
+  AttentionInputs(layer, x, n, positions.data(), q, k, v);
+}
+
+void LlamaModel::AttentionInputs(int layer, const float* x, int n, const int32_t* positions,
+                                 float* q, float* k, float* v) const {
   const Layer& w = layers_.at(static_cast<size_t>(layer));
   const int hid = c_.hidden, kv = c_.num_kv_heads * c_.head_dim;
   std::vector<float> h(static_cast<size_t>(n) * hid);
@@ -146,8 +153,8 @@ void LlamaModel::AttentionInputs(int layer, const float* x, int n, int pos0, flo
   MatMul(w.wk.data(), h.data(), n, hid, kv, k);
   MatMul(w.wv.data(), h.data(), n, hid, kv, v);
   for (int t = 0; t < n; ++t) {
-    Rope(q + int64_t{t} * hid, c_.num_heads, c_.head_dim, pos0 + t, c_.rope_base);
-    Rope(k + int64_t{t} * kv, c_.num_kv_heads, c_.head_dim, pos0 + t, c_.rope_base);
+    Rope(q + int64_t{t} * hid, c_.num_heads, c_.head_dim, positions[t], c_.rope_base);
+    Rope(k + int64_t{t} * kv, c_.num_kv_heads, c_.head_dim, positions[t], c_.rope_base);
   }
 }
 

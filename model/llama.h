@@ -47,6 +47,9 @@ class LlamaModel {
   // num_heads · head_dim], k and v [n, num_kv_heads · head_dim], with RoPE applied to q and k.
   void AttentionInputs(int layer, const float* x, int n, int pos0, float* q, float* k,
                        float* v) const;
+  // The same with each row's own position (rows of several sequences in one batch).
+  void AttentionInputs(int layer, const float* x, int n, const int32_t* positions, float* q,
+                       float* k, float* v) const;
   // x += Wo · attn (attn [n, num_heads · head_dim], the attention output of every head).
   void AttentionOutput(int layer, const float* attn, int n, float* x) const;
   // x += FFN(RMSNorm(x)): SwiGLU.

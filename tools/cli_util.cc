@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <optional>
 
@@ -200,6 +202,19 @@ void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_req
                  "hadamard (default), hadamard_signs, haar; a 'rotation' tensor in the input "
                  "file overrides it");
   cmd.add_option("--seed", flags.seed, "seed of hadamard_signs / haar (default 0)");
+}
+
+std::string ResolveModelPath(const std::string& path, std::string_view where) {
+  const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY");
+  const std::string resolved = ws == nullptr || std::filesystem::path(path).is_absolute()
+                                   ? path
+                                   : (std::filesystem::path(ws) / path).string();
+  if (!std::filesystem::exists(resolved)) {
+    throw InvalidArgument(where, "--model", resolved,
+                          "an existing GGUF file (python3 tools/model/fetch_model.py fetches the "
+                          "default)");
+  }
+  return resolved;
 }
 
 }  // namespace tqkv::cli

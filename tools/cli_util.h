@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -89,5 +90,12 @@ DecodeInputs MakeDecodeInputs(const DecodeInputTensors& tensors, std::optional<f
 
 // Adds the quantizer-selecting flags to a subcommand.
 void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_required);
+
+// The GGUF model `generate` and `eval` default to: tools/model/fetch_model.py's file, which
+// tools/setup.sh fetches.
+inline constexpr const char* kDefaultModel = ".models/SmolLM2-135M-Instruct.Q4_1.gguf";
+// A model path as given, or for a relative path under `bazel run`, from the workspace (not the
+// runfiles tree). Throws tqkv::Error naming --model when the file does not exist.
+std::string ResolveModelPath(const std::string& path, std::string_view where);
 
 }  // namespace tqkv::cli

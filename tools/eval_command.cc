@@ -18,13 +18,14 @@
 #include "model/llama.h"
 #include "model/tokenizer.h"
 #include "runtime/error.h"
+#include "tools/cli_util.h"
 #include "tools/commands.h"
 
 namespace tqkv::cli {
 namespace {
 
 struct EvalFlags {
-  std::string model;
+  std::string model = kDefaultModel;
   std::string text = "/usr/share/common-licenses/GPL-3";  // Debian's base-files
   int tokens = 4096;
   int window = 512;
@@ -57,7 +58,8 @@ Scores Score(const std::vector<float>& logits, std::span<const int32_t> ids, int
 
 void RunEval(const EvalFlags& flags) {
   const auto start = std::chrono::steady_clock::now();
-  const model::GgufFile file = model::GgufFile::Open(flags.model);
+  const model::GgufFile file =
+      model::GgufFile::Open(ResolveModelPath(flags.model, "tqkv eval"));
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
   std::ifstream in(flags.text, std::ios::binary);
@@ -173,8 +175,8 @@ void AddEvalCommand(CLI::App& app) {
       "Teacher-force a GGUF Llama model over a text through tqkv's KV cache on the CPU: "
       "perplexity, top-1 agreement with the fp32 reference and KV bytes per token, per policy");
   cmd->add_option("--model", flags->model,
-                  "GGUF file (python3 tools/model/fetch_model.py fetches SmolLM2-135M)")
-      ->required();
+                  "GGUF file (tools/setup.sh fetches SmolLM2-135M-Instruct)")
+      ->capture_default_str();
   cmd->add_option("--text", flags->text, "UTF-8 text file")->capture_default_str();
   cmd->add_option("--tokens", flags->tokens, "tokens of the text to score")
       ->check(CLI::Range(2, 1 << 20))

@@ -9,10 +9,16 @@ if [ -z "${TQKV_SMOLLM2_GGUF:-}" ]; then
   exit 0
 fi
 tqkv=tools/tqkv
-# Greedy through a 4bit_nc cache, chat turns: the model names the capital.
-"$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --chat --max-tokens 8 \
-  --prompt "What is the capital of France?" | tee "${TEST_TMPDIR:-/tmp}/generate.txt"
-grep -q "Paris" "${TEST_TMPDIR:-/tmp}/generate.txt" || { echo "FAIL: no Paris"; exit 1; }
+# Greedy through a 4bit_nc cache, chat turns sharing a system prompt, arriving one per step into
+# a pool too small for all at once: the model names the capital, the later requests hit the
+# prefix cache, and the server preempted.
+gen=${TEST_TMPDIR:-/tmp}/generate.txt
+"$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --max-tokens 8 --arrive-every 1 --num-blocks 6 \
+  --prompt "What is the capital of France?" --prompt "Name a large ocean." \
+  --prompt "What color is the sky?" | tee "$gen"
+grep -q "Paris" "$gen" || { echo "FAIL: no Paris"; exit 1; }
+grep -Eq "[1-9][0-9]* from the prefix cache\)" "$gen" || { echo "FAIL: no prefix hits"; exit 1; }
+grep -Eq " [1-9][0-9]* preemptions" "$gen" || { echo "FAIL: no preemption"; exit 1; }
 out=${TEST_TMPDIR:-/tmp}/eval.json
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
   --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"

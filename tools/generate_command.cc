@@ -1,8 +1,13 @@
-// `tqkv generate`: a GGUF Llama model generating text on the CPU with tqkv's KV cache: each prompt
-// prefilled in chunks through the block manager, then one token per decode step, every layer's K/V
-// stored into the layer's paged cache and attended from there.
+// `tqkv generate`: a GGUF Llama model serving prompts on the CPU with tqkv's KV cache. The prompts
+// arrive over time (--arrive-every), and a continuous-batching server (model/server.h) runs them
+// together: chunked prefill through the block manager, prefix caching of a shared system prompt,
+// one token per sequence and decode step, preemption when the block pool runs short. Every
+// layer's K/V are stored into the layer's paged cache and attended from there.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,52 +15,99 @@
 #include "model/engine.h"
 #include "model/gguf.h"
 #include "model/llama.h"
+#include "model/server.h"
 #include "model/tokenizer.h"
+#include "runtime/error.h"
+#include "tools/cli_util.h"
 #include "tools/commands.h"
 
 namespace tqkv::cli {
 namespace {
 
 struct GenerateFlags {
-  std::string model;
-  std::vector<std::string> prompts = {"The capital of France is"};
+  std::string model = kDefaultModel;
+  std::vector<std::string> prompts = {"What is the capital of France?",
+                                      "Write one sentence about the sea.",
+                                      "Name three colors of the rainbow."};
+  bool raw = false;  // prompts as plain text, not chat turns
+  std::string system = "You are a helpful assistant. Answer briefly.";
   int max_tokens = 32;
   std::string preset = "turboquant_4bit_nc";
   int boundary_layers = 0;
   float temperature = 0.0f;
   uint64_t seed = 0;
-  int chunk = 128;
-  bool chat = false;
+  int step_tokens = 128;
+  int max_running = 16;
+  int arrive_every = 2;
+  int32_t num_blocks = 0;
 };
 
 void RunGenerate(const GenerateFlags& flags) {
-  const model::GgufFile file = model::GgufFile::Open(flags.model);
+  const std::string path = ResolveModelPath(flags.model, "tqkv generate");
+  const model::GgufFile file = model::GgufFile::Open(path);
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
-  model::CpuEngine engine(llama, {flags.preset, flags.boundary_layers, 16, 0});
-  const int32_t stop = flags.chat ? tokenizer.Find("<|im_end|>") : tokenizer.eos_id();
-  fmt::print("{} on the CPU, KV cache {}{}: {} bytes per token (bf16: {})\n", flags.model,
-             flags.preset,
-             flags.boundary_layers > 0 ? fmt::format(" + bf16 x{}", flags.boundary_layers) : "",
-             engine.kv_bytes_per_token(),
-             llama.config().num_layers * llama.config().num_kv_heads * 4 * llama.config().head_dim);
-  for (const std::string& prompt : flags.prompts) {
+  const bool chat = !flags.raw;
+  const int32_t stop = chat ? tokenizer.Find("<|im_end|>") : tokenizer.eos_id();
+
+  std::vector<model::Request> requests;
+  int32_t blocks = 1;  // the null block
+  for (size_t i = 0; i < flags.prompts.size(); ++i) {
     const std::string text =
-        flags.chat ? fmt::format("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", prompt)
-                   : prompt;
-    const std::vector<int32_t> ids = tokenizer.Encode(text, /*parse_special=*/flags.chat);
-    const model::Generation g =
-        engine.Generate(ids, flags.max_tokens, flags.chunk, {flags.temperature, flags.seed}, stop);
-    std::vector<int32_t> shown = g.tokens;
-    if (!shown.empty() && shown.back() == stop) shown.pop_back();
-    fmt::print("\n> {}\n{}{}\n", prompt, flags.chat ? "" : prompt, tokenizer.Decode(shown));
-    fmt::print(
-        "  [{} prompt tokens ({} from the prefix cache) at {:.0f} tokens/s, {} new at "
-        "{:.1f} tokens/s]\n",
-        ids.size(), g.prefix_hit_tokens,
-        static_cast<double>(ids.size() - g.prefix_hit_tokens) / g.prefill_seconds, g.tokens.size(),
-        g.tokens.size() > 1 ? static_cast<double>(g.tokens.size() - 1) / g.decode_seconds : 0.0);
+        chat ? fmt::format("<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                           "<|im_start|>assistant\n",
+                           flags.system, flags.prompts[i])
+             : flags.prompts[i];
+    model::Request r;
+    r.prompt = tokenizer.Encode(text, /*parse_special=*/chat);
+    r.max_new_tokens = flags.max_tokens;
+    r.sampling = {flags.temperature, flags.seed + i};
+    r.stop_token = stop;
+    blocks += static_cast<int32_t>((r.prompt.size() + flags.max_tokens + 15) / 16);
+    requests.push_back(std::move(r));
   }
+  // Default pool: every request at once without sharing (no preemption).
+  model::CpuEngine engine(llama, {flags.preset, flags.boundary_layers, 16,
+                                  flags.num_blocks > 0 ? flags.num_blocks : blocks});
+  model::Server server(engine, {flags.max_running, flags.step_tokens});
+  const model::LlamaConfig& c = llama.config();
+  fmt::print("{}: {} layers on the CPU, KV cache {}{}: {} bytes per token (bf16: {}), {} blocks of 16\n",
+             std::filesystem::path(path).filename().string(), c.num_layers, flags.preset,
+             flags.boundary_layers > 0 ? fmt::format(" + bf16 x{}", flags.boundary_layers) : "",
+             engine.kv_bytes_per_token(), c.num_layers * c.num_kv_heads * 4 * c.head_dim,
+             engine.manager().Stats().num_blocks);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  size_t next = 0;
+  for (int step = 0; next < requests.size() || !server.idle(); ++step) {
+    while (next < requests.size() &&
+           static_cast<int64_t>(next) * flags.arrive_every <= step) {
+      server.Submit(requests[next++]);
+    }
+    server.Step();
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const model::Completion& done = server.completion(static_cast<int>(i));
+    std::vector<int32_t> shown = done.tokens;
+    if (!shown.empty() && shown.back() == stop) shown.pop_back();
+    fmt::print("\n> {}\n{}{}\n", flags.prompts[i], chat ? "" : flags.prompts[i],
+               done.error.empty() ? tokenizer.Decode(shown) : "[failed: " + done.error + "]");
+    fmt::print(
+        "  [{} prompt tokens, {} from the prefix cache; {} new; first token after {:.2f} s, "
+        "done after {:.2f} s; preempted {} times]\n",
+        requests[i].prompt.size(), done.prefix_hit_tokens, done.tokens.size(),
+        done.first_token_seconds, done.finish_seconds, done.preemptions);
+  }
+  const model::ServerStats& s = server.stats();
+  fmt::print(
+      "\n{} requests in {} steps, {:.2f} s: {} tokens generated ({:.1f} tokens/s), {} computed "
+      "({} from the prefix cache), up to {} sequences per step, {} preemptions; model {:.2f} s, "
+      "block manager and sampling {:.3f} s\n",
+      requests.size(), s.steps, wall, s.generated_tokens,
+      static_cast<double>(s.generated_tokens) / wall, s.computed_tokens, s.prefix_hit_tokens,
+      s.max_batch_sequences, s.preemptions, s.compute_seconds, s.manager_seconds);
 }
 
 }  // namespace
@@ -64,14 +116,17 @@ void AddGenerateCommand(CLI::App& app) {
   auto flags = std::make_shared<GenerateFlags>();
   CLI::App* cmd = app.add_subcommand(
       "generate",
-      "Generate text with a GGUF Llama model on the CPU, its KV cache in tqkv (one prompt after "
-      "another; no batching yet)");
+      "Serve prompts with a GGUF Llama model on the CPU, its KV cache in tqkv: continuous "
+      "batching, chunked prefill, prefix caching, preemption");
   cmd->add_option("--model", flags->model,
-                  "GGUF file (python3 tools/model/fetch_model.py fetches SmolLM2-135M)")
-      ->required();
-  cmd->add_option("--prompt", flags->prompts, "prompt (repeatable)")->capture_default_str();
+                  "GGUF file (tools/setup.sh fetches SmolLM2-135M-Instruct)")
+      ->capture_default_str();
+  cmd->add_option("--prompt", flags->prompts, "prompt (repeatable; default: three questions)");
+  cmd->add_flag("--raw", flags->raw, "prompts as plain text (default: chat turns)");
+  cmd->add_option("--system", flags->system, "the chat system prompt every request shares")
+      ->capture_default_str();
   cmd->add_option("--max-tokens", flags->max_tokens, "new tokens per prompt at most")
-      ->check(CLI::Range(0, 1 << 16))
+      ->check(CLI::Range(1, 1 << 16))
       ->capture_default_str();
   cmd->add_option("--preset", flags->preset, "a TurboQuant preset or bf16")->capture_default_str();
   cmd->add_option("--boundary-layers", flags->boundary_layers, "bf16 layers at each end")
@@ -79,11 +134,22 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--temperature", flags->temperature, "0: greedy")
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
-  cmd->add_option("--seed", flags->seed, "sampling seed")->capture_default_str();
-  cmd->add_option("--chunk", flags->chunk, "prefill chunk (tokens per step)")
+  cmd->add_option("--seed", flags->seed, "sampling seed (request i uses seed + i)")
+      ->capture_default_str();
+  cmd->add_option("--step-tokens", flags->step_tokens,
+                  "tokens per step: decode rows, then prompt chunks")
       ->check(CLI::Range(1, 8192))
       ->capture_default_str();
-  cmd->add_flag("--chat", flags->chat, "wrap each prompt in the model's chat turns");
+  cmd->add_option("--max-running", flags->max_running, "sequences in flight")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  cmd->add_option("--arrive-every", flags->arrive_every, "steps between prompt arrivals")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--num-blocks", flags->num_blocks,
+                  "KV blocks of 16 tokens (0: room for every request at once)")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
   cmd->callback([flags] { RunGenerate(*flags); });
 }
 

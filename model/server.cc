@@ -1,0 +1,233 @@
+#include "model/server.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "runtime/error.h"
+
+namespace tqkv::model {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+}  // namespace
+
+Server::Server(CpuEngine& engine, ServerOptions options)
+    : engine_(engine), options_(options) {
+  if (options_.max_running < 1) {
+    throw InvalidArgument("Server", "options.max_running", options_.max_running, ">= 1");
+  }
+  if (options_.step_tokens < 1) {
+    throw InvalidArgument("Server", "options.step_tokens", options_.step_tokens, ">= 1");
+  }
+  engine_.manager();  // the pool exists (and its size was given) before any request
+}
+
+int Server::Submit(Request request) {
+  const int vocab = engine_.model().config().vocab;
+  if (request.prompt.empty()) throw InvalidArgument("Server::Submit", "prompt.size()", 0, ">= 1");
+  for (int32_t t : request.prompt) {
+    if (t < 0 || t >= vocab) {
+      throw InvalidArgument("Server::Submit", "prompt token", t,
+                            fmt::format("0 to {}", vocab - 1));
+    }
+  }
+  if (request.max_new_tokens < 1) {
+    throw InvalidArgument("Server::Submit", "max_new_tokens", request.max_new_tokens, ">= 1");
+  }
+  if (!(request.sampling.temperature >= 0.0f) || std::isinf(request.sampling.temperature)) {
+    throw InvalidArgument("Server::Submit", "sampling.temperature", request.sampling.temperature,
+                          "finite and >= 0");
+  }
+  const int id = static_cast<int>(requests_.size());
+  Live live;
+  live.id = id;
+  live.tokens = request.prompt;
+  live.rng.seed(request.sampling.seed);
+  Completion c;
+  c.submit_step = stats_.steps;
+  requests_.push_back(std::move(request));
+  completions_.push_back(std::move(c));
+  submit_time_.push_back(Seconds(Clock::now()));
+  waiting_.push_back(std::move(live));
+  return id;
+}
+
+void Server::Admit() {
+  KVCacheManager& m = engine_.manager();
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running) {
+    Live r = std::move(waiting_.front());
+    waiting_.pop_front();
+    r.seq = m.AddSequence(r.tokens);
+    r.fresh = true;
+    running_.push_back(std::move(r));
+  }
+}
+
+void Server::PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live) const {
+  const KVCacheManager& m = engine_.manager();
+  requests.clear();
+  live.clear();
+  std::vector<int64_t> remaining(running_.size());
+  int budget = options_.step_tokens;
+  // Decode rows (a sequence at its last known token) are never deferred; prompt chunks share
+  // what is left of the budget in admission order.
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const Live& r = running_[i];
+    int64_t done = m.GetSequenceInfo(r.seq).num_scheduled;
+    if (done == 0) done = m.Lookup(r.seq).num_tokens;  // fresh: its cached prefix
+    remaining[i] = static_cast<int64_t>(r.tokens.size()) - done;
+    if (remaining[i] == 1) {
+      requests.push_back({r.seq, 1, 0});
+      live.push_back(static_cast<int>(i));
+      --budget;
+    }
+  }
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    if (remaining[i] <= 1) continue;
+    const int n = static_cast<int>(std::min<int64_t>(remaining[i], budget));
+    requests.push_back({running_[i].seq, n, 0});
+    live.push_back(static_cast<int>(i));
+    budget -= n;
+  }
+}
+
+void Server::Preempt() {
+  Live victim = std::move(running_.back());
+  running_.pop_back();
+  engine_.manager().Free(victim.seq);
+  victim.seq = -1;
+  ++completions_[victim.id].preemptions;
+  ++stats_.preemptions;
+  waiting_.push_front(std::move(victim));
+}
+
+int32_t Server::Sample(Live& r, const float* logits) {
+  const int vocab = engine_.model().config().vocab;
+  const float temperature = requests_[r.id].sampling.temperature;
+  if (temperature == 0.0f) {
+    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  }
+  const float mx = *std::max_element(logits, logits + vocab);
+  std::vector<double> w(static_cast<size_t>(vocab));
+  for (int v = 0; v < vocab; ++v) w[v] = std::exp((logits[v] - mx) / temperature);
+  return static_cast<int32_t>(std::discrete_distribution<int>(w.begin(), w.end())(r.rng));
+}
+
+void Server::Finish(Live& r, std::string error) {
+  Completion& c = completions_[r.id];
+  c.finished = true;
+  c.error = std::move(error);
+  c.finish_step = stats_.steps;
+  c.finish_seconds = Seconds(Clock::now()) - submit_time_[r.id];
+  if (r.seq >= 0) engine_.manager().Free(r.seq);
+  r.seq = -1;
+}
+
+bool Server::Step() {
+  if (idle()) return false;
+  ++stats_.steps;
+  KVCacheManager& m = engine_.manager();
+  auto t0 = Clock::now();
+  Admit();
+  std::vector<StepRequest> requests;
+  std::vector<int> live;
+  for (;;) {
+    PlanStep(requests, live);
+    if (requests.empty()) return true;
+    const ScheduleResult result = engine_.Schedule(requests);
+    if (result.admitted) break;
+    // A request that needs more blocks than the pool holds fails alone; otherwise preempt.
+    bool dropped = false;
+    for (const ScheduleRejection& rej : result.rejected) {
+      if (!rej.never_fits) continue;
+      Live& r = running_[live[rej.request_index]];
+      Finish(r, fmt::format("needs {} blocks, more than the pool's {}", rej.blocks_needed,
+                            m.Stats().num_blocks));
+      dropped = true;
+    }
+    if (dropped) {
+      std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
+    } else if (running_.size() > 1) {
+      Preempt();
+    } else {
+      throw Error(fmt::format("Server::Step: one sequence alone lacks {} blocks",
+                              result.blocks_missing));
+    }
+    if (running_.empty()) return true;
+  }
+  const StepBatch& batch = engine_.batch();
+  const int num_req = static_cast<int>(requests.size());
+  stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, num_req);
+
+  // The step's tokens in row order, and the rows that sample: a request whose rows reach its
+  // last known token.
+  std::vector<int32_t> tokens, logit_rows;
+  std::vector<int> samples(static_cast<size_t>(num_req), -1);  // index into logit_rows
+  tokens.reserve(static_cast<size_t>(batch.num_tokens()));
+  for (int k = 0; k < num_req; ++k) {
+    const Live& r = running_[live[k]];
+    const int32_t end = batch.seq_lens()[k];
+    const int32_t start = end - requests[k].num_new_tokens;
+    tokens.insert(tokens.end(), r.tokens.begin() + start, r.tokens.begin() + end);
+    if (end == static_cast<int32_t>(r.tokens.size())) {
+      samples[k] = static_cast<int>(logit_rows.size());
+      logit_rows.push_back(batch.query_start_loc()[k + 1] - 1);
+    }
+  }
+  stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+
+  const int vocab = engine_.model().config().vocab;
+  std::vector<float> logits(logit_rows.size() * static_cast<size_t>(vocab));
+  t0 = Clock::now();
+  engine_.Compute(tokens, logit_rows, logits.data());
+  const auto t1 = Clock::now();
+  stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
+  stats_.computed_tokens += static_cast<int64_t>(tokens.size());
+
+  for (int k = 0; k < num_req; ++k) {
+    Live& r = running_[live[k]];
+    Completion& c = completions_[r.id];
+    if (r.fresh) {  // its first step began after its prefix hit
+      const int64_t hit = batch.seq_lens()[k] - requests[k].num_new_tokens;
+      if (!r.admitted_before) c.prefix_hit_tokens = hit;
+      stats_.prefix_hit_tokens += hit;
+      r.fresh = false;
+      r.admitted_before = true;
+    }
+    if (samples[k] < 0) {
+      m.Commit(r.seq, {});
+      continue;
+    }
+    const int32_t next = Sample(r, logits.data() + static_cast<int64_t>(samples[k]) * vocab);
+    ++stats_.generated_tokens;
+    r.tokens.push_back(next);
+    ++r.generated;
+    c.tokens.push_back(next);
+    if (c.first_token_step < 0) {
+      c.first_token_step = stats_.steps;
+      c.first_token_seconds = Seconds(Clock::now()) - submit_time_[r.id];
+    }
+    m.Commit(r.seq, std::span<const int32_t>(&next, 1));
+    if (next == requests_[r.id].stop_token || r.generated == requests_[r.id].max_new_tokens) {
+      Finish(r);
+    }
+  }
+  std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
+  stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t1).count();
+  return true;
+}
+
+void Server::RunToCompletion() {
+  while (Step()) {
+  }
+}
+
+}  // namespace tqkv::model
