@@ -38,63 +38,98 @@ void StoreBf16(const Bf16BlockFormat& f, const float* k, const float* v, const i
 
 }  // namespace
 
-struct CpuEngine::State {
-  std::optional<Quantizer> quantizer;  // the compressed layers'
-  CacheFormat compressed_format, bf16_format;
-  std::vector<int> cache_layer;  // layer -> its index in the compressed or the bf16 cache
-  std::vector<bool> bf16_layer;
-  std::optional<KVCache> compressed, bf16;
-  std::optional<KVCacheManager> manager;
-  int32_t num_blocks = 0;
-  StepBatch batch;
-  std::vector<float> x, q, k, v, attn, lse;  // one step's activations
-  std::vector<int32_t> positions;
-};
-
-CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
-    : model_(model), policy_(std::move(policy)), state_(std::make_unique<State>()) {
+Engine::Engine(const LlamaModel& model, KvPolicy policy, CacheDevice device)
+    : model_(model), policy_(std::move(policy)), device_(device) {
   const LlamaConfig& c = model_.config();
   if (policy_.boundary_layers < 0 || 2 * policy_.boundary_layers > c.num_layers) {
-    throw InvalidArgument("CpuEngine", "policy.boundary_layers", policy_.boundary_layers,
+    throw InvalidArgument("Engine", "policy.boundary_layers", policy_.boundary_layers,
                           fmt::format("0 to {}", c.num_layers / 2));
   }
-  State& s = *state_;
+  if (policy_.num_blocks < 0 || policy_.num_blocks == 1) {
+    throw InvalidArgument("Engine", "policy.num_blocks", policy_.num_blocks, "0 or >= 2");
+  }
   const bool all_bf16 = policy_.preset == "bf16";
-  s.bf16_format = MakeCacheFormat("bf16", c.head_dim, c.num_kv_heads, policy_.block_size);
+  bf16_format_ = MakeCacheFormat("bf16", c.head_dim, c.num_kv_heads, policy_.block_size);
   if (!all_bf16) {
-    s.compressed_format =
+    compressed_format_ =
         MakeCacheFormat(policy_.preset, c.head_dim, c.num_kv_heads, policy_.block_size);
-    s.quantizer.emplace(
+    quantizer_.emplace(
         Quantizer::Create(policy_.preset, c.head_dim, c.num_kv_heads, policy_.block_size));
   }
   int num_compressed = 0, num_bf16 = 0;
   for (int l = 0; l < c.num_layers; ++l) {
     const bool bf16 =
         all_bf16 || l < policy_.boundary_layers || l >= c.num_layers - policy_.boundary_layers;
-    s.bf16_layer.push_back(bf16);
-    s.cache_layer.push_back(bf16 ? num_bf16++ : num_compressed++);
+    bf16_layer_.push_back(bf16);
+    cache_layer_.push_back(bf16 ? num_bf16++ : num_compressed++);
   }
-  s.num_blocks = policy_.num_blocks;
+  num_blocks_ = policy_.num_blocks;
 }
 
-CpuEngine::~CpuEngine() = default;
-CpuEngine::CpuEngine(CpuEngine&&) noexcept = default;
+Engine::~Engine() = default;
 
-bool CpuEngine::IsBf16Layer(int layer) const { return state_->bf16_layer.at(layer); }
-
-int64_t CpuEngine::kv_bytes_per_token() const {
-  const State& s = *state_;
+int64_t Engine::kv_bytes_per_token() const {
   const int hk = model_.config().num_kv_heads;
   int64_t bytes = 0;
-  for (bool bf16 : s.bf16_layer) {
-    bytes += hk * (bf16 ? s.bf16_format.slot_bytes : s.compressed_format.slot_bytes);
+  for (bool bf16 : bf16_layer_) {
+    bytes += hk * (bf16 ? bf16_format_.slot_bytes : compressed_format_.slot_bytes);
   }
   return bytes;
 }
 
-int64_t CpuEngine::prefix_hit_tokens() const {
-  return state_->manager ? state_->manager->Stats().prefix_hit_tokens : 0;
+int64_t Engine::prefix_hit_tokens() const {
+  return manager_ ? manager_->Stats().prefix_hit_tokens : 0;
 }
+
+KVCacheManager& Engine::manager() {
+  if (!manager_) {
+    if (policy_.num_blocks == 0) {
+      throw InvalidArgument("Engine::manager", "policy.num_blocks", 0,
+                            ">= 2 (a server sizes its block pool)");
+    }
+    Prepare(0, "Engine::manager", 0);
+  }
+  return *manager_;
+}
+
+ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
+  const ScheduleResult r = manager().Schedule(requests, batch_);
+  if (r.admitted) {
+    if (compressed_) compressed_->ApplyCopies(batch_.copies(), copy_stream_);
+    if (bf16_) bf16_->ApplyCopies(batch_.copies(), copy_stream_);
+  }
+  return r;
+}
+
+void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
+                       std::span<const int32_t> logit_rows) {
+  const int step = static_cast<int>(tokens.size());
+  if (!manager_ || step != batch_.num_tokens() || step == 0) {
+    throw InvalidArgument(where, "tokens.size()", step,
+                          fmt::format("the scheduled step's {} tokens",
+                                      manager_ ? batch_.num_tokens() : 0));
+  }
+  for (int32_t row : logit_rows) {
+    if (row < 0 || row >= step) {
+      throw InvalidArgument(where, "logit_rows", row, fmt::format("0 to {}", step - 1));
+    }
+  }
+  const int vocab = model_.config().vocab;
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= vocab) {
+      throw InvalidArgument(where, "token", t, fmt::format("0 to {}", vocab - 1));
+    }
+  }
+  // Each row's position: the last rows of its sequence's context.
+  positions_.resize(static_cast<size_t>(step));
+  for (int32_t i = 0; i < batch_.num_requests(); ++i) {
+    const int32_t q0 = batch_.query_start_loc()[i], q1 = batch_.query_start_loc()[i + 1];
+    for (int32_t t = q0; t < q1; ++t) positions_[t] = batch_.seq_lens()[i] - (q1 - t);
+  }
+}
+
+CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
+    : Engine(model, std::move(policy), CacheDevice::kCpu) {}
 
 void LayerErrors::Resize(int layers) {
   const auto n = static_cast<size_t>(layers);
@@ -135,95 +170,51 @@ void ExactAttention(const float* q, const float* keys, const float* values, int 
 
 }  // namespace
 
-void CpuEngine::Prepare(int32_t blocks_needed, const char* where, int n) {
+void Engine::Prepare(int32_t blocks_needed, const char* where, int n) {
   const LlamaConfig& c = model_.config();
-  State& s = *state_;
-  if (!s.manager) {  // the manager and caches, sized by the first call unless the policy says
-    if (s.num_blocks == 0) s.num_blocks = std::max(blocks_needed, 2);
+  if (!manager_) {  // the manager and caches, sized by the first call unless the policy says
+    if (num_blocks_ == 0) num_blocks_ = std::max(blocks_needed, 2);
     KVCacheManagerOptions o;
-    o.num_blocks = s.num_blocks;
+    o.num_blocks = num_blocks_;
     o.block_size = policy_.block_size;
-    FormatTag tag = MakeFormatTag(s.quantizer ? s.compressed_format : s.bf16_format,
-                                  s.quantizer ? s.quantizer->rotation().id : 0);
-    if (policy_.boundary_layers > 0 && s.quantizer) {  // the tag covers the per-layer policy
+    FormatTag tag = MakeFormatTag(quantizer_ ? compressed_format_ : bf16_format_,
+                                  quantizer_ ? quantizer_->rotation().id : 0);
+    if (policy_.boundary_layers > 0 && quantizer_) {  // the tag covers the per-layer policy
       tag.preset += fmt::format("+bf16x{}", policy_.boundary_layers);
     }
     o.format = tag;
-    s.manager.emplace(o);
-    const int num_bf16 =
-        static_cast<int>(std::count(s.bf16_layer.begin(), s.bf16_layer.end(), true));
+    const int num_bf16 = static_cast<int>(std::count(bf16_layer_.begin(), bf16_layer_.end(), true));
     const int num_compressed = c.num_layers - num_bf16;
-    if (num_compressed > 0) {
-      s.compressed.emplace(s.compressed_format, num_compressed, s.num_blocks, CacheDevice::kCpu);
-    }
-    if (num_bf16 > 0) s.bf16.emplace(s.bf16_format, num_bf16, s.num_blocks, CacheDevice::kCpu);
+    if (num_compressed > 0) compressed_.emplace(compressed_format_, num_compressed, num_blocks_, device_);
+    if (num_bf16 > 0) bf16_.emplace(bf16_format_, num_bf16, num_blocks_, device_);
+    manager_.emplace(o);
   }
-  if (blocks_needed > s.num_blocks) {
+  if (blocks_needed > num_blocks_) {
     throw InvalidArgument(
         where, "tokens", n,
-        fmt::format("at most {} with {} blocks of {}", (s.num_blocks - 1) * policy_.block_size,
-                    s.num_blocks, policy_.block_size));
+        fmt::format("at most {} with {} blocks of {}", (num_blocks_ - 1) * policy_.block_size,
+                    num_blocks_, policy_.block_size));
   }
 }
-
-KVCacheManager& CpuEngine::manager() {
-  if (!state_->manager) {
-    if (policy_.num_blocks == 0) {
-      throw InvalidArgument("CpuEngine::manager", "policy.num_blocks", 0,
-                            ">= 2 (a server sizes its block pool)");
-    }
-    Prepare(0, "CpuEngine::manager", 0);
-  }
-  return *state_->manager;
-}
-
-ScheduleResult CpuEngine::Schedule(std::span<const StepRequest> requests) {
-  State& s = *state_;
-  const ScheduleResult r = manager().Schedule(requests, s.batch);
-  if (r.admitted) {
-    if (s.compressed) s.compressed->ApplyCopies(s.batch.copies());
-    if (s.bf16) s.bf16->ApplyCopies(s.batch.copies());
-  }
-  return r;
-}
-
-const StepBatch& CpuEngine::batch() const { return state_->batch; }
 
 void CpuEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
-                        float* logits) {
-  RunStep(tokens, logit_rows, logits, nullptr);
+                        float* logits, int32_t* argmax) {
+  RunStep(tokens, logit_rows, logits, argmax, nullptr);
 }
 
 void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const int32_t> logit_rows,
-                        float* logits, ExactState* exact) {
+                        float* logits, int32_t* argmax, ExactState* exact) {
   const LlamaConfig& c = model_.config();
-  State& s = *state_;
+  CheckStep("CpuEngine::Compute", step_tokens, logit_rows);
   const int step = static_cast<int>(step_tokens.size());
-  if (!s.manager || step != s.batch.num_tokens()) {
-    throw InvalidArgument("CpuEngine::Compute", "tokens.size()", step,
-                          fmt::format("the scheduled step's {} tokens",
-                                      s.manager ? s.batch.num_tokens() : 0));
-  }
-  for (int32_t row : logit_rows) {
-    if (row < 0 || row >= step) {
-      throw InvalidArgument("CpuEngine::Compute", "logit_rows", row,
-                            fmt::format("0 to {}", step - 1));
-    }
-  }
-  // Each row's position: the last rows of its sequence's context.
-  std::vector<int32_t>& positions = s.positions;
-  positions.resize(static_cast<size_t>(step));
-  for (int32_t i = 0; i < s.batch.num_requests(); ++i) {
-    const int32_t q0 = s.batch.query_start_loc()[i], q1 = s.batch.query_start_loc()[i + 1];
-    for (int32_t t = q0; t < q1; ++t) positions[t] = s.batch.seq_lens()[i] - (q1 - t);
-  }
+  const std::vector<int32_t>& positions = positions_;
   const int d = c.head_dim, hq = c.num_heads, hk = c.num_kv_heads;
-  std::vector<float>& x = s.x;
-  std::vector<float>& q = s.q;
-  std::vector<float>& k = s.k;
-  std::vector<float>& v = s.v;
-  std::vector<float>& attn = s.attn;
-  std::vector<float>& lse = s.lse;
+  std::vector<float>& x = x_;
+  std::vector<float>& q = q_;
+  std::vector<float>& k = k_;
+  std::vector<float>& v = v_;
+  std::vector<float>& attn = attn_;
+  std::vector<float>& lse = lse_;
   std::vector<float> exact_out(static_cast<size_t>(hq) * d);
   x.assign(static_cast<size_t>(step) * c.hidden, 0.0f);
   model_.Embed(step_tokens, x.data());
@@ -234,38 +225,38 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
   lse.resize(static_cast<size_t>(step) * hq);
   for (int l = 0; l < c.num_layers; ++l) {
     model_.AttentionInputs(l, x.data(), step, positions.data(), q.data(), k.data(), v.data());
-    const bool bf16 = s.bf16_layer[l];
-    KVCache& cache = bf16 ? *s.bf16 : *s.compressed;
-    uint8_t* layer = cache.layer_data(s.cache_layer[l]);
+    const bool bf16 = bf16_layer_[l];
+    KVCache& cache = LayerCache(l);
+    uint8_t* layer = LayerData(l);
     if (bf16) {
-      StoreBf16(s.bf16_format.bf16_format, k.data(), v.data(), s.batch.slot_mapping().data(), step,
+      StoreBf16(bf16_format_.bf16_format, k.data(), v.data(), batch_.slot_mapping().data(), step,
                 layer);
     } else {
       StoreInputs in;
       in.key = k.data();
       in.value = v.data();
       in.dtype = DType::kF32;
-      in.slot_mapping = s.batch.slot_mapping().data();
+      in.slot_mapping = batch_.slot_mapping().data();
       in.slot_dtype = DType::kI64;
       in.num_tokens = step;
-      s.quantizer->StoreCpu(in, {layer, cache.num_blocks()});
+      quantizer_->StoreCpu(in, {layer, cache.num_blocks()});
     }
     AttentionArgs a;
     a.query = q.data();
-    a.num_seqs = s.batch.num_requests();
+    a.num_seqs = batch_.num_requests();
     a.num_tokens = step;
     a.num_q_heads = hq;
-    a.query_start_loc = s.batch.query_start_loc().data();
-    a.seq_lens = s.batch.seq_lens().data();
-    a.block_tables = s.batch.block_tables().data();
-    a.max_blocks_per_seq = s.batch.block_table_width();
+    a.query_start_loc = batch_.query_start_loc().data();
+    a.seq_lens = batch_.seq_lens().data();
+    a.block_tables = batch_.block_tables().data();
+    a.max_blocks_per_seq = batch_.block_table_width();
     a.cache = {layer, cache.num_blocks()};
     a.output = attn.data();
     a.lse = lse.data();
     if (bf16) {
-      AttentionCpu(s.bf16_format.bf16_format, a);
+      AttentionCpu(bf16_format_.bf16_format, a);
     } else {
-      AttentionCpu(*s.quantizer, a);
+      AttentionCpu(*quantizer_, a);
     }
     if (exact != nullptr) {
       const int first = positions[0];
@@ -278,11 +269,11 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
           const float* kt = k.data() + int64_t{t} * kv + h * d;
           const float* vt = v.data() + int64_t{t} * kv + h * d;
           std::vector<float> kq(static_cast<size_t>(d)), vq(static_cast<size_t>(d));
-          if (s.bf16_layer[l]) {
+          if (bf16_layer_[l]) {
             for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
           } else {
             const DequantizedSlot ds =
-                s.quantizer->Dequantize(layer, cache.num_blocks(), s.batch.slot_mapping()[t], h);
+                quantizer_->Dequantize(layer, cache.num_blocks(), batch_.slot_mapping()[t], h);
             kq = ds.key;
             vq = ds.value;
           }
@@ -321,7 +312,16 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
     std::copy_n(x.data() + int64_t{logit_rows[r]} * c.hidden, c.hidden,
                 last.data() + int64_t{r} * c.hidden);
   }
+  std::vector<float> own;
+  if (logits == nullptr) {
+    own.resize(static_cast<size_t>(rows) * c.vocab);
+    logits = own.data();
+  }
   model_.Logits(last.data(), rows, logits);
+  for (int r = 0; argmax != nullptr && r < rows; ++r) {
+    const float* row = logits + int64_t{r} * c.vocab;
+    argmax[r] = static_cast<int32_t>(std::max_element(row, row + c.vocab) - row);
+  }
 }
 
 std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
@@ -330,11 +330,10 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   const int n = static_cast<int>(tokens.size());
   if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
   if (n < 1) return {};
-  State& s = *state_;
   const int32_t blocks_needed =
       static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
   Prepare(blocks_needed, "CpuEngine::Forward", n);
-  KVCacheManager& m = *s.manager;
+  KVCacheManager& m = *manager_;
   const SeqId seq = m.AddSequence(tokens);
   const int d = c.head_dim, hk = c.num_kv_heads;
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
@@ -368,7 +367,8 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     std::vector<int32_t> rows(static_cast<size_t>(step));
     for (int t = 0; t < step; ++t) rows[t] = t;
     RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), rows,
-            logits.data() + int64_t{first} * c.vocab, errors == nullptr ? nullptr : &exact_state);
+            logits.data() + int64_t{first} * c.vocab, nullptr,
+            errors == nullptr ? nullptr : &exact_state);
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
   }

@@ -1,19 +1,26 @@
-// A Llama model served through tqkv on the CPU: the block manager schedules every step (chunked
-// prefill, prefix caching, decode), each layer's K/V are stored into that layer's paged cache
-// (TurboQuant via Quantizer::StoreCpu, or uncompressed bf16), and attention reads them back for
-// every new token (AttentionCpu). Per-layer cache formats: a preset for most layers and bf16 for
-// the first and last `boundary_layers` (vLLM's boundary layers).
+// A Llama model served through tqkv: the block manager schedules every step (chunked prefill,
+// prefix caching, decode), each layer's K/V are stored into that layer's paged cache (TurboQuant,
+// or uncompressed bf16), and attention reads them back for every new token. Per-layer cache
+// formats: a preset for most layers and bf16 for the first and last `boundary_layers` (vLLM's
+// boundary layers). Engine holds what every device shares (policy, manager, caches, step batch);
+// CpuEngine computes on the CPU (Quantizer::StoreCpu, AttentionCpu), CudaEngine
+// (model/cuda_engine.h) on a CUDA device.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "kvcache/kv_cache.h"
+#include "kvcache/cache_format.h"
 #include "kvcache/manager.h"
 #include "kvcache/step_batch.h"
 #include "model/llama.h"
+#include "quant/quantizer.h"
+#include "runtime/device.h"
 
 namespace tqkv::model {
 
@@ -39,11 +46,70 @@ struct LayerErrors {
   double mean_cosine(int l) const { return cosine_sum[l] / static_cast<double>(outputs[l]); }
 };
 
-class CpuEngine {
+// The per-step interface a server drives (model/server.h), and the state every device shares.
+class Engine {
+ public:
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const LlamaModel& model() const { return model_; }
+  // The block manager over this engine's caches, created on first use with policy.num_blocks
+  // blocks (throws when that is 0: a server sizes its pool; CpuEngine::Forward sizes it to the
+  // sequence).
+  KVCacheManager& manager();
+  // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
+  // apply the step's copy-on-write copies.
+  ScheduleResult Schedule(std::span<const StepRequest> requests);
+  const StepBatch& batch() const { return batch_; }
+  // Runs the scheduled step: tokens[t] is the token at row t of the batch (its slot_mapping
+  // order; positions follow from seq_lens and query_start_loc), every layer's K/V are stored and
+  // attended through the cache. For the rows in `logit_rows`: their logits into `logits`
+  // [logit_rows.size(), vocab] and their argmax into `argmax` [logit_rows.size()] (host memory;
+  // either may be null). A row's result depends only on its sequence's tokens and cache, not on
+  // the other rows of the batch. Throws tqkv::Error for a token count other than the step's or a
+  // row outside it.
+  virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
+                       float* logits, int32_t* argmax) = 0;
+
+  // Whether layer l's cache is uncompressed bf16.
+  bool IsBf16Layer(int layer) const { return bf16_layer_.at(static_cast<size_t>(layer)); }
+  // KV bytes per token over all layers (the cache formats' slot bytes · KV heads).
+  int64_t kv_bytes_per_token() const;
+  // Tokens served from the prefix cache so far.
+  int64_t prefix_hit_tokens() const;
+
+ protected:
+  Engine(const LlamaModel& model, KvPolicy policy, CacheDevice device);
+  // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
+  // throws if a sequence of n tokens needs more blocks than there are.
+  void Prepare(int32_t blocks_needed, const char* where, int n);
+  // Checks Compute's arguments against the scheduled step and fills positions_ (each row's
+  // position in its sequence).
+  void CheckStep(const char* where, std::span<const int32_t> tokens,
+                 std::span<const int32_t> logit_rows);
+  // Layer l's cache: its KVCache and the index of its tensor there.
+  KVCache& LayerCache(int layer) { return bf16_layer_[layer] ? *bf16_ : *compressed_; }
+  uint8_t* LayerData(int layer) { return LayerCache(layer).layer_data(cache_layer_[layer]); }
+
+  const LlamaModel& model_;
+  KvPolicy policy_;
+  CacheDevice device_;
+  StreamHandle copy_stream_ = nullptr;  // where a CUDA engine's copy-on-write copies run
+  std::optional<Quantizer> quantizer_;  // the compressed layers'
+  CacheFormat compressed_format_, bf16_format_;
+  std::vector<int> cache_layer_;  // layer -> its index in the compressed or the bf16 cache
+  std::vector<bool> bf16_layer_;
+  std::optional<KVCache> compressed_, bf16_;
+  std::optional<KVCacheManager> manager_;
+  int32_t num_blocks_ = 0;
+  StepBatch batch_;
+  std::vector<int32_t> positions_;  // the step's rows
+};
+
+class CpuEngine : public Engine {
  public:
   CpuEngine(const LlamaModel& model, KvPolicy policy);
-  ~CpuEngine();
-  CpuEngine(CpuEngine&&) noexcept;
 
   // Teacher-forced logits [n, vocab] of one sequence of `tokens`, prefilled `chunk` tokens per
   // step (each step: Schedule, per layer store + attention over the cache, then the rest of the
@@ -54,32 +120,10 @@ class CpuEngine {
   std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,
                              LayerErrors* errors = nullptr);
 
-  // The serving interface (model/server.h drives it). The block manager over this engine's
-  // caches, created on first use with policy.num_blocks blocks (throws when that is 0: a server
-  // sizes its pool; Forward sizes it to the sequence).
-  KVCacheManager& manager();
-  // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
-  // apply the step's copy-on-write copies.
-  ScheduleResult Schedule(std::span<const StepRequest> requests);
-  const StepBatch& batch() const;
-  // Runs the scheduled step: tokens[t] is the token at row t of the batch (its slot_mapping
-  // order; positions follow from seq_lens and query_start_loc), every layer's K/V are stored and
-  // attended through the cache; the logits of the rows in `logit_rows` go to logits
-  // [logit_rows.size(), vocab]. A row's result depends only on its sequence's tokens and cache,
-  // not on the other rows of the batch.
   void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
-               float* logits);
-
-  const LlamaModel& model() const { return model_; }
-  // Whether layer l's cache is uncompressed bf16.
-  bool IsBf16Layer(int layer) const;
-  // KV bytes per token over all layers (the cache formats' slot bytes · KV heads).
-  int64_t kv_bytes_per_token() const;
-  // Tokens served from the prefix cache so far.
-  int64_t prefix_hit_tokens() const;
+               float* logits, int32_t* argmax) override;
 
  private:
-  struct State;
   // Exact K/V of the sequence so far, for LayerErrors.
   struct ExactState {
     LayerErrors* errors = nullptr;
@@ -88,13 +132,8 @@ class CpuEngine {
   // Compute, with the exact-attention comparison of LayerErrors when `exact` is set (one
   // sequence whose positions all ran through this engine).
   void RunStep(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
-               float* logits, ExactState* exact);
-  // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
-  // throws if a sequence of n tokens needs more blocks than there are.
-  void Prepare(int32_t blocks_needed, const char* where, int n);
-  const LlamaModel& model_;
-  KvPolicy policy_;
-  std::unique_ptr<State> state_;
+               float* logits, int32_t* argmax, ExactState* exact);
+  std::vector<float> x_, q_, k_, v_, attn_, lse_;  // one step's activations
 };
 
 }  // namespace tqkv::model

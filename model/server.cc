@@ -19,7 +19,7 @@ double Seconds(Clock::time_point t) {
 
 }  // namespace
 
-Server::Server(CpuEngine& engine, ServerOptions options)
+Server::Server(Engine& engine, ServerOptions options)
     : engine_(engine), options_(options) {
   if (options_.max_running < 1) {
     throw InvalidArgument("Server", "options.max_running", options_.max_running, ">= 1");
@@ -109,12 +109,10 @@ void Server::Preempt() {
   waiting_.push_front(std::move(victim));
 }
 
-int32_t Server::Sample(Live& r, const float* logits) {
+int32_t Server::Sample(Live& r, const float* logits, int32_t argmax) {
   const int vocab = engine_.model().config().vocab;
   const float temperature = requests_[r.id].sampling.temperature;
-  if (temperature == 0.0f) {
-    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
-  }
+  if (temperature == 0.0f) return argmax;
   const float mx = *std::max_element(logits, logits + vocab);
   std::vector<double> w(static_cast<size_t>(vocab));
   for (int v = 0; v < vocab; ++v) w[v] = std::exp((logits[v] - mx) / temperature);
@@ -184,10 +182,16 @@ bool Server::Step() {
   }
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
 
+  // Logits come back only when a row samples with a temperature (greedy needs the argmax).
   const int vocab = engine_.model().config().vocab;
-  std::vector<float> logits(logit_rows.size() * static_cast<size_t>(vocab));
+  bool need_logits = false;
+  for (int k = 0; k < num_req; ++k) {
+    need_logits |= samples[k] >= 0 && requests_[running_[live[k]].id].sampling.temperature > 0.0f;
+  }
+  std::vector<float> logits(need_logits ? logit_rows.size() * static_cast<size_t>(vocab) : 0);
+  std::vector<int32_t> argmax(logit_rows.size());
   t0 = Clock::now();
-  engine_.Compute(tokens, logit_rows, logits.data());
+  engine_.Compute(tokens, logit_rows, need_logits ? logits.data() : nullptr, argmax.data());
   const auto t1 = Clock::now();
   stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
   stats_.computed_tokens += static_cast<int64_t>(tokens.size());
@@ -206,7 +210,9 @@ bool Server::Step() {
       m.Commit(r.seq, {});
       continue;
     }
-    const int32_t next = Sample(r, logits.data() + static_cast<int64_t>(samples[k]) * vocab);
+    const int32_t next =
+        Sample(r, need_logits ? logits.data() + static_cast<int64_t>(samples[k]) * vocab : nullptr,
+               argmax[samples[k]]);
     ++stats_.generated_tokens;
     r.tokens.push_back(next);
     ++r.generated;

@@ -1,4 +1,4 @@
-// A serving loop over CpuEngine: requests arrive at any time (Submit between Steps) and every
+// A serving loop over an Engine (CpuEngine or CudaEngine): requests arrive at any time (Submit between Steps) and every
 // Step runs one batch through the model, like an inference engine's scheduler loop:
 //
 // - continuous batching: up to max_running sequences in flight; a finished one frees its blocks
@@ -13,7 +13,7 @@
 // - greedy or temperature sampling, one random stream per request seeded by the request.
 //
 // A request's tokens do not depend on what else is in the batch, on prefix hits or on
-// preemption: every row's computation depends only on its own sequence (CpuEngine::Compute), and
+// preemption: every row's computation depends only on its own sequence (Engine::Compute), and
 // a cached block holds the bytes the request would have written itself.
 #pragma once
 
@@ -61,7 +61,7 @@ struct ServerStats {
   int64_t prefix_hit_tokens = 0;  // positions taken from the prefix cache (readmissions too)
   int64_t preemptions = 0;
   int max_batch_sequences = 0;  // most sequences in one step
-  double compute_seconds = 0.0;  // CpuEngine::Compute
+  double compute_seconds = 0.0;  // Engine::Compute (its results on the host)
   double manager_seconds = 0.0;  // AddSequence, Schedule, Commit, Free
 };
 
@@ -69,7 +69,7 @@ class Server {
  public:
   // The engine's policy must size the block pool (KvPolicy::num_blocks). Throws tqkv::Error
   // naming the option for max_running or step_tokens below 1.
-  Server(CpuEngine& engine, ServerOptions options);
+  Server(Engine& engine, ServerOptions options);
 
   // Queues a request; returns its id (0, 1, ...). Throws tqkv::Error naming the field for an
   // empty prompt, max_new_tokens < 1, a negative temperature or a token outside the vocabulary.
@@ -101,10 +101,11 @@ class Server {
   void PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live) const;
   // Frees the sequence admitted last and requeues it at the front of the queue.
   void Preempt();
-  int32_t Sample(Live& r, const float* logits);
+  // The next token: the argmax (greedy), or drawn from the logits.
+  int32_t Sample(Live& r, const float* logits, int32_t argmax);
   void Finish(Live& r, std::string error = {});
 
-  CpuEngine& engine_;
+  Engine& engine_;
   ServerOptions options_;
   std::vector<Request> requests_;
   std::vector<Completion> completions_;
