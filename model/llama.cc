@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <string>
 
 #include "runtime/error.h"
@@ -120,6 +121,61 @@ LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
     m.layers_.push_back(std::move(layer));
   }
   return m;
+}
+
+LlamaModel LlamaModel::RandomInit(const LlamaConfig& config, uint64_t seed) {
+  const LlamaConfig& c = config;
+  if (c.num_layers < 1 || c.hidden < 1 || c.ffn < 1 || c.num_heads < 1 || c.num_kv_heads < 1 ||
+      c.vocab < 1 || c.hidden % c.num_heads != 0 || c.num_heads % c.num_kv_heads != 0 ||
+      c.head_dim != c.hidden / c.num_heads || c.head_dim % 2 != 0) {
+    throw Error(fmt::format(
+        "LlamaModel::RandomInit: layers {}, hidden {}, ffn {}, heads {} / {}, head_dim {}, vocab "
+        "{}: need positive sizes, heads dividing hidden into an even head_dim, KV heads dividing "
+        "heads",
+        c.num_layers, c.hidden, c.ffn, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab));
+  }
+  LlamaModel m;
+  m.c_ = c;
+  std::mt19937_64 rng(seed);
+  auto normal = [&](int64_t n, double stddev) {
+    std::normal_distribution<float> dist(0.0f, static_cast<float>(stddev));
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = dist(rng);
+    return v;
+  };
+  auto linear = [&](int in, int out) { return normal(int64_t{in} * out, 1.0 / std::sqrt(in)); };
+  const int kv = c.num_kv_heads * c.head_dim;
+  m.embedding_ = normal(int64_t{c.vocab} * c.hidden, 1.0);
+  m.output_norm_.assign(static_cast<size_t>(c.hidden), 1.0f);
+  for (int l = 0; l < c.num_layers; ++l) {
+    Layer layer;
+    layer.attn_norm.assign(static_cast<size_t>(c.hidden), 1.0f);
+    layer.wq = linear(c.hidden, c.hidden);
+    layer.wk = linear(c.hidden, kv);
+    layer.wv = linear(c.hidden, kv);
+    layer.wo = linear(c.hidden, c.hidden);
+    layer.ffn_norm.assign(static_cast<size_t>(c.hidden), 1.0f);
+    layer.gate = linear(c.hidden, c.ffn);
+    layer.up = linear(c.hidden, c.ffn);
+    layer.down = linear(c.ffn, c.hidden);
+    m.layers_.push_back(std::move(layer));
+  }
+  return m;
+}
+
+LlamaConfig LlamaModel::SmolLm2Config() {
+  LlamaConfig c;
+  c.num_layers = 30;
+  c.hidden = 576;
+  c.ffn = 1536;
+  c.num_heads = 9;
+  c.num_kv_heads = 3;
+  c.head_dim = 64;
+  c.vocab = 49152;
+  c.context = 8192;
+  c.rms_eps = 1e-5f;
+  c.rope_base = 100000.0f;
+  return c;
 }
 
 void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {

@@ -37,6 +37,14 @@ class LlamaModel {
   // Throws tqkv::Error naming what is missing or has the wrong shape.
   static LlamaModel FromGguf(const GgufFile& file);
 
+  // A model of this shape with seeded random weights: linear layers N(0, 1/in), embedding N(0, 1),
+  // norms 1 (tied output). For tests of other devices against the CPU, and for speed
+  // measurements at a real model's shapes where its file cannot go. Throws tqkv::Error for a
+  // shape FromGguf would refuse.
+  static LlamaModel RandomInit(const LlamaConfig& config, uint64_t seed);
+  // SmolLM2-135M's shape (issue 36's model), for RandomInit.
+  static LlamaConfig SmolLm2Config();
+
   const LlamaConfig& config() const { return c_; }
 
   // Every per-token function works on n tokens at once (rows of x [n, hidden]), so that each weight
@@ -57,10 +65,18 @@ class LlamaModel {
   // logits [n, vocab] of the final residuals x.
   void Logits(const float* x, int n, float* logits) const;
 
- private:
-  struct Layer {
+  // The weights, fp32 (for another device's copy): linear layers [out, in] row-major.
+  struct LayerWeights {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down;
   };
+  const LayerWeights& layer(int l) const { return layers_.at(static_cast<size_t>(l)); }
+  const std::vector<float>& embedding() const { return embedding_; }  // [vocab, hidden]
+  // [vocab, hidden]: output.weight, or the embedding when tied.
+  const std::vector<float>& output() const { return output_.empty() ? embedding_ : output_; }
+  const std::vector<float>& output_norm() const { return output_norm_; }
+
+ private:
+  using Layer = LayerWeights;
   LlamaConfig c_;
   std::vector<float> embedding_;  // [vocab, hidden]
   std::vector<float> output_;     // [vocab, hidden], empty when tied to the embedding

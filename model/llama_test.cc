@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -31,6 +32,12 @@ TEST(LlamaTest, MatchesLlamaCpp) {
   const Tokenizer tokenizer = Tokenizer::FromGguf(f);
   EXPECT_EQ(model.config().num_layers, 30);
   EXPECT_EQ(model.config().head_dim, 64);
+  // The shape the GPU benchmark builds with random weights is this file's.
+  const LlamaConfig c = model.config(), s = LlamaModel::SmolLm2Config();
+  EXPECT_EQ(std::tie(c.num_layers, c.hidden, c.ffn, c.num_heads, c.num_kv_heads, c.head_dim,
+                     c.vocab, c.context, c.rms_eps, c.rope_base),
+            std::tie(s.num_layers, s.hidden, s.ffn, s.num_heads, s.num_kv_heads, s.head_dim,
+                     s.vocab, s.context, s.rms_eps, s.rope_base));
   std::ifstream in("model/testdata/smollm2_llama_cpp_logits.json");
   ASSERT_TRUE(in);
   const nlohmann::json ref = nlohmann::json::parse(in);
@@ -73,6 +80,34 @@ TEST(LlamaTest, MatchesLlamaCpp) {
       positions, near_ties, mean_diff, max_diff);
   EXPECT_LT(mean_diff, 0.5);
   EXPECT_LT(max_diff, 2.0);
+}
+
+// Random weights of a given shape: deterministic by seed, shaped as FromGguf's, refused for
+// shapes FromGguf refuses; the CPU forward pass runs on them.
+TEST(LlamaTest, RandomInit) {
+  LlamaConfig c;
+  c.num_layers = 2;
+  c.hidden = 128;
+  c.ffn = 256;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 32;
+  c.vocab = 300;
+  const LlamaModel a = LlamaModel::RandomInit(c, 5), b = LlamaModel::RandomInit(c, 5);
+  EXPECT_EQ(a.layer(1).wk, b.layer(1).wk);
+  EXPECT_NE(a.layer(1).wk, LlamaModel::RandomInit(c, 6).layer(1).wk);
+  EXPECT_EQ(a.layer(0).wk.size(), 128u * 64);
+  EXPECT_EQ(a.layer(0).down.size(), 256u * 128);
+  EXPECT_EQ(a.output().size(), 300u * 128);  // tied
+  const std::vector<float> logits = ReferenceForward(a, std::vector<int32_t>{1, 2, 3});
+  ASSERT_EQ(logits.size(), 3u * 300);
+  for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+  LlamaConfig bad = c;
+  bad.num_kv_heads = 3;
+  EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
+  bad = c;
+  bad.head_dim = 31;
+  EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// `tqkv generate`: a GGUF Llama model serving prompts on the CPU with tqkv's KV cache. The prompts
+// `tqkv generate`: a GGUF Llama model serving prompts with tqkv's KV cache (CPU or CUDA). The prompts
 // arrive over time (--arrive-every), and a continuous-batching server (model/server.h) runs them
 // together: chunked prefill through the block manager, prefix caching of a shared system prompt,
 // one token per sequence and decode step, preemption when the block pool runs short. Every
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "model/cuda_engine.h"
 #include "model/engine.h"
 #include "model/gguf.h"
 #include "model/llama.h"
@@ -40,6 +41,7 @@ struct GenerateFlags {
   int max_running = 16;
   int arrive_every = 2;
   int32_t num_blocks = 0;
+  std::string device = "cpu";
 };
 
 void RunGenerate(const GenerateFlags& flags) {
@@ -67,15 +69,22 @@ void RunGenerate(const GenerateFlags& flags) {
     requests.push_back(std::move(r));
   }
   // Default pool: every request at once without sharing (no preemption).
-  model::CpuEngine engine(llama, {flags.preset, flags.boundary_layers, 16,
-                                  flags.num_blocks > 0 ? flags.num_blocks : blocks});
-  model::Server server(engine, {flags.max_running, flags.step_tokens});
+  const model::KvPolicy policy{flags.preset, flags.boundary_layers, 16,
+                               flags.num_blocks > 0 ? flags.num_blocks : blocks};
+  std::unique_ptr<model::Engine> engine;
+  if (flags.device == "cuda") {
+    engine = std::make_unique<model::CudaEngine>(llama, policy);
+  } else {
+    engine = std::make_unique<model::CpuEngine>(llama, policy);
+  }
+  model::Server server(*engine, {flags.max_running, flags.step_tokens});
   const model::LlamaConfig& c = llama.config();
-  fmt::print("{}: {} layers on the CPU, KV cache {}{}: {} bytes per token (bf16: {}), {} blocks of 16\n",
-             std::filesystem::path(path).filename().string(), c.num_layers, flags.preset,
+  fmt::print("{}: {} layers on {}, KV cache {}{}: {} bytes per token (bf16: {}), {} blocks of 16\n",
+             std::filesystem::path(path).filename().string(), c.num_layers,
+             flags.device == "cuda" ? "CUDA" : "the CPU", flags.preset,
              flags.boundary_layers > 0 ? fmt::format(" + bf16 x{}", flags.boundary_layers) : "",
-             engine.kv_bytes_per_token(), c.num_layers * c.num_kv_heads * 4 * c.head_dim,
-             engine.manager().Stats().num_blocks);
+             engine->kv_bytes_per_token(), c.num_layers * c.num_kv_heads * 4 * c.head_dim,
+             engine->manager().Stats().num_blocks);
 
   const auto t0 = std::chrono::steady_clock::now();
   size_t next = 0;
@@ -116,7 +125,7 @@ void AddGenerateCommand(CLI::App& app) {
   auto flags = std::make_shared<GenerateFlags>();
   CLI::App* cmd = app.add_subcommand(
       "generate",
-      "Serve prompts with a GGUF Llama model on the CPU, its KV cache in tqkv: continuous "
+      "Serve prompts with a GGUF Llama model on the CPU or CUDA, its KV cache in tqkv: continuous "
       "batching, chunked prefill, prefix caching, preemption");
   cmd->add_option("--model", flags->model,
                   "GGUF file (tools/setup.sh fetches SmolLM2-135M-Instruct)")
@@ -149,6 +158,9 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--num-blocks", flags->num_blocks,
                   "KV blocks of 16 tokens (0: room for every request at once)")
       ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--device", flags->device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->callback([flags] { RunGenerate(*flags); });
 }

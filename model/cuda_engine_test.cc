@@ -1,0 +1,163 @@
+// CudaEngine against CpuEngine (GPU-tagged; skipped without a device): a random-weight Llama of
+// SmolLM2's head layout (head_dim 64, GQA 3), driven step by step through both engines with the
+// same schedule (prefill chunks of two sequences, a prefix hit, decode rows, a mixed step), must
+// give the same logits up to the CUDA engine's bf16 weights, for a bf16 cache, TurboQuant caches
+// and a per-layer mix; and a Server runs on it with preemption.
+#include "model/cuda_engine.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "model/engine.h"
+#include "model/llama.h"
+#include "model/server.h"
+#include "runtime/error.h"
+#include "tests/gpu_test_util.h"
+
+namespace tqkv::model {
+namespace {
+
+LlamaConfig SmallConfig() {
+  LlamaConfig c;
+  c.num_layers = 4;
+  c.hidden = 384;  // 6 heads of 64
+  c.ffn = 1024;
+  c.num_heads = 6;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab = 1000;
+  c.context = 4096;
+  c.rope_base = 10000.0f;
+  return c;
+}
+
+std::vector<int32_t> Tokens(int n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 1000);
+  return t;
+}
+
+struct Diff {
+  double rel_rms = 0;   // ‖a − b‖ / ‖b‖ over every logit compared
+  double agree = 0;     // argmax agreement
+  int64_t rows = 0;
+  bool argmax_consistent = true;  // the CUDA argmax output is its logits' argmax
+};
+
+// Drives both engines through the same steps (tokens from three sequences' lists; a sequence
+// is added at its first step) and compares the logits of every row.
+Diff RunBoth(const LlamaModel& model, const KvPolicy& policy) {
+  CpuEngine cpu(model, policy);
+  CudaEngine gpu(model, policy);
+  Engine* engines[2] = {&cpu, &gpu};
+  const int vocab = model.config().vocab;
+  const std::vector<int32_t> a = Tokens(70, 1), b = Tokens(50, 2);
+  std::vector<int32_t> c(a.begin(), a.begin() + 64);  // a's first 4 blocks: a prefix hit
+  for (int32_t t : Tokens(20, 3)) c.push_back(t);
+  const std::vector<int32_t>* lists[3] = {&a, &b, &c};
+  std::map<int, SeqId> seqs[2];
+  int64_t done[3] = {};
+  double err = 0, norm = 0;
+  Diff d;
+  int64_t agree = 0;
+  auto run = [&](const std::vector<std::pair<int, int>>& plan) {
+    std::vector<int32_t> tokens;
+    std::vector<StepRequest> requests[2];
+    for (auto [s, n] : plan) {
+      if (!seqs[0].contains(s)) {
+        for (int e = 0; e < 2; ++e) seqs[e][s] = engines[e]->manager().AddSequence(*lists[s]);
+        done[s] = cpu.manager().Lookup(seqs[0][s]).num_tokens;
+        EXPECT_EQ(gpu.manager().Lookup(seqs[1][s]).num_tokens, done[s]);
+      }
+      for (int e = 0; e < 2; ++e) requests[e].push_back({seqs[e][s], n, 0});
+      tokens.insert(tokens.end(), lists[s]->begin() + done[s], lists[s]->begin() + done[s] + n);
+      done[s] += n;
+    }
+    std::vector<int32_t> rows(tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    std::vector<float> logits[2];
+    std::vector<int32_t> argmax[2];
+    for (int e = 0; e < 2; ++e) {
+      EXPECT_TRUE(engines[e]->Schedule(requests[e]).admitted);
+      logits[e].assign(rows.size() * vocab, 0.0f);
+      argmax[e].assign(rows.size(), -1);
+      engines[e]->Compute(tokens, rows, logits[e].data(), argmax[e].data());
+      for (const StepRequest& r : requests[e]) engines[e]->manager().Commit(r.seq, {});
+    }
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const float* x = logits[1].data() + r * vocab;
+      const float* y = logits[0].data() + r * vocab;
+      for (int i = 0; i < vocab; ++i) {
+        err += (double{x[i]} - y[i]) * (double{x[i]} - y[i]);
+        norm += double{y[i]} * y[i];
+      }
+      agree += argmax[1][r] == argmax[0][r];
+      d.argmax_consistent &=
+          argmax[1][r] == static_cast<int32_t>(std::max_element(x, x + vocab) - x);
+      ++d.rows;
+    }
+  };
+  run({{0, 40}, {1, 25}});  // prefill chunks of two sequences
+  run({{0, 29}, {1, 19}});  // the rest of a but its last token; more of b
+  run({{0, 1}, {1, 1}});    // one row each (the decode kernels)
+  for (int e = 0; e < 2; ++e) engines[e]->manager().Free(seqs[e][0]);  // a's blocks stay cached
+  run({{2, 19}, {1, 1}});  // c after its prefix hit beside b's one row: a mixed step
+  EXPECT_EQ(done[2] - 19, 64);
+  EXPECT_EQ(cpu.manager().FindInvariantViolation(), "");
+  EXPECT_EQ(gpu.manager().FindInvariantViolation(), "");
+  d.rel_rms = std::sqrt(err / norm);
+  d.agree = static_cast<double>(agree) / static_cast<double>(d.rows);
+  return d;
+}
+
+TEST(CudaEngineTest, MatchesTheCpuEngine) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 7);
+  for (const KvPolicy& policy :
+       {KvPolicy{"bf16", 0, 16, 64}, KvPolicy{"turboquant_4bit_nc", 0, 16, 64},
+        KvPolicy{"turboquant_k8v4", 1, 16, 64}, KvPolicy{"turboquant_3bit_nc", 0, 16, 64}}) {
+    SCOPED_TRACE(policy.preset + " boundary " + std::to_string(policy.boundary_layers));
+    const Diff d = RunBoth(model, policy);
+    EXPECT_EQ(d.rows, 65 + 48 + 2 + 20);
+    // bf16 weights (relative rounding 2^-9) through 4 layers: a few 1e-3 of the logits.
+    EXPECT_LT(d.rel_rms, 2e-2);
+    EXPECT_GE(d.agree, 0.9);
+    EXPECT_TRUE(d.argmax_consistent);
+  }
+}
+
+// The serving loop on the CUDA engine: several requests with a pool small enough to preempt,
+// every request finishing with its tokens in the vocabulary.
+TEST(CudaEngineTest, ServesWithPreemption) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 9);
+  CudaEngine engine(model, {"turboquant_4bit_nc", 0, 16, 12});
+  Server server(engine, {8, 48});
+  for (int i = 0; i < 6; ++i) {
+    Request r;
+    r.prompt = Tokens(40 + 7 * i, 100 + i);
+    r.max_new_tokens = 12;
+    r.sampling = {i % 2 == 0 ? 0.0f : 0.7f, static_cast<uint64_t>(i)};
+    server.Submit(std::move(r));
+  }
+  server.RunToCompletion();
+  EXPECT_GT(server.stats().preemptions, 0);
+  for (int i = 0; i < 6; ++i) {
+    const Completion& c = server.completion(i);
+    EXPECT_TRUE(c.finished);
+    EXPECT_EQ(c.error, "");
+    ASSERT_EQ(c.tokens.size(), 12u);
+    for (int32_t t : c.tokens) EXPECT_TRUE(t >= 0 && t < 1000);
+  }
+  EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+}
+
+}  // namespace
+}  // namespace tqkv::model
