@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -26,17 +29,31 @@ namespace tqkv::model {
 #if TQKV_HAVE_CUDA
 namespace {
 
+// Grows a buffer (to at least twice its size); true when it moved.
 template <typename T>
-void Ensure(DeviceBuffer<T>& b, int64_t n) {
-  if (b.size() < n) b = DeviceBuffer<T>(std::max<int64_t>(n, 2 * b.size()));
+bool Ensure(DeviceBuffer<T>& b, int64_t n) {
+  if (b.size() >= n) return false;
+  b = DeviceBuffer<T>(std::max<int64_t>(n, 2 * b.size()));
+  return true;
 }
 template <typename T>
 void Ensure(PinnedHostBuffer<T>& b, int64_t n) {
   if (b.size() < n) b = PinnedHostBuffer<T>(std::max<int64_t>(n, 2 * b.size()));
 }
-void Ensure(DeviceAllocation& a, int64_t bytes) {
-  if (a.size_bytes() < bytes) a = DeviceAllocation(std::max<int64_t>(bytes, 2 * a.size_bytes()));
+bool Ensure(DeviceAllocation& a, int64_t bytes) {
+  if (a.size_bytes() >= bytes) return false;
+  a = DeviceAllocation(std::max<int64_t>(bytes, 2 * a.size_bytes()));
+  return true;
 }
+
+struct GraphExecDeleter {
+  void operator()(CUgraphExec_st* exec) const { (void)cudaGraphExecDestroy(exec); }
+};
+using GraphExec = std::unique_ptr<CUgraphExec_st, GraphExecDeleter>;
+
+// cuBLAS's recommended workspace on Hopper, set on the handle so that it never allocates while a
+// graph is captured.
+constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
 
 // fp32 rows [out, in] of several matrices, stacked along out, as bf16 on the device.
 DeviceBuffer<uint16_t> UploadBf16(std::initializer_list<const std::vector<float>*> parts) {
@@ -80,7 +97,10 @@ struct CudaEngine::Device {
   DeviceBuffer<float> x, qkv, q, k, v, lse, gate_up, logits;
   DeviceBuffer<uint16_t> h, attn, act, last;
   DeviceBuffer<int32_t> argmax;
-  DeviceAllocation store_ws, attention_ws;
+  DeviceAllocation store_ws, attention_ws, cublas_ws;
+  // Decode-step graphs by (rows, block-table width); cleared when a buffer they use moves.
+  std::map<std::pair<int, int>, GraphExec> graphs;
+  int64_t graphs_captured = 0;
 
   // y[n, out] (fp32) = x[n, in] (bf16) · w[out, in]ᵀ (bf16), plus y when accumulate.
   void Gemm(const uint16_t* w, const uint16_t* xin, int n, int in, int out, float* y,
@@ -92,11 +112,19 @@ struct CudaEngine::Device {
   }
 };
 
-CudaEngine::CudaEngine(const LlamaModel& model, KvPolicy policy)
-    : Engine(model, std::move(policy), CacheDevice::kCuda), dev_(std::make_unique<Device>()) {
+CudaEngine::CudaEngine(const LlamaModel& model, KvPolicy policy, CudaEngineOptions options)
+    : Engine(model, std::move(policy), CacheDevice::kCuda),
+      options_(options),
+      dev_(std::make_unique<Device>()) {
+  if (options_.width_multiple < 1) {
+    throw InvalidArgument("CudaEngine", "options.width_multiple", options_.width_multiple, ">= 1");
+  }
+  width_multiple_ = options_.width_multiple;
   Device& d = *dev_;
   copy_stream_ = d.stream.get();
-  d.blas.SetStream(d.stream.get());
+  d.blas.SetStream(d.stream.get());  // (resets the workspace: set it after)
+  d.cublas_ws = DeviceAllocation(kCublasWorkspaceBytes);
+  TQKV_CUBLAS_CHECK(cublasSetWorkspace(d.blas.get(), d.cublas_ws.data(), kCublasWorkspaceBytes));
   const LlamaConfig& c = model_.config();
   for (int l = 0; l < c.num_layers; ++l) {
     const LlamaModel::LayerWeights& w = model_.layer(l);
@@ -129,6 +157,8 @@ CudaEngine::~CudaEngine() = default;
 
 int64_t CudaEngine::weight_bytes() const { return dev_->weight_bytes; }
 
+int64_t CudaEngine::graphs_captured() const { return dev_->graphs_captured; }
+
 void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                          float* logits, int32_t* argmax) {
   CheckStep("CudaEngine::Compute", tokens, logit_rows);
@@ -138,35 +168,34 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   const int n = static_cast<int>(tokens.size());
   const int rows = static_cast<int>(logit_rows.size());
   const int hid = c.hidden, hq = c.num_heads, hk = c.num_kv_heads, hd = c.head_dim;
-  const int qkv_out = (hq + 2 * hk) * hd;
 
-  Ensure(d.x, int64_t{n} * hid);
-  Ensure(d.h, int64_t{n} * std::max(hid, c.ffn));
-  Ensure(d.qkv, int64_t{n} * qkv_out);
-  Ensure(d.q, int64_t{n} * hq * hd);
-  Ensure(d.k, int64_t{n} * hk * hd);
-  Ensure(d.v, int64_t{n} * hk * hd);
-  Ensure(d.attn, int64_t{n} * hq * hd);
-  Ensure(d.lse, int64_t{n} * hq);
-  Ensure(d.gate_up, int64_t{n} * 2 * c.ffn);
-  Ensure(d.act, int64_t{n} * c.ffn);
-  Ensure(d.last, int64_t{std::max(rows, 1)} * hid);
-  Ensure(d.logits, int64_t{std::max(rows, 1)} * c.vocab);
-  Ensure(d.argmax, std::max(rows, 1));
+  bool moved = false;  // a buffer a captured graph uses was reallocated
+  moved |= Ensure(d.x, int64_t{n} * hid);
+  moved |= Ensure(d.h, int64_t{n} * std::max(hid, c.ffn));
+  moved |= Ensure(d.qkv, int64_t{n} * (hq + 2 * hk) * hd);
+  moved |= Ensure(d.q, int64_t{n} * hq * hd);
+  moved |= Ensure(d.k, int64_t{n} * hk * hd);
+  moved |= Ensure(d.v, int64_t{n} * hk * hd);
+  moved |= Ensure(d.attn, int64_t{n} * hq * hd);
+  moved |= Ensure(d.lse, int64_t{n} * hq);
+  moved |= Ensure(d.gate_up, int64_t{n} * 2 * c.ffn);
+  moved |= Ensure(d.act, int64_t{n} * c.ffn);
+  moved |= Ensure(d.last, int64_t{std::max(rows, 1)} * hid);
+  moved |= Ensure(d.logits, int64_t{std::max(rows, 1)} * c.vocab);
+  moved |= Ensure(d.argmax, std::max(rows, 1));
+  moved |= Ensure(d.ints, 2 * int64_t{n} + rows);
   Ensure(d.host_argmax, std::max(rows, 1));
+  Ensure(d.host_ints, 2 * int64_t{n} + rows);
 
   // One upload of the step's tokens, positions and logit rows, one of the batch.
-  Ensure(d.host_ints, 2 * int64_t{n} + rows);
-  Ensure(d.ints, 2 * int64_t{n} + rows);
   std::copy(tokens.begin(), tokens.end(), d.host_ints.data());
   std::copy(positions_.begin(), positions_.end(), d.host_ints.data() + n);
   std::copy(logit_rows.begin(), logit_rows.end(), d.host_ints.data() + 2 * n);
   d.ints.CopyFromHost(std::span<const int32_t>(d.host_ints.data(), 2 * static_cast<size_t>(n) + rows),
                       0, stream);
-  const int32_t* tokens_d = d.ints.data();
-  const int32_t* positions_d = d.ints.data() + n;
-  const int32_t* rows_d = d.ints.data() + 2 * n;
+  const void* batch_before = d.batch.data();
   const StepBatchView view = UploadStepBatch(batch_, d.batch, stream);
+  moved |= d.batch.data() != batch_before;
 
   // Attention plans (host only) and their workspace.
   int max_q_len = 0;
@@ -174,7 +203,7 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
     max_q_len = std::max(max_q_len, batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i]);
   }
   std::optional<AttentionPlan> plan, plan_bf16;
-  int64_t attention_bytes = 0;
+  int64_t attention_bytes = 256;
   if (d.attention) {
     plan = d.attention->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(), max_q_len);
     attention_bytes = std::max(attention_bytes, plan->workspace_bytes);
@@ -184,15 +213,71 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
         d.attention_bf16->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(), max_q_len);
     attention_bytes = std::max(attention_bytes, plan_bf16->workspace_bytes);
   }
-  Ensure(d.attention_ws, std::max<int64_t>(attention_bytes, 256));
-  if (d.store) Ensure(d.store_ws, d.store->WorkspaceBytes(n));
+  moved |= Ensure(d.attention_ws, attention_bytes);
+  if (d.store) moved |= Ensure(d.store_ws, d.store->WorkspaceBytes(n));
+  if (moved) d.graphs.clear();
 
+  const AttentionPlan* p = plan ? &*plan : nullptr;
+  const AttentionPlan* pb = plan_bf16 ? &*plan_bf16 : nullptr;
+  // A decode step: every sequence one row, every row sampled. Its kernels depend only on the
+  // row count and the block-table width (the data they read is uploaded above).
+  const bool decode = max_q_len == 1 && n == batch_.num_requests() && rows == n;
+  if (decode && options_.decode_graphs) {
+    const std::pair<int, int> key(n, batch_.block_table_width());
+    auto it = d.graphs.find(key);
+    if (it == d.graphs.end()) {
+      if (d.graphs.size() >= 64) d.graphs.clear();
+      cudaGraph_t graph = nullptr;
+      TQKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      try {
+        Enqueue(n, rows, view, p, pb);
+      } catch (...) {
+        (void)cudaStreamEndCapture(stream, &graph);
+        if (graph != nullptr) (void)cudaGraphDestroy(graph);
+        throw;
+      }
+      TQKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      (void)cudaGraphDestroy(graph);
+      TQKV_CUDA_CHECK(instantiated);
+      it = d.graphs.emplace(key, GraphExec(exec)).first;
+      ++d.graphs_captured;
+    }
+    TQKV_CUDA_CHECK(cudaGraphLaunch(it->second.get(), stream));
+  } else {
+    Enqueue(n, rows, view, p, pb);
+  }
+
+  if (rows > 0 && argmax != nullptr) {
+    d.argmax.CopyToHost(std::span<int32_t>(d.host_argmax.data(), static_cast<size_t>(rows)), 0,
+                        stream);
+  }
+  if (rows > 0 && logits != nullptr) {
+    Ensure(d.host_logits, int64_t{rows} * c.vocab);
+    d.logits.CopyToHost(std::span<float>(d.host_logits.data(), static_cast<size_t>(rows) * c.vocab),
+                        0, stream);
+  }
+  d.stream.Synchronize();  // the step's one synchronization
+  if (argmax != nullptr) std::copy_n(d.host_argmax.data(), rows, argmax);
+  if (logits != nullptr) std::copy_n(d.host_logits.data(), int64_t{rows} * c.vocab, logits);
+}
+
+void CudaEngine::Enqueue(int n, int rows, const StepBatchView& view, const AttentionPlan* plan,
+                         const AttentionPlan* plan_bf16) {
+  Device& d = *dev_;
+  const LlamaConfig& c = model_.config();
+  const StreamHandle stream = d.stream.get();
+  const int hid = c.hidden, hq = c.num_heads, hk = c.num_kv_heads, hd = c.head_dim;
+  const int32_t* tokens_d = d.ints.data();
+  const int32_t* positions_d = d.ints.data() + n;
+  const int32_t* rows_d = d.ints.data() + 2 * n;
   TQKV_CHECK(cuda::LaunchEmbed(d.embedding.data(), tokens_d, n, hid, d.x.data(), stream));
   for (int l = 0; l < c.num_layers; ++l) {
     Device::Layer& w = d.layers[l];
     TQKV_CHECK(cuda::LaunchRmsNorm(d.x.data(), nullptr, n, hid, w.attn_norm.data(), c.rms_eps,
                                    d.h.data(), stream));
-    d.Gemm(w.qkv.data(), d.h.data(), n, hid, qkv_out, d.qkv.data(), false);
+    d.Gemm(w.qkv.data(), d.h.data(), n, hid, (hq + 2 * hk) * hd, d.qkv.data(), false);
     TQKV_CHECK(cuda::LaunchRopeSplit(d.qkv.data(), positions_d, n, hq, hk, hd, c.rope_base,
                                      d.q.data(), d.k.data(), d.v.data(), stream));
     KVCache& cache = LayerCache(l);
@@ -215,7 +300,7 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
     AttentionArgs a;
     a.query = d.q.data();
     a.query_dtype = DType::kF32;
-    a.num_seqs = batch_.num_requests();
+    a.num_seqs = view.num_requests;
     a.num_tokens = n;
     a.num_q_heads = hq;
     a.query_start_loc = view.query_start_loc;
@@ -245,34 +330,27 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
                                    d.last.data(), stream));
     d.Gemm(d.output.data(), d.last.data(), rows, hid, c.vocab, d.logits.data(), false);
     TQKV_CHECK(cuda::LaunchArgmax(d.logits.data(), rows, c.vocab, d.argmax.data(), stream));
-    TQKV_CHECK_LAUNCH("CudaEngine::Compute");
-    if (argmax != nullptr) {
-      d.argmax.CopyToHost(std::span<int32_t>(d.host_argmax.data(), static_cast<size_t>(rows)), 0,
-                          stream);
-    }
-    if (logits != nullptr) {
-      Ensure(d.host_logits, int64_t{rows} * c.vocab);
-      d.logits.CopyToHost(
-          std::span<float>(d.host_logits.data(), static_cast<size_t>(rows) * c.vocab), 0, stream);
-    }
   }
-  d.stream.Synchronize();  // the step's one synchronization
-  if (argmax != nullptr) std::copy_n(d.host_argmax.data(), rows, argmax);
-  if (logits != nullptr) std::copy_n(d.host_logits.data(), int64_t{rows} * c.vocab, logits);
+  TQKV_CHECK_LAUNCH("CudaEngine::Compute");
 }
 
 #else
 
 struct CudaEngine::Device {};
 
-CudaEngine::CudaEngine(const LlamaModel& model, KvPolicy policy)
-    : Engine(model, std::move(policy), CacheDevice::kCpu) {
+CudaEngine::CudaEngine(const LlamaModel& model, KvPolicy policy, CudaEngineOptions options)
+    : Engine(model, std::move(policy), CacheDevice::kCpu), options_(options) {
   throw Error("CudaEngine: this build has no CUDA support");
 }
 
 CudaEngine::~CudaEngine() = default;
 
 int64_t CudaEngine::weight_bytes() const { return 0; }
+
+int64_t CudaEngine::graphs_captured() const { return 0; }
+
+void CudaEngine::Enqueue(int, int, const StepBatchView&, const AttentionPlan*,
+                         const AttentionPlan*) {}
 
 void CudaEngine::Compute(std::span<const int32_t>, std::span<const int32_t>, float*, int32_t*) {
   throw Error("CudaEngine: this build has no CUDA support");

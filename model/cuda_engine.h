@@ -7,8 +7,13 @@
 // chunk kernel for prefill chunks), the output projection added to the fp32 residual, and the
 // SwiGLU feed-forward; then the logits of the rows asked for, and one synchronization.
 //
+// A decode step (one row per sequence, each sampling) is captured once per shape (batch size,
+// block-table width: Schedule pads the width to a multiple of 32 blocks) into a CUDA graph and
+// replayed: the ~10 launches per layer cost more than a small model's kernels.
+//
 // The weights are the model's fp32 weights rounded to bf16 on the device (the CPU engine uses
-// them in fp32), so logits differ from CpuEngine's by bf16 weight rounding.
+// them in fp32), and the GEMMs read bf16 activations, so logits differ from CpuEngine's by that
+// rounding, and a compressed cache's indices can flip where a key lies near a midpoint.
 #pragma once
 
 #include <memory>
@@ -16,12 +21,21 @@
 
 #include "model/engine.h"
 
+namespace tqkv {
+struct AttentionPlan;
+}
+
 namespace tqkv::model {
+
+struct CudaEngineOptions {
+  bool decode_graphs = true;  // replay decode steps from CUDA graphs
+  int32_t width_multiple = 32;  // block-table width padding (blocks), 1 for none
+};
 
 class CudaEngine : public Engine {
  public:
   // Uploads the weights (synchronously). Throws tqkv::Error without a CUDA build or device.
-  CudaEngine(const LlamaModel& model, KvPolicy policy);
+  CudaEngine(const LlamaModel& model, KvPolicy policy, CudaEngineOptions options = {});
   ~CudaEngine() override;
 
   void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
@@ -29,9 +43,15 @@ class CudaEngine : public Engine {
 
   // Device memory the weights take (bytes).
   int64_t weight_bytes() const;
+  // Decode-step graphs captured so far.
+  int64_t graphs_captured() const;
 
  private:
   struct Device;
+  // The step's kernels, from the embedding to the argmax, on the engine's stream.
+  void Enqueue(int n, int rows, const StepBatchView& view, const AttentionPlan* plan,
+               const AttentionPlan* plan_bf16);
+  CudaEngineOptions options_;
   std::unique_ptr<Device> dev_;
 };
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 #include <vector>
@@ -120,17 +121,74 @@ Diff RunBoth(const LlamaModel& model, const KvPolicy& policy) {
 TEST(CudaEngineTest, MatchesTheCpuEngine) {
   TQKV_SKIP_WITHOUT_GPU();
   const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 7);
-  for (const KvPolicy& policy :
-       {KvPolicy{"bf16", 0, 16, 64}, KvPolicy{"turboquant_4bit_nc", 0, 16, 64},
-        KvPolicy{"turboquant_k8v4", 1, 16, 64}, KvPolicy{"turboquant_3bit_nc", 0, 16, 64}}) {
-    SCOPED_TRACE(policy.preset + " boundary " + std::to_string(policy.boundary_layers));
-    const Diff d = RunBoth(model, policy);
+  // Bounds on the logits' relative RMS difference: a bf16 cache sees only the CUDA engine's
+  // bf16 weights and GEMM inputs; a compressed cache also flips an index wherever the two
+  // engines' keys straddle a midpoint, more often the coarser the codebook (measured on the
+  // H200: k8v4 with bf16 boundary layers 0.021, 4bit_nc 0.044, 3bit_nc 0.070).
+  struct Case {
+    KvPolicy policy;
+    double bound;
+  };
+  for (const Case& c : {Case{{"bf16", 0, 16, 64}, 0.02}, Case{{"turboquant_k8v4", 1, 16, 64}, 0.04},
+                        Case{{"turboquant_4bit_nc", 0, 16, 64}, 0.08},
+                        Case{{"turboquant_3bit_nc", 0, 16, 64}, 0.12}}) {
+    SCOPED_TRACE(c.policy.preset + " boundary " + std::to_string(c.policy.boundary_layers));
+    const Diff d = RunBoth(model, c.policy);
+    std::printf("%s boundary %d: logits relative RMS difference %.4f, top-1 agreement %.3f\n",
+                c.policy.preset.c_str(), c.policy.boundary_layers, d.rel_rms, d.agree);
     EXPECT_EQ(d.rows, 65 + 48 + 2 + 20);
-    // bf16 weights (relative rounding 2^-9) through 4 layers: a few 1e-3 of the logits.
-    EXPECT_LT(d.rel_rms, 2e-2);
+    EXPECT_LT(d.rel_rms, c.bound);
     EXPECT_GE(d.agree, 0.9);
     EXPECT_TRUE(d.argmax_consistent);
   }
+}
+
+// Decode steps replayed from CUDA graphs give what the same steps give launched one by one, and
+// a growing context keeps one graph per padded block-table width.
+TEST(CudaEngineTest, DecodeGraphsMatchLaunches) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 11);
+  CudaEngine graphs(model, {"turboquant_4bit_nc", 0, 16, 64});
+  CudaEngine launches(model, {"turboquant_4bit_nc", 0, 16, 64}, {false, 32});
+  Engine* engines[2] = {&graphs, &launches};
+  const int vocab = model.config().vocab;
+  std::vector<std::vector<int32_t>> prompts = {Tokens(30, 21), Tokens(9, 22), Tokens(50, 23)};
+  std::vector<float> logits[2];
+  std::vector<SeqId> seqs[2];
+  for (int e = 0; e < 2; ++e) {
+    std::vector<StepRequest> req;
+    std::vector<int32_t> tokens, rows;
+    for (const auto& p : prompts) {
+      seqs[e].push_back(engines[e]->manager().AddSequence(p));
+      req.push_back({seqs[e].back(), static_cast<int32_t>(p.size()), 0});
+      tokens.insert(tokens.end(), p.begin(), p.end());
+      rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
+    }
+    ASSERT_TRUE(engines[e]->Schedule(req).admitted);
+    std::vector<int32_t> next(3);
+    engines[e]->Compute(tokens, rows, nullptr, next.data());
+    // 24 decode steps: the shortest crosses a block boundary, every one stays in 32 blocks.
+    for (int step = 0; step < 24; ++step) {
+      req.clear();
+      for (int i = 0; i < 3; ++i) {
+        engines[e]->manager().Commit(seqs[e][i], std::span<const int32_t>(&next[i], 1));
+        req.push_back({seqs[e][i], 1, 0});
+      }
+      ASSERT_TRUE(engines[e]->Schedule(req).admitted);
+      std::vector<float> l(3 * static_cast<size_t>(vocab));
+      const std::vector<int32_t> step_tokens = next, all_rows = {0, 1, 2};
+      engines[e]->Compute(step_tokens, all_rows, l.data(), next.data());
+      logits[e].insert(logits[e].end(), l.begin(), l.end());
+    }
+  }
+  EXPECT_EQ(graphs.graphs_captured(), 1);
+  EXPECT_EQ(launches.graphs_captured(), 0);
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < logits[0].size(); ++i) {
+    err += (double{logits[0][i]} - logits[1][i]) * (double{logits[0][i]} - logits[1][i]);
+    norm += double{logits[1][i]} * logits[1][i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-5);
 }
 
 // The serving loop on the CUDA engine: several requests with a pool small enough to preempt,

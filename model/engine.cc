@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <optional>
 
@@ -93,7 +94,22 @@ KVCacheManager& Engine::manager() {
 }
 
 ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
-  const ScheduleResult r = manager().Schedule(requests, batch_);
+  KVCacheManager& m = manager();
+  ScheduleOptions options;
+  if (width_multiple_ > 1) {
+    int64_t longest = 1;
+    for (const StepRequest& r : requests) {
+      if (!m.IsLive(r.seq)) continue;  // Schedule says what is wrong with it
+      const SequenceInfo info = m.GetSequenceInfo(r.seq);
+      const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(r.seq).num_tokens;
+      const int64_t end = start + std::max(r.num_new_tokens, 0) + std::max(r.num_lookahead, 0);
+      longest = std::max({longest, int64_t{info.num_table_entries},
+                          (end + policy_.block_size - 1) / policy_.block_size});
+    }
+    const int64_t width = (longest + width_multiple_ - 1) / width_multiple_ * width_multiple_;
+    options.block_table_width = static_cast<int32_t>(std::min<int64_t>(width, INT32_MAX));
+  }
+  const ScheduleResult r = m.Schedule(requests, batch_, options);
   if (r.admitted) {
     if (compressed_) compressed_->ApplyCopies(batch_.copies(), copy_stream_);
     if (bf16_) bf16_->ApplyCopies(batch_.copies(), copy_stream_);

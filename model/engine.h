@@ -103,6 +103,9 @@ class Engine {
   std::optional<KVCache> compressed_, bf16_;
   std::optional<KVCacheManager> manager_;
   int32_t num_blocks_ = 0;
+  // > 1: Schedule rounds the batch's block-table width up to a multiple of this, so that steps
+  // of a growing context keep one shape (CudaEngine's CUDA graphs).
+  int32_t width_multiple_ = 1;
   StepBatch batch_;
   std::vector<int32_t> positions_;  // the step's rows
 };

@@ -65,10 +65,11 @@ struct Result {
 };
 
 Result Run(const model::LlamaModel& llama, const std::string& preset, int batch, int context,
-           int steps, int step_tokens, double ceiling_gbs) {
+           int steps, int step_tokens, bool graphs, double ceiling_gbs) {
   const int bs = 16;
-  const int32_t blocks = batch * ((context + steps + 8 + bs - 1) / bs + 1) + 2;
-  model::CudaEngine engine(llama, {preset, 0, bs, blocks});
+  const int max_new = steps + 12 + static_cast<int>(int64_t{batch} * context / step_tokens) + 4;
+  const int32_t blocks = batch * ((context + max_new + bs - 1) / bs + 1) + 2;
+  model::CudaEngine engine(llama, {preset, 0, bs, blocks}, {graphs, 32});
   model::Server server(engine, {batch, step_tokens});
   const int vocab = llama.config().vocab;
   for (int b = 0; b < batch; ++b) {
@@ -76,7 +77,8 @@ Result Run(const model::LlamaModel& llama, const std::string& preset, int batch,
     model::Request r;
     r.prompt.resize(static_cast<size_t>(context));
     for (int32_t& t : r.prompt) t = static_cast<int32_t>(rng() % vocab);
-    r.max_new_tokens = steps + 8;
+    // Sequences prefilled early decode while later ones prefill: room for those steps too.
+    r.max_new_tokens = max_new;
     server.Submit(std::move(r));
   }
   auto all_decoding = [&] {
@@ -125,6 +127,7 @@ int Main(int argc, char** argv) {
                                       "turboquant_3bit_nc"};
   std::vector<int> batches = {1, 64};
   int context = 4096, steps = 64, step_tokens = 16384;
+  bool no_graphs = false;
   app.add_option("--model", model_path, "GGUF file (default: SmolLM2-135M's shape, random weights)");
   app.add_option("--presets", presets)->capture_default_str();
   app.add_option("--batches", batches)->capture_default_str();
@@ -132,6 +135,7 @@ int Main(int argc, char** argv) {
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--step-tokens", step_tokens)->capture_default_str();
   app.add_option("--json", json_path);
+  app.add_flag("--no-graphs", no_graphs, "launch decode steps kernel by kernel");
   CLI11_PARSE(app, argc, argv);
   if (CudaDeviceCount() == 0) {
     fmt::print(stderr, "model_bench: no CUDA device\n");
@@ -143,12 +147,14 @@ int Main(int argc, char** argv) {
           : model::LlamaModel::FromGguf(model::GgufFile::Open(model_path));
   const std::string what = model_path.empty() ? "SmolLM2-135M shape, random weights" : model_path;
   const double ceiling = ReadCeilingGbs();
-  fmt::print("model_bench: {} ({} layers), context {}, {} decode steps; read ceiling {:.0f} GB/s\n",
-             what, llama.config().num_layers, context, steps, ceiling);
+  fmt::print(
+      "model_bench: {} ({} layers), context {}, {} decode steps ({}); read ceiling {:.0f} GB/s\n",
+      what, llama.config().num_layers, context, steps,
+      no_graphs ? "kernel by kernel" : "CUDA graphs", ceiling);
   std::vector<Result> results;
   for (int batch : batches) {
     for (const std::string& preset : presets) {
-      results.push_back(Run(llama, preset, batch, context, steps, step_tokens, ceiling));
+      results.push_back(Run(llama, preset, batch, context, steps, step_tokens, !no_graphs, ceiling));
       const Result& r = results.back();
       fmt::print(
           "  {:<20} B={:<3} decode {:9.0f} tok/s {:8.1f} us/step  {:7.1f} MB/step {:6.0f} GB/s "
@@ -162,6 +168,7 @@ int Main(int argc, char** argv) {
   j["model"] = what;
   j["context"] = context;
   j["read_ceiling_gbs"] = ceiling;
+  j["decode_graphs"] = !no_graphs;
   for (const Result& r : results) {
     double bf16 = 0;
     for (const Result& o : results) {
