@@ -6,12 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <numbers>
-#include <optional>
 
 #include "quant/numerics.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
-#include "runtime/stream.h"
 
 #if TQKV_HAVE_CUDA
 #include "attention/attention_launch.h"
@@ -33,16 +31,6 @@ struct CudaAttention::State {
   DeviceBuffer<float> rotation;  // MSE keys: dense Πᵀ [D, D] for the query prep
   uint16_t centroid_hi[16] = {}, centroid_lo[16] = {};
   int sm_count = 0;
-  // A mixed call's decode rows run on `side` beside the chunk kernel (fork and join by events;
-  // graph capture turns them into parallel branches). Created when a device exists.
-  std::optional<Stream> side;
-  std::optional<Event> fork, join;
-  void MakeSideStream() {
-    if (CudaDeviceCount() == 0) return;
-    side.emplace();
-    fork.emplace(false);
-    join.emplace(false);
-  }
 };
 
 namespace {
@@ -108,7 +96,6 @@ CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State
 #endif
   }
   s.sm_count = DeviceSmCount();
-  s.MakeSideStream();
 }
 
 CudaAttention::CudaAttention(const Bf16BlockFormat& format)
@@ -119,7 +106,6 @@ CudaAttention::CudaAttention(const Bf16BlockFormat& format)
   s.shape = {format.head_dim, format.num_kv_heads, format.block_size};
   s.key_kind = format.key_kind();
   s.sm_count = DeviceSmCount();
-  s.MakeSideStream();
 }
 
 CudaAttention::~CudaAttention() = default;
@@ -269,7 +255,6 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
   // after the chunk kernel (the decode kernels have no sliding window).
   const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
-  StreamHandle decode_stream = stream;
   DecodeRowsParams rp;
   if (decode_rows) {
     uint8_t* at = ws + w.query + w.partial_out + w.partial_lse;
@@ -290,14 +275,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     rp.num_seqs = plan.num_seqs;
     rp.num_q_heads = plan.num_q_heads;
     rp.head_dim = d;
-    // The gather also marks the decode rows' partial LSEs for the chunk merge: it stays on
-    // `stream`, before the fork.
     TQKV_CUDA_CHECK(LaunchGatherDecodeRows(rp, stream));
-    if (s.side) {
-      state_->fork->Record(stream);
-      TQKV_CUDA_CHECK(cudaStreamWaitEvent(s.side->get(), s.fork->get(), 0));
-      decode_stream = s.side->get();
-    }
     CudaDecodeArgs da;
     da.query = rp.gathered_query;
     da.query_dtype = DType::kF32;
@@ -310,7 +288,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     da.lse = const_cast<float*>(rp.decode_lse);
     da.workspace = at + w.rows_query + w.rows_lens + w.rows_out + w.rows_lse;
     da.workspace_bytes = w.rows_workspace;
-    s.decoder.Run(plan.decode_plan, da, decode_stream);
+    s.decoder.Run(plan.decode_plan, da, stream);
   }
   ChunkParams p;
   p.skip_single = decode_rows ? 1 : 0;
@@ -378,13 +356,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     mp.max_splits = plan.max_splits;
     TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
   }
-  if (decode_rows) {
-    if (decode_stream != stream) {
-      state_->join->Record(decode_stream);
-      TQKV_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join->get(), 0));
-    }
-    TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
-  }
+  if (decode_rows) TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
 #else
   (void)s;
   (void)stream;

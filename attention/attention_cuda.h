@@ -11,9 +11,7 @@
 // one-token sequences of a mixed call (decode rows beside prefill chunks). Everything else runs
 // the chunk kernel (attention/attention_kernel.cuh: 16 to 64 query rows — new tokens × GQA heads
 // — per CTA against KV tiles dequantized in shared memory), split over the context where the grid
-// would not fill the device, then a log-sum-exp merge of the splits. In a mixed call the decode
-// rows run on a second stream the object owns, forked from the caller's stream and joined back
-// into it, beside the chunk kernel; so one host thread at a time may Run a CudaAttention. The workspace does not grow
+// would not fill the device, then a log-sum-exp merge of the splits. The workspace does not grow
 // with the context: q·Πᵀ for MSE keys and, with splits, the partial outputs of the step's rows.
 #pragma once
 
