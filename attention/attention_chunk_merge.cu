@@ -59,6 +59,18 @@ __global__ void GatherDecodeRowsKernel(const DecodeRowsParams p) {
   }
 }
 
+// One CTA per sequence: each of its rows' length and block-table row.
+__global__ void VerifyRowsKernel(const VerifyRowsParams p) {
+  const int b = blockIdx.x;
+  const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
+  const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
+  for (int t = q0; t < q1; ++t) {
+    if (threadIdx.x == 0) p.row_lens[t] = p.seq_lens[b] - q1 + t + 1;
+    int32_t* row = p.row_tables + int64_t{t} * p.max_blocks_per_seq;
+    for (int i = threadIdx.x; i < p.max_blocks_per_seq; i += blockDim.x) row[i] = table[i];
+  }
+}
+
 __global__ void ScatterDecodeRowsKernel(const DecodeRowsParams p) {
   const int b = blockIdx.x;
   const int q0 = p.query_start_loc[b];
@@ -74,6 +86,11 @@ __global__ void ScatterDecodeRowsKernel(const DecodeRowsParams p) {
 }
 
 }  // namespace
+
+cudaError_t LaunchVerifyRows(const VerifyRowsParams& p, cudaStream_t stream) {
+  VerifyRowsKernel<<<static_cast<unsigned>(p.num_seqs), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchGatherDecodeRows(const DecodeRowsParams& p, cudaStream_t stream) {
   GatherDecodeRowsKernel<<<static_cast<unsigned>(p.num_seqs), 256, 0, stream>>>(p);

@@ -75,6 +75,19 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
   return s;
 }
 
+// A verify call's sections: the rows' block tables and lengths, then the decode's workspace.
+struct VerifySections {
+  int64_t tables = 0, lens = 0, decode = 0;
+  int64_t Total() const { return tables + lens + decode; }
+};
+VerifySections VerifyLayout(const AttentionPlan& plan) {
+  VerifySections v;
+  v.tables = AlignUp(int64_t{plan.num_tokens} * plan.max_blocks_per_seq * 4);
+  v.lens = AlignUp(int64_t{plan.num_tokens} * 4);
+  v.decode = AlignUp(plan.decode_plan.workspace_bytes);
+  return v;
+}
+
 }  // namespace
 
 CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State>(CudaDecoder(q))) {
@@ -193,6 +206,18 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   if (plan.decode_rows) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
   }
+  if (options.verify_max_q_len < 0) {
+    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len, ">= 0");
+  }
+  // Few new tokens per sequence: every row on the decode kernels (rows up to 65535, the decode
+  // plan's sequences). The chunk kernel's plan above stays for a sliding window.
+  plan.verify_rows = options.decode_kernels && !plan.decode && max_q_len > 1 &&
+                     max_q_len <= options.verify_max_q_len && num_tokens <= 65535 && group <= 16;
+  if (plan.verify_rows) {
+    plan.decode_rows = false;
+    plan.decode_plan = s.decoder.Plan(num_tokens, num_q_heads, max_blocks_per_seq, options.decode);
+    decode_bytes = VerifyLayout(plan).Total();
+  }
   const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);
   plan.workspace_bytes = std::max(decode_bytes, w.Total());
   return plan;
@@ -247,6 +272,33 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
 #if TQKV_HAVE_CUDA
   using namespace attention_detail;
+  if (plan.verify_rows && a.sliding_window == 0) {
+    const VerifySections v = VerifyLayout(plan);
+    uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+    VerifyRowsParams vp;
+    vp.query_start_loc = a.query_start_loc;
+    vp.seq_lens = a.seq_lens;
+    vp.block_tables = a.block_tables;
+    vp.row_tables = reinterpret_cast<int32_t*>(ws);
+    vp.row_lens = reinterpret_cast<int32_t*>(ws + v.tables);
+    vp.num_seqs = plan.num_seqs;
+    vp.max_blocks_per_seq = plan.max_blocks_per_seq;
+    TQKV_CUDA_CHECK(LaunchVerifyRows(vp, stream));
+    CudaDecodeArgs da;
+    da.query = a.query;  // [num_tokens, Hq, D]: the rows' sequences in order
+    da.query_dtype = a.query_dtype;
+    da.cache = a.cache;
+    da.block_tables = vp.row_tables;
+    da.seq_lens = vp.row_lens;
+    da.scale = a.scale;
+    da.output = a.output;
+    da.output_dtype = a.output_dtype;
+    da.lse = a.lse;
+    da.workspace = ws + v.tables + v.lens;
+    da.workspace_bytes = v.decode;
+    s.decoder.Run(plan.decode_plan, da, stream);
+    return;
+  }
   const int d = head_dim();
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;

@@ -8,7 +8,9 @@
 //
 // A plan whose every sequence has exactly one new token (max_q_len 1, num_tokens == num_seqs)
 // and no sliding window runs the decode kernels (attention/decode_cuda.h), and so do the
-// one-token sequences of a mixed call (decode rows beside prefill chunks). Everything else runs
+// one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
+// tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): each of its
+// query rows as a sequence whose context ends at the row's position. Everything else runs
 // the chunk kernel (attention/attention_kernel.cuh: 16 to 64 query rows — new tokens × GQA heads
 // — per CTA against KV tiles dequantized in shared memory), split over the context where the grid
 // would not fill the device, then a log-sum-exp merge of the splits. The workspace does not grow
@@ -32,6 +34,10 @@ struct AttentionOptions {
   int tokens_per_split = 0;
   // false: never the decode kernels, the chunk kernel for one-token plans too.
   bool decode_kernels = true;
+  // Calls whose sequences have at most this many new tokens each (speculative verify) run every
+  // query row on the decode kernels, as a sequence of its own whose context ends at the row's
+  // position (0: never).
+  int verify_max_q_len = 8;
   DecodeOptions decode;  // the decode kernels' choices, where they run
 };
 
@@ -46,7 +52,11 @@ struct AttentionPlan {
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
   // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
   bool decode_rows = false;
-  DecodePlan decode_plan;  // decode or decode_rows
+  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): every query row runs on
+  // the decode kernels as a sequence of its own (the causal mask is its shorter context), with
+  // its sequence's block-table row copied for it; unless Run gets a sliding window.
+  bool verify_rows = false;
+  DecodePlan decode_plan;  // decode, decode_rows or verify_rows
   // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4), row tiles per (sequence,
   // KV head), context tokens per split, splits.
   int row_warps = 4;

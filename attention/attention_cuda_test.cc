@@ -66,7 +66,7 @@ struct Case {
 };
 
 Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8_t>& cache,
-                     int* max_splits = nullptr) {
+                     int* max_splits = nullptr, bool* verify_rows = nullptr) {
   // Half-precision queries: the reference reads the same rounded values.
   for (float& x : s.queries) {
     if (c.io == DType::kF16) x = HalfBitsToFloat(FloatToHalfBits(x));
@@ -85,6 +85,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   const AttentionPlan plan =
       attn.Plan(num_seqs, s.num_tokens, hq, s.base.max_blocks, max_q_len, c.options);
   if (max_splits != nullptr) *max_splits = plan.max_splits;
+  if (verify_rows != nullptr) *verify_rows = plan.verify_rows;
   const int64_t n = static_cast<int64_t>(s.num_tokens) * hq * d;
   DeviceBuffer<uint8_t> dcache(static_cast<int64_t>(cache.size()));
   dcache.CopyFromHost(cache);
@@ -144,7 +145,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     }
   }
   lse.CopyToHost(l);
-  std::vector<bool> single(s.num_tokens, false);
+  // Rows on the decode kernels: one-token sequences, or every row of a verify plan.
+  std::vector<bool> single(s.num_tokens, plan.verify_rows && c.window == 0);
   for (int b = 0; b < num_seqs; ++b) {
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
   }
@@ -289,6 +291,56 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
           e, kLseTol,
           fmt::format("tokens_per_split {} ({} splits), decode rows {}", tps, splits, decode_rows));
     }
+  }
+}
+
+// A verify step (at most 8 new tokens per sequence): every row runs on the decode kernels as a
+// sequence of its own, held to their bounds, for every preset, head dim and a plain cache; the
+// same step on the chunk kernel (decode kernels off, or a sliding window) to the chunk bounds.
+TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, 500 + k);
+      bool verify_rows = false;
+      const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache, nullptr, &verify_rows);
+      EXPECT_TRUE(verify_rows);
+      const std::string what = fmt::format("{} D={} group={} bs={}: decode-kernel rows out {:.2e} "
+                                           "lse {:.2e}",
+                                           preset, d, group, bs, e.decode_out, e.decode_lse);
+      ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
+      if (d == 128) {
+        Case chunk{.quantizer = &q};
+        chunk.options.verify_max_q_len = 0;
+        const Errors ce = RunAndCompare(chunk, s, s.base.cache, nullptr, &verify_rows);
+        EXPECT_FALSE(verify_rows);
+        ExpectWithin(ce, kLseTol, what + " (chunk kernel)", DecodeBoundsOf(preset));
+        Case window{.quantizer = &q, .window = 100};
+        const Errors we = RunAndCompare(window, s, s.base.cache);
+        ExpectWithin(we, kLseTol, what + " (sliding window: chunk kernel)", DecodeBoundsOf(preset));
+      }
+    }
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int d = 128, hk = 2, group = 4, bs = 32;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, verify.lens, verify.q_lens, hk * group, 600);
+    for (float& x : s.queries) {
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    const Errors e = RunAndCompare({.plain = &f}, s, cache);
+    ExpectWithin(e, kLseTol,
+                 fmt::format("{}: decode-kernel rows out {:.2e} lse {:.2e}", DTypeName(dtype),
+                             e.decode_out, e.decode_lse),
+                 DecodeBoundsOf(DTypeName(dtype)));
   }
 }
 

@@ -95,6 +95,20 @@ struct DecodeRowsParams {
   int head_dim = 0;
 };
 cudaError_t LaunchGatherDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
+
+// A verify call's query rows as sequences of their own (AttentionPlan::verify_rows): row t of
+// sequence b (query_start_loc[b] <= t < query_start_loc[b + 1]) gets the context length
+// seq_lens[b] - query_start_loc[b + 1] + t + 1 and a copy of b's block-table row.
+struct VerifyRowsParams {
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  const int32_t* seq_lens = nullptr;         // [num_seqs]
+  const int32_t* block_tables = nullptr;     // [num_seqs, max_blocks_per_seq]
+  int32_t* row_lens = nullptr;               // [num_tokens]
+  int32_t* row_tables = nullptr;             // [num_tokens, max_blocks_per_seq]
+  int num_seqs = 0;
+  int max_blocks_per_seq = 0;
+};
+cudaError_t LaunchVerifyRows(const VerifyRowsParams& p, cudaStream_t stream);
 cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
 // The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads,

@@ -1,6 +1,7 @@
 // Attention for several new tokens per sequence on the GPU (CudaAttention), Llama-3-8B layer shape
 // (Hq 32, Hk 8, D 128, block 16), the shapes of the issue:
-//   verify   batch 64 x 4k context, 1 (decode kernels; and the chunk kernel), 4 and 8 new tokens
+//   verify   batch 64 x 4k context, 1, 4 and 8 new tokens: on the decode kernels (one sequence
+//            per query row for 4 and 8), and on the chunk kernel
 //   prefill  batch 1, a chunk of 2,048 or 8,192 tokens after a cached prefix of 0, 8k or 32k
 //   mixed    one 2,048-token chunk plus 63 decode rows at 4k in one call, and the two apart
 // for turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and bf16. Each shape is timed as
@@ -214,7 +215,8 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     r.flops = flops;
     r.bytes = bytes;
     r.workspace = static_cast<double>(plan.workspace_bytes);
-    r.splits = plan.decode ? plan.decode_plan.max_splits : plan.max_splits;
+    const bool decode_kernels = plan.decode || plan.verify_rows;
+    r.splits = decode_kernels ? plan.decode_plan.max_splits : plan.max_splits;
     rows.push_back(r);
     fmt::print(
         "  {:<20} {:<24} {:9.1f} us  {:7.1f} TFLOP/s ({:4.1f}% of {:.0f})  {:8.1f} MB  "
@@ -222,7 +224,9 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
         kind, s.name, r.us, flops / (r.us * 1e-6) / 1e12,
         100 * flops / (r.us * 1e-6) / 1e12 / kPeakTflops, kPeakTflops, bytes / 1e6,
         bytes / (r.us * 1e-6) / 1e9, 100 * bytes / (r.us * 1e-6) / 1e9 / read_gbs,
-        r.workspace / 1e6, plan.decode ? "decode kernels, " : "", r.splits);
+        r.workspace / 1e6,
+        plan.verify_rows ? "decode kernels per row, " : plan.decode ? "decode kernels, " : "",
+        r.splits);
     std::fflush(stdout);
   }
   return rows;
@@ -248,7 +252,9 @@ int Main(int argc, char** argv) {
       Uniform("verify 64x4k q1", 64, 4096, 1),
       Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
       Uniform("verify 64x4k q4", 64, 4096, 4),
+      Uniform("verify 64x4k q4 chunk", 64, 4096, 4, false),
       Uniform("verify 64x4k q8", 64, 4096, 8),
+      Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
