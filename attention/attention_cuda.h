@@ -13,8 +13,10 @@
 // query rows as a sequence whose context ends at the row's position. Everything else runs
 // the chunk kernel (attention/attention_kernel.cuh: 16 to 64 query rows — new tokens × GQA heads
 // — per CTA against KV tiles dequantized in shared memory), split over the context where the grid
-// would not fill the device, then a log-sum-exp merge of the splits. The workspace does not grow
-// with the context: q·Πᵀ for MSE keys and, with splits, the partial outputs of the step's rows.
+// would not fill the device, then a log-sum-exp merge of the splits. The workspace holds no
+// dequantized cache: q·Πᵀ for MSE keys, with splits the partial outputs of the step's rows, and
+// for verify rows a copy of each row's block-table row (4 bytes per block, the one part that
+// grows with the context).
 #pragma once
 
 #include <cstdint>
