@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "kvcache/kv_cache.h"
 #include "kvcache/cache_format.h"
+#include "kvcache/kv_cache.h"
 #include "kvcache/manager.h"
 #include "kvcache/step_batch.h"
 #include "model/llama.h"
@@ -67,8 +67,8 @@ class Engine {
   // attended through the cache. For the rows in `logit_rows`: their logits into `logits`
   // [logit_rows.size(), vocab] and their argmax into `argmax` [logit_rows.size()] (host memory;
   // either may be null). A row's result depends only on its sequence's tokens and cache, not on
-  // the other rows of the batch. Throws tqkv::Error for a token count other than the step's or a
-  // row outside it.
+  // the other rows of the batch. Throws tqkv::Error for a token count other than the step's, a
+  // token outside the vocabulary or a row outside the step.
   virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                        float* logits, int32_t* argmax) = 0;
 

@@ -31,6 +31,7 @@
 #include "runtime/stream.h"
 #include "tools/bench/bench_kernels.h"
 
+#if TQKV_HAVE_CUDA
 namespace tqkv::bench {
 namespace {
 
@@ -203,3 +204,10 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+#else
+#include <cstdio>
+int main() {
+  std::puts("model_bench: this build has no CUDA support");
+  return 0;
+}
+#endif
