@@ -1,6 +1,6 @@
 // `tqkv eval`: a GGUF Llama model teacher-forced over a text through tqkv's KV cache (CPU), per
-// cache policy: perplexity and its change against the exact fp32 reference, top-1 next-token
-// agreement with the reference, and KV bytes per token.
+// cache policy: perplexity and its change against the exact fp32 reference and against the same
+// model with a bf16 cache, top-1 next-token agreement with each, and KV bytes per token.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -92,10 +92,9 @@ void RunEval(const EvalFlags& flags) {
   const double ref_ppl = std::exp(ref_nll / static_cast<double>(scored));
   fmt::print("{}: {} tokens of {} in {} windows of {}, prefill chunks of {}\n", flags.model,
              flags.tokens, flags.text, windows, flags.window, flags.chunk);
-  fmt::print("{:<28} {:>10} {:>9} {:>8} {:>12} {:>8}\n", "KV cache", "perplexity", "change",
-             "top-1", "KV B/token", "vs bf16");
-  fmt::print("{:<28} {:>10.4f} {:>9} {:>8} {:>12} {:>8}\n", "fp32 (reference)", ref_ppl, "", "", "",
-             "");
+  fmt::print("{:<28} {:>10} {:>9} {:>8} {:>14} {:>13} {:>12} {:>8}\n", "KV cache", "perplexity",
+             "change", "top-1", "change (bf16)", "top-1 (bf16)", "KV B/token", "vs bf16");
+  fmt::print("{:<28} {:>10.4f}\n", "fp32 (reference)", ref_ppl);
   nlohmann::json report = {{"model", flags.model},     {"text", flags.text},
                            {"tokens", flags.tokens},   {"window", flags.window},
                            {"reference_ppl", ref_ppl}, {"runs", nlohmann::json::array()}};
@@ -104,33 +103,43 @@ void RunEval(const EvalFlags& flags) {
     for (int b : flags.boundary_layers) policies.emplace_back(p, b);
   }
   int64_t bf16_bytes = 0;
+  double bf16_ppl = 0.0;
+  std::vector<std::vector<int32_t>> bf16_top1;  // the bf16 cache's argmax per window and position
   for (const auto& [preset, boundary] : policies) {
     model::CpuEngine engine(llama, {preset, boundary, 16, 0});
     double nll = 0.0;
-    size_t agree = 0;
+    size_t agree = 0, agree_bf16 = 0;
+    const bool is_bf16 = preset == "bf16";
     model::LayerErrors errors;
     for (int w = 0; w < windows; ++w) {
       const Scores s =
           Score(engine.Forward(window_ids(w), flags.chunk, flags.diagnose ? &errors : nullptr),
                 window_ids(w), vocab);
+      if (is_bf16) bf16_top1.push_back(s.top1);
       for (size_t t = 0; t < s.nll.size(); ++t) {
         nll += s.nll[t];
         agree += s.top1[t] == ref[w].top1[t];
+        agree_bf16 += s.top1[t] == bf16_top1[w][t];
       }
     }
     const double ppl = std::exp(nll / static_cast<double>(scored));
     const double change = 100.0 * (ppl / ref_ppl - 1.0);
     const double top1 = static_cast<double>(agree) / static_cast<double>(scored);
     const int64_t bytes = engine.kv_bytes_per_token();
-    if (preset == "bf16") bf16_bytes = bytes;
+    if (is_bf16) bf16_bytes = bytes, bf16_ppl = ppl;
+    const double change_bf16 = 100.0 * (ppl / bf16_ppl - 1.0);
+    const double top1_bf16 = static_cast<double>(agree_bf16) / static_cast<double>(scored);
     const std::string name = boundary > 0 ? fmt::format("{} + bf16 x{}", preset, boundary) : preset;
-    fmt::print("{:<28} {:>10.4f} {:>+8.2f}% {:>8.4f} {:>12} {:>7.2f}x\n", name, ppl, change, top1,
-               bytes, static_cast<double>(bf16_bytes) / static_cast<double>(bytes));
+    fmt::print("{:<28} {:>10.4f} {:>+8.2f}% {:>8.4f} {:>+13.2f}% {:>13.4f} {:>12} {:>7.2f}x\n", name,
+               ppl, change, top1, change_bf16, top1_bf16, bytes,
+               static_cast<double>(bf16_bytes) / static_cast<double>(bytes));
     nlohmann::json run = {{"preset", preset},
                           {"boundary_layers", boundary},
                           {"ppl", ppl},
                           {"ppl_change_percent", change},
                           {"top1_agreement", top1},
+                          {"ppl_change_vs_bf16_percent", change_bf16},
+                          {"top1_agreement_vs_bf16", top1_bf16},
                           {"kv_bytes_per_token", bytes}};
     if (flags.diagnose) {
       std::vector<double> key, value, cosine, worst;
