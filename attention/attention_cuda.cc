@@ -30,6 +30,7 @@ struct CudaAttention::State {
   AttentionShape shape;
   DeviceBuffer<float> rotation;  // MSE keys: dense Πᵀ [D, D] for the query prep
   uint16_t centroid_hi[16] = {}, centroid_lo[16] = {};
+  float centroids[16] = {};
   int sm_count = 0;
 };
 
@@ -39,6 +40,10 @@ constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 constexpr int kMinSplitTokens = 256;  // a split shorter than this costs more than it saves
 constexpr int kMaxSplits = 64;
+constexpr int64_t kPrefillCtaRows = 128;  // the prefill kernel's
+#if TQKV_HAVE_CUDA
+static_assert(kPrefillCtaRows == attention_detail::kPrefillRows);
+#endif
 
 int DeviceSmCount() {
   const auto devices = QueryDevices();
@@ -75,15 +80,20 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
   return s;
 }
 
-// A verify call's sections: the rows' block tables and lengths, then the decode's workspace.
+// A verify call's sections: the query in the keys' space (MSE keys), the pass's gathered query
+// and lengths, the decode's output and LSE, then the decode's own workspace.
 struct VerifySections {
-  int64_t tables = 0, lens = 0, decode = 0;
-  int64_t Total() const { return tables + lens + decode; }
+  int64_t mapped = 0, query = 0, lens = 0, out = 0, lse = 0, decode = 0;
+  int64_t Total() const { return mapped + query + lens + out + lse + decode; }
 };
-VerifySections VerifyLayout(const AttentionPlan& plan) {
+VerifySections VerifyLayout(const AttentionPlan& plan, bool rotate, int d) {
+  const int64_t columns = int64_t{plan.num_seqs} * plan.decode_plan.num_q_heads;
   VerifySections v;
-  v.tables = AlignUp(int64_t{plan.num_tokens} * plan.max_blocks_per_seq * 4);
-  v.lens = AlignUp(int64_t{plan.num_tokens} * 4);
+  v.mapped = rotate ? AlignUp(int64_t{plan.num_tokens} * plan.num_q_heads * d * 4) : 0;
+  v.query = AlignUp(columns * d * 4);
+  v.lens = AlignUp(int64_t{plan.num_seqs} * 4);
+  v.out = AlignUp(columns * d * 4);
+  v.lse = AlignUp(columns * 4);
   v.decode = AlignUp(plan.decode_plan.workspace_bytes);
   return v;
 }
@@ -101,6 +111,7 @@ CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State
     s.rotation.CopyFromHost(q.rotation().matrix);
     const auto& c = q.codebook().centroids;
     for (size_t i = 0; i < c.size() && i < 16; ++i) {
+      s.centroids[i] = c[i];
       s.centroid_hi[i] = FloatToHalfBits(c[i]);
       s.centroid_lo[i] = FloatToHalfBits(c[i] - HalfBitsToFloat(s.centroid_hi[i]));
     }
@@ -175,7 +186,9 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   const int64_t seq_rows = int64_t{max_q_len} * group;
   plan.row_warps = seq_rows <= 16 ? 1 : seq_rows <= 32 ? 2 : 4;
   if (d == 256) plan.row_warps = std::max(plan.row_warps, 2);
-  const int64_t cta_rows = 16 * plan.row_warps;
+  plan.prefill = options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) &&
+                 seq_rows > 64;
+  const int64_t cta_rows = plan.prefill ? kPrefillCtaRows : 16 * plan.row_warps;
   plan.row_tiles = static_cast<int>((seq_rows + cta_rows - 1) / cta_rows);
   // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
   // the context until about two CTAs per SM have work.
@@ -209,14 +222,20 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   if (options.verify_max_q_len < 0) {
     throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len, ">= 0");
   }
-  // Few new tokens per sequence: every row on the decode kernels (rows up to 65535, the decode
-  // plan's sequences). The chunk kernel's plan above stays for a sliding window.
+  if (options.verify_max_group < 1 || options.verify_max_group > 16) {
+    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 16");
+  }
+  // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
+  // chunk kernel's plan above stays for a sliding window.
   plan.verify_rows = options.decode_kernels && !plan.decode && max_q_len > 1 &&
-                     max_q_len <= options.verify_max_q_len && num_tokens <= 65535 && group <= 16;
+                     max_q_len <= options.verify_max_q_len && group <= 16;
   if (plan.verify_rows) {
     plan.decode_rows = false;
-    plan.decode_plan = s.decoder.Plan(num_tokens, num_q_heads, max_blocks_per_seq, options.decode);
-    decode_bytes = VerifyLayout(plan).Total();
+    plan.verify_pass_rows = std::min(max_q_len, std::max(1, options.verify_max_group / group));
+    plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
+    plan.decode_plan = s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group,
+                                      max_blocks_per_seq, options.decode);
+    decode_bytes = VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8, d).Total();
   }
   const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);
   plan.workspace_bytes = std::max(decode_bytes, w.Total());
@@ -272,36 +291,80 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
 #if TQKV_HAVE_CUDA
   using namespace attention_detail;
+  const int d = head_dim();
+  const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
   if (plan.verify_rows && a.sliding_window == 0) {
-    const VerifySections v = VerifyLayout(plan);
+    const VerifySections v = VerifyLayout(plan, rotate, d);
     uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-    VerifyRowsParams vp;
+    VerifyGroupParams vp;
     vp.query_start_loc = a.query_start_loc;
     vp.seq_lens = a.seq_lens;
     vp.block_tables = a.block_tables;
-    vp.row_tables = reinterpret_cast<int32_t*>(ws);
-    vp.row_lens = reinterpret_cast<int32_t*>(ws + v.tables);
+    vp.query = a.query;
+    vp.query_dtype = a.query_dtype;
+    if (rotate) {
+      decode_detail::QueryPrepParams qp;
+      qp.query = a.query;
+      qp.in_dtype = a.query_dtype;
+      qp.rotation = s.rotation.data();
+      qp.out = reinterpret_cast<float*>(ws);
+      qp.rows = plan.num_tokens * plan.num_q_heads;
+      qp.head_dim = d;
+      TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
+      vp.mapped_query = qp.out;
+    }
+    uint8_t* at = ws + v.mapped;
+    vp.rows = plan.verify_pass_rows;
+    vp.gathered_query = reinterpret_cast<float*>(at);
+    vp.gathered_lens = reinterpret_cast<int32_t*>(at + v.query);
+    vp.decode_out = reinterpret_cast<float*>(at + v.query + v.lens);
+    vp.decode_lse = reinterpret_cast<float*>(at + v.query + v.lens + v.out);
+    vp.output = a.output;
+    vp.lse = a.lse;
+    vp.out_dtype = a.output_dtype;
+    vp.cache = a.cache.data;
+    vp.kind = s.key_kind;
+    if (s.plain) {
+      vp.block_bytes = s.plain_format.block_bytes;
+      vp.meta_offset = s.plain_format.value_offset;
+    } else {
+      vp.key_bits = s.format.key_bits;
+      vp.value_bits = s.format.value_bits;
+      vp.block_bytes = s.format.block_bytes;
+      vp.meta_offset = s.format.meta_offset;
+      vp.data_per_slot = s.format.data_per_slot;
+      vp.key_data_bytes = s.format.key_data_bytes;
+      vp.num_meta = s.format.num_meta;
+      std::copy(std::begin(s.centroids), std::end(s.centroids), vp.centroids);
+    }
     vp.num_seqs = plan.num_seqs;
+    vp.num_q_heads = plan.num_q_heads;
+    vp.num_kv_heads = num_kv_heads();
+    vp.head_dim = d;
+    vp.block_size = block_size();
     vp.max_blocks_per_seq = plan.max_blocks_per_seq;
-    TQKV_CUDA_CHECK(LaunchVerifyRows(vp, stream));
+    vp.scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
     CudaDecodeArgs da;
-    da.query = a.query;  // [num_tokens, Hq, D]: the rows' sequences in order
-    da.query_dtype = a.query_dtype;
+    da.query = vp.gathered_query;
+    da.query_dtype = DType::kF32;
     da.cache = a.cache;
-    da.block_tables = vp.row_tables;
-    da.seq_lens = vp.row_lens;
+    da.block_tables = a.block_tables;
+    da.seq_lens = vp.gathered_lens;
     da.scale = a.scale;
-    da.output = a.output;
-    da.output_dtype = a.output_dtype;
-    da.lse = a.lse;
-    da.workspace = ws + v.tables + v.lens;
+    da.output = const_cast<float*>(vp.decode_out);
+    da.output_dtype = DType::kF32;
+    da.lse = const_cast<float*>(vp.decode_lse);
+    da.workspace = at + v.query + v.lens + v.out + v.lse;
     da.workspace_bytes = v.decode;
-    s.decoder.Run(plan.decode_plan, da, stream);
+    for (int pass = 0; pass < plan.verify_passes; ++pass) {
+      vp.row_begin = pass * plan.verify_pass_rows;
+      TQKV_CUDA_CHECK(LaunchGatherVerifyRows(vp, stream));
+      s.decoder.Run(plan.decode_plan, da, stream);
+      TQKV_CUDA_CHECK(LaunchFinishVerifyRows(vp, stream));
+    }
     return;
   }
-  const int d = head_dim();
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
-  const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
   const Sections w = WorkspaceSections(rotate, plan, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
@@ -395,7 +458,11 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   p.sliding_window = a.sliding_window;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.score_scale = scale * static_cast<float>(std::numbers::log2e);
-  TQKV_CUDA_CHECK(LaunchChunkAttention(s.key_kind, s.value_bits, d, p, stream));
+  if (plan.prefill) {
+    TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, p, stream));
+  } else {
+    TQKV_CUDA_CHECK(LaunchChunkAttention(s.key_kind, s.value_bits, d, p, stream));
+  }
   if (plan.max_splits > 1) {
     ChunkMergeParams mp;
     mp.partial_out = p.partial_out;

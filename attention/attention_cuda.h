@@ -10,10 +10,13 @@
 // and no sliding window runs the decode kernels (attention/decode_cuda.h), and so do the
 // one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): each of its
-// query rows as a sequence whose context ends at the row's position. Everything else runs
-// the chunk kernel (attention/attention_kernel.cuh: 16 to 64 query rows — new tokens × GQA heads
-// — per CTA against KV tiles dequantized in shared memory), split over the context where the grid
-// would not fill the device, then a log-sum-exp merge of the splits. The workspace holds no
+// query rows as a sequence whose context ends at the row's position. Long chunks (more than 64
+// rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) run the prefill kernel in
+// half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product), unless
+// AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
+// (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
+// dequantized into shared memory, split over the context where the grid would not fill the
+// device, then a log-sum-exp merge of the splits. The workspace holds no
 // dequantized cache: q·Πᵀ for MSE keys, with splits the partial outputs of the step's rows, and
 // for verify rows a copy of each row's block-table row (4 bytes per block, the one part that
 // grows with the context).
@@ -30,6 +33,18 @@
 
 namespace tqkv {
 
+// The numerics of long chunks (prefill, prefix-hit continuations: more than 64 query rows — new
+// tokens × GQA heads — per sequence, head_dim 64 or 128).
+enum class ChunkPrecision : uint8_t {
+  // The prefill kernel (attention/attention_prefill.cuh): one MMA per product, the query, the
+  // keys and P rounded once to fp16 (bf16 for a bf16 cache), as FlashAttention computes: about
+  // 2^-11 relative per operand (bf16: 2^-8).
+  kHalf,
+  // The chunk kernel's fp32-level scores and P (hi and lo parts), the decode kernels' numerics, at
+  // about 2.5x the MMAs.
+  kExact,
+};
+
 struct AttentionOptions {
   // Context tokens per split of the chunk kernel: 0 lets the plan choose; otherwise a multiple
   // of 64 (tuning, benchmarks, tests).
@@ -40,7 +55,12 @@ struct AttentionOptions {
   // query row on the decode kernels, as a sequence of its own whose context ends at the row's
   // position (0: never).
   int verify_max_q_len = 8;
+  // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
+  // other, 1 to 16: a call of q_len new tokens per sequence runs ceil(q_len / rows) passes of
+  // rows = max(1, verify_max_group / group) tokens, each reading the cache once.
+  int verify_max_group = 16;
   DecodeOptions decode;  // the decode kernels' choices, where they run
+  ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
 };
 
 struct AttentionPlan {
@@ -54,11 +74,17 @@ struct AttentionPlan {
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
   // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
   bool decode_rows = false;
-  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): every query row runs on
-  // the decode kernels as a sequence of its own (the causal mask is its shorter context), with
-  // its sequence's block-table row copied for it; unless Run gets a sliding window.
+  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): the decode kernels in
+  // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
+  // verify_pass_rows · G over the context the pass's rows share), each row's causal tail (at most
+  // verify_pass_rows − 1 tokens) added after; unless Run gets a sliding window.
   bool verify_rows = false;
+  int verify_pass_rows = 0;
+  int verify_passes = 0;
   DecodePlan decode_plan;  // decode, decode_rows or verify_rows
+  // Long chunks in half precision (ChunkPrecision::kHalf): the prefill kernel, 128 query rows per
+  // CTA, in place of the chunk kernel (row_warps unused).
+  bool prefill = false;
   // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4), row tiles per (sequence,
   // KV head), context tokens per split, splits.
   int row_warps = 4;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -55,13 +56,22 @@ struct Errors {
   double out = 0, lse = 0;
   double decode_out = 0, decode_lse = 0;  // rows of one-token sequences
   int64_t bad = 0;                        // NaN / inf / unwritten
+  bool prefill = false;                   // the plan ran the prefill kernel
 };
+
+// The tests below hold the chunk kernel to the decode kernels' bounds: long chunks too (which
+// run the prefill kernel in half precision by default; PrefillKernelInHalfPrecision tests that).
+AttentionOptions ExactChunks() {
+  AttentionOptions o;
+  o.chunk_precision = ChunkPrecision::kExact;
+  return o;
+}
 
 struct Case {
   const Quantizer* quantizer = nullptr;  // or plain
   const Bf16BlockFormat* plain = nullptr;
   int32_t window = 0;
-  AttentionOptions options;
+  AttentionOptions options = ExactChunks();
   DType io = DType::kF32;  // query and output type
 };
 
@@ -151,6 +161,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
   }
   Errors e;
+  e.prefill = plan.prefill;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
       ++e.bad;
@@ -294,9 +305,10 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
   }
 }
 
-// A verify step (at most 8 new tokens per sequence): every row runs on the decode kernels as a
-// sequence of its own, held to their bounds, for every preset, head dim and a plain cache; the
-// same step on the chunk kernel (decode kernels off, or a sliding window) to the chunk bounds.
+// A verify step (at most 8 new tokens per sequence): the rows ride beside the GQA heads on the
+// decode kernels (passes of up to 16 columns), each row's causal tail added after, held to the
+// decode kernels' bounds, for every preset, head dim and a plain cache; the same step on the
+// chunk kernel (decode kernels off, or a sliding window) to the chunk bounds.
 TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
@@ -314,6 +326,15 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
                                            "lse {:.2e}",
                                            preset, d, group, bs, e.decode_out, e.decode_lse);
       ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
+      // Passes of one and two rows (verify_max_group = G, 2·G): later passes start past the
+      // sequence's first new token.
+      for (int rows : {1, 2}) {
+        Case few{.quantizer = &q};
+        few.options.verify_max_group = rows * group;
+        const Errors fe = RunAndCompare(few, s, s.base.cache);
+        ExpectWithin(fe, kLseTol, fmt::format("{} ({} rows per pass)", what, rows),
+                     DecodeBoundsOf(preset));
+      }
       if (d == 128) {
         Case chunk{.quantizer = &q};
         chunk.options.verify_max_q_len = 0;
@@ -388,6 +409,86 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
   }
 }
 
+// Long chunks in half precision (the default, ChunkPrecision::kHalf) on the prefill kernel:
+// every preset and plain cache, head_dim 64 and 128, GQA groups 1-8, every block size, splits, a
+// sliding window and bf16 I/O, against the fp64 reference. Its bounds follow from rounding each
+// operand once: fp16 query, keys and P' (2^-11 relative each) leave ~1e-4 of the LSE and 1e-3 of
+// a row's largest element; bf16 (2^-8) eight times that.
+struct HalfBounds {
+  double lse, out;
+};
+HalfBounds HalfBoundsOf(bool bf16) { return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{5e-4, 4e-3}; }
+
+TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
+  TQKV_SKIP_WITHOUT_GPU();
+  // Chunks of 200, 65 and 129 new tokens after a prefix, a whole prompt of 300, beside decode and
+  // verify rows.
+  const Step step{{300, 1, 77, 1000, 150, 65, 700}, {300, 1, 4, 200, 8, 65, 129}};
+  const int groups[] = {1, 2, 3, 4, 8};
+  int k = 0;
+  double worst_lse[2] = {}, worst_out[2] = {};
+  auto check = [&](const Errors& e, bool bf16, const std::string& what, double io_out = 0.0) {
+    const HalfBounds b = HalfBoundsOf(bf16);
+    EXPECT_TRUE(e.prefill) << what;
+    EXPECT_EQ(e.bad, 0) << what;
+    EXPECT_LE(e.lse, b.lse) << what;
+    EXPECT_LE(e.out, b.out + io_out) << what;
+    worst_lse[bf16] = std::max(worst_lse[bf16], e.lse);
+    worst_out[bf16] = std::max(worst_out[bf16], e.out);
+  };
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128}) {
+      const int group = groups[k % 5], bs = 16 << (k % 4), hk = 2;
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 700 + k);
+      for (int variant = 0; variant < 4; ++variant) {
+        Case c{.quantizer = &q};
+        c.options.chunk_precision = ChunkPrecision::kHalf;
+        if (variant == 1) c.options.tokens_per_split = 64;  // the split merge
+        if (variant == 2) c.window = 100;
+        if (variant == 3) c.io = DType::kBF16;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        const std::string what = fmt::format("{} D={} group={} bs={} variant {}: out {:.2e} lse "
+                                             "{:.2e}",
+                                             preset, d, group, bs, variant, e.out, e.lse);
+        // bf16 I/O: the output adds half a bf16 ulp (up to 2^-8 of an element).
+        check(e, false, what, variant == 3 ? 0.0039 : 0.0);
+        EXPECT_LE(e.decode_out, kOutTol + (variant == 3 ? 0.0039 : 0.0)) << what;
+      }
+    }
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int d : {64, 128}) {
+      for (int group : {1, 4, 8}) {
+        const int hk = 2, bs = 16 << (k++ % 4);
+        const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+        AttentionScenario s = BuildAttention(any, step.lens, step.q_lens, hk * group, 800 + k);
+        for (float& x : s.queries) {
+          x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                                   : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+        }
+        const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+        const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+        Case c{.plain = &f};
+        c.options.chunk_precision = ChunkPrecision::kHalf;
+        const Errors e = RunAndCompare(c, s, cache);
+        check(e, dtype == DType::kBF16,
+              fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", DTypeName(dtype), d,
+                          group, bs, e.out, e.lse));
+      }
+    }
+  }
+  std::printf("prefill kernel, worst: fp16 operands out %.2e lse %.2e; bf16 out %.2e lse %.2e\n",
+              worst_out[0], worst_lse[0], worst_out[1], worst_lse[1]);
+  // Exact precision keeps these shapes on the chunk kernel.
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16);
+  const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 8, 900);
+  const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
+  EXPECT_FALSE(e.prefill);
+  ExpectWithin(e, kLseTol, "exact");
+}
+
 TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
@@ -398,6 +499,10 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("max_q_len = 6")));
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, {.tokens_per_split = 100}); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("tokens_per_split = 100")));
+  AttentionOptions wide;
+  wide.verify_max_group = 17;
+  EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, wide); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 17")));
   const AttentionPlan plan = attn.Plan(2, 5, 32, 4, 3);
   AttentionArgs a;
   a.num_seqs = 2;

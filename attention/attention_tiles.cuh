@@ -202,10 +202,12 @@ struct RawTile {
   // ids[t / block_size − id_base]: the split's ids staged in shared memory, or the block table.
   __device__ __forceinline__ void Fetch(const ChunkParams& p, const int32_t* ids, int id_base,
                                         int h, int tile_begin, int end) {
+    // Unit threadIdx.x + 128·k is (token j0 + k·128 / kGroups, group e8): nothing per unit to keep
+    // in registers across tiles.
+    const int e8 = static_cast<int>(threadIdx.x % kGroups), j0 = static_cast<int>(threadIdx.x / kGroups);
 #pragma unroll
     for (int k = 0; k < kUnits; ++k) {
-      const int u = threadIdx.x + k * kWarps * 32;
-      const int j = u / kGroups, e8 = u % kGroups;
+      const int j = j0 + k * (kWarps * 32 / kGroups);
       const int t = tile_begin + j;
       key[k][0] = 0;
       if constexpr (kKeyWords == 2) key[k][1] = 0;
@@ -239,10 +241,10 @@ struct RawTile {
 
   __device__ __forceinline__ void Commit(uint8_t* smem) const {
     using L = ChunkLayout<kD, kQueryParts<kKind>, kRows>;
+    const int e8 = static_cast<int>(threadIdx.x % kGroups), j0 = static_cast<int>(threadIdx.x / kGroups);
 #pragma unroll
     for (int k = 0; k < kUnits; ++k) {
-      const int u = threadIdx.x + k * kWarps * 32;
-      const int j = u / kGroups, e8 = u % kGroups;
+      const int j = j0 + k * (kWarps * 32 / kGroups);
       uint4 k_hi, k_lo = {0, 0, 0, 0};
       if constexpr (kKind == KeyKind::kFp8) {
         k_hi.x = E4M3x2ToHalf2(key[k][0] & 0xFFFFu);

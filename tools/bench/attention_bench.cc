@@ -4,6 +4,8 @@
 //            per query row for 4 and 8), and on the chunk kernel
 //   prefill  batch 1, a chunk of 2,048 or 8,192 tokens after a cached prefix of 0, 8k or 32k
 //   mixed    one 2,048-token chunk plus 63 decode rows at 4k in one call, and the two apart
+// Long chunks run the prefill kernel (ChunkPrecision::kHalf, the default); the shapes named
+// "exact" run them on the chunk kernel's fp32-level numerics instead.
 // for turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and bf16. Each shape is timed as
 // a CUDA graph of calls rotating over disjoint block sets (at least 256 MB together, so calls read
 // HBM, not L2): µs per call, FLOPs (4 · D · Hq per (query row, attended token), causal), TFLOP/s
@@ -94,6 +96,8 @@ struct Shape {
   std::string name;
   std::vector<int32_t> lens, q_lens;
   bool decode_kernels = true;
+  ChunkPrecision precision = ChunkPrecision::kHalf;
+  int verify_max_group = 16;
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -186,6 +190,8 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     DeviceBuffer<float> lse(int64_t{tokens} * kHq);
     AttentionOptions options;
     options.decode_kernels = s.decode_kernels;
+    options.chunk_precision = s.precision;
+    options.verify_max_group = s.verify_max_group;
     const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -225,7 +231,11 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
         100 * flops / (r.us * 1e-6) / 1e12 / kPeakTflops, kPeakTflops, bytes / 1e6,
         bytes / (r.us * 1e-6) / 1e9, 100 * bytes / (r.us * 1e-6) / 1e9 / read_gbs,
         r.workspace / 1e6,
-        plan.verify_rows ? "decode kernels per row, " : plan.decode ? "decode kernels, " : "",
+        plan.verify_rows ? fmt::format("decode kernels, {} passes of {} rows, ", plan.verify_passes,
+                                       plan.verify_pass_rows)
+        : plan.decode    ? "decode kernels, "
+        : plan.prefill   ? "prefill kernel, "
+                         : "chunk kernel, ",
         r.splits);
     std::fflush(stdout);
   }
@@ -256,11 +266,30 @@ int Main(int argc, char** argv) {
       Uniform("verify 64x4k q8", 64, 4096, 8),
       Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
+  // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4 and 8:
+  // one and two new tokens per pass at GQA 4).
+  for (int q : {4, 8}) {
+    for (int g : {4, 8}) {
+      Shape v = Uniform(fmt::format("verify 64x4k q{} rows{}", q, g / (kHq / kHk)), 64, 4096, q);
+      v.verify_max_group = g;
+      shapes.push_back(v);
+    }
+  }
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
       if (quick && chunk == 8192 && prefix == 8192) continue;
       shapes.push_back(
           Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
+    }
+  }
+  // Long chunks on the chunk kernel's fp32-level numerics (ChunkPrecision::kExact), for the ratio.
+  for (const char* name : {"prefill 2048 +0k", "prefill 2048 +32k"}) {
+    for (const Shape& s : std::vector<Shape>(shapes)) {
+      if (s.name != name) continue;
+      Shape exact = s;
+      exact.name += " exact";
+      exact.precision = ChunkPrecision::kExact;
+      shapes.push_back(exact);
     }
   }
   // The extra device memory at 128k (the workspace does not grow with the context).
@@ -272,6 +301,10 @@ int Main(int argc, char** argv) {
     mixed.q_lens.push_back(1);
   }
   shapes.push_back(mixed);
+  Shape mixed_exact = mixed;
+  mixed_exact.name += " exact";
+  mixed_exact.precision = ChunkPrecision::kExact;
+  shapes.push_back(mixed_exact);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
   Stream stream;
   const double read_gbs = ReadCeilingGbs(stream);

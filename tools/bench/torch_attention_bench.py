@@ -148,6 +148,13 @@ def parse(shape):
     raise ValueError(shape)
 
 
+def base_shape(shape):
+    """The shape a variant runs (kernel choices after the shape: "chunk", "rows4", "exact")."""
+    parts = shape.split()
+    n = 3 if parts[0] in ("verify", "prefill") else 2 if parts[0] == "decode" else 4
+    return " ".join(parts[:n])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
@@ -156,9 +163,7 @@ def main():
     args = ap.parse_args()
     ours = json.load(open(args.ours))
     peers = {}
-    for shape in dict.fromkeys(r["shape"] for r in ours):
-        if shape.endswith("chunk"):
-            continue
+    for shape in dict.fromkeys(base_shape(r["shape"]) for r in ours):
         calls = parse(shape)
         us, names, dq_us, dq_peak = 0.0, [], 0.0, 0
         for batch, kv_len, q_len in calls:
@@ -181,7 +186,7 @@ def main():
           "| vs SDPA | dequant+SDPA µs (extra MB) | vs dequant |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in ours:
-        p = peers.get(r["shape"])
+        p = peers.get(base_shape(r["shape"]))
         tflops = r["flops"] / (r["us"] * 1e-6) / 1e12
         gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
         cols = [r["shape"], r["kind"], f"{r['us']:.1f}", f"{tflops:.0f} ({100 * tflops / PEAK_TFLOPS:.0f} %)",

@@ -1,0 +1,21 @@
+// The prefill kernels of the MSE key kinds (one unit, built beside the others).
+#include "attention/attention_prefill.cuh"
+
+namespace tqkv::attention_detail {
+
+template <>
+cudaError_t LaunchPrefillOfKind<KeyKind::kMse4>(int value_bits, int head_dim,
+                                                const ChunkParams& p, cudaStream_t stream) {
+  if (value_bits != 4) return cudaErrorInvalidValue;
+  return LaunchPrefillOfBits<KeyKind::kMse4, 4>(head_dim, p, stream);
+}
+
+template <>
+cudaError_t LaunchPrefillOfKind<KeyKind::kMse3>(int value_bits, int head_dim,
+                                                const ChunkParams& p, cudaStream_t stream) {
+  if (value_bits == 3) return LaunchPrefillOfBits<KeyKind::kMse3, 3>(head_dim, p, stream);
+  if (value_bits == 4) return LaunchPrefillOfBits<KeyKind::kMse3, 4>(head_dim, p, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace tqkv::attention_detail
