@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numbers>
 
 #include "quant/numerics.h"
@@ -189,7 +190,17 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.prefill = options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) &&
                  seq_rows > 64;
   const int64_t cta_rows = plan.prefill ? kPrefillCtaRows : 16 * plan.row_warps;
-  plan.row_tiles = static_cast<int>((seq_rows + cta_rows - 1) / cta_rows);
+  // Row-tile slots: sequence b's tiles take slots from floor(query_start_loc[b] · G / cta_rows) + b
+  // on (attention/attention_tiles.cuh, FindRowTile), so no CTA is launched for the tiles a short
+  // sequence lacks (a mixed call's decode rows beside one long chunk).
+  const int64_t slots = (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows + num_seqs;
+  if (slots * kMaxSplits > std::numeric_limits<int32_t>::max()) {
+    throw InvalidArgument(kWhere, "num_tokens", num_tokens,
+                          fmt::format("at most {} with {} query heads per KV head",
+                                      std::numeric_limits<int32_t>::max() / kMaxSplits / group,
+                                      group));
+  }
+  plan.row_tiles = static_cast<int>(slots);
   // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
   // the context until about two CTAs per SM have work.
   const int64_t busy_ctas =

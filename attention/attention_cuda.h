@@ -85,8 +85,8 @@ struct AttentionPlan {
   // Long chunks in half precision (ChunkPrecision::kHalf): the prefill kernel, 128 query rows per
   // CTA, in place of the chunk kernel (row_warps unused).
   bool prefill = false;
-  // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4), row tiles per (sequence,
-  // KV head), context tokens per split, splits.
+  // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4); row-tile slots per KV head
+  // (every sequence's tiles, and one slot each more), context tokens per split, splits.
   int row_warps = 4;
   int row_tiles = 0;
   int tokens_per_split = 0;

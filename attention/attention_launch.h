@@ -53,7 +53,7 @@ struct ChunkParams {
   int key_data_bytes = 0;   // compressed only
   int num_meta = 0;         // compressed only
   int row_warps = 4;        // 1, 2 or 4 (not 1 at head_dim 256): 16 · row_warps rows per CTA
-  int row_tiles = 0;        // row tiles per (sequence, KV head): grid.x / max_splits
+  int row_tiles = 0;        // row-tile slots (FindRowTile) per KV head: grid.x / max_splits
   int tokens_per_split = 0;  // a multiple of the KV tile
   int max_splits = 0;
   int sliding_window = 0;
@@ -147,8 +147,7 @@ cudaError_t LaunchGatherVerifyRows(const VerifyGroupParams& p, cudaStream_t stre
 cudaError_t LaunchFinishVerifyRows(const VerifyGroupParams& p, cudaStream_t stream);
 cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
-// The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads,
-// num_seqs); cudaErrorInvalidValue for a combination that has none.
+// The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads); cudaErrorInvalidValue for a combination that has none.
 cudaError_t LaunchChunkAttention(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p,
                                  cudaStream_t stream);
 cudaError_t LaunchChunkMerge(const ChunkMergeParams& p, cudaStream_t stream);

@@ -63,6 +63,28 @@ __device__ __forceinline__ float LoadQueryElement(const void* q, DType t, int64_
 
 inline constexpr int kMaxStagedIds = 512;
 
+// The (sequence b, row tile) of row-tile slot x: sequence b's tiles of `rows` rows take the slots
+// from floor(query_start_loc[b] · G / rows) + b on, which strictly increase with b and leave
+// room for its ceil(q_len · G / rows) tiles; a slot past them gets a tile with no rows.
+__device__ __forceinline__ void FindRowTile(const ChunkParams& p, int rows, int x, int& b,
+                                            int& tile) {
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  auto start = [&](int s) {
+    return static_cast<int>(int64_t{p.query_start_loc[s]} * group / rows) + s;
+  };
+  int lo = 0, hi = p.num_seqs - 1;  // the last sequence whose first slot is at or before x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start(mid) <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  b = lo;
+  tile = x - start(lo);
+}
+
 // The shared-memory layout of one CTA: rows of head_dim 16-bit elements at a pitch of
 // 2·D + 16 bytes, so that the 8 row addresses of an ldmatrix phase fall on distinct bank groups.
 // The query is held as kQParts parts (hi, lo; bf16 caches: hi, mid, lo, so that bf16 parts carry
