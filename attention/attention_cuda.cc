@@ -194,10 +194,10 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // on (attention/attention_tiles.cuh, FindRowTile), so no CTA is launched for the tiles a short
   // sequence lacks (a mixed call's decode rows beside one long chunk).
   const int64_t slots = (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows + num_seqs;
-  if (slots * kMaxSplits > std::numeric_limits<int32_t>::max()) {
+  if (slots * kMaxSplits * hk > std::numeric_limits<int32_t>::max()) {
     throw InvalidArgument(kWhere, "num_tokens", num_tokens,
                           fmt::format("at most {} with {} query heads per KV head",
-                                      std::numeric_limits<int32_t>::max() / kMaxSplits / group,
+                                      std::numeric_limits<int32_t>::max() / kMaxSplits / hk / group,
                                       group));
   }
   plan.row_tiles = static_cast<int>(slots);

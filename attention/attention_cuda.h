@@ -9,17 +9,17 @@
 // A plan whose every sequence has exactly one new token (max_q_len 1, num_tokens == num_seqs)
 // and no sliding window runs the decode kernels (attention/decode_cuda.h), and so do the
 // one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
-// tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): each of its
-// query rows as a sequence whose context ends at the row's position. Long chunks (more than 64
+// tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
+// ride beside the GQA heads as decode columns (up to 16 per KV head and pass) over the context
+// they share, and each row's causal tail (the pass's later tokens) is added after. Long chunks (more than 64
 // rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) run the prefill kernel in
 // half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product), unless
 // AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
 // (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
 // dequantized into shared memory, split over the context where the grid would not fill the
 // device, then a log-sum-exp merge of the splits. The workspace holds no
-// dequantized cache: q·Πᵀ for MSE keys, with splits the partial outputs of the step's rows, and
-// for verify rows a copy of each row's block-table row (4 bytes per block, the one part that
-// grows with the context).
+// dequantized cache and nothing that grows with the context: q·Πᵀ for MSE keys, with splits the
+// partial outputs of the step's rows, for verify the pass's gathered queries and decode outputs.
 #pragma once
 
 #include <cstdint>

@@ -330,7 +330,7 @@ struct ChunkCta {
   }
 };
 
-// Grid (row_tiles · max_splits, num_kv_heads): row-tile slots (FindRowTile). The context a tile reads runs from its
+// Grid row_tiles · max_splits · num_kv_heads: (slot, KV head), row-tile slots (FindRowTile). The context a tile reads runs from its
 // first row's window start to its last row's token; a split is tokens_per_split of that. The
 // compressed kinds load the next tile's codes into registers before this tile's MMAs (RawTile);
 // the plain kinds load each tile straight into shared memory.
@@ -338,9 +338,12 @@ template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
 __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkParams p) {
   using Cta = ChunkCta<kKind, kValueBits, kD, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
-  const int split = blockIdx.x / p.row_tiles, h = blockIdx.y;
+  // KV heads vary fastest, so that every head's longest tiles start first.
+  const int h = static_cast<int>(blockIdx.x % p.num_kv_heads);
+  const int slot = static_cast<int>(blockIdx.x / p.num_kv_heads);
+  const int split = slot / p.row_tiles;
   int b, tile;
-  FindRowTile(p, Cta::kRows, blockIdx.x % p.row_tiles, b, tile);
+  FindRowTile(p, Cta::kRows, slot % p.row_tiles, b, tile);
   Cta cta(p, smem, tile, b, h);
   if (cta.row0 >= cta.row_end) return;  // the sequence has fewer rows
   const int first_i = cta.row0 / cta.group, last_i = (cta.row_end - 1) / cta.group;
@@ -399,8 +402,7 @@ cudaError_t LaunchChunk(const ChunkParams& p, cudaStream_t stream) {
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits),
-                  static_cast<unsigned>(p.num_kv_heads));
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
   kernel<<<grid, kWarps * 32, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

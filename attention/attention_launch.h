@@ -147,7 +147,7 @@ cudaError_t LaunchGatherVerifyRows(const VerifyGroupParams& p, cudaStream_t stre
 cudaError_t LaunchFinishVerifyRows(const VerifyGroupParams& p, cudaStream_t stream);
 cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
-// The chunk kernel of (kind, value_bits, head_dim) on grid (row_tiles · max_splits, num_kv_heads); cudaErrorInvalidValue for a combination that has none.
+// The chunk kernel of (kind, value_bits, head_dim) on grid row_tiles · max_splits · num_kv_heads; cudaErrorInvalidValue for a combination that has none.
 cudaError_t LaunchChunkAttention(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p,
                                  cudaStream_t stream);
 cudaError_t LaunchChunkMerge(const ChunkMergeParams& p, cudaStream_t stream);

@@ -383,15 +383,18 @@ struct PrefillCta {
   }
 };
 
-// Grid (row_tiles · max_splits, num_kv_heads), as the chunk kernel's with 128-row tiles.
+// Grid row_tiles · max_splits · num_kv_heads, as the chunk kernel's with 128-row tiles.
 template <KeyKind kKind, int kValueBits, int kD>
 __global__ void __launch_bounds__(kWarps * 32, 2) PrefillAttentionKernel(const ChunkParams p) {
   using Cta = PrefillCta<kKind, kValueBits, kD>;
   using L = typename Cta::L;
   extern __shared__ __align__(16) uint8_t smem[];
-  const int split = blockIdx.x / p.row_tiles, h = blockIdx.y;
+  // KV heads vary fastest, so that every head's longest tiles start first.
+  const int h = static_cast<int>(blockIdx.x % p.num_kv_heads);
+  const int slot = static_cast<int>(blockIdx.x / p.num_kv_heads);
+  const int split = slot / p.row_tiles;
   int b, tile;
-  FindRowTile(p, kPrefillRows, blockIdx.x % p.row_tiles, b, tile);
+  FindRowTile(p, kPrefillRows, slot % p.row_tiles, b, tile);
   Cta cta(p, smem, tile, b);
   if (cta.row0 >= cta.row_end) return;  // the sequence has fewer rows
   const int first_i = cta.row0 / cta.group, last_i = (cta.row_end - 1) / cta.group;
@@ -463,8 +466,7 @@ cudaError_t LaunchPrefill(const ChunkParams& p, cudaStream_t stream) {
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits),
-                  static_cast<unsigned>(p.num_kv_heads));
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
   kernel<<<grid, kWarps * 32, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

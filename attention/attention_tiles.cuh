@@ -65,7 +65,9 @@ inline constexpr int kMaxStagedIds = 512;
 
 // The (sequence b, row tile) of row-tile slot x: sequence b's tiles of `rows` rows take the slots
 // from floor(query_start_loc[b] · G / rows) + b on, which strictly increase with b and leave
-// room for its ceil(q_len · G / rows) tiles; a slot past them gets a tile with no rows.
+// room for its ceil(q_len · G / rows) tiles; a slot past them gets a tile with no rows. The
+// tiles go last first: the causal mask gives a sequence's last tile the most context to read, so
+// the longest CTAs start first and the short ones fill the end of the grid.
 __device__ __forceinline__ void FindRowTile(const ChunkParams& p, int rows, int x, int& b,
                                             int& tile) {
   const int64_t group = p.num_q_heads / p.num_kv_heads;
@@ -82,7 +84,11 @@ __device__ __forceinline__ void FindRowTile(const ChunkParams& p, int rows, int 
     }
   }
   b = lo;
-  tile = x - start(lo);
+  const int k = x - start(lo);
+  const int tiles =
+      static_cast<int>((int64_t{p.query_start_loc[lo + 1] - p.query_start_loc[lo]} * group +
+                        rows - 1) / rows);
+  tile = k < tiles ? tiles - 1 - k : k;
 }
 
 // The shared-memory layout of one CTA: rows of head_dim 16-bit elements at a pitch of
