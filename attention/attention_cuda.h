@@ -89,6 +89,10 @@ struct AttentionPlan {
   // (every sequence's tiles, and one slot each more), context tokens per split, splits.
   int row_warps = 4;
   int row_tiles = 0;
+  // The CTAs' order: every KV head's first (longest, causal) tiles first where the grid is a few
+  // waves of CTAs whose lengths differ (a chunk longer than half its context); otherwise head by
+  // head (measured faster for chunks after a long prefix).
+  bool heads_fastest = false;
   int tokens_per_split = 0;
   int max_splits = 0;
   int64_t workspace_bytes = 0;

@@ -338,9 +338,8 @@ template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
 __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkParams p) {
   using Cta = ChunkCta<kKind, kValueBits, kD, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
-  // KV heads vary fastest, so that every head's longest tiles start first.
-  const int h = static_cast<int>(blockIdx.x % p.num_kv_heads);
-  const int slot = static_cast<int>(blockIdx.x / p.num_kv_heads);
+  int h, slot;
+  SlotOfBlock(p, h, slot);
   const int split = slot / p.row_tiles;
   int b, tile;
   FindRowTile(p, Cta::kRows, slot % p.row_tiles, b, tile);

@@ -58,6 +58,9 @@ struct ChunkParams {
   int max_splits = 0;
   int sliding_window = 0;
   float score_scale = 0.0f;  // softmax scale · log2(e)
+  // The grid's order (SlotOfBlock): 0 by KV head; 1 every head's longest tiles first (AttentionPlan::
+  // heads_fastest).
+  int heads_fastest = 0;
   // Leave sequences of one new token alone (a mixed call runs them on the decode kernels).
   int skip_single = 0;
 };

@@ -389,9 +389,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PrefillAttentionKernel(const C
   using Cta = PrefillCta<kKind, kValueBits, kD>;
   using L = typename Cta::L;
   extern __shared__ __align__(16) uint8_t smem[];
-  // KV heads vary fastest, so that every head's longest tiles start first.
-  const int h = static_cast<int>(blockIdx.x % p.num_kv_heads);
-  const int slot = static_cast<int>(blockIdx.x / p.num_kv_heads);
+  int h, slot;
+  SlotOfBlock(p, h, slot);
   const int split = slot / p.row_tiles;
   int b, tile;
   FindRowTile(p, kPrefillRows, slot % p.row_tiles, b, tile);

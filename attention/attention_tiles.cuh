@@ -63,6 +63,19 @@ __device__ __forceinline__ float LoadQueryElement(const void* q, DType t, int64_
 
 inline constexpr int kMaxStagedIds = 512;
 
+// The KV head and row-tile slot of this CTA: by head (all of head 0's slots, then head 1's), or with
+// heads_fastest every head's slot 0, then every head's slot 1, ... (ChunkParams::heads_fastest).
+__device__ __forceinline__ void SlotOfBlock(const ChunkParams& p, int& h, int& slot) {
+  const int x = static_cast<int>(blockIdx.x);
+  if (p.heads_fastest) {
+    h = x % p.num_kv_heads;
+    slot = x / p.num_kv_heads;
+  } else {
+    h = x / (p.row_tiles * p.max_splits);
+    slot = x % (p.row_tiles * p.max_splits);
+  }
+}
+
 // The (sequence b, row tile) of row-tile slot x: sequence b's tiles of `rows` rows take the slots
 // from floor(query_start_loc[b] · G / rows) + b on, which strictly increase with b and leave
 // room for its ceil(q_len · G / rows) tiles; a slot past them gets a tile with no rows. The
