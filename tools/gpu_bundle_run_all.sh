@@ -60,12 +60,12 @@ run_one() {  # run_one KIND PATH [ARGS...]; KIND test, bench or sanitize:TOOL
 # in minutes: decode's 4bit_nc staged and k8v4 kernels with the merge (ChainedCalls), k3v4_nc's
 # hi-only, exact and narrow kernels (K3v4Codebook), the launcher's checks; the store's graph,
 # slot-validation, non-finite, MMA-path and binary-search tests and the GEMM path's precisions;
-# attention's mixed step (decode rows on the decode kernels, chunk kernel, splits and merge) and
-# sliding windows; every test of the others.
+# attention's mixed step (decode rows on the decode kernels, chunk kernel, splits and merge),
+# sliding windows and the prefill kernel; every test of the others.
 sanitize_filter() {
   case "$1" in
     *decode_cuda_test) echo 'CudaDecodeTest.ChainedCalls*:CudaDecodeTest.K3v4Codebook*:CudaDecodeTest.BadArguments*' ;;
-    *attention_cuda_test) echo 'CudaAttentionTest.SplitsMerge*:CudaAttentionTest.SlidingWindow*:CudaAttentionTest.PlanAndRun*' ;;
+    *attention_cuda_test) echo 'CudaAttentionTest.SplitsMerge*:CudaAttentionTest.SlidingWindow*:CudaAttentionTest.PrefillKernel*:CudaAttentionTest.PlanAndRun*' ;;
     *store_cuda_test) echo 'StoreCudaTest.GraphCapture*:StoreCudaTest.OutOfRange*:StoreCudaTest.NonFinite*:StoreCudaTest.SmallWorkspace*:StoreCudaTest.MmaPath*:StoreCudaTest.CloseMidpoints*:StoreCudaTest.Fp32AccurateGemm*' ;;
     # Timing assertions do not hold under a sanitizer; the sim test runs 3 sims (racecheck: >100 s).
     *cuda_runtime_test) echo '*:-CudaRuntimeTest.EventsMeasureTime' ;;
