@@ -223,9 +223,9 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                     (max_len + kMaxSplits - 1) / kMaxSplits, max_len, kMaxSplits));
   }
   plan.max_splits = static_cast<int>(splits);
-  // H200, 4bit_nc (bf16 cache): head by head 2,048 after 0 570.7 µs (356.4) and 8,192 after 0
-  // 4,316 (2,988) against heads fastest 480.1 (258.7) and 4,698 (2,971), but 2,048 after 32k
-  // 7,714 (5,806) against 9,087 (5,668).
+  // The grid's order. H200, one call, 4bit_nc (bf16 cache): heads fastest at 2,048 after 0 437 µs
+  // (259) and the mixed step 548 (531), head by head 573 (356) and 685 (642); heads fastest for
+  // every shape cost 4bit_nc 15-20 % after 32k-128k and 9 % at 8,192 after 0 (many waves).
   const int64_t ctas = busy_ctas * splits;
   plan.heads_fastest =
       max_len <= 2 * int64_t{max_q_len} && ctas <= 4 * 2 * int64_t{std::max(1, s.sm_count)};
