@@ -250,8 +250,10 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.decode_rows = false;
     plan.verify_pass_rows = std::min(max_q_len, std::max(1, options.verify_max_group / group));
     plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
+    DecodeOptions decode = options.decode;
+    decode.half = options.verify_precision == ChunkPrecision::kHalf;
     plan.decode_plan = s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group,
-                                      max_blocks_per_seq, options.decode);
+                                      max_blocks_per_seq, decode);
     decode_bytes = VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8, d).Total();
   }
   const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);

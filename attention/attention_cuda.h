@@ -33,8 +33,9 @@
 
 namespace tqkv {
 
-// The numerics of long chunks (prefill, prefix-hit continuations: more than 64 query rows — new
-// tokens × GQA heads — per sequence, head_dim 64 or 128).
+// The numerics of several new tokens per sequence: long chunks (prefill, prefix-hit continuations:
+// more than 64 query rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) and verify
+// passes (AttentionOptions::chunk_precision, ::verify_precision).
 enum class ChunkPrecision : uint8_t {
   // The prefill kernel (attention/attention_prefill.cuh): one MMA per product, the query, the
   // keys and P rounded once to fp16 (bf16 for a bf16 cache), as FlashAttention computes: about
@@ -61,6 +62,12 @@ struct AttentionOptions {
   int verify_max_group = 16;
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
+  // The numerics of verify passes (verify_max_q_len) on a compressed cache wherever a pass has
+  // more than 4 decode columns per KV head: kHalf runs the decode kernels' half-precision
+  // variant (DecodeOptions::half: one MMA per product, the query, the centroids and P rounded
+  // once to fp16; a third of the hi + lo kernel's MMAs), kExact the decode's fp32-level numerics.
+  // Passes of up to 4 columns, and bf16/fp16 caches, keep the decode kernels' numerics either way.
+  ChunkPrecision verify_precision = ChunkPrecision::kHalf;
 };
 
 struct AttentionPlan {

@@ -57,13 +57,16 @@ struct Errors {
   double decode_out = 0, decode_lse = 0;  // rows of one-token sequences
   int64_t bad = 0;                        // NaN / inf / unwritten
   bool prefill = false;                   // the plan ran the prefill kernel
+  bool half_verify = false;               // verify passes on the half-precision decode kernel
 };
 
-// The tests below hold the chunk kernel to the decode kernels' bounds: long chunks too (which
-// run the prefill kernel in half precision by default; PrefillKernelInHalfPrecision tests that).
+// The tests below hold the chunk kernel and verify passes to the decode kernels' bounds: long
+// chunks and verify passes too (which run in half precision by default;
+// PrefillKernelInHalfPrecision and VerifyInHalfPrecision test that).
 AttentionOptions ExactChunks() {
   AttentionOptions o;
   o.chunk_precision = ChunkPrecision::kExact;
+  o.verify_precision = ChunkPrecision::kExact;
   return o;
 }
 
@@ -162,6 +165,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   }
   Errors e;
   e.prefill = plan.prefill;
+  e.half_verify = plan.verify_rows && plan.decode_plan.variant.half;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
       ++e.bad;
@@ -488,6 +492,52 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
   const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
   EXPECT_FALSE(e.prefill);
   ExpectWithin(e, kLseTol, "exact");
+}
+
+// Verify passes in half precision (the default, ChunkPrecision::kHalf): a compressed cache's
+// passes of more than 4 columns (new tokens × GQA heads per KV head) run the decode kernels'
+// half-precision variant, held to the prefill kernel's fp16 bounds (the same roundings: query,
+// centroids and P' once to fp16); every preset, head_dim 64/128/256, GQA groups 1-8, every block
+// size, passes of 16 and 8 columns, bf16 I/O. Passes of up to 4 columns keep the decode bounds.
+TEST(CudaAttentionTest, VerifyInHalfPrecision) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
+  const int groups[] = {1, 2, 3, 4, 5, 8};
+  int k = 0;
+  double worst_lse = 0, worst_out = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = groups[k % 6], hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, 950 + k);
+      for (int max_group : {16, 8, 4}) {
+        Case c{.quantizer = &q, .io = k % 3 == 0 ? DType::kBF16 : DType::kF32};
+        c.options.verify_precision = ChunkPrecision::kHalf;
+        c.options.verify_max_group = max_group;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        const int columns = group * std::min(8, std::max(1, max_group / group));
+        const std::string what =
+            fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset,
+                        d, group, bs, columns, DTypeName(c.io), e.decode_out, e.decode_lse);
+        EXPECT_EQ(e.half_verify, columns > 4) << what;
+        EXPECT_EQ(e.bad, 0) << what;
+        const double io_out = c.io == DType::kBF16 ? 0.0039 : 0.0;
+        if (columns > 4) {
+          const HalfBounds b = HalfBoundsOf(false);
+          EXPECT_LE(e.decode_lse, b.lse) << what;
+          EXPECT_LE(e.decode_out, b.out + io_out) << what;
+          worst_lse = std::max(worst_lse, e.decode_lse);
+          worst_out = std::max(worst_out, e.decode_out);
+        } else {
+          const DecodeBounds b = DecodeBoundsOf(preset);
+          EXPECT_LE(e.decode_lse, b.lse) << what;
+          EXPECT_LE(e.decode_out, b.out + io_out) << what;
+        }
+      }
+    }
+  }
+  std::printf("half-precision verify, worst: out %.2e lse %.2e\n", worst_out, worst_lse);
 }
 
 TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {

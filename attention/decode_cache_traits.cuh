@@ -101,6 +101,18 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
     LutLoad(Addr<kB0>(w[kB0 / 4], lane_word), a[0], a[1]);
     LutLoad(Addr<kB1>(w[kB1 / 4], lane_word), a[2], a[3]);
   }
+  // The half-precision kernels' A fragment of k-step s for two tokens (words wg: row g, w8: row
+  // g + 8): the c_hi pairs of the hi + lo table.
+  template <int kS>
+  __device__ __forceinline__ static void KeyFragHi(const uint32_t (&wg)[kKeyWords],
+                                                   const uint32_t (&w8)[kKeyWords],
+                                                   uint32_t lane_word, uint32_t (&a)[4]) {
+    constexpr int kB0 = 2 * kS, kB1 = 2 * kS + 1;
+    a[0] = LutLoadHi(Addr<kB0>(wg[kB0 / 4], lane_word));
+    a[1] = LutLoadHi(Addr<kB0>(w8[kB0 / 4], lane_word));
+    a[2] = LutLoadHi(Addr<kB1>(wg[kB1 / 4], lane_word));
+    a[3] = LutLoadHi(Addr<kB1>(w8[kB1 / 4], lane_word));
+  }
 };
 
 template <int kValueBits, int kD>
@@ -117,7 +129,8 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
     LutLoad(((Bits<12 * kS, 6>(w) << 8) | lane_word), a[0], a[1]);
     LutLoad(((Bits<12 * kS + 6, 6>(w) << 8) | lane_word), a[2], a[3]);
   }
-  // Hi-only A fragment of k-step s for two tokens (words wg: row g, w8: row g + 8): c_hi pairs.
+  // Hi-only A fragment of k-step s for two tokens (words wg: row g, w8: row g + 8): c_hi pairs
+  // (of the hi-only table or, for the half-precision kernels, of the hi + lo table).
   template <int kS>
   __device__ __forceinline__ static void KeyFragHi(const uint32_t (&wg)[kKeyWords],
                                                    const uint32_t (&w8)[kKeyWords],

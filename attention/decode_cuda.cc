@@ -30,10 +30,11 @@ struct CudaDecoder::State {
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  // By staged (DecodeOptions::staged) and GQA group, filled on first use (0 = not yet asked).
-  int resident_per_sm[2][17] = {};
-  bool staged[2][17] = {};
-  int narrow_resident_per_sm[2][17] = {};
+  // By 2 · half + staged (DecodeOptions::half, ::staged) and GQA group, filled on first use (0 =
+  // not yet asked).
+  int resident_per_sm[4][17] = {};
+  bool staged[4][17] = {};
+  int narrow_resident_per_sm[4][17] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
   // come out α times too large and the softmax scale is divided by α. codebook_hi_only: 3-bit keys
   // whose α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel's hi-only twin may
@@ -122,12 +123,13 @@ CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {
   return decode_detail::ChooseSplitVariant(
       state_->key_kind, state_->bf16 ? 16 : state_->format.value_bits, head_dim(), group,
-      {plan.staged, plan.narrow, plan.hi_only, plan.one_cta});
+      {plan.staged, plan.narrow, plan.hi_only, plan.one_cta, plan.half});
 }
 
-SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged) const {
+SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool half) const {
   using decode_detail::KeyKind;
-  int& resident = state_->resident_per_sm[staged][group];
+  const int k = 2 * int{half} + int{staged};
+  int& resident = state_->resident_per_sm[k][group];
   if (resident == 0) {
     int fit = 1, narrow_fit = 0;
     const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
@@ -135,26 +137,28 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged) const {
     // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
     // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
     const decode_detail::MaybeSplitVariant wide = decode_detail::ChooseSplitVariant(
-        state_->key_kind, value_bits, head_dim(), group, {staged, false, true, false});
+        state_->key_kind, value_bits, head_dim(), group, {staged, false, true, false, half});
     [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
         decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
-                                          {staged, true, false, false});
+                                          {staged, true, false, false, half});
     TQKV_CHECK(wide.ok);
 #if TQKV_HAVE_CUDA
     TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
     if (narrow.ok)
       TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(narrow.variant, &narrow_fit));
 #endif
-    state_->staged[staged][group] = wide.variant.staged();
-    state_->narrow_resident_per_sm[staged][group] = narrow_fit;
+    state_->staged[k][group] = wide.variant.staged();
+    state_->narrow_resident_per_sm[k][group] = narrow_fit;
     resident = std::max(fit, 1);
   }
-  SplitKernelOccupancy o{resident, state_->staged[staged][group], state_->bf16,
-                         state_->narrow_resident_per_sm[staged][group]};
+  SplitKernelOccupancy o{resident, state_->staged[k][group], state_->bf16,
+                         state_->narrow_resident_per_sm[k][group]};
   // The 8-warp staged kernel of 3-bit keys and its hi-only twin (SplitVariant::hi_only), for a
   // codebook close enough to fp16.
-  o.hi_only =
-      !state_->bf16 && state_->key_kind == KeyKind::kMse3 && o.staged && state_->codebook_hi_only;
+  // (Packed kernels only: GQA groups up to 4; larger groups' staged kernels are the half-precision
+  // ones, which have no twins.)
+  const bool packed = !state_->bf16 && group <= 4;
+  o.hi_only = packed && state_->key_kind == KeyKind::kMse3 && o.staged && state_->codebook_hi_only;
   // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
   // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
   o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
@@ -165,7 +169,7 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged) const {
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
     // Its 8-warp staged kernel's twin compiled for one CTA per SM (SplitVariant::one_cta).
-    o.one_cta_twin = o.staged;
+    o.one_cta_twin = o.staged && packed;
   }
   return o;
 }
@@ -357,7 +361,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
               kMaxSplitTokens, kMaxSplits, max_len));
     }
   }
-  SplitKernelOccupancy occupancy = SplitOccupancy(num_q_heads / hk, options.staged);
+  SplitKernelOccupancy occupancy = SplitOccupancy(num_q_heads / hk, options.staged, options.half);
   occupancy.one_cta_twin = occupancy.one_cta_twin && options.one_cta_twin;
   const SplitLayout layout = ChooseSplitLayout(max_len, int64_t{num_seqs} * hk, state_->sm_count,
                                                occupancy, tokens_per_split, options.narrow);
@@ -372,6 +376,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.hi_only = layout.hi_only;
   plan.one_cta = layout.one_cta;
   plan.staged = options.staged;
+  plan.half = options.half;
   plan.dependent_launch = options.dependent_launch;
   const decode_detail::MaybeSplitVariant variant = Variant(num_q_heads / hk, plan);
   TQKV_CHECK(variant.ok);  // the layouts come from this cache's occupancy
@@ -421,7 +426,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
   const SplitKernelOccupancy variants =
-      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged);
+      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half);
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (the narrow split kernel serves "
@@ -445,8 +450,9 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   if (!variant.ok || !(variant.variant == plan.variant)) {
     throw Error(
         fmt::format("{}: the plan's variant does not match its choices (narrow {}, "
-                    "hi_only {}, one_cta {}, staged {}); make plans with CudaDecoder::Plan",
-                    kWhere, plan.narrow, plan.hi_only, plan.one_cta, plan.staged));
+                    "hi_only {}, one_cta {}, staged {}, half {}); make plans with "
+                    "CudaDecoder::Plan",
+                    kWhere, plan.narrow, plan.hi_only, plan.one_cta, plan.staged, plan.half));
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;

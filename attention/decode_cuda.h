@@ -77,6 +77,11 @@ struct DecodeOptions {
   // false: the split kernel as an ordinary launch instead of a programmatic dependent of the
   // kernel before it.
   bool dependent_launch = true;
+  // true: compressed caches at GQA groups above 4 (speculative verify's passes put new tokens
+  // beside the GQA heads) run the half-precision kernels (decode_detail::SplitVariant::half: the
+  // query, the centroids and P' rounded once to fp16, as FlashAttention rounds) instead of the
+  // hi + lo products' fp32-level scores; a third of the MMAs. Elsewhere ignored.
+  bool half = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -117,6 +122,7 @@ struct DecodePlan {
   bool hi_only = false;      // 3-bit keys: the hi-only twin (with narrow: paired CTAs; SplitLayout)
   bool one_cta = false;      // 4-bit keys: the one-CTA-per-SM twin (SplitLayout)
   bool staged = true;        // DecodeOptions::staged
+  bool half = false;         // DecodeOptions::half
   bool dependent_launch = true;  // DecodeOptions::dependent_launch
   // The split kernel these choices select (decode_detail::ChooseSplitVariant).
   decode_detail::SplitVariant variant;
@@ -166,7 +172,7 @@ class CudaDecoder {
 
  private:
   // How the split kernel for a GQA group occupies an SM (cached), staged or not.
-  SplitKernelOccupancy SplitOccupancy(int group, bool staged) const;
+  SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).
   decode_detail::MaybeSplitVariant Variant(int group, const DecodePlan& plan) const;
 

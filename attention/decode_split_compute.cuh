@@ -40,7 +40,8 @@ struct SplitCompute {
   static constexpr int kVW = Traits::kValueWords;
   static constexpr bool kCodebook = Traits::kLutEntries > 0;
   static constexpr bool kHiOnly = Config::kHiOnly;
-  static constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
+  static constexpr bool kHalf = Config::kHalf;
+  static constexpr int kQParts = Config::kQParts;
 
   const SplitParams& p;
   const int& begin;
@@ -72,8 +73,10 @@ struct SplitCompute {
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
     // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
+    // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1 for every kind, chains k = k-step parity.)
     constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
                            : Traits::kPlain ? 1
+                           : kHalf          ? 2
                                             : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
@@ -90,6 +93,17 @@ struct SplitCompute {
         uint32_t a[4];
         Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
         MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
+      } else if constexpr (kHalf) {
+        uint32_t a[4];
+        if constexpr (kCodebook) {
+          Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
+        } else {
+          Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          MmaF16(sp[ks & 1][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+        }
       } else if constexpr (kCodebook) {
         uint32_t a0[4], a1[4];
         Traits::template KeyFragHiLo<ks>(cur.kg, lane_word, a0);
@@ -200,7 +214,7 @@ struct SplitCompute {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float sum;
-          if constexpr (kCodebook) {
+          if constexpr (kCodebook && !kHalf) {
             const int half = i / 2, j = i % 2;  // token 2g + half, head 2t + j
             sum = (sp[2 * half][nt][j] + sp[2 * half][nt][j + 2]) +
                   (sp[2 * half + 1][nt][j] + sp[2 * half + 1][nt][j + 2]);
@@ -259,6 +273,9 @@ struct SplitCompute {
           uint32_t packed, packed_lo = 0;
           if constexpr (Traits::kPlain) {  // P' in the cache's type, as flash-attention rounds it
             packed = PackPlain<Traits::kFp16>(pw[2 * r], pw[2 * r + 1]);
+          } else if constexpr (kHalf) {
+            const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+            packed = *reinterpret_cast<const uint32_t*>(&x);
           } else {
             const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
             const __half2 y =
@@ -267,7 +284,7 @@ struct SplitCompute {
             packed_lo = *reinterpret_cast<const uint32_t*>(&y);
           }
           pb[nt][r] = Transpose8x8(packed);
-          pb_lo[nt][r] = Traits::kPlain ? 0u : Transpose8x8(packed_lo);
+          pb_lo[nt][r] = Traits::kPlain || kHalf ? 0u : Transpose8x8(packed_lo);
         }
       }
     }
@@ -296,7 +313,7 @@ struct SplitCompute {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
             MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
-            if constexpr (!kPacked) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+            if constexpr (!kPacked && !kHalf) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });
@@ -312,7 +329,7 @@ struct SplitCompute {
             MmaPlain<Traits::kFp16>(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
           } else {
             MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
-            if constexpr (!kPacked) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+            if constexpr (!kPacked && !kHalf) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });

@@ -167,7 +167,7 @@ struct SplitKernelConfig {
   // the cache's type in the first array), rows past the group zero, after everything else (the
   // prologue writes them while the first chunks' copies land in the stages).
   static constexpr int kQueryOffset = kLutBytes > kMergeBytes ? kLutBytes : kMergeBytes;
-  static constexpr int kQueryHeads = kStaged && !kPlainStaged ? 4 : 8 * kNTiles;  // per unit
+  static constexpr int kQueryHeads = kStaged && V.packed ? 4 : 8 * kNTiles;  // per unit
   // The 8-warp staged compressed kernels: the split's block ids (int32, after the query rows):
   // at most one per 16 tokens, one more for a split that starts inside a block, and room for
   // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
@@ -180,6 +180,12 @@ struct SplitKernelConfig {
   static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
   // Scores from the codebook's hi parts alone (SplitVariant::hi_only).
   static constexpr bool kHiOnly = V.hi_only;
+  // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
+  static constexpr bool kHalf = V.half;
+  // The query's fp16 parts in the score MMA's B fragments: hi and lo, except where the plain
+  // kinds take the cache's type, the packed kernels put lo in a column of its own and the
+  // half-precision kernels drop it.
+  static constexpr int kQParts = IsPlain(kKind) || V.packed || V.half ? 1 : 2;
   static_assert(V.cta_warps() == kCtaWarps && V.units() == kUnits);
 };
 
@@ -190,11 +196,14 @@ struct SplitKernelConfig {
 // capped at 128 for four they spilled and ran 20-35 % slower (measured, k3v4_nc and k8v4), and
 // the 4-bit table (64 KB) allows three anyway. Staged kernels: two bf16 CTAs; 16 compressed
 // warps per SM, or one CTA per SM for the one_cta twin (up to 255 registers instead of 128:
-// ptxas takes 151, the loop keeps its length; 3-5 % faster where a split grid fits the SMs).
+// ptxas takes 151, the loop keeps its length; 3-5 % faster where a split grid fits the SMs), and
+// one for the half-precision staged kernels (8 warps holding up to two N tiles of accumulators).
 template <SplitVariant V>
 constexpr int kSplitMinCtas = V.staged()
-                                  ? (IsPlain(V.kind) ? 2 : (V.one_cta ? 1 : 16 / V.cta_warps()))
-                              : (V.n_tiles != 1 || V.head_dim > 128) ? 1
+                                  ? (IsPlain(V.kind) ? 2
+                                     : (V.one_cta || V.half) ? 1
+                                                             : 16 / V.cta_warps())
+                              : ((V.n_tiles != 1 && !V.half) || V.head_dim > 128) ? 1
                               : IsPlain(V.kind)                      ? 4
                                                                      : 3;
 }  // namespace tqkv::decode_detail

@@ -91,8 +91,9 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   constexpr bool kPaired = Config::kPaired;
   constexpr int kSW = Config::kSW;
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
-  static_assert(!kStaged || HasStagedKernel(kKind, kValueBits, kD, kPacked));
+  static_assert(!kStaged || HasStagedKernel(kKind, kValueBits, kD, kPacked, V.half));
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4));
+  static_assert(!V.half || (!kPacked && !IsPlain(kKind)));
   static_assert(!V.hi_only || (kStaged && kKind == KeyKind::kMse3 && kSW == kStagedWarps));
   static_assert(!kPaired || (kStaged && !IsPlain(kKind) && kSW == kStagedWarps));
   static_assert(!V.one_cta ||
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the codebook kinds the
   // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The plain kinds use
   // the query rounded to the cache's type (exact for a query of that type).
-  constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
+  constexpr int kQParts = Config::kQParts;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
   const SplitPrologue<V> finish_prologue{p,     unit,         warp,  lane,   b,       h,
                                          group, q_prefetched, q_pre, q_sign, entries, num_ids,

@@ -37,7 +37,7 @@ struct SplitPrologue {
   // Codebook entries and block ids a thread carries from the kernel's start to here.
   static constexpr int kEntriesPerThread = (Traits::kLutEntries + kT - 1) / kT;
   static constexpr int kIdsPerThread = (Config::kMaxIds + kT - 1) / kT;
-  static constexpr int kQParts = Traits::kPlain || kPacked ? 1 : 2;
+  static constexpr int kQParts = Config::kQParts;
 
   const SplitParams& p;
   const int &unit, &warp, &lane, &b, &h, &group;

@@ -41,6 +41,11 @@ struct SplitVariant {
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
+  // Unpacked compressed kernels (GQA group > 4: speculative verify's passes, new tokens beside the
+  // GQA heads): the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one
+  // score MMA per k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention
+  // rounds (a third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
+  bool half = false;
 
   constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
   // Warps per CTA, and KV heads per CTA.
@@ -57,7 +62,7 @@ struct SplitVariant {
     return static_cast<uint32_t>(kind) | static_cast<uint32_t>(value_bits) << 3 |
            static_cast<uint32_t>(head_dim) << 8 | static_cast<uint32_t>(n_tiles) << 17 |
            uint32_t{packed} << 19 | static_cast<uint32_t>(pipeline) << 20 |
-           uint32_t{hi_only} << 22 | uint32_t{one_cta} << 23;
+           uint32_t{hi_only} << 22 | uint32_t{one_cta} << 23 | uint32_t{half} << 24;
   }
   static constexpr SplitVariant FromCode(uint32_t c) {
     return {static_cast<KeyKind>(c & 7u),
@@ -67,7 +72,8 @@ struct SplitVariant {
             ((c >> 19) & 1u) != 0,
             static_cast<SplitPipeline>((c >> 20) & 3u),
             ((c >> 22) & 1u) != 0,
-            ((c >> 23) & 1u) != 0};
+            ((c >> 23) & 1u) != 0,
+            ((c >> 24) & 1u) != 0};
   }
 };
 
@@ -77,6 +83,7 @@ struct SplitChoice {
   bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys)
   bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
+  bool half = false;     // compressed kinds, GQA group > 4: the half-precision kernel
 };
 
 // A variant, or none (ok = false) where no kernel serves that combination.
@@ -86,9 +93,10 @@ struct MaybeSplitVariant {
 };
 
 // Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
-// kinds' packed layout, GQA group <= 4).
-constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed) {
-  return (packed && head_dim == 128 && value_bits == 4 &&
+// kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4).
+constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
+                               bool half = false) {
+  return ((packed || half) && head_dim == 128 && value_bits == 4 &&
           (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
@@ -130,14 +138,15 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {true, v};
   }
   v.n_tiles = group <= 8 ? 1 : 2;
-  if (HasStagedKernel(kind, value_bits, head_dim, false) && c.staged) {
+  v.half = c.half && !IsPlain(kind);
+  if (HasStagedKernel(kind, value_bits, head_dim, false, v.half) && c.staged) {
     v.pipeline = SplitPipeline::kStaged;
   }
   return {true, v};
 }
 
 // Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
-inline constexpr int kMaxVariantsPerKind = 32;
+inline constexpr int kMaxVariantsPerKind = 48;
 struct SplitVariantList {
   std::array<SplitVariant, kMaxVariantsPerKind> items{};
   int size = 0;
@@ -147,9 +156,9 @@ constexpr SplitVariantList SplitVariantsOf(KeyKind kind) {
   for (int bits : {3, 4, 16}) {
     for (int d : {64, 128, 256}) {
       for (int group = 1; group <= 16; ++group) {
-        for (int choice = 0; choice < 16; ++choice) {
+        for (int choice = 0; choice < 32; ++choice) {
           const SplitChoice c{(choice & 1) != 0, (choice & 2) != 0, (choice & 4) != 0,
-                              (choice & 8) != 0};
+                              (choice & 8) != 0, (choice & 16) != 0};
           const MaybeSplitVariant m = ChooseSplitVariant(kind, bits, d, group, c);
           if (!m.ok) continue;
           bool seen = false;

@@ -191,6 +191,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     AttentionOptions options;
     options.decode_kernels = s.decode_kernels;
     options.chunk_precision = s.precision;
+    options.verify_precision = s.precision;
     options.verify_max_group = s.verify_max_group;
     const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
@@ -282,8 +283,10 @@ int Main(int argc, char** argv) {
           Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
     }
   }
-  // Long chunks on the chunk kernel's fp32-level numerics (ChunkPrecision::kExact), for the ratio.
-  for (const char* name : {"prefill 2048 +0k", "prefill 2048 +32k"}) {
+  // Long chunks and verify passes at fp32-level numerics (ChunkPrecision::kExact: the chunk
+  // kernel, the decode kernels' hi + lo products), for the ratio.
+  for (const char* name :
+       {"verify 64x4k q4", "verify 64x4k q8", "prefill 2048 +0k", "prefill 2048 +32k"}) {
     for (const Shape& s : std::vector<Shape>(shapes)) {
       if (s.name != name) continue;
       Shape exact = s;
