@@ -62,11 +62,12 @@ struct AttentionOptions {
   int verify_max_group = 16;
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
-  // The numerics of verify passes (verify_max_q_len) on a compressed cache wherever a pass has
-  // more than 4 decode columns per KV head: kHalf runs the decode kernels' half-precision
-  // variant (DecodeOptions::half: one MMA per product, the query, the centroids and P rounded
-  // once to fp16; a third of the hi + lo kernel's MMAs), kExact the decode's fp32-level numerics.
-  // Passes of up to 4 columns, and bf16/fp16 caches, keep the decode kernels' numerics either way.
+  // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
+  // 128 wherever a pass has more than 4 decode columns per KV head: kHalf runs the decode
+  // kernels' half-precision variant (DecodeOptions::half: one MMA per product, the query, the
+  // centroids and P rounded once to fp16; a third of the hi + lo kernel's MMAs), kExact the
+  // decode's fp32-level numerics. Other caches and head dims, and passes of up to 4 columns, keep
+  // the decode kernels' numerics either way.
   ChunkPrecision verify_precision = ChunkPrecision::kHalf;
 };
 

@@ -77,7 +77,8 @@ struct CompressedValues {
 // byte) | 8·(lane mod 16). 16 replicas suffice: lanes l and l + 16 share one but sit in different
 // half-warp wavefronts of the 64-bit load (ncu: 0.3 % of shared-load wavefronts
 // conflict). The second 128 bytes of every 256-byte row hold the staged kernels' stages 0-1.
-// (The hi-only kernel, Config::kHiOnly, keeps 32 replicas of the hi pair alone at 256·e + 4·l.)
+// (The hi-only and half-precision kernels, Config::kHiTable, keep 32 replicas of the hi pair
+// alone at 256·e + 4·l.)
 
 template <int kValueBits, int kD>
 struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits, kD> {
@@ -102,7 +103,7 @@ struct CacheTraits<KeyKind::kMse4, kValueBits, kD> : CompressedValues<kValueBits
     LutLoad(Addr<kB1>(w[kB1 / 4], lane_word), a[2], a[3]);
   }
   // The half-precision kernels' A fragment of k-step s for two tokens (words wg: row g, w8: row
-  // g + 8): the c_hi pairs of the hi + lo table.
+  // g + 8): c_hi pairs.
   template <int kS>
   __device__ __forceinline__ static void KeyFragHi(const uint32_t (&wg)[kKeyWords],
                                                    const uint32_t (&w8)[kKeyWords],
@@ -129,8 +130,7 @@ struct CacheTraits<KeyKind::kMse3, kValueBits, kD> : CompressedValues<kValueBits
     LutLoad(((Bits<12 * kS, 6>(w) << 8) | lane_word), a[0], a[1]);
     LutLoad(((Bits<12 * kS + 6, 6>(w) << 8) | lane_word), a[2], a[3]);
   }
-  // Hi-only A fragment of k-step s for two tokens (words wg: row g, w8: row g + 8): c_hi pairs
-  // (of the hi-only table or, for the half-precision kernels, of the hi + lo table).
+  // Hi-only A fragment of k-step s for two tokens (words wg: row g, w8: row g + 8): c_hi pairs.
   template <int kS>
   __device__ __forceinline__ static void KeyFragHi(const uint32_t (&wg)[kKeyWords],
                                                    const uint32_t (&w8)[kKeyWords],

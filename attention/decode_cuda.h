@@ -77,10 +77,11 @@ struct DecodeOptions {
   // false: the split kernel as an ordinary launch instead of a programmatic dependent of the
   // kernel before it.
   bool dependent_launch = true;
-  // true: compressed caches at GQA groups above 4 (speculative verify's passes put new tokens
-  // beside the GQA heads) run the half-precision kernels (decode_detail::SplitVariant::half: the
-  // query, the centroids and P' rounded once to fp16, as FlashAttention rounds) instead of the
-  // hi + lo products' fp32-level scores; a third of the MMAs. Elsewhere ignored.
+  // true: 4-bit and 3-bit keys with 4-bit values (4bit_nc, k3v4_nc) at head_dim 128 and GQA
+  // groups above 4 (speculative verify's passes put new tokens beside the GQA heads) run the
+  // staged half-precision kernels (decode_detail::SplitVariant::half: the query, the centroids and
+  // P' rounded once to fp16, as FlashAttention rounds) instead of the hi + lo products'
+  // fp32-level scores; a third of the MMAs. Elsewhere (and with staged = false) ignored.
   bool half = false;
 };
 

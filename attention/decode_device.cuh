@@ -82,7 +82,7 @@ __device__ __forceinline__ void LutLoad(uint32_t addr, uint32_t& hi, uint32_t& l
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2+1024];\n" : "=r"(hi), "=r"(lo) : "r"(addr));
   static_assert(kSmemStart == 1024);
 }
-// The c_hi pair of a table entry alone (the hi-only kernel's layout, 4 bytes per lane).
+// The c_hi pair of a table entry alone (Config::kHiTable layout, 4 bytes per lane).
 __device__ __forceinline__ uint32_t LutLoadHi(uint32_t addr) {
   uint32_t hi;
   asm volatile("ld.shared.u32 %0, [%1+1024];\n" : "=r"(hi) : "r"(addr));

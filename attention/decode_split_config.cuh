@@ -182,6 +182,11 @@ struct SplitKernelConfig {
   static constexpr bool kHiOnly = V.hi_only;
   // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
   static constexpr bool kHalf = V.half;
+  // The codebook table holds the hi pairs alone, 32 replicas (4-byte lookups in one wavefront;
+  // the hi + lo table's 16 replicas put lanes l and l + 16 on one bank: ncu, half-precision
+  // verify at 64 × 4k, 27 % of shared-load wavefronts were conflicts, and the shared-memory
+  // pipe at 74 % was the kernel's bound).
+  static constexpr bool kHiTable = kHiOnly || kHalf;
   // The query's fp16 parts in the score MMA's B fragments: hi and lo, except where the plain
   // kinds take the cache's type, the packed kernels put lo in a column of its own and the
   // half-precision kernels drop it.
@@ -197,12 +202,14 @@ struct SplitKernelConfig {
 // the 4-bit table (64 KB) allows three anyway. Staged kernels: two bf16 CTAs; 16 compressed
 // warps per SM, or one CTA per SM for the one_cta twin (up to 255 registers instead of 128:
 // ptxas takes 151, the loop keeps its length; 3-5 % faster where a split grid fits the SMs), and
-// one for the half-precision staged kernels (8 warps holding up to two N tiles of accumulators).
+// for the half-precision staged kernel of two N tiles (GQA groups 9-16: its accumulators and
+// query fragments take ~200 registers; held to 128 for two CTAs, with the fragments in shared
+// memory, it spilled and measured 5 % slower: 182.9 vs 173.4 µs at 64 × 4k).
 template <SplitVariant V>
 constexpr int kSplitMinCtas = V.staged()
                                   ? (IsPlain(V.kind) ? 2
-                                     : (V.one_cta || V.half) ? 1
-                                                             : 16 / V.cta_warps())
+                                     : V.one_cta || (V.half && V.n_tiles > 1) ? 1
+                                                                              : 16 / V.cta_warps())
                               : ((V.n_tiles != 1 && !V.half) || V.head_dim > 128) ? 1
                               : IsPlain(V.kind)                      ? 4
                                                                      : 3;

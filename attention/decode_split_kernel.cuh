@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
       const int e = threadIdx.x + k * kT;
       if (e < Traits::kLutEntries) entries[k] = __ldg(p.codebook_table + e);
     }
-    lane_word = (window & 0xFF000000u) | (kHiOnly ? 4u * lane : 8u * (lane & 15));
+    lane_word = (window & 0xFF000000u) | (Config::kHiTable ? 4u * lane : 8u * (lane & 15));
   }
   // The random signs of the query rotation are the decoder's constants: read before the wait.
   constexpr int kE = kD / 32;  // query elements per lane in finish_prologue

@@ -31,7 +31,6 @@ struct SplitPrologue {
   static constexpr int kW = Config::kCtaWarps / Config::kUnits;
   static constexpr int kKSteps = Config::kKSteps;
   static constexpr bool kCodebook = Traits::kLutEntries > 0;
-  static constexpr bool kHiOnly = Config::kHiOnly;
   static constexpr bool kInterleavedKeys = Config::kPlainStaged;
   static constexpr int kE = kD / 32;  // query elements per lane
   // Codebook entries and block ids a thread carries from the kernel's start to here.
@@ -122,8 +121,9 @@ struct SplitPrologue {
       }
     }
     if constexpr (kCodebook) {
-      // 16-byte stores of two replicas (hi-only: four replicas of the hi pair, 32 per entry at
-      // 4-byte steps, so that the 32 lanes' 4-byte lookups hit 32 distinct banks: one wavefront);
+      // 16-byte stores of two replicas (Config::kHiTable: four replicas of the hi pair, 32 per
+      // entry at 4-byte steps, so that the 32 lanes' 4-byte lookups hit 32 distinct banks: one
+      // wavefront);
       // store c of lane l goes to 16-byte slot (c + l) mod 8 of its entry's 256-byte row, so each
       // 8-lane phase of a store covers 8 distinct bank groups.
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -134,7 +134,7 @@ struct SplitPrologue {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
             const uint32_t at = base + 256u * e + 16u * ((c + lane) & 7);
-            const uint32_t second = kHiOnly ? entries[k].x : entries[k].y;
+            const uint32_t second = Config::kHiTable ? entries[k].x : entries[k].y;
             asm volatile("st.shared.v4.u32 [%0], {%1, %2, %1, %2};\n" ::"r"(at), "r"(entries[k].x),
                          "r"(second)
                          : "memory");

@@ -41,10 +41,11 @@ struct SplitVariant {
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
-  // Unpacked compressed kernels (GQA group > 4: speculative verify's passes, new tokens beside the
-  // GQA heads): the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one
-  // score MMA per k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention
-  // rounds (a third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
+  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 (GQA group > 4:
+  // speculative verify's passes, new tokens beside the GQA heads): the query, the centroids
+  // (their fp16 hi parts) and P' rounded once to fp16, one score MMA per k-step and N tile over
+  // 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a third of the MMAs of the
+  // hi + lo products; ~2^-11 relative per operand).
   bool half = false;
 
   constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
@@ -83,7 +84,7 @@ struct SplitChoice {
   bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys)
   bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
-  bool half = false;     // compressed kinds, GQA group > 4: the half-precision kernel
+  bool half = false;     // the half-precision staged kernels where they exist (GQA group > 4)
 };
 
 // A variant, or none (ok = false) where no kernel serves that combination.
@@ -138,7 +139,11 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {true, v};
   }
   v.n_tiles = group <= 8 ? 1 : 2;
-  v.half = c.half && !IsPlain(kind);
+  // The half-precision kernels exist on the staged pipeline alone: on registers (3 CTAs per SM)
+  // they measured slower than the exact ones (H200, 64 × 4k, 16 columns: 4bit_nc 273.6 vs 242.0
+  // µs, k8v4 296.4 vs 206.5).
+  v.half = c.half && c.staged && !IsPlain(kind) &&
+           HasStagedKernel(kind, value_bits, head_dim, false, true);
   if (HasStagedKernel(kind, value_bits, head_dim, false, v.half) && c.staged) {
     v.pipeline = SplitPipeline::kStaged;
   }
