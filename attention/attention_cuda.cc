@@ -187,18 +187,18 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   const int64_t seq_rows = int64_t{max_q_len} * group;
   plan.row_warps = seq_rows <= 16 ? 1 : seq_rows <= 32 ? 2 : 4;
   if (d == 256) plan.row_warps = std::max(plan.row_warps, 2);
-  plan.prefill = options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) &&
-                 seq_rows > 64;
+  plan.prefill =
+      options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) && seq_rows > 64;
   const int64_t cta_rows = plan.prefill ? kPrefillCtaRows : 16 * plan.row_warps;
   // Row-tile slots: sequence b's tiles take slots from floor(query_start_loc[b] · G / cta_rows) + b
   // on (attention/attention_tiles.cuh, FindRowTile), so no CTA is launched for the tiles a short
   // sequence lacks (a mixed call's decode rows beside one long chunk).
   const int64_t slots = (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows + num_seqs;
   if (slots * kMaxSplits * hk > std::numeric_limits<int32_t>::max()) {
-    throw InvalidArgument(kWhere, "num_tokens", num_tokens,
-                          fmt::format("at most {} with {} query heads per KV head",
-                                      std::numeric_limits<int32_t>::max() / kMaxSplits / hk / group,
-                                      group));
+    throw InvalidArgument(
+        kWhere, "num_tokens", num_tokens,
+        fmt::format("at most {} with {} query heads per KV head",
+                    std::numeric_limits<int32_t>::max() / kMaxSplits / hk / group, group));
   }
   plan.row_tiles = static_cast<int>(slots);
   // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
@@ -252,8 +252,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
     DecodeOptions decode = options.decode;
     decode.half = options.verify_precision == ChunkPrecision::kHalf;
-    plan.decode_plan = s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group,
-                                      max_blocks_per_seq, decode);
+    plan.decode_plan =
+        s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
     decode_bytes = VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8, d).Total();
   }
   const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);

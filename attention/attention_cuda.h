@@ -11,7 +11,8 @@
 // one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass) over the context
-// they share, and each row's causal tail (the pass's later tokens) is added after. Long chunks (more than 64
+// they share (4bit_nc and k3v4_nc: in half precision, AttentionOptions::verify_precision), and
+// each row's causal tail (the pass's later tokens) is added after. Long chunks (more than 64
 // rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) run the prefill kernel in
 // half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product), unless
 // AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel

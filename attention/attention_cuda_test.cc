@@ -322,13 +322,15 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
       ++k;
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);
-      const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, 500 + k);
+      const AttentionScenario s =
+          BuildAttention(q, verify.lens, verify.q_lens, hk * group, 500 + k);
       bool verify_rows = false;
       const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache, nullptr, &verify_rows);
       EXPECT_TRUE(verify_rows);
-      const std::string what = fmt::format("{} D={} group={} bs={}: decode-kernel rows out {:.2e} "
-                                           "lse {:.2e}",
-                                           preset, d, group, bs, e.decode_out, e.decode_lse);
+      const std::string what = fmt::format(
+          "{} D={} group={} bs={}: decode-kernel rows out {:.2e} "
+          "lse {:.2e}",
+          preset, d, group, bs, e.decode_out, e.decode_lse);
       ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
       // Passes of one and two rows (verify_max_group = G, 2·G): later passes start past the
       // sequence's first new token.
@@ -422,7 +424,9 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
 struct HalfBounds {
   double lse, out;
 };
-HalfBounds HalfBoundsOf(bool bf16) { return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{1.5e-3, 4e-3}; }
+HalfBounds HalfBoundsOf(bool bf16) {
+  return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{1.5e-3, 4e-3};
+}
 
 TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
@@ -454,9 +458,10 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
         if (variant == 2) c.window = 100;
         if (variant == 3) c.io = DType::kBF16;
         const Errors e = RunAndCompare(c, s, s.base.cache);
-        const std::string what = fmt::format("{} D={} group={} bs={} variant {}: out {:.2e} lse "
-                                             "{:.2e}",
-                                             preset, d, group, bs, variant, e.out, e.lse);
+        const std::string what = fmt::format(
+            "{} D={} group={} bs={} variant {}: out {:.2e} lse "
+            "{:.2e}",
+            preset, d, group, bs, variant, e.out, e.lse);
         // bf16 I/O: the output adds half a bf16 ulp (up to 2^-8 of an element).
         check(e, false, what, variant == 3 ? 0.0039 : 0.0);
         EXPECT_LE(e.decode_out, kOutTol + (variant == 3 ? 0.0039 : 0.0)) << what;
@@ -511,7 +516,8 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       const int group = groups[k % 6], hk = 2, bs = 16 << (k % 4);
       ++k;
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);
-      const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, 950 + k);
+      const AttentionScenario s =
+          BuildAttention(q, verify.lens, verify.q_lens, hk * group, 950 + k);
       for (int max_group : {16, 8, 4}) {
         Case c{.quantizer = &q, .io = k % 3 == 0 ? DType::kBF16 : DType::kF32};
         c.options.verify_precision = ChunkPrecision::kHalf;
@@ -519,8 +525,8 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         const Errors e = RunAndCompare(c, s, s.base.cache);
         const int columns = group * std::min(8, std::max(1, max_group / group));
         const std::string what =
-            fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset,
-                        d, group, bs, columns, DTypeName(c.io), e.decode_out, e.decode_lse);
+            fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset, d,
+                        group, bs, columns, DTypeName(c.io), e.decode_out, e.decode_lse);
         const bool half = columns > 4 && d == 128 &&
                           (std::string_view(preset) == "turboquant_4bit_nc" ||
                            std::string_view(preset) == "turboquant_k3v4_nc");

@@ -313,7 +313,8 @@ struct SplitCompute {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
             MmaF16(acc[mt + k][nt], a, pb[nt][0], pb[nt][1]);
-            if constexpr (!kPacked && !kHalf) MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+            if constexpr (!kPacked && !kHalf)
+              MmaF16(acc[mt + k][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
           }
         }
       });

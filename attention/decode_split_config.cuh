@@ -207,10 +207,10 @@ struct SplitKernelConfig {
 // memory, it spilled and measured 5 % slower: 182.9 vs 173.4 µs at 64 × 4k).
 template <SplitVariant V>
 constexpr int kSplitMinCtas = V.staged()
-                                  ? (IsPlain(V.kind) ? 2
+                                  ? (IsPlain(V.kind)                          ? 2
                                      : V.one_cta || (V.half && V.n_tiles > 1) ? 1
                                                                               : 16 / V.cta_warps())
                               : ((V.n_tiles != 1 && !V.half) || V.head_dim > 128) ? 1
-                              : IsPlain(V.kind)                      ? 4
-                                                                     : 3;
+                              : IsPlain(V.kind)                                   ? 4
+                                                                                  : 3;
 }  // namespace tqkv::decode_detail

@@ -17,7 +17,9 @@
 // (codebook keys: M = 8 tokens × {c_hi, c_lo} rows per score MMA). Everything that is rounded to
 // 16 bits for an MMA is split into a hi and a lo part — q·Πᵀ, the codebook, p·scale — so scores
 // and outputs keep fp32 accuracy; the online softmax rescales lazily (only when a score passes
-// the running maximum by 2^6), and P' reaches the B operand of P·V by an 8x8 movmatrix.
+// the running maximum by 2^6), and P' reaches the B operand of P·V by an 8x8 movmatrix. (The
+// half-precision variant, SplitVariant::half, for verify passes that ask for it, rounds each of
+// them once instead.)
 //
 // A dot product does not care in which order its terms are summed, so each thread's fragment
 // slots are mapped to the d's (and tokens) that make its loads contiguous: a thread reads whole

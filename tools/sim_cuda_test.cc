@@ -35,8 +35,9 @@ SimConfig Small(const char* preset) {
 
 // The same workload on both devices: the same steps and rows, decode outputs within the
 // kernels' tolerance (checksums as tools/sim_compare.py compares them), the same accuracy.
-void ExpectSameAsCpu(const char* preset) {
+void ExpectSameAsCpu(const char* preset, int spec_tokens = 0) {
   SimConfig c = Small(preset);
+  c.spec_tokens = spec_tokens;
   const SimReport cpu = RunSim(c);
   c.device = "cuda";
   const SimReport gpu = RunSim(c);
@@ -81,6 +82,14 @@ TEST(SimCudaTest, FourBitMatchesCpu) {
 TEST(SimCudaTest, K3v4MatchesCpu) {
   TQKV_SKIP_WITHOUT_GPU();
   ExpectSameAsCpu("turboquant_k3v4_nc");
+}
+
+// Speculative decoding: every decoding sequence's drafts verified in the call of its last token
+// (4 new tokens beside the 4 GQA heads: one pass of 16 columns, 4bit_nc's half-precision verify
+// kernel), a rejected suffix rewound, on both devices.
+TEST(SimCudaTest, SpeculativeVerifyMatchesCpu) {
+  TQKV_SKIP_WITHOUT_GPU();
+  ExpectSameAsCpu("turboquant_4bit_nc", 3);
 }
 
 TEST(SimCudaTest, Fp8KeysMatchCpu) {
