@@ -73,7 +73,7 @@ struct SplitCompute {
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
     // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
-    // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1 for every kind, chains k = k-step parity.)
+    // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1, chains k = k-step parity.)
     constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
                            : Traits::kPlain ? 1
                            : kHalf          ? 2
@@ -93,13 +93,9 @@ struct SplitCompute {
         uint32_t a[4];
         Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
         MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
-      } else if constexpr (kHalf) {
+      } else if constexpr (kHalf) {  // codebook keys (ChooseSplitVariant)
         uint32_t a[4];
-        if constexpr (kCodebook) {
-          Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
-        } else {
-          Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
-        }
+        Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
           MmaF16(sp[ks & 1][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);

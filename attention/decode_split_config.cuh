@@ -182,10 +182,9 @@ struct SplitKernelConfig {
   static constexpr bool kHiOnly = V.hi_only;
   // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
   static constexpr bool kHalf = V.half;
-  // The codebook table holds the hi pairs alone, 32 replicas (4-byte lookups in one wavefront;
-  // the hi + lo table's 16 replicas put lanes l and l + 16 on one bank: ncu, half-precision
-  // verify at 64 × 4k, 27 % of shared-load wavefronts were conflicts, and the shared-memory
-  // pipe at 74 % was the kernel's bound).
+  // The codebook table holds the hi pairs alone, 32 replicas: a 4-byte lookup in one wavefront,
+  // where the hi + lo table's 16 replicas put lanes l and l + 16 on one bank (ncu counted 27 % of
+  // the half kernel's shared-load wavefronts as such conflicts; 1 % faster without them).
   static constexpr bool kHiTable = kHiOnly || kHalf;
   // The query's fp16 parts in the score MMA's B fragments: hi and lo, except where the plain
   // kinds take the cache's type, the packed kernels put lo in a column of its own and the
@@ -210,7 +209,7 @@ constexpr int kSplitMinCtas = V.staged()
                                   ? (IsPlain(V.kind)                          ? 2
                                      : V.one_cta || (V.half && V.n_tiles > 1) ? 1
                                                                               : 16 / V.cta_warps())
-                              : ((V.n_tiles != 1 && !V.half) || V.head_dim > 128) ? 1
-                              : IsPlain(V.kind)                                   ? 4
-                                                                                  : 3;
+                              : (V.n_tiles != 1 || V.head_dim > 128) ? 1
+                              : IsPlain(V.kind)                      ? 4
+                                                                     : 3;
 }  // namespace tqkv::decode_detail

@@ -123,9 +123,8 @@ struct SplitPrologue {
     if constexpr (kCodebook) {
       // 16-byte stores of two replicas (Config::kHiTable: four replicas of the hi pair, 32 per
       // entry at 4-byte steps, so that the 32 lanes' 4-byte lookups hit 32 distinct banks: one
-      // wavefront);
-      // store c of lane l goes to 16-byte slot (c + l) mod 8 of its entry's 256-byte row, so each
-      // 8-lane phase of a store covers 8 distinct bank groups.
+      // wavefront); store c of lane l goes to 16-byte slot (c + l) mod 8 of its entry's 256-byte
+      // row, so each 8-lane phase of a store covers 8 distinct bank groups.
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 #pragma unroll
       for (int k = 0; k < kEntriesPerThread; ++k) {

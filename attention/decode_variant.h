@@ -151,7 +151,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
 }
 
 // Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
-inline constexpr int kMaxVariantsPerKind = 48;
+inline constexpr int kMaxVariantsPerKind = 32;
 struct SplitVariantList {
   std::array<SplitVariant, kMaxVariantsPerKind> items{};
   int size = 0;
