@@ -1,11 +1,13 @@
 // The split layout choice of CudaDecoder::Plan (ChooseSplitLayout), on the host: the limits
-// every plan keeps, and the plans that the split sweeps (tools/bench/NOTES.md at commit 1664e39) measured fastest
-// on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the cost model that
-// moves one of them shows up here before it is measured.
+// every plan keeps, and the plans that the split sweeps (tools/bench/NOTES.md at commit 1664e39)
+// measured fastest on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the
+// cost model that moves one of them shows up here before it is measured.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <random>
+#include <string>
 
 #include "attention/decode_cuda.h"
 
@@ -57,20 +59,20 @@ TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
 
 TEST(DecodePlanTest, StagedCompressedKernelsGetTheMeasuredBestSplits) {
   // One CTA per SM where a second one does not pay (batch 1, short splits) ...
-  EXPECT_EQ(Tps(1, 1024, kStagedCompressed), 128);     // 8.9 µs vs 9.4 at 256, 9.2 at 64
-  EXPECT_EQ(Tps(1, 4096, kStagedCompressed), 256);     // 11.2 vs 11.6 at 384, 14.4 at 128
-  EXPECT_EQ(Tps(1, 16384, kStagedCompressed), 1024);   // 14.8 vs 16.6 at 512, 19.2 at 2,048
-  EXPECT_EQ(Tps(1, 32768, kStagedCompressed), 2048);   // 20.6 vs 21.3 at 1,024, 25.2 at 3,072
-  EXPECT_EQ(Tps(16, 1024, kStagedCompressed), 1024);   // 13.8 vs 19.1 at 512
-  EXPECT_EQ(Tps(16, 4096, kStagedCompressed), 4096);   // 31.0 vs 33.5 at 2,048
+  EXPECT_EQ(Tps(1, 1024, kStagedCompressed), 128);    // 8.9 µs vs 9.4 at 256, 9.2 at 64
+  EXPECT_EQ(Tps(1, 4096, kStagedCompressed), 256);    // 11.2 vs 11.6 at 384, 14.4 at 128
+  EXPECT_EQ(Tps(1, 16384, kStagedCompressed), 1024);  // 14.8 vs 16.6 at 512, 19.2 at 2,048
+  EXPECT_EQ(Tps(1, 32768, kStagedCompressed), 2048);  // 20.6 vs 21.3 at 1,024, 25.2 at 3,072
+  EXPECT_EQ(Tps(16, 1024, kStagedCompressed), 1024);  // 13.8 vs 19.1 at 512
+  EXPECT_EQ(Tps(16, 4096, kStagedCompressed), 4096);  // 31.0 vs 33.5 at 2,048
   // ... two where the splits are long (v7v).
-  EXPECT_EQ(Tps(4, 32768, kStagedCompressed), 4096);   // 50.3 vs 55.3 at 8,192
-  EXPECT_EQ(Tps(2, 65536, kStagedCompressed), 4096);   // 50.3 vs 55.5 at 8,192
-  EXPECT_EQ(Tps(8, 16384, kStagedCompressed), 4096);   // 50.5 vs 55.4 at 8,192
-  EXPECT_EQ(Tps(16, 8192, kStagedCompressed), 4096);   // 50.7 vs 53.8 at 8,192
-  EXPECT_EQ(Tps(64, 4096, kStagedCompressed), 4096);   // one split: no merge
-  EXPECT_EQ(Tps(256, 32768, kStagedCompressed), 8192); // 3,059 vs 3,100 at 6,592
-  EXPECT_EQ(Tps(128, 32768, kStagedCompressed), 8192); // 1,521 vs 1,538 at 6,592
+  EXPECT_EQ(Tps(4, 32768, kStagedCompressed), 4096);    // 50.3 vs 55.3 at 8,192
+  EXPECT_EQ(Tps(2, 65536, kStagedCompressed), 4096);    // 50.3 vs 55.5 at 8,192
+  EXPECT_EQ(Tps(8, 16384, kStagedCompressed), 4096);    // 50.5 vs 55.4 at 8,192
+  EXPECT_EQ(Tps(16, 8192, kStagedCompressed), 4096);    // 50.7 vs 53.8 at 8,192
+  EXPECT_EQ(Tps(64, 4096, kStagedCompressed), 4096);    // one split: no merge
+  EXPECT_EQ(Tps(256, 32768, kStagedCompressed), 8192);  // 3,059 vs 3,100 at 6,592
+  EXPECT_EQ(Tps(128, 32768, kStagedCompressed), 8192);  // 1,521 vs 1,538 at 6,592
 }
 
 TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
@@ -119,7 +121,7 @@ TEST(DecodePlanTest, HiOnlyScoresWhereTheGridHoldsOneCtaPerSm) {
   EXPECT_TRUE(hi_only(16, 16384, paired));       // now narrow (below)
   EXPECT_FALSE(hi_only(32, 4096, paired));       // wide, two per SM: the exact twin
   EXPECT_TRUE(hi_only(64, 4096, paired, 1024));  // a given split: still narrow, still paired
-  EXPECT_FALSE(hi_only(1, 32768, hi, 128));  // 256 splits: 2,048 CTAs
+  EXPECT_FALSE(hi_only(1, 32768, hi, 128));      // 256 splits: 2,048 CTAs
   EXPECT_TRUE(hi_only(1, 32768, hi, 2048));
   EXPECT_FALSE(hi_only(1, 32768, kStagedK3v4));  // no twin (or a codebook too far from fp16)
   EXPECT_FALSE(hi_only(1, 32768, kStagedCompressed));
@@ -270,6 +272,55 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
   const int64_t tps = Tps(64, 4096, kUnstaged);
   EXPECT_LT(tps, 4096);
   EXPECT_EQ(Tps(64, 4096, SplitKernelOccupancy{1, false, false}), 4096);
+}
+
+// The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
+// faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
+// with 4-bit values at D = 128. Everywhere else the choice is ignored, and the variant is the
+// one without it. Every chosen variant is instantiated (SplitVariantsOf) and survives its code.
+TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
+  using decode_detail::ChooseSplitVariant;
+  using decode_detail::MaybeSplitVariant;
+  using decode_detail::SplitVariant;
+  int half_variants = 0;
+  for (KeyKind kind : kKeyKinds) {
+    const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(kind);
+    for (int bits : {3, 4, 16}) {
+      for (int d : {64, 128, 256}) {
+        for (int group = 1; group <= 16; ++group) {
+          for (bool staged : {false, true}) {
+            const MaybeSplitVariant with =
+                ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, true});
+            const MaybeSplitVariant without =
+                ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, false});
+            ASSERT_EQ(with.ok, without.ok);
+            if (!with.ok) continue;
+            const std::string what = fmt::format("kind {} bits {} D {} group {} staged {}",
+                                                 static_cast<int>(kind), bits, d, group, staged);
+            const bool expected = staged && bits == 4 && d == 128 && group > 4 &&
+                                  (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+            EXPECT_EQ(with.variant.half, expected) << what;
+            EXPECT_FALSE(without.variant.half) << what;
+            if (expected) {
+              ++half_variants;
+              EXPECT_TRUE(with.variant.staged()) << what;
+              EXPECT_FALSE(with.variant.packed) << what;
+              EXPECT_EQ(with.variant.n_tiles, group <= 8 ? 1 : 2) << what;
+              EXPECT_EQ(with.variant.cta_warps(), 8) << what;
+              EXPECT_FALSE(without.variant.staged()) << what;  // the exact register kernel
+            } else {
+              EXPECT_EQ(with.variant, without.variant) << what;
+            }
+            EXPECT_EQ(SplitVariant::FromCode(with.variant.Code()), with.variant) << what;
+            bool instantiated = false;
+            for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == with.variant;
+            EXPECT_TRUE(instantiated) << what;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(half_variants, 2 * 12);  // 4-bit and 3-bit keys, groups 5-16
 }
 
 }  // namespace
