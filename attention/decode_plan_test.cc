@@ -1,7 +1,8 @@
-// The split layout choice of CudaDecoder::Plan (ChooseSplitLayout), on the host: the limits
-// every plan keeps, and the plans that the split sweeps (tools/bench/NOTES.md at commit 1664e39)
-// measured fastest on the H200 (132 SMs, Llama-3-8B layer: 8 KV heads), so that a change to the
-// cost model that moves one of them shows up here before it is measured.
+// The split layout choice of CudaDecoder::Plan (ChooseSplitLayout) and the kernel variant choice
+// (ChooseSplitVariant), on the host: the limits every plan keeps, and the plans that the split
+// sweeps (tools/bench/NOTES.md at commit 1664e39) measured fastest on the H200 (132 SMs,
+// Llama-3-8B layer: 8 KV heads), so that a change to the cost model that moves one of them shows
+// up here before it is measured.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
