@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <numbers>
+#include <utility>
 
 #include "quant/numerics.h"
 #include "runtime/error.h"
@@ -241,6 +242,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   }
   if (options.verify_max_group < 1 || options.verify_max_group > 16) {
     throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 16");
+  }
+  for (const auto& [name, precision] :
+       {std::pair{"options.chunk_precision", options.chunk_precision},
+        std::pair{"options.verify_precision", options.verify_precision}}) {
+    if (precision != ChunkPrecision::kHalf && precision != ChunkPrecision::kExact) {
+      throw InvalidArgument(kWhere, name, static_cast<int>(precision),
+                            "ChunkPrecision::kHalf (0) or ChunkPrecision::kExact (1)");
+    }
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
   // chunk kernel's plan above stays for a sliding window.

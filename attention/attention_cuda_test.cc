@@ -564,6 +564,10 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   wide.verify_max_group = 17;
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, wide); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 17")));
+  AttentionOptions precision;
+  precision.verify_precision = static_cast<ChunkPrecision>(7);
+  EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, precision); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_precision = 7")));
   const AttentionPlan plan = attn.Plan(2, 5, 32, 4, 3);
   AttentionArgs a;
   a.num_seqs = 2;
