@@ -11,7 +11,8 @@
 // one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass) over the context
-// they share (4bit_nc and k3v4_nc: in half precision, AttentionOptions::verify_precision), and
+// they share (4bit_nc and k3v4_nc at head_dim 128, passes of more than 4 columns: in half
+// precision, AttentionOptions::verify_precision), and
 // each row's causal tail (the pass's later tokens) is added after. Long chunks (more than 64
 // rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) run the prefill kernel in
 // half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product), unless
@@ -43,7 +44,7 @@ enum class ChunkPrecision : uint8_t {
   // 2^-11 relative per operand (bf16: 2^-8).
   kHalf,
   // The chunk kernel's fp32-level scores and P (hi and lo parts), the decode kernels' numerics, at
-  // about 2.5x the MMAs.
+  // about 2.5x the MMAs (verify passes: 3x).
   kExact,
 };
 
@@ -67,8 +68,9 @@ struct AttentionOptions {
   // 128 wherever a pass has more than 4 decode columns per KV head: kHalf runs the decode
   // kernels' half-precision variant (DecodeOptions::half: one MMA per product, the query, the
   // centroids and P rounded once to fp16; a third of the hi + lo kernel's MMAs), kExact the
-  // decode's fp32-level numerics. Other caches and head dims, and passes of up to 4 columns, keep
-  // the decode kernels' numerics either way.
+  // decode's fp32-level numerics. Other caches and head dims, passes of up to 4 columns and
+  // decode.staged = false keep the decode kernels' numerics either way. Sets decode.half for the
+  // verify passes' decode plan.
   ChunkPrecision verify_precision = ChunkPrecision::kHalf;
 };
 

@@ -70,7 +70,8 @@ struct DecodeOptions {
   enum class Narrow { kAuto, kNever, kAlways };
   Narrow narrow = Narrow::kAuto;
   // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
-  // at head_dim 128 with GQA groups up to 4, bf16/fp16 at head_dim 64 and 128).
+  // at head_dim 128 with GQA groups up to 4, and above 4 with `half`; bf16/fp16 at head_dim 64
+  // and 128).
   bool staged = true;
   // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
   bool one_cta_twin = true;

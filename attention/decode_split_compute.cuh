@@ -263,7 +263,8 @@ struct SplitCompute {
         // P'ᵀ as the B operand of P·V: the 8x8 tiles (tokens 2g | 2g+1, heads 2t, 2t+1) transposed
         // give head g at tokens 4t, 4t+2 (k-slots 2t, 2t+1) and 4t+1, 4t+3 (k-slots 2t+8, 2t+9).
         // Compressed kinds: P' = hi + lo (fp16 each, ~2^-22 together), two P·V MMAs keep the output
-        // at fp32 level (one fp16 P' leaves 2^-12 per token, which the zero-point term amplifies).
+        // at fp32 level (one fp16 P' leaves 2^-12 per token, which the zero-point term amplifies);
+        // the half-precision variant takes that one fp16 P' and its error, as FlashAttention does.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           uint32_t packed, packed_lo = 0;

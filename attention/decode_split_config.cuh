@@ -23,8 +23,9 @@ constexpr float kMaxLazyValueScale = 1023.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
-// group <= 4: 4bit_nc and k3v4_nc): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps
-// per SM instead of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
+// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-16, see
+// kSplitMinCtas): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead
+// of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
 // (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
 // the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant), and each
 // warp copies its next chunks into shared memory by cp.async,

@@ -125,10 +125,11 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   const int split = blockIdx.x, h0 = blockIdx.y * kUnits, h = h0 + unit, b = blockIdx.z;
 
   // Key codebook table, one replica per lane of a half-warp (entry e of lane l at byte 256·e +
-  // 8·(l mod 16)), from the decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for
-  // 4-bit keys): each thread loads its entries here and writes their 16 replicas in
-  // finish_prologue, after the first chunk's loads are out. (Copying the replicated table from L2
-  // per CTA moved 24 MB through L2 at batch 1 × 32k, 100 MB at 64 × 4k.)
+  // 8·(l mod 16); Config::kHiTable: the hi pair alone, one per lane at 256·e + 4·l), from the
+  // decoder's prebuilt table (decode_launch.h, CodebookTable; 2 KB for 4-bit keys): each thread
+  // loads its entries here and writes their replicas in finish_prologue, after the first chunk's
+  // loads are out. (Copying the replicated table from L2 per CTA moved 24 MB through L2 at batch 1
+  // × 32k, 100 MB at 64 × 4k.)
   constexpr int kEntriesPerThread = (Traits::kLutEntries + kT - 1) / kT;
   uint2 entries[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   uint32_t lane_word = 0;

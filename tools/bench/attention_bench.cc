@@ -4,8 +4,9 @@
 //            per query row for 4 and 8), and on the chunk kernel
 //   prefill  batch 1, a chunk of 2,048 or 8,192 tokens after a cached prefix of 0, 8k or 32k
 //   mixed    one 2,048-token chunk plus 63 decode rows at 4k in one call, and the two apart
-// Long chunks run the prefill kernel (ChunkPrecision::kHalf, the default); the shapes named
-// "exact" run them on the chunk kernel's fp32-level numerics instead.
+// Long chunks run the prefill kernel and verify passes the decode kernels' half-precision variant
+// (ChunkPrecision::kHalf, the default); the shapes named "exact" run fp32-level numerics instead
+// (the chunk kernel; the decode kernels' hi + lo products).
 // for turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and bf16. Each shape is timed as
 // a CUDA graph of calls rotating over disjoint block sets (at least 256 MB together, so calls read
 // HBM, not L2): µs per call, FLOPs (4 · D · Hq per (query row, attended token), causal), TFLOP/s
