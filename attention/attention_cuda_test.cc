@@ -468,6 +468,29 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
       }
     }
   }
+  // On Hopper the compressed kinds at head_dim 128 run the wgmma kernel: more groups and block
+  // sizes, with splits.
+  double worst_wgmma_out = 0, worst_wgmma_lse = 0;
+  for (const char* preset : kPresetNames) {
+    for (const auto [group, bs] : {std::pair{1, 16}, std::pair{3, 64}, std::pair{8, 128}}) {
+      const int hk = 2;
+      const Quantizer q = Quantizer::Create(preset, 128, hk, bs);
+      const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 750 + k++);
+      for (int tps : {0, 128}) {
+        Case c{.quantizer = &q};
+        c.options.chunk_precision = ChunkPrecision::kHalf;
+        c.options.tokens_per_split = tps;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        check(e, false,
+              fmt::format("{} D=128 group={} bs={} tokens_per_split={}: out {:.2e} lse {:.2e}",
+                          preset, group, bs, tps, e.out, e.lse));
+        worst_wgmma_out = std::max(worst_wgmma_out, e.out);
+        worst_wgmma_lse = std::max(worst_wgmma_lse, e.lse);
+      }
+    }
+  }
+  std::printf("compressed kinds at D 128, worst: out %.2e lse %.2e\n",
+              worst_wgmma_out, worst_wgmma_lse);
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     for (int d : {64, 128}) {
       for (int group : {1, 4, 8}) {

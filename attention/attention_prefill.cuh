@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "attention/attention_launch.h"
+#include "attention/attention_prefill_wgmma.cuh"
 #include "attention/attention_tiles.cuh"
 #include "attention/decode_device.cuh"
 
@@ -477,6 +478,13 @@ cudaError_t LaunchPrefillOfBits(int head_dim, const ChunkParams& p, cudaStream_t
     case 64:
       return LaunchPrefill<kKind, kValueBits, 64>(p, stream);
     case 128:
+      // The compressed kinds on Hopper: the wgmma kernel (attention_prefill_wgmma.cuh), for the
+      // slot layouts it was built for, with blocks of whole 8-token groups.
+      if constexpr (!IsPlain(kKind)) {
+        if (WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma()) {
+          return LaunchPrefillWgmma<kKind, kValueBits>(p, stream);
+        }
+      }
       return LaunchPrefill<kKind, kValueBits, 128>(p, stream);
     default:
       return cudaErrorInvalidValue;

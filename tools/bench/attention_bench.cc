@@ -14,7 +14,7 @@
 // and the fraction of the read ceiling measured in this run, and the extra device memory of the
 // call (its workspace). --json OUT writes the rows for torch_attention_bench.py's joint table.
 //
-//   attention_bench [--quick] [--json OUT] [--kind NAME]
+//   attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -246,7 +246,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  std::string json_out, only_kind;
+  std::string json_out, only_kind, only_shape;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -255,8 +255,11 @@ int Main(int argc, char** argv) {
       json_out = argv[++i];
     } else if (arg == "--kind" && i + 1 < argc) {
       only_kind = argv[++i];
+    } else if (arg == "--only" && i + 1 < argc) {
+      only_shape = argv[++i];
     } else {
-      fmt::print(stderr, "usage: attention_bench [--quick] [--json OUT] [--kind NAME]\n");
+      fmt::print(stderr,
+                 "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]\n");
       return 2;
     }
   }
@@ -310,6 +313,9 @@ int Main(int argc, char** argv) {
   mixed_exact.precision = ChunkPrecision::kExact;
   shapes.push_back(mixed_exact);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
+  if (!only_shape.empty()) {  // the shapes whose name contains it (one shape under ncu)
+    std::erase_if(shapes, [&](const Shape& s) { return s.name.find(only_shape) == std::string::npos; });
+  }
   Stream stream;
   const double read_gbs = ReadCeilingGbs(stream);
   fmt::print("read ceiling {:.0f} GB/s\n", read_gbs);

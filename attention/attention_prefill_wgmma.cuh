@@ -1,0 +1,648 @@
+// The prefill kernel of the compressed kinds at head_dim 128 on Hopper: FlashAttention-3's
+// structure (warpgroup MMAs from shared memory, producer and consumer warpgroups) with the
+// compressed cache dequantized by the producers. Same rows, grid, outputs and numerics as the
+// mma.sync prefill kernel (attention/attention_prefill.cuh), which serves the other shapes and
+// devices: the query, the MSE centroids (FP8 keys exactly) and P' = p · value scale rounded once
+// to fp16, value codes as exact fp16 integers; key norms, value scales and zeros applied in fp32.
+//
+// One CTA = (128-row tile, split of the context, KV head, sequence), four warpgroups (setmaxnreg
+// gives the producers 80 registers, the consumers 176):
+//   key producers (0-3),    per 64-token KV tile, in a ring of kWgStages stages: the key
+//   value producers (4-7)   warpgroup writes the tile's keys as fp16 centroids (MSE) or values
+//                           (FP8) and the key scales; the value warpgroup the value codes as fp16
+//                           integers, transposed (Vᵀ: head_dim rows of 64 tokens), and the value
+//                           scales and zeros; both in the MMAs' 128-byte swizzled layout. The
+//                           value warpgroup also copies the raw tiles (slots and metadata, by
+//                           cp.async) three tiles ahead into a ring of its own;
+//   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, both operands
+//                           in shared memory), key scales, mask, online softmax in registers,
+//                           O += P' · V (4 wgmma 64×128×16, P' from registers).
+// A stage's "full" barrier completes when both producer warpgroups have written it, its "empty"
+// barrier when both consumer warpgroups are done with it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/attention_launch.h"
+#include "attention/attention_tiles.cuh"
+#include "attention/decode_device.cuh"
+#include "attention/wgmma.cuh"
+
+namespace tqkv::attention_detail {
+
+inline constexpr int kWgTile = 64;   // KV tokens per tile
+inline constexpr int kWgStages = 3;  // tiles in flight between the producers and the consumers
+inline constexpr int kWgThreads = 512;
+// Registers per thread after the split (setmaxnreg): 256 · (80 + 176) = the whole file.
+inline constexpr int kWgProducerRegs = 80;
+inline constexpr int kWgConsumerRegs = 176;
+
+// A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
+// the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
+// slots are whole 16-byte pieces (every preset's) run here.
+template <KeyKind kKind, int kValueBits>
+struct WgRawLayout {
+  static constexpr bool kMse = kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3;
+  static constexpr int kKeyBytes = kKind == KeyKind::kFp8 ? 128 : kKind == KeyKind::kMse4 ? 64 : 48;
+  static constexpr int kSlot = kKeyBytes + 16 * kValueBits;  // data_per_slot
+  static constexpr int kMeta = kMse ? 3 : 2;                 // num_meta
+  static_assert(kSlot % 16 == 0);
+  static constexpr uint32_t kMetaOffset = kWgTile * kSlot;  // field f at + f · 2 · kWgTile
+  static constexpr uint32_t kBytes = kMetaOffset + kMeta * 2 * kWgTile;
+};
+
+// Shared memory (offsets from a 1024-byte aligned base): the query [2 swizzle atoms of 64 dims][128
+// rows][128 B]; per stage keys [2 atoms][64 tokens][128 B] then Vᵀ [128 dims][64 tokens · 2 B];
+// the key codebook, one copy per lane; the barriers; the split's block ids;
+// kWgRawStages raw tiles. 168 KB for 4bit_nc: one CTA per SM.
+inline constexpr int kWgRawStages = 4;  // raw tiles in flight: copies of 3 tiles ahead
+template <KeyKind kKind, int kValueBits>
+struct WgLayout {
+  static constexpr int kD = 128;
+  static constexpr uint32_t kAtom = 128 * 128;  // a query atom: 128 rows of 128 bytes
+  static constexpr uint32_t kQ = 0;
+  static constexpr uint32_t kKAtom = kWgTile * 128;
+  static constexpr uint32_t kKBytes = 2 * kKAtom;
+  static constexpr uint32_t kStageBytes = kKBytes + kD * 128;
+  static constexpr uint32_t kStage0 = kQ + 2 * kAtom;
+  // Per stage: float key scale (softmax scale in the log2 domain, times the norm for MSE keys),
+  // value scale, value zero [64] each.
+  static constexpr uint32_t kScaleBytes = 3 * 4 * kWgTile;
+  static constexpr uint32_t kScales = kStage0 + kWgStages * kStageBytes;
+  // The codebook's fp16 centroids, one copy per lane: centroid e for lane l at word 32·e + l (the
+  // lanes' lookups never share a bank).
+  static constexpr uint32_t kCodebook = kScales + kWgStages * kScaleBytes;  // uint32 [16][32]
+  static constexpr uint32_t kFull = kCodebook + 4 * 16 * 32;                // uint64 [stages]
+  static constexpr uint32_t kEmpty = kFull + 8 * kWgStages;
+  static constexpr uint32_t kIds = kEmpty + 8 * kWgStages;
+  static constexpr uint32_t kRaw = kIds + 4 * kMaxStagedIds;  // raw tile r at kRaw + r · kRawBytes
+  static constexpr uint32_t kRawBytes = WgRawLayout<kKind, kValueBits>::kBytes;
+  static constexpr int kBytes = kRaw + kWgRawStages * kRawBytes + 1024;  // + the base's alignment
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// out[i], out[i + 1] = x0, x1 in the output dtype (i even): one store.
+__device__ __forceinline__ void StoreOutputPair(void* out, DType dtype, int64_t i, float x0,
+                                                float x1) {
+  if (dtype == DType::kF32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x0, x1);
+  } else if (dtype == DType::kF16) {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x0, x1);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
+        __floats2bfloat162_rn(x0, x1);
+  }
+}
+
+// (t / d, t % d) for 0 <= t < 2^24 and d >= 1: a float estimate, corrected once.
+__device__ __forceinline__ void DivMod(int t, int d, float inv_d, int& q, int& r) {
+  q = __float2int_rz(static_cast<float>(t) * inv_d);
+  r = t - q * d;
+  if (r < 0) {
+    --q;
+    r += d;
+  } else if (r >= d) {
+    ++q;
+    r -= d;
+  }
+}
+
+// The producers: copies of raw tiles into the raw ring (cp.async, kWgRawStages − 1 tiles ahead),
+// then each raw tile dequantized into a stage. For the dequantization a thread takes tokens
+// 8·tb .. 8·tb + 7 of the tile (one block: block_size is a multiple of 8 and tiles start on
+// multiples of 64) and dims 8·db .. 8·db + 7.
+template <KeyKind kKind, int kValueBits>
+struct WgProducer {
+  using R = WgRawLayout<kKind, kValueBits>;
+  const ChunkParams& p;
+  const uint8_t* smem;
+  uint32_t base;
+  const int32_t* ids;
+  int id_base, h, end, thread, tb, db;
+  float inv_block_size;
+
+  // Centroid e's fp16 bits from this lane's copy of the codebook.
+  __device__ __forceinline__ uint32_t Centroid(uint32_t e) const {
+    using L = WgLayout<kKind, kValueBits>;
+    return decode_detail::SharedLoad4(base + L::kCodebook + ((e << 7) | ((thread & 31) << 2)));
+  }
+
+  // Tile [tile_begin, +64)'s slots and metadata (tokens before `end`) into raw tile `raw`: two
+  // threads per token, each copying half of its slot's 16-byte pieces; the first thread of each
+  // 8-token group also copies the group's metadata. One cp.async group per call, empty or not.
+  __device__ __forceinline__ void Copy(int tile_begin, uint32_t raw) const {
+    constexpr int kChunks = R::kSlot / 16;  // 16-byte pieces per slot
+    constexpr int kHalf = (kChunks + 1) / 2;
+    const int u = thread >> 1, half = thread & 1, t = tile_begin + u;
+    if (t < end) {
+      int blk, pos;
+      DivMod(t, p.block_size, inv_block_size, blk, pos);
+      const uint8_t* block = p.cache + int64_t{ids[blk - id_base]} * p.block_bytes;
+      const uint8_t* src =
+          block + (int64_t{pos} * p.num_kv_heads + h) * R::kSlot + 16 * kHalf * half;
+      const uint32_t dst = raw + u * R::kSlot + 16 * kHalf * half;
+      constexpr int kMine = kHalf;  // the second half has kChunks - kHalf pieces
+      const int mine = kChunks % 2 == 0 || half == 0 ? kHalf : kChunks - kHalf;
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        // Tokens start at different pieces: one copy's 32 lanes spread over the banks.
+        int piece = i + (u & 3);
+        piece = piece >= mine ? piece - mine : piece;
+        piece = piece >= mine ? piece - mine : piece;
+        if (i < mine) decode_detail::CopyAsync16Fill(dst + 16 * piece, src + 16 * piece, 16);
+      }
+      if ((thread & 15) == 0) {  // u = 8·g: the group's metadata, field by field
+        const uint8_t* meta =
+            block + p.meta_offset + 2 * (int64_t{h} * R::kMeta * p.block_size + pos);
+#pragma unroll
+        for (int f = 0; f < R::kMeta; ++f) {
+          decode_detail::CopyAsync16Fill(raw + R::kMetaOffset + 2 * kWgTile * f + 2 * u,
+                                         meta + 2 * int64_t{f} * p.block_size, 16);
+        }
+      }
+    }
+    decode_detail::CopyAsyncCommit();
+  }
+
+  // The 8 codes of dims 8·db .. 8·db + 7 in a raw stream at byte `at` (4-bit: one word; 3-bit:
+  // 24 bits).
+  template <int kBits>
+  __device__ __forceinline__ uint32_t Codes8(uint32_t at) const {
+    if constexpr (kBits == 4) {
+      return decode_detail::SharedLoad4(at + 4 * db);
+    } else {
+      // Bytes 3·db .. 3·db + 2 from the two words around them (the second may be the next
+      // field's or token's: inside the raw tile).
+      const uint32_t byte = at + 3 * db;
+      const uint32_t w0 = decode_detail::SharedLoad4(byte & ~3u);
+      const uint32_t w1 = decode_detail::SharedLoad4((byte & ~3u) + 4);
+      return __funnelshift_r(w0, w1, 8 * (byte & 3));
+    }
+  }
+
+  // Raw tile `raw` (tokens from tile_begin) into a stage, as fp16: 8 key rows of 16 bytes (MSE:
+  // norm · centroid; FP8: the values) and 8 Vᵀ rows of 16 bytes (scale · code + zero). The
+  // metadata of tokens at or past `end` (never copied: stale) reads as 0, which zeroes their
+  // keys and values (FP8 keys stay: their scores are masked).
+  // kKeys: the keys (the key warpgroup's part); else the values.
+  template <bool kKeys>
+  __device__ __forceinline__ void Store(int tile_begin, uint32_t raw, uint8_t* stage,
+                                        float* scales) const {
+    using L = WgLayout<kKind, kValueBits>;
+    const int valid = end - (tile_begin + 8 * tb);
+    uint32_t meta[R::kMeta][4];
+#pragma unroll
+    for (int f = 0; f < R::kMeta; ++f) {
+      if (kKeys != (f == 0 && R::kMse)) continue;  // keys: the norms; values: scale and zero
+      decode_detail::SharedLoad16(raw + R::kMetaOffset + 2 * kWgTile * f + 16 * tb, meta[f]);
+      if (valid < 8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          meta[f][i] = 2 * i >= valid ? 0u : 2 * i + 1 >= valid ? meta[f][i] & 0xFFFFu : meta[f][i];
+        }
+      }
+    }
+    const uint32_t row0 = raw + 8 * tb * R::kSlot;
+    if constexpr (kKeys) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t at = row0 + k * R::kSlot;
+        uint32_t q[4];
+        if constexpr (kKind == KeyKind::kFp8) {
+          uint32_t w[2];
+          decode_detail::SharedLoad8(at + 8 * db, w);
+          q[0] = E4M3x2ToHalf2(w[0] & 0xFFFFu);
+          q[1] = E4M3x2ToHalf2(w[0] >> 16);
+          q[2] = E4M3x2ToHalf2(w[1] & 0xFFFFu);
+          q[3] = E4M3x2ToHalf2(w[1] >> 16);
+        } else {
+          constexpr int kBits = kKind == KeyKind::kMse4 ? 4 : 3;
+          const uint32_t codes = Codes8<kBits>(at);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            q[i] = __byte_perm(Centroid((codes >> (2 * kBits * i)) & ((1u << kBits) - 1u)),
+                               Centroid((codes >> ((2 * i + 1) * kBits)) & ((1u << kBits) - 1u)),
+                               0x5410);
+          }
+        }
+        *reinterpret_cast<uint4*>(stage + (db >> 3) * L::kKAtom +
+                                  wgmma::SwizzledChunk(8 * tb + k, db & 7)) =
+            uint4{q[0], q[1], q[2], q[3]};
+      }
+      if (db == 0) {  // the 8 tokens' key scales
+        float ks[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          ks[k] = p.score_scale;
+          if constexpr (R::kMse) {
+            ks[k] *= __half2float(
+                __ushort_as_half(static_cast<uint16_t>(meta[0][k / 2] >> (16 * (k % 2)))));
+          }
+        }
+        *reinterpret_cast<float4*>(scales + 8 * tb) = make_float4(ks[0], ks[1], ks[2], ks[3]);
+        *reinterpret_cast<float4*>(scales + 8 * tb + 4) = make_float4(ks[4], ks[5], ks[6], ks[7]);
+      }
+    } else {
+      // Value dim 8·db + dd of the 8 tokens as fp16 integers: 1024 + code (the code's bits under
+      // 1024's exponent), minus 1024 (exact). Lanes start at different dims (rows of Vᵀ) so that
+      // a store's 32 lanes fill every bank evenly.
+      uint32_t value[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) value[k] = Codes8<kValueBits>(row0 + k * R::kSlot + R::kKeyBytes);
+      const __half2 k1024 = __floats2half2_rn(1024.0f, 1024.0f);
+      auto dequant = [&](uint32_t bits, int) {
+        bits |= 0x64006400u;
+        const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&bits), k1024);
+        return *reinterpret_cast<const uint32_t*>(&c);
+      };
+      if (db == 0) {  // the 8 tokens' value scales and zeros
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          float x[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            x[k] = __half2float(__ushort_as_half(
+                static_cast<uint16_t>(meta[R::kMeta - 2 + f][k / 2] >> (16 * (k % 2)))));
+          }
+          float* dst = scales + (1 + f) * kWgTile + 8 * tb;
+          *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+          *reinterpret_cast<float4*>(dst + 4) = make_float4(x[4], x[5], x[6], x[7]);
+        }
+      }
+      uint8_t* vt = stage + L::kKBytes;
+      if constexpr (kValueBits == 4) {
+#pragma unroll
+        for (int bi = 0; bi < 4; ++bi) {
+          // Dims 2·b and 2·b + 1: byte b of each token's word.
+          const int b = (bi + (db >> 1)) & 3;
+          const uint32_t sel = 0x4400u + 0x1111u * static_cast<uint32_t>(b);
+          uint32_t lo[4], hi[4];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            // Byte b of token 2m's word in byte 0, of token 2m + 1's in byte 2.
+            const uint32_t t = __byte_perm(value[2 * m], value[2 * m + 1], sel);
+            lo[m] = dequant(t & 0x000F000Fu, m);
+            hi[m] = dequant((t >> 4) & 0x000F000Fu, m);
+          }
+          *reinterpret_cast<uint4*>(vt + wgmma::SwizzledChunk(8 * db + 2 * b, tb)) =
+              uint4{lo[0], lo[1], lo[2], lo[3]};
+          *reinterpret_cast<uint4*>(vt + wgmma::SwizzledChunk(8 * db + 2 * b + 1, tb)) =
+              uint4{hi[0], hi[1], hi[2], hi[3]};
+        }
+      } else {
+        constexpr uint32_t kMask = (1u << kValueBits) - 1u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int dd = (i + db) & 7;
+          uint32_t q[4];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            q[m] = dequant(((value[2 * m] >> (kValueBits * dd)) & kMask) |
+                               ((value[2 * m + 1] >> (kValueBits * dd)) & kMask) << 16,
+                           m);
+          }
+          *reinterpret_cast<uint4*>(vt + wgmma::SwizzledChunk(8 * db + dd, tb)) =
+              uint4{q[0], q[1], q[2], q[3]};
+        }
+      }
+    }
+  }
+};
+
+// Grid row_tiles · max_splits · num_kv_heads, as the mma.sync prefill kernel's. Needs block_size a
+// multiple of 8 (LaunchPrefillWgmma's caller checks).
+template <KeyKind kKind, int kValueBits>
+__global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkParams p) {
+  using L = WgLayout<kKind, kValueBits>;
+  constexpr int kD = L::kD;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_base + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw_base);
+
+  int h, slot;
+  SlotOfBlock(p, h, slot);
+  const int split = slot / p.row_tiles;
+  int b, tile;
+  FindRowTile(p, kPrefillRows, slot % p.row_tiles, b, tile);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int q_start = p.query_start_loc[b];
+  int q_len = p.query_start_loc[b + 1] - q_start;
+  if (q_len == 1 && p.skip_single) q_len = 0;  // the decode kernels' row
+  const int row0 = tile * kPrefillRows;
+  const int row_end = min(q_len * group, row0 + kPrefillRows);
+  if (row0 >= row_end) return;  // the sequence has fewer rows
+  const int ctx0 = p.seq_lens[b] - q_len;
+  const int first_i = row0 / group, last_i = (row_end - 1) / group;
+  const int kv_end = ctx0 + last_i + 1;
+  const int kv_begin = p.sliding_window > 0 ? max(0, ctx0 + first_i - p.sliding_window + 1) : 0;
+  const int split_begin = kv_begin + split * p.tokens_per_split;
+  const int split_end = min(kv_end, split_begin + p.tokens_per_split);
+  // Tiles start on multiples of 64 (a sliding window's first tile masks the tokens before it).
+  const int loop_begin = split_begin - split_begin % kWgTile;
+  const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
+
+  // The query rows times the softmax scale (log2 domain), rounded once to fp16 (rows past the
+  // sequence's: 0); the codebook's pair table; the split's block ids; the barriers.
+  for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
+    const int r = u / (kD / 8), c16 = u % (kD / 8);
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (row0 + r < row_end) {
+      const int i = (row0 + r) / group, gg = (row0 + r) % group;
+      const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + 8 * c16;
+      float x[8];
+      if (p.query_dtype == DType::kF32) {  // the query prep's q·Πᵀ: two 16-byte loads
+        const float4 a =
+            __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at));
+        const float4 c =
+            __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at) + 1);
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z,
+        x[7] = c.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = LoadQueryElement(p.query, p.query_dtype, at + e);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        w[e] = decode_detail::PackPlain<true>(x[2 * e], x[2 * e + 1]);
+      }
+    }
+    *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
+                              wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
+  }
+  if constexpr (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3) {
+    for (int e = threadIdx.x; e < 16 * 32; e += kWgThreads) {
+      reinterpret_cast<uint32_t*>(smem + L::kCodebook)[e] = p.centroid_hi[e / 32];
+    }
+  }
+  const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
+  const int id_begin = loop_begin / p.block_size;
+  const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
+  const bool staged_ids = id_count <= kMaxStagedIds;
+  int32_t* smem_ids = reinterpret_cast<int32_t*>(smem + L::kIds);
+  if (staged_ids) {
+    for (int i = threadIdx.x; i < id_count; i += kWgThreads) smem_ids[i] = table[id_begin + i];
+  }
+  const int32_t* ids = staged_ids ? smem_ids : table;
+  const int id_base = staged_ids ? id_begin : 0;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWgStages; ++s) {
+      wgmma::BarrierInit(base + L::kFull + 8 * s, 256);
+      wgmma::BarrierInit(base + L::kEmpty + 8 * s, 8);
+    }
+  }
+  wgmma::FenceProxyAsync();  // the query, for the MMAs
+  __syncthreads();
+
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  if (warp < 8) {
+    // Producers: the key warpgroup (warps 0-3) and the value warpgroup (4-7). At step j the
+    // value warpgroup issues tile j + kWgRawStages − 1's copies; then each writes its half of
+    // tile j (copied three steps ago) into its stage once the consumers have freed it.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
+    const bool keys = warp < 4;
+    const int thread = static_cast<int>(threadIdx.x & 127);
+    const WgProducer<kKind, kValueBits> pr{p,
+                                           smem,
+                                           base,
+                                           ids,
+                                           id_base,
+                                           h,
+                                           split_end,
+                                           thread,
+                                           thread >> 4,
+                                           thread & 15,
+                                           1.0f / static_cast<float>(p.block_size)};
+    const uint32_t raw0 = base + L::kRaw;
+    if (!keys) {
+#pragma unroll
+      for (int i = 0; i < kWgRawStages - 1; ++i) {
+        pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
+      }
+    }
+    for (int j = 0; j < tiles; ++j) {
+      if (!keys) decode_detail::CopyAsyncWaitGroup<kWgRawStages - 2>();  // its copies of tile j
+      // Every copy of tile j has landed, and raw tile j − 1 has been read.
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      if (!keys) {
+        const int ahead = j + kWgRawStages - 1;
+        pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
+                raw0 + (ahead % kWgRawStages) * L::kRawBytes);
+      }
+      const int s = j % kWgStages;
+      if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
+      const uint32_t raw = raw0 + (j % kWgRawStages) * L::kRawBytes;
+      uint8_t* stage = smem + L::kStage0 + s * L::kStageBytes;
+      float* scales = reinterpret_cast<float*>(smem + L::kScales + s * L::kScaleBytes);
+      if (keys) {
+        pr.template Store<true>(loop_begin + j * kWgTile, raw, stage, scales);
+      } else {
+        pr.template Store<false>(loop_begin + j * kWgTile, raw, stage, scales);
+      }
+      wgmma::FenceProxyAsync();
+      wgmma::BarrierArrive(base + L::kFull + 8 * s);
+    }
+    if (!keys) decode_detail::CopyAsyncWait();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
+
+  // Consumers: warpgroup wg holds rows 64·wg .. 64·wg + 63; the thread rows 16·wl + g + 8k of it.
+  const int wg = warp / 4 - 2, wl = warp % 4, g = lane >> 2, tq = lane & 3;
+  const int wr0 = row0 + 64 * wg;
+  const int wg_last_pos = wr0 < row_end ? ctx0 + (min(wr0 + 64, row_end) - 1) / group : -1;
+  const int warp_first_pos = ctx0 + (wr0 + 16 * wl) / group;
+  int row_pos[2];
+  float m[2], l[2], z[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int r = wr0 + 16 * wl + g + 8 * k;
+    row_pos[k] = r < row_end ? ctx0 + r / group : -1;
+    m[k] = -INFINITY;
+    l[k] = 0.0f;
+    z[k] = 0.0f;
+  }
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  float s[32];
+  const uint32_t q_desc_base = base + L::kQ + 64 * 128 * wg;
+  for (int j = 0; j < tiles; ++j) {
+    const int st = j % kWgStages;
+    const uint32_t stage = base + L::kStage0 + st * L::kStageBytes;
+    const int tile_begin = loop_begin + j * kWgTile;
+    wgmma::BarrierWait(base + L::kFull + 8 * st, (j / kWgStages) & 1);
+    if (tile_begin <= wg_last_pos) {  // the warpgroup's rows see part of the tile
+      // S = Q · Kᵀ (log2 domain: the query carries the softmax scale), 16 dims per step.
+      wgmma::Fence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
+        wgmma::MmaSS64x64(s, wgmma::Descriptor(q_desc_base + (ks >> 2) * L::kAtom + off),
+                          wgmma::Descriptor(stage + (ks >> 2) * L::kKAtom + off), ks > 0);
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      const float* scales = reinterpret_cast<const float*>(smem + L::kScales + st * L::kScaleBytes);
+#pragma unroll
+      for (int n = 0; n < kWgTile / 8; ++n) {  // the key scales (log2 domain)
+        const float2 ks = *reinterpret_cast<const float2*>(scales + 8 * n + 2 * tq);
+        s[4 * n] *= ks.x;
+        s[4 * n + 1] *= ks.y;
+        s[4 * n + 2] *= ks.x;
+        s[4 * n + 3] *= ks.y;
+      }
+      // Mask: tiles wholly inside the split and before the warp's first row need none.
+      const bool unmasked = p.sliding_window == 0 && tile_begin >= split_begin &&
+                            tile_begin + kWgTile <= split_end &&
+                            tile_begin + kWgTile - 1 <= warp_first_pos;
+      if (!unmasked) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const int t = tile_begin + 8 * (i / 4) + 2 * tq + (i & 1), pos = row_pos[(i >> 1) & 1];
+          const bool keep = t >= split_begin && t < split_end && t <= pos &&
+                            (p.sliding_window == 0 || t > pos - p.sliding_window);
+          s[i] = keep ? s[i] : -INFINITY;
+        }
+      }
+      // Online softmax. O is rescaled only when a row's maximum grew (alpha is 1 otherwise).
+      float ref[2], alpha[2];
+      bool grew = false;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kWgTile / 8; ++n) {
+          mx = fmaxf(mx, fmaxf(s[4 * n + 2 * k], s[4 * n + 2 * k + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[k], mx);
+        ref[k] = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[k] = decode_detail::FastExp2(m[k] - ref[k]);  // m = -inf: 0
+        grew |= m_new > m[k];
+        m[k] = m_new;
+        l[k] *= alpha[k];
+        z[k] *= alpha[k];
+      }
+      if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+        for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      }
+      // p = 2^(s − ref); P' = p · value scale, rounded to fp16 for the MMA; l sums p, z sums
+      // p · value zero.
+#pragma unroll
+      for (int n = 0; n < kWgTile / 8; ++n) {
+        const float2 vs = *reinterpret_cast<const float2*>(scales + kWgTile + 8 * n + 2 * tq);
+        const float2 vz = *reinterpret_cast<const float2*>(scales + 2 * kWgTile + 8 * n + 2 * tq);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int k = c >> 1;
+          const float w = decode_detail::FastExp2(s[4 * n + c] - ref[k]);
+          l[k] += w;
+          z[k] += w * (c & 1 ? vz.y : vz.x);
+          s[4 * n + c] = w * (c & 1 ? vs.y : vs.x);
+        }
+      }
+      uint32_t a[kWgTile / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kWgTile / 16; ++kk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          a[kk][e] = decode_detail::PackPlain<true>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        }
+      }
+      // O += P · V, 16 tokens per step.
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgTile / 16; ++kk) {
+        wgmma::MmaRS64x128(o, a[kk], wgmma::Descriptor(stage + L::kKBytes + 32 * kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+    }
+    __syncwarp();
+    if (lane == 0) wgmma::BarrierArrive(base + L::kEmpty + 8 * st);
+  }
+
+  // Row sums over the quad, then O / l and the LSE: the output, or the split's partial.
+  constexpr float kLn2 = 0.69314718055994530942f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    float lk = l[k], zk = z[k];
+    lk += __shfl_xor_sync(0xffffffffu, lk, 1);
+    lk += __shfl_xor_sync(0xffffffffu, lk, 2);
+    zk += __shfl_xor_sync(0xffffffffu, zk, 1);
+    zk += __shfl_xor_sync(0xffffffffu, zk, 2);
+    const int r = wr0 + 16 * wl + g + 8 * k;
+    if (r >= row_end) continue;
+    const int i = r / group, gg = r % group;
+    const int64_t out_row = int64_t{q_start + i} * p.num_q_heads + h * group + gg;
+    const bool empty = lk == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / lk;
+    zk = empty ? 0.0f : zk;
+    const float lse = empty ? -INFINITY : (m[k] + __log2f(lk)) * kLn2;
+    if (p.max_splits == 1) {
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const int64_t at = out_row * kD + 8 * n + 2 * tq;
+        StoreOutputPair(p.output, p.out_dtype, at, (o[4 * n + 2 * k] + zk) * inv,
+                        (o[4 * n + 2 * k + 1] + zk) * inv);
+      }
+      if (tq == 0) p.lse[out_row] = lse;
+    } else {
+      float* out = p.partial_out + (out_row * p.max_splits + split) * kD;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        *reinterpret_cast<float2*>(out + 8 * n + 2 * tq) =
+            make_float2((o[4 * n + 2 * k] + zk) * inv, (o[4 * n + 2 * k + 1] + zk) * inv);
+      }
+      if (tq == 0) p.partial_lse[out_row * p.max_splits + split] = lse;
+    }
+  }
+}
+
+#else
+
+template <KeyKind kKind, int kValueBits>
+__global__ void PrefillWgmmaKernel(const ChunkParams p) {}  // launched only on sm_90
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Whether PrefillWgmmaKernel<kKind, kValueBits> serves a call's cache layout.
+template <KeyKind kKind, int kValueBits>
+bool WgmmaPrefillRuns(const ChunkParams& p) {
+  using R = WgRawLayout<kKind, kValueBits>;
+  return p.block_size % 8 == 0 && p.data_per_slot == R::kSlot && p.key_data_bytes == R::kKeyBytes &&
+         p.num_meta == R::kMeta;
+}
+
+// Whether the current device runs the wgmma kernels (compute capability 9.0).
+inline bool DeviceHasWgmma() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+template <KeyKind kKind, int kValueBits>
+cudaError_t LaunchPrefillWgmma(const ChunkParams& p, cudaStream_t stream) {
+  constexpr int kSmem = WgLayout<kKind, kValueBits>::kBytes;
+  auto* kernel = PrefillWgmmaKernel<kKind, kValueBits>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
+  kernel<<<grid, kWgThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace tqkv::attention_detail
