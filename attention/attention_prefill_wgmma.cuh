@@ -58,7 +58,7 @@ struct WgRawLayout {
 // Shared memory (offsets from a 1024-byte aligned base): the query [2 swizzle atoms of 64 dims][128
 // rows][128 B]; per stage keys [2 atoms][64 tokens][128 B] then Vᵀ [128 dims][64 tokens · 2 B];
 // the key codebook, one copy per lane; the barriers; the split's block ids;
-// kWgRawStages raw tiles. 168 KB for 4bit_nc: one CTA per SM.
+// kWgRawStages raw tiles. About 170 KB for 4bit_nc: one CTA per SM.
 inline constexpr int kWgRawStages = 4;  // raw tiles in flight: copies of 3 tiles ahead
 template <KeyKind kKind, int kValueBits>
 struct WgLayout {
@@ -185,11 +185,11 @@ struct WgProducer {
     }
   }
 
-  // Raw tile `raw` (tokens from tile_begin) into a stage, as fp16: 8 key rows of 16 bytes (MSE:
-  // norm · centroid; FP8: the values) and 8 Vᵀ rows of 16 bytes (scale · code + zero). The
-  // metadata of tokens at or past `end` (never copied: stale) reads as 0, which zeroes their
-  // keys and values (FP8 keys stay: their scores are masked).
-  // kKeys: the keys (the key warpgroup's part); else the values.
+  // Raw tile `raw` (tokens from tile_begin) into a stage. kKeys (the key warpgroup): 8 key rows
+  // of 16 bytes as fp16 (MSE: the centroids; FP8: the values) and the 8 tokens' key scales;
+  // otherwise 8 Vᵀ rows of 16 bytes (the codes as fp16 integers) and the value scales and zeros.
+  // The metadata of tokens at or past `end` (never copied: stale) reads as 0, which zeroes their
+  // scores' scales and their values (their scores are masked too).
   template <bool kKeys>
   __device__ __forceinline__ void Store(int tile_begin, uint32_t raw, uint8_t* stage,
                                         float* scales) const {
