@@ -347,8 +347,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
 
-  // The query rows times the softmax scale (log2 domain), rounded once to fp16 (rows past the
-  // sequence's: 0); the codebook's pair table; the split's block ids; the barriers.
+  // The query rows rounded once to fp16 (rows past the sequence's: 0); the codebook, one copy per
+  // lane; the split's block ids; the barriers.
   for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
     const int r = u / (kD / 8), c16 = u % (kD / 8);
     uint32_t w[4] = {0, 0, 0, 0};
