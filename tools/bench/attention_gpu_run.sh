@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU-machine call for attention over several new tokens per sequence (issue 35): its GPU
+# tests (attention_cuda_test, sim_cuda_test: every kernel against the CPU reference before
+# anything is timed), then attention_bench and its peers (torch_attention_bench.py: PyTorch SDPA
+# bf16 and dequantize-then-SDPA) on the same shapes in the same call, and the joint table last.
+# Expects the bundle of tools/gpu_bundle.sh. Writes into $OUT (default /tmp/attention_out): the
+# test logs, attention_bench.json / .txt, peers.json and peers.txt (the joint table).
+#   attention_gpu_run.sh [--skip-tests] [--kind KIND] [--only TEXT]
+# (--kind / --only: attention_bench's; the peers run on the shapes it measured.)
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/attention_out}
+skip_tests="" bench_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip-tests) skip_tests=1 ;;
+    --kind | --only) bench_args+=("$1" "$2"); shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+if [ -z "$skip_tests" ]; then
+  for t in attention/attention_cuda_test tools/sim_cuda_test model/cuda_engine_test; do
+    name=$(basename "$t")
+    timeout 300 "$here/bin/$t" --gtest_brief=1 >"$out/$name.log" 2>&1
+    rc=$?
+    echo "$name exit $rc: $(grep -E '^\[  (PASSED|FAILED)' "$out/$name.log" | tr '\n' ' ')"
+    grep -E "worst" "$out/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+  done
+fi
+timeout 400 "$here/bin/tools/bench/attention_bench" --json "$out/attention_bench.json" \
+  "${bench_args[@]}" >"$out/attention_bench.txt" 2>&1
+echo "attention_bench exit $?"
+timeout 300 python3 "$here/torch_attention_bench.py" --ours "$out/attention_bench.json" \
+  --out "$out/peers.json" >"$out/peers.txt" 2>&1
+echo "torch_attention_bench exit $?"
+grep -E '^\| ' "$out/peers.txt"
+exit $status
