@@ -349,6 +349,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 
   // The query rows rounded once to fp16 (rows past the sequence's: 0); the codebook, one copy per
   // lane; the split's block ids; the barriers.
+  const bool query_vec =
+      p.query_dtype == DType::kF32 && reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
   for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
     const int r = u / (kD / 8), c16 = u % (kD / 8);
     uint32_t w[4] = {0, 0, 0, 0};
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       const int i = (row0 + r) / group, gg = (row0 + r) % group;
       const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + 8 * c16;
       float x[8];
-      if (p.query_dtype == DType::kF32) {  // the query prep's q·Πᵀ: two 16-byte loads
+      if (query_vec) {  // fp32 on 16 bytes (the query prep's q·Πᵀ): two 16-byte loads
         const float4 a =
             __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at));
         const float4 c =
@@ -570,8 +572,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     if (lane == 0) wgmma::BarrierArrive(base + L::kEmpty + 8 * st);
   }
 
-  // Row sums over the quad, then O / l and the LSE: the output, or the split's partial.
+  // Row sums over the quad, then (O + z) / l and the LSE: the output (pairs of elements in one
+  // store where the output is 8-byte aligned), or the split's partial.
   constexpr float kLn2 = 0.69314718055994530942f;
+  const bool out_vec = reinterpret_cast<uintptr_t>(p.output) % 8 == 0;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     float lk = l[k], zk = z[k];
@@ -591,8 +595,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
         const int64_t at = out_row * kD + 8 * n + 2 * tq;
-        StoreOutputPair(p.output, p.out_dtype, at, (o[4 * n + 2 * k] + zk) * inv,
-                        (o[4 * n + 2 * k + 1] + zk) * inv);
+        const float x0 = (o[4 * n + 2 * k] + zk) * inv, x1 = (o[4 * n + 2 * k + 1] + zk) * inv;
+        if (out_vec) {
+          StoreOutputPair(p.output, p.out_dtype, at, x0, x1);
+        } else {
+          decode_detail::StoreOutput(p.output, p.out_dtype, at, x0);
+          decode_detail::StoreOutput(p.output, p.out_dtype, at + 1, x1);
+        }
       }
       if (tq == 0) p.lse[out_row] = lse;
     } else {
