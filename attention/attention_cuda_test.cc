@@ -490,8 +490,8 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
       }
     }
   }
-  std::printf("compressed kinds at D 128, worst: out %.2e lse %.2e\n",
-              worst_wgmma_out, worst_wgmma_lse);
+  std::printf("compressed kinds at D 128, worst: out %.2e lse %.2e\n", worst_wgmma_out,
+              worst_wgmma_lse);
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     for (int d : {64, 128}) {
       for (int group : {1, 4, 8}) {

@@ -314,7 +314,8 @@ int Main(int argc, char** argv) {
   shapes.push_back(mixed_exact);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
   if (!only_shape.empty()) {  // the shapes whose name contains it (one shape under ncu)
-    std::erase_if(shapes, [&](const Shape& s) { return s.name.find(only_shape) == std::string::npos; });
+    std::erase_if(shapes,
+                  [&](const Shape& s) { return s.name.find(only_shape) == std::string::npos; });
   }
   Stream stream;
   const double read_gbs = ReadCeilingGbs(stream);
