@@ -8,6 +8,7 @@
 #include <limits>
 #include <numbers>
 #include <utility>
+#include <vector>
 
 #include "quant/numerics.h"
 #include "runtime/error.h"
@@ -30,7 +31,8 @@ struct CudaAttention::State {
   KeyKind key_kind = KeyKind::kMse4;
   int value_bits = 16;
   AttentionShape shape;
-  DeviceBuffer<float> rotation;  // MSE keys: dense Πᵀ [D, D] for the query prep
+  DeviceBuffer<float> rotation;            // MSE keys: dense Πᵀ [D, D] for the query prep
+  DeviceBuffer<float> rotation_fragments;  // and as the tensor-core query prep's B operands
   uint16_t centroid_hi[16] = {}, centroid_lo[16] = {};
   float centroids[16] = {};
   int sm_count = 0;
@@ -111,6 +113,12 @@ CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State
   if (!s.format.fp8_keys) {
     s.rotation = DeviceBuffer<float>(int64_t{s.format.head_dim} * s.format.head_dim);
     s.rotation.CopyFromHost(q.rotation().matrix);
+#if TQKV_HAVE_CUDA
+    const std::vector<float> fragments =
+        decode_detail::QueryPrepFragments(q.rotation().matrix, s.format.head_dim);
+    s.rotation_fragments = DeviceBuffer<float>(static_cast<int64_t>(fragments.size()));
+    s.rotation_fragments.CopyFromHost(fragments);
+#endif
     const auto& c = q.codebook().centroids;
     for (size_t i = 0; i < c.size() && i < 16; ++i) {
       s.centroids[i] = c[i];
@@ -335,6 +343,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
       qp.query = a.query;
       qp.in_dtype = a.query_dtype;
       qp.rotation = s.rotation.data();
+      qp.rotation_fragments = s.rotation_fragments.data();
       qp.out = reinterpret_cast<float*>(ws);
       qp.rows = plan.num_tokens * plan.num_q_heads;
       qp.head_dim = d;
@@ -440,6 +449,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     qp.query = a.query;
     qp.in_dtype = a.query_dtype;
     qp.rotation = s.rotation.data();
+    qp.rotation_fragments = s.rotation_fragments.data();
     qp.out = reinterpret_cast<float*>(ws);
     qp.rows = static_cast<int>(rows);
     qp.head_dim = d;

@@ -83,7 +83,45 @@ struct QueryPrepParams {
   float* out = nullptr;             // [rows, head_dim] fp32
   int rows = 0;                     // num_seqs * num_q_heads
   int head_dim = 0;
+  // QueryPrepFragments(Πᵀ) on the device, or nullptr. With it (and a 16-byte aligned query) the
+  // tensor-core kernel runs: for the many rows of attention's chunk and verify calls, where the
+  // 8-row kernel reads all of Πᵀ from L2 once per 8 rows (179 µs of a 2,048-token chunk's call).
+  const float* rotation_fragments = nullptr;
 };
+
+// Πᵀ [head_dim, head_dim] as the tensor-core query prep's B operands (mma.sync m16n8k8, tf32):
+// for output columns 8·nt.. and k-step s, lane l (g = l / 4, t = l % 4) holds Πᵀ[d][8·nt + g] for
+// d = head_dim / 4 · t + 2s and d + 1 (this order of the k-slots lets a thread read its part of a
+// query row as one contiguous run), each as its tf32 rounding and the tf32 rounding of the
+// remainder: four floats at ((nt · head_dim / 8 + s) · 32 + l) · 4. The two parts keep Πᵀ to
+// ~22 bits, so q·Πᵀ stays fp32-accurate (16-bit queries are exact in tf32; fp32 queries are
+// split the same way in the kernel).
+inline float RoundToTf32(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, 4);
+  if ((u & 0x7F800000u) != 0x7F800000u) u = (u + 0x0FFFu + ((u >> 13) & 1u)) & 0xFFFFE000u;
+  float y;
+  __builtin_memcpy(&y, &u, 4);
+  return y;
+}
+inline std::vector<float> QueryPrepFragments(const std::vector<float>& rotation, int head_dim) {
+  const int d = head_dim, steps = d / 8;
+  std::vector<float> f(static_cast<size_t>(d) * d * 2);
+  for (int nt = 0; nt < d / 8; ++nt) {
+    for (int s = 0; s < steps; ++s) {
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        float* at = f.data() + ((static_cast<size_t>(nt) * steps + s) * 32 + l) * 4;
+        for (int k = 0; k < 2; ++k) {
+          const float w = rotation[static_cast<size_t>(d / 4 * t + 2 * s + k) * d + 8 * nt + g];
+          at[k] = RoundToTf32(w);
+          at[2 + k] = RoundToTf32(w - at[k]);
+        }
+      }
+    }
+  }
+  return f;
+}
 
 // The key codebook table of the split kernel: entry e = a code pair (e & (2^bits - 1), e >> bits)
 // as two words, the fp16 pair of the hi parts (low code in the low half) and the pair of the

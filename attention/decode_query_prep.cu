@@ -90,11 +90,175 @@ __global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
   }
 }
 
+// Tensor-core q·Πᵀ (QueryPrepParams::rotation_fragments): each warp computes 32 rows × 64 output
+// columns with mma.sync m16n8k8 in tf32, fp32-accurate: a 16-bit query is exact in tf32 and meets
+// Πᵀ's hi and lo parts (two MMAs), an fp32 query is split too (three: hi·hi, hi·lo, lo·hi). The B
+// fragments come from global memory already in fragment order (one coalesced 16-byte load per
+// lane feeds four to six MMAs; every warp reads the same D²·8 bytes, from L1 or L2); the
+// A fragments follow QueryPrepFragments' order of k-slots, so a thread reads 8 consecutive
+// elements of each of its 4 rows per 4 k-steps.
+constexpr int kMmaPrepWarps = 4;
+constexpr int kMmaPrepRows = 32;
+constexpr int kMmaPrepCols = 64;
+
+__device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4], float b0, float b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(__float_as_uint(b0)),
+        "r"(__float_as_uint(b1)));
+}
+
+__device__ __forceinline__ uint32_t ToTf32(float x) {
+  uint32_t y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
+  return y;
+}
+
+// Eight consecutive query elements as floats (zeros for a row past the end).
+template <DType kIn>
+__device__ __forceinline__ void LoadEight(const void* query, int64_t at, bool valid,
+                                          float (&x)[8]) {
+  if (!valid) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = 0.0f;
+    return;
+  }
+  if constexpr (kIn == DType::kF32) {
+    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(query) + at);
+    const float4 a = __ldg(q), b = __ldg(q + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(query) + at));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kIn == DType::kF16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
+        x[2 * e] = f.x, x[2 * e + 1] = f.y;
+      } else {
+        x[2 * e] = __uint_as_float(w[e] << 16);
+        x[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+template <DType kIn, int kD>
+__global__ void __launch_bounds__(kMmaPrepWarps * 32) QueryPrepMmaKernel(const QueryPrepParams p) {
+  constexpr int kColGroups = kD / kMmaPrepCols;
+  constexpr int kSteps = kD / 8;  // k-steps of 8
+  // A thread's run of each row: its k-slot t of step s is d = kSlice·t + 2s (slot t + 4: d + 1).
+  constexpr int kSlice = kD / 4;
+  constexpr bool kSplitQuery = kIn == DType::kF32;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t warp = int64_t{blockIdx.x} * kMmaPrepWarps + threadIdx.x / 32;
+  const int64_t row0 = warp / kColGroups * kMmaPrepRows;
+  const int col_group = static_cast<int>(warp % kColGroups);
+  if (row0 >= p.rows) return;
+  const float4* frag = reinterpret_cast<const float4*>(p.rotation_fragments) +
+                       static_cast<int64_t>(col_group) * 8 * kSteps * 32 + lane;
+  float acc[2][8][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.0f;
+    }
+  }
+#pragma unroll 1
+  for (int c = 0; c < kSteps / 4; ++c) {
+    float x[4][8];  // rows g, g + 8, g + 16, g + 24 of the warp's 32
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t row = row0 + g + 8 * r;
+      LoadEight<kIn>(p.query, row * kD + kSlice * t + 8 * c, row < p.rows, x[r]);
+    }
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+      uint32_t hi[2][4], lo[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const float v[4] = {x[2 * m][2 * s4], x[2 * m + 1][2 * s4], x[2 * m][2 * s4 + 1],
+                            x[2 * m + 1][2 * s4 + 1]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kSplitQuery) {
+            hi[m][e] = ToTf32(v[e]);
+            lo[m][e] = ToTf32(v[e] - __uint_as_float(hi[m][e]));
+          } else {
+            hi[m][e] = __float_as_uint(v[e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float4 b = __ldg(frag + (nt * kSteps + 4 * c + s4) * 32);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          // The small products first.
+          MmaTf32(acc[m][nt], hi[m], b.z, b.w);
+          if constexpr (kSplitQuery) MmaTf32(acc[m][nt], lo[m], b.x, b.y);
+          MmaTf32(acc[m][nt], hi[m], b.x, b.y);
+        }
+      }
+    }
+  }
+  LaunchDependents();
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 16 * m + g + 8 * h;
+      if (row >= p.rows) continue;
+      float* out = p.out + row * kD + col_group * kMmaPrepCols + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        *reinterpret_cast<float2*>(out + 8 * nt) =
+            make_float2(acc[m][nt][2 * h], acc[m][nt][2 * h + 1]);
+      }
+    }
+  }
+}
+
+template <DType kIn, int kD>
+cudaError_t LaunchQueryPrepMma(const QueryPrepParams& p, cudaStream_t stream) {
+  const int64_t warps = (int64_t{p.rows} + kMmaPrepRows - 1) / kMmaPrepRows * (kD / kMmaPrepCols);
+  const int64_t ctas = (warps + kMmaPrepWarps - 1) / kMmaPrepWarps;
+  QueryPrepMmaKernel<kIn, kD><<<static_cast<unsigned>(ctas), kMmaPrepWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <DType kIn>
+cudaError_t LaunchQueryPrepMmaOfDim(const QueryPrepParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return LaunchQueryPrepMma<kIn, 64>(p, stream);
+    case 128:
+      return LaunchQueryPrepMma<kIn, 128>(p, stream);
+    case 256:
+      return LaunchQueryPrepMma<kIn, 256>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchQueryPrep(const QueryPrepParams& p, cudaStream_t stream) {
   static_assert(kPrepRows == 8, "the kernel reads a row group as two float4");
   if (p.rotation == nullptr) return cudaErrorInvalidValue;
+  if (p.rotation_fragments != nullptr && reinterpret_cast<uintptr_t>(p.query) % 16 == 0) {
+    switch (p.in_dtype) {
+      case DType::kF32:
+        return LaunchQueryPrepMmaOfDim<DType::kF32>(p, stream);
+      case DType::kF16:
+        return LaunchQueryPrepMmaOfDim<DType::kF16>(p, stream);
+      default:
+        return LaunchQueryPrepMmaOfDim<DType::kBF16>(p, stream);
+    }
+  }
   const int smem = 2 * kPrepRows * p.head_dim * static_cast<int>(sizeof(float)) + kPrepTileBytes;
   static const cudaError_t configured =
       cudaFuncSetAttribute(QueryPrepKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
