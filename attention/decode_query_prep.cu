@@ -90,16 +90,19 @@ __global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
   }
 }
 
-// Tensor-core q·Πᵀ (QueryPrepParams::rotation_fragments): each warp computes 32 rows × 64 output
+// Tensor-core q·Πᵀ (QueryPrepParams::rotation_fragments): each warp computes 32 rows × 32 output
 // columns with mma.sync m16n8k8 in tf32, fp32-accurate: a 16-bit query is exact in tf32 and meets
 // Πᵀ's hi and lo parts (two MMAs), an fp32 query is split too (three: hi·hi, hi·lo, lo·hi). The B
 // fragments come from global memory already in fragment order (one coalesced 16-byte load per
 // lane feeds four to six MMAs; every warp reads the same D²·8 bytes, from L1 or L2); the
 // A fragments follow QueryPrepFragments' order of k-slots, so a thread reads 8 consecutive
-// elements of each of its 4 rows per 4 k-steps.
+// elements of each of its 4 rows per 4 k-steps. The kernel waits on its loads (L1 hits 76 %):
+// 32-column tiles in 128 registers (4 CTAs per SM) took it from 50.4 to 42.6 µs at 65,536 rows
+// (ncu, H200) against 64-column tiles in 158 registers; 80 registers (6 CTAs) spilled: 56 µs.
 constexpr int kMmaPrepWarps = 4;
 constexpr int kMmaPrepRows = 32;
-constexpr int kMmaPrepCols = 64;
+constexpr int kMmaPrepCols = 32;
+constexpr int kMmaPrepNTiles = kMmaPrepCols / 8;
 
 __device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4], float b0, float b1) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -115,37 +118,35 @@ __device__ __forceinline__ uint32_t ToTf32(float x) {
   return y;
 }
 
-// Eight consecutive query elements as floats (zeros for a row past the end).
+// Eight consecutive query elements as loaded (zeros for a row past the end), kept in the input's
+// width until used: 4 words for 16-bit inputs (the kernel fits 128 registers, 4 CTAs per SM).
 template <DType kIn>
-__device__ __forceinline__ void LoadEight(const void* query, int64_t at, bool valid,
-                                          float (&x)[8]) {
-  if (!valid) {
+struct EightElements {
+  static constexpr int kWords = kIn == DType::kF32 ? 8 : 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ void Load(const void* query, int64_t at, bool valid) {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(query) +
+                                                    at * (kIn == DType::kF32 ? 4 : 2));
 #pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = 0.0f;
-    return;
-  }
-  if constexpr (kIn == DType::kF32) {
-    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(query) + at);
-    const float4 a = __ldg(q), b = __ldg(q + 1);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-  } else {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(query) + at));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (kIn == DType::kF16) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
-        x[2 * e] = f.x, x[2 * e + 1] = f.y;
-      } else {
-        x[2 * e] = __uint_as_float(w[e] << 16);
-        x[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-      }
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 v = valid ? __ldg(q + i) : uint4{0, 0, 0, 0};
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
   }
-}
+  __device__ __forceinline__ float operator[](int e) const {
+    if constexpr (kIn == DType::kF32) {
+      return __uint_as_float(w[e]);
+    } else if constexpr (kIn == DType::kBF16) {
+      return __uint_as_float(e % 2 ? w[e / 2] & 0xFFFF0000u : w[e / 2] << 16);
+    } else {
+      return __half2float(__ushort_as_half(static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)))));
+    }
+  }
+};
 
 template <DType kIn, int kD>
-__global__ void __launch_bounds__(kMmaPrepWarps * 32) QueryPrepMmaKernel(const QueryPrepParams p) {
+__global__ void __launch_bounds__(kMmaPrepWarps * 32, 4)
+    QueryPrepMmaKernel(const QueryPrepParams p) {
   constexpr int kColGroups = kD / kMmaPrepCols;
   constexpr int kSteps = kD / 8;  // k-steps of 8
   // A thread's run of each row: its k-slot t of step s is d = kSlice·t + 2s (slot t + 4: d + 1).
@@ -157,23 +158,23 @@ __global__ void __launch_bounds__(kMmaPrepWarps * 32) QueryPrepMmaKernel(const Q
   const int col_group = static_cast<int>(warp % kColGroups);
   if (row0 >= p.rows) return;
   const float4* frag = reinterpret_cast<const float4*>(p.rotation_fragments) +
-                       static_cast<int64_t>(col_group) * 8 * kSteps * 32 + lane;
-  float acc[2][8][4];
+                       static_cast<int64_t>(col_group) * kMmaPrepNTiles * kSteps * 32 + lane;
+  float acc[2][kMmaPrepNTiles][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < kMmaPrepNTiles; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.0f;
     }
   }
 #pragma unroll 1
   for (int c = 0; c < kSteps / 4; ++c) {
-    float x[4][8];  // rows g, g + 8, g + 16, g + 24 of the warp's 32
+    EightElements<kIn> x[4];  // rows g, g + 8, g + 16, g + 24 of the warp's 32
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int64_t row = row0 + g + 8 * r;
-      LoadEight<kIn>(p.query, row * kD + kSlice * t + 8 * c, row < p.rows, x[r]);
+      x[r].Load(p.query, row * kD + kSlice * t + 8 * c, row < p.rows);
     }
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(kMmaPrepWarps * 32) QueryPrepMmaKernel(const Q
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kMmaPrepNTiles; ++nt) {
         const float4 b = __ldg(frag + (nt * kSteps + 4 * c + s4) * 32);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kMmaPrepWarps * 32) QueryPrepMmaKernel(const Q
       if (row >= p.rows) continue;
       float* out = p.out + row * kD + col_group * kMmaPrepCols + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kMmaPrepNTiles; ++nt) {
         *reinterpret_cast<float2*>(out + 8 * nt) =
             make_float2(acc[m][nt][2 * h], acc[m][nt][2 * h + 1]);
       }
