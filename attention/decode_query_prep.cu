@@ -94,11 +94,12 @@ __global__ void QueryPrepKernel(const QueryPrepParams p, bool trigger_early) {
 // columns with mma.sync m16n8k8 in tf32, fp32-accurate: a 16-bit query is exact in tf32 and meets
 // Πᵀ's hi and lo parts (two MMAs), an fp32 query is split too (three: hi·hi, hi·lo, lo·hi). The B
 // fragments come from global memory already in fragment order (one coalesced 16-byte load per
-// lane feeds four to six MMAs; every warp reads the same D²·8 bytes, from L1 or L2); the
-// A fragments follow QueryPrepFragments' order of k-slots, so a thread reads 8 consecutive
-// elements of each of its 4 rows per 4 k-steps. The kernel waits on its loads (L1 hits 76 %):
-// 32-column tiles in 128 registers (4 CTAs per SM) took it from 50.4 to 42.6 µs at 65,536 rows
-// (ncu, H200) against 64-column tiles in 158 registers; 80 registers (6 CTAs) spilled: 56 µs.
+// lane feeds four to six MMAs; the warps of a column group all read its D · 32 · 8 bytes, from L1
+// or L2); the A fragments follow QueryPrepFragments' order of k-slots, so a thread reads 8
+// consecutive elements of each of its 4 rows per 4 k-steps. The kernel waits on its loads (ncu
+// of 64-column tiles in 158 registers: 16.7 % occupancy, L1 hits 76 %, 50.4 µs at 65,536 rows on
+// the H200); 32-column tiles in 128 registers (4 CTAs per SM) took it to 42.6 µs, 80 registers
+// (6 CTAs) spilled: 56 µs.
 constexpr int kMmaPrepWarps = 4;
 constexpr int kMmaPrepRows = 32;
 constexpr int kMmaPrepCols = 32;
