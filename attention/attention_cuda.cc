@@ -33,6 +33,8 @@ struct CudaAttention::State {
   AttentionShape shape;
   DeviceBuffer<float> rotation;            // MSE keys: dense Πᵀ [D, D] for the query prep
   DeviceBuffer<float> rotation_fragments;  // and as the tensor-core query prep's B operands
+  bool fwht = false;                       // Πᵀ = diag(signs) · H / √D (hadamard kinds)
+  DeviceBuffer<float> signs;               // hadamard_signs: [D] ±1
   uint16_t centroid_hi[16] = {}, centroid_lo[16] = {};
   float centroids[16] = {};
   int sm_count = 0;
@@ -102,6 +104,24 @@ VerifySections VerifyLayout(const AttentionPlan& plan, bool rotate, int d) {
   return v;
 }
 
+#if TQKV_HAVE_CUDA
+// The cache-layout fields of the chunk and prefill kernels' parameters (State: CudaAttention's).
+template <typename State>
+void SetCacheLayout(const State& s, attention_detail::ChunkParams& p) {
+  if (s.plain) {
+    p.block_bytes = s.plain_format.block_bytes;
+    p.meta_offset = s.plain_format.value_offset;
+  } else {
+    p.block_bytes = s.format.block_bytes;
+    p.meta_offset = s.format.meta_offset;
+    p.data_per_slot = s.format.data_per_slot;
+    p.key_data_bytes = s.format.key_data_bytes;
+    p.num_meta = s.format.num_meta;
+  }
+  p.block_size = s.shape.block_size;
+}
+#endif
+
 }  // namespace
 
 CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State>(CudaDecoder(q))) {
@@ -113,6 +133,12 @@ CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State
   if (!s.format.fp8_keys) {
     s.rotation = DeviceBuffer<float>(int64_t{s.format.head_dim} * s.format.head_dim);
     s.rotation.CopyFromHost(q.rotation().matrix);
+    const Rotation& r = q.rotation();
+    s.fwht = r.kind == RotationKind::kHadamard || r.kind == RotationKind::kHadamardSigns;
+    if (r.kind == RotationKind::kHadamardSigns) {
+      s.signs = DeviceBuffer<float>(s.format.head_dim);
+      s.signs.CopyFromHost(r.signs);
+    }
 #if TQKV_HAVE_CUDA
     const std::vector<float> fragments =
         decode_detail::QueryPrepFragments(q.rotation().matrix, s.format.head_dim);
@@ -273,7 +299,16 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
     decode_bytes = VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8, d).Total();
   }
-  const Sections w = WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8, plan, d);
+#if TQKV_HAVE_CUDA
+  if (plan.prefill && s.fwht) {
+    attention_detail::ChunkParams layout;
+    SetCacheLayout(s, layout);
+    plan.prefill_rotates =
+        attention_detail::PrefillRotatesQuery(s.key_kind, s.value_bits, d, layout);
+  }
+#endif
+  const Sections w =
+      WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates, plan, d);
   plan.workspace_bytes = std::max(decode_bytes, w.Total());
   return plan;
 }
@@ -402,7 +437,10 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     return;
   }
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
-  const Sections w = WorkspaceSections(rotate, plan, d);
+  if (plan.prefill_rotates && !(plan.prefill && s.fwht)) {
+    throw Error(fmt::format("{}: the plan was not made by this CudaAttention's Plan", kWhere));
+  }
+  const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
   // after the chunk kernel (the decode kernels have no sliding window).
@@ -444,7 +482,13 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
   ChunkParams p;
   p.skip_single = decode_rows ? 1 : 0;
-  if (rotate) {
+  if (plan.prefill_rotates) {
+    p.query = a.query;
+    p.query_dtype = a.query_dtype;
+    p.query_fwht = 1;
+    p.query_signs = s.signs.data();
+    p.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
+  } else if (rotate) {
     decode_detail::QueryPrepParams qp;
     qp.query = a.query;
     qp.in_dtype = a.query_dtype;
@@ -477,18 +521,8 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   p.num_seqs = plan.num_seqs;
   p.num_q_heads = plan.num_q_heads;
   p.num_kv_heads = num_kv_heads();
-  p.block_size = block_size();
   p.max_blocks_per_seq = plan.max_blocks_per_seq;
-  if (s.plain) {
-    p.block_bytes = s.plain_format.block_bytes;
-    p.meta_offset = s.plain_format.value_offset;
-  } else {
-    p.block_bytes = s.format.block_bytes;
-    p.meta_offset = s.format.meta_offset;
-    p.data_per_slot = s.format.data_per_slot;
-    p.key_data_bytes = s.format.key_data_bytes;
-    p.num_meta = s.format.num_meta;
-  }
+  SetCacheLayout(s, p);
   p.row_warps = plan.row_warps;
   p.row_tiles = plan.row_tiles;
   p.heads_fastest = plan.heads_fastest ? 1 : 0;

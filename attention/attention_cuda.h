@@ -96,6 +96,10 @@ struct AttentionPlan {
   // Long chunks in half precision (ChunkPrecision::kHalf): the prefill kernel, 128 query rows per
   // CTA, in place of the chunk kernel (row_warps unused).
   bool prefill = false;
+  // The prefill kernel rotates the query itself (a Hadamard rotation on the wgmma kernel: the
+  // compressed MSE kinds at head_dim 128 on compute capability 9.0), so no q·Πᵀ of every row is
+  // computed before it and the workspace holds none.
+  bool prefill_rotates = false;
   // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4); row-tile slots per KV head
   // (every sequence's tiles, and one slot each more), context tokens per split, splits.
   int row_warps = 4;

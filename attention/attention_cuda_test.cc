@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention_cpu.h"
@@ -57,6 +59,7 @@ struct Errors {
   double decode_out = 0, decode_lse = 0;  // rows of one-token sequences
   int64_t bad = 0;                        // NaN / inf / unwritten
   bool prefill = false;                   // the plan ran the prefill kernel
+  bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
 };
 
@@ -167,6 +170,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   }
   Errors e;
   e.prefill = plan.prefill;
+  e.prefill_rotates = plan.prefill_rotates;
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
@@ -472,21 +476,29 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
     }
   }
   // On Hopper the compressed kinds at head_dim 128 run the wgmma kernel: more groups and block
-  // sizes, with splits.
+  // sizes, with splits, and every rotation (the MSE kinds' Hadamard rotations applied by the
+  // kernel itself, a dense Πᵀ by the query prep before it).
   double worst_wgmma_out = 0, worst_wgmma_lse = 0;
+  cudaDeviceProp prop{};
+  TQKV_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const bool hopper = prop.major == 9 && prop.minor == 0;  // the wgmma kernel's devices
   for (const char* preset : kPresetNames) {
-    for (const auto& [group, bs] : {std::pair{1, 16}, std::pair{3, 64}, std::pair{8, 128}}) {
+    for (const auto& [group, bs, rotation] : {std::tuple{1, 16, RotationKind::kHadamard},
+                                              std::tuple{3, 64, RotationKind::kHadamardSigns},
+                                              std::tuple{8, 128, RotationKind::kHaar}}) {
       const int hk = 2;
-      const Quantizer q = Quantizer::Create(preset, 128, hk, bs);
+      const Quantizer q = Quantizer::Create(preset, 128, hk, bs, rotation, 11 + group);
       const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 750 + k++);
+      const bool mse = std::string_view(preset) != "turboquant_k8v4";
       for (int tps : {0, 128}) {
         Case c{.quantizer = &q};
         c.options.chunk_precision = ChunkPrecision::kHalf;
         c.options.tokens_per_split = tps;
         const Errors e = RunAndCompare(c, s, s.base.cache);
         check(e, false,
-              fmt::format("{} D=128 group={} bs={} tokens_per_split={}: out {:.2e} lse {:.2e}",
-                          preset, group, bs, tps, e.out, e.lse));
+              fmt::format("{} {} D=128 group={} bs={} tokens_per_split={}: out {:.2e} lse {:.2e}",
+                          preset, RotationKindName(rotation), group, bs, tps, e.out, e.lse));
+        EXPECT_EQ(e.prefill_rotates, hopper && mse && rotation != RotationKind::kHaar) << preset;
         worst_wgmma_out = std::max(worst_wgmma_out, e.out);
         worst_wgmma_lse = std::max(worst_wgmma_lse, e.lse);
       }

@@ -425,6 +425,7 @@ cudaError_t LaunchChunkOfDim(const ChunkParams& p, cudaStream_t stream) {
 
 template <KeyKind kKind, int kValueBits>
 cudaError_t LaunchChunkOfBits(int head_dim, const ChunkParams& p, cudaStream_t stream) {
+  if (p.query_fwht) return cudaErrorInvalidValue;  // the chunk kernel reads a rotated query
   switch (head_dim) {
     case 64:
       return LaunchChunkOfDim<kKind, kValueBits, 64>(p, stream);

@@ -32,6 +32,12 @@ struct ChunkParams {
   // query prep's fp32 q·Πᵀ.
   const void* query = nullptr;
   DType query_dtype = DType::kF32;
+  // Non-zero: `query` is the caller's, and the kernel rotates it itself, y = FWHT(q ⊙ signs) ·
+  // query_scale (a Hadamard Πᵀ; signs null for plain Hadamard). Only the wgmma prefill kernel
+  // does (PrefillRotatesQuery); every other launch refuses it.
+  int query_fwht = 0;
+  const float* query_signs = nullptr;  // [head_dim] ±1, or null
+  float query_scale = 1.0f;            // 1/√D
   // MSE keys: the 2^key_bits centroids as fp16 hi and lo parts (centroid = hi + lo to ~2^-22).
   uint16_t centroid_hi[16] = {};
   uint16_t centroid_lo[16] = {};
@@ -163,6 +169,12 @@ cudaError_t LaunchChunkOfKind(int value_bits, int head_dim, const ChunkParams& p
 // kernel's grid and parameters (row_warps unused); cudaErrorInvalidValue where it has none.
 cudaError_t LaunchPrefillAttention(KeyKind kind, int value_bits, int head_dim,
                                    const ChunkParams& p, cudaStream_t stream);
+
+// Whether LaunchPrefillAttention(kind, value_bits, head_dim, p) runs the wgmma kernel on the
+// current device (the compressed MSE kinds at head_dim 128 on compute capability 9.0, for their
+// slot layouts and blocks of whole 8-token groups), which can rotate the query itself
+// (ChunkParams::query_fwht). Reads only p's cache-layout fields.
+bool PrefillRotatesQuery(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p);
 
 template <KeyKind kKind>
 cudaError_t LaunchPrefillOfKind(int value_bits, int head_dim, const ChunkParams& p,

@@ -474,6 +474,14 @@ cudaError_t LaunchPrefill(const ChunkParams& p, cudaStream_t stream) {
 // head_dim 64 and 128 (256 keeps the chunk kernel: its registers would not hold 32 rows).
 template <KeyKind kKind, int kValueBits>
 cudaError_t LaunchPrefillOfBits(int head_dim, const ChunkParams& p, cudaStream_t stream) {
+  if (p.query_fwht) {  // only the wgmma kernel rotates the query itself
+    if constexpr (!IsPlain(kKind)) {
+      if (head_dim == 128 && WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma()) {
+        return LaunchPrefillWgmma<kKind, kValueBits>(p, stream);
+      }
+    }
+    return cudaErrorInvalidValue;
+  }
   switch (head_dim) {
     case 64:
       return LaunchPrefill<kKind, kValueBits, 64>(p, stream);

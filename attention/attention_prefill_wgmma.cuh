@@ -314,6 +314,88 @@ struct WgProducer {
   }
 };
 
+// The CTA's query rows in the keys' space for a Hadamard rotation (ChunkParams::query_fwht),
+// rounded once to fp16 into the query's swizzled tiles: y = FWHT(q ⊙ signs) · query_scale in fp32
+// from the caller's query, so that no q·Πᵀ pass over all rows runs before the kernel (34 µs of
+// the 2,048-token prompt's 181, H200). Four adjacent lanes per row, 32 elements each: five
+// butterfly stages in registers, the last two across the four lanes (Sylvester order, as the
+// decode kernels' prologue).
+template <typename L>
+__device__ __forceinline__ void LoadRotatedQuery(const ChunkParams& p, uint8_t* smem, int row0,
+                                                 int row_end, int q_start, int h, int group) {
+  constexpr int kD = L::kD, kPer = kD / 4;
+  static_assert(kPrefillRows * 4 == kWgThreads && kPer == 32);
+  const int r = static_cast<int>(threadIdx.x) >> 2, part = static_cast<int>(threadIdx.x) & 3;
+  float x[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) x[e] = 0.0f;
+  if (row0 + r < row_end) {
+    const int i = (row0 + r) / group, gg = (row0 + r) % group;
+    const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + kPer * part;
+    const bool vec = reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
+    if (vec && p.query_dtype == DType::kF32) {
+      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at);
+#pragma unroll
+      for (int k = 0; k < kPer / 4; ++k) {
+        const float4 v = __ldg(src + k);
+        x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
+      }
+    } else if (vec) {  // 16-bit elements, 8 per load
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.query) + at);
+      const bool f16 = p.query_dtype == DType::kF16;
+#pragma unroll
+      for (int k = 0; k < kPer / 8; ++k) {
+        const uint4 v = __ldg(src + k);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const auto bits = static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2)));
+          x[8 * k + j] = f16 ? __half2float(__ushort_as_half(bits))
+                             : __bfloat162float(__ushort_as_bfloat16(bits));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) x[e] = LoadQueryElement(p.query, p.query_dtype, at + e);
+    }
+    if (p.query_signs != nullptr) {
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) x[e] *= __ldg(p.query_signs + kPer * part + e);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < kPer; m <<= 1) {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if ((e & m) == 0) {
+        const float u = x[e], v = x[e + m];
+        x[e] = u + v;
+        x[e + m] = u - v;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 4; m <<= 1) {  // element bits 5 and 6 are lane bits 0 and 1
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const float o = __shfl_xor_sync(0xffffffffu, x[e], m);
+      x[e] = (part & m) ? o - x[e] : x[e] + o;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPer / 8; ++k) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = decode_detail::PackPlain<true>(x[8 * k + 2 * j] * p.query_scale,
+                                            x[8 * k + 2 * j + 1] * p.query_scale);
+    }
+    const int c16 = (kPer / 8) * part + k;
+    *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
+                              wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
+  }
+}
+
 // Grid row_tiles · max_splits · num_kv_heads, as the mma.sync prefill kernel's. Needs block_size a
 // multiple of 8 (LaunchPrefillWgmma's caller checks).
 template <KeyKind kKind, int kValueBits>
@@ -351,31 +433,35 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   // lane; the split's block ids; the barriers.
   const bool query_vec =
       p.query_dtype == DType::kF32 && reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
-  for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
-    const int r = u / (kD / 8), c16 = u % (kD / 8);
-    uint32_t w[4] = {0, 0, 0, 0};
-    if (row0 + r < row_end) {
-      const int i = (row0 + r) / group, gg = (row0 + r) % group;
-      const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + 8 * c16;
-      float x[8];
-      if (query_vec) {  // fp32 on 16 bytes (the query prep's q·Πᵀ): two 16-byte loads
-        const float4 a =
-            __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at));
-        const float4 c =
-            __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at) + 1);
-        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z,
-        x[7] = c.w;
-      } else {
+  if (p.query_fwht) {
+    LoadRotatedQuery<L>(p, smem, row0, row_end, q_start, h, group);
+  } else {
+    for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
+      const int r = u / (kD / 8), c16 = u % (kD / 8);
+      uint32_t w[4] = {0, 0, 0, 0};
+      if (row0 + r < row_end) {
+        const int i = (row0 + r) / group, gg = (row0 + r) % group;
+        const int64_t at = (int64_t{q_start + i} * p.num_q_heads + h * group + gg) * kD + 8 * c16;
+        float x[8];
+        if (query_vec) {  // fp32 on 16 bytes (the query prep's q·Πᵀ): two 16-byte loads
+          const float4 a =
+              __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at));
+          const float4 c =
+              __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at) + 1);
+          x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z,
+          x[7] = c.w;
+        } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = LoadQueryElement(p.query, p.query_dtype, at + e);
-      }
+          for (int e = 0; e < 8; ++e) x[e] = LoadQueryElement(p.query, p.query_dtype, at + e);
+        }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        w[e] = decode_detail::PackPlain<true>(x[2 * e], x[2 * e + 1]);
+        for (int e = 0; e < 4; ++e) {
+          w[e] = decode_detail::PackPlain<true>(x[2 * e], x[2 * e + 1]);
+        }
       }
+      *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
+                                wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
     }
-    *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
-                              wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
   }
   if constexpr (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3) {
     for (int e = threadIdx.x; e < 16 * 32; e += kWgThreads) {
