@@ -104,6 +104,13 @@ VerifySections VerifyLayout(const AttentionPlan& plan, bool rotate, int d) {
   return v;
 }
 
+// Whether a verify call's tail rows are mapped into the keys' space by FinishVerifyRows itself (a
+// Hadamard Πᵀ at a head_dim it covers) rather than by the query prep (State: CudaAttention's).
+template <typename State>
+bool FinishRotates(const State& s, int d) {
+  return s.fwht && (d == 64 || d == 128 || d == 256);
+}
+
 #if TQKV_HAVE_CUDA
 // The cache-layout fields of the chunk and prefill kernels' parameters (State: CudaAttention's).
 template <typename State>
@@ -297,7 +304,9 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     decode.half = options.verify_precision == ChunkPrecision::kHalf;
     plan.decode_plan =
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
-    decode_bytes = VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8, d).Total();
+    decode_bytes =
+        VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8 && !FinishRotates(s, d), d)
+            .Total();
   }
 #if TQKV_HAVE_CUDA
   if (plan.prefill && s.fwht) {
@@ -365,7 +374,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   const int d = head_dim();
   const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
   if (plan.verify_rows && a.sliding_window == 0) {
-    const VerifySections v = VerifyLayout(plan, rotate, d);
+    const VerifySections v = VerifyLayout(plan, rotate && !FinishRotates(s, d), d);
     uint8_t* ws = static_cast<uint8_t*>(a.workspace);
     VerifyGroupParams vp;
     vp.query_start_loc = a.query_start_loc;
@@ -373,7 +382,11 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     vp.block_tables = a.block_tables;
     vp.query = a.query;
     vp.query_dtype = a.query_dtype;
-    if (rotate) {
+    if (rotate && FinishRotates(s, d)) {
+      vp.query_fwht = 1;
+      vp.query_signs = s.signs.data();
+      vp.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
+    } else if (rotate) {
       decode_detail::QueryPrepParams qp;
       qp.query = a.query;
       qp.in_dtype = a.query_dtype;

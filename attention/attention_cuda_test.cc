@@ -327,16 +327,19 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
     for (int d : {64, 128, 256}) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
       ++k;
-      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      // Every rotation: the tails' queries mapped by FinishVerifyRows (Hadamard kinds) or by the
+      // query prep (a dense Πᵀ).
+      const RotationKind rotations[] = {RotationKind::kHadamard, RotationKind::kHadamardSigns,
+                                        RotationKind::kHaar};
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotations[k % 3], 40 + k);
       const AttentionScenario s =
           BuildAttention(q, verify.lens, verify.q_lens, hk * group, 500 + k);
       bool verify_rows = false;
       const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache, nullptr, &verify_rows);
       EXPECT_TRUE(verify_rows);
-      const std::string what = fmt::format(
-          "{} D={} group={} bs={}: decode-kernel rows out {:.2e} "
-          "lse {:.2e}",
-          preset, d, group, bs, e.decode_out, e.decode_lse);
+      const std::string what =
+          fmt::format("{} {} D={} group={} bs={}: decode-kernel rows out {:.2e} lse {:.2e}", preset,
+                      RotationKindName(rotations[k % 3]), d, group, bs, e.decode_out, e.decode_lse);
       ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
       // Passes of one and two rows (verify_max_group = G, 2·G): later passes start past the
       // sequence's first new token.

@@ -125,6 +125,11 @@ struct VerifyGroupParams {
   // [num_tokens, num_q_heads, head_dim] in the keys' space (MSE keys: the query prep's q·Πᵀ), or
   // null: the call's query.
   const float* mapped_query = nullptr;
+  // With mapped_query null and query_fwht non-zero, FinishVerifyRows maps the call's query itself:
+  // y = FWHT(q ⊙ signs) · query_scale (a Hadamard Πᵀ; head_dim 64, 128 or 256).
+  int query_fwht = 0;
+  const float* query_signs = nullptr;  // [head_dim] ±1, or null
+  float query_scale = 1.0f;
   int row_begin = 0;
   int rows = 1;
   float* gathered_query = nullptr;   // [num_seqs, num_kv_heads · rows · G, head_dim]
