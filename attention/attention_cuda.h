@@ -20,8 +20,10 @@
 // (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
 // dequantized into shared memory, split over the context where the grid would not fill the
 // device, then a log-sum-exp merge of the splits. The workspace holds no
-// dequantized cache and nothing that grows with the context: q·Πᵀ for MSE keys, with splits the
-// partial outputs of the step's rows, for verify the pass's gathered queries and decode outputs.
+// dequantized cache and nothing that grows with the context: q·Πᵀ for MSE keys (not where the
+// kernels rotate the query themselves: a Hadamard Πᵀ on the wgmma prefill kernel and in the
+// verify tails), with splits the partial outputs of the step's rows, for verify the pass's
+// gathered queries and decode outputs.
 #pragma once
 
 #include <cstdint>
