@@ -486,12 +486,10 @@ cudaError_t LaunchPrefillOfBits(int head_dim, const ChunkParams& p, cudaStream_t
     case 64:
       return LaunchPrefill<kKind, kValueBits, 64>(p, stream);
     case 128:
-      // The compressed kinds on Hopper: the wgmma kernel (attention_prefill_wgmma.cuh), for the
-      // slot layouts it was built for, with blocks of whole 8-token groups.
-      if constexpr (!IsPlain(kKind)) {
-        if (WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma()) {
-          return LaunchPrefillWgmma<kKind, kValueBits>(p, stream);
-        }
+      // On Hopper: the wgmma kernel (attention_prefill_wgmma.cuh), for the slot layouts it was
+      // built for (and the bf16 / fp16 caches), with blocks of whole 8-token groups.
+      if (WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma()) {
+        return LaunchPrefillWgmma<kKind, kValueBits>(p, stream);
       }
       return LaunchPrefill<kKind, kValueBits, 128>(p, stream);
     default:

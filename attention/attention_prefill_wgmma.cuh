@@ -1,9 +1,11 @@
-// The prefill kernel of the compressed kinds at head_dim 128 on Hopper: FlashAttention-3's
-// structure (warpgroup MMAs from shared memory, producer and consumer warpgroups) with the
-// compressed cache dequantized by the producers. Same rows, grid, outputs and numerics as the
-// mma.sync prefill kernel (attention/attention_prefill.cuh), which serves the other shapes and
-// devices: the query, the MSE centroids (FP8 keys exactly) and P' = p · value scale rounded once
-// to fp16, value codes as exact fp16 integers; key norms, value scales and zeros applied in fp32.
+// The prefill kernel at head_dim 128 on Hopper, for the compressed kinds and the bf16 / fp16
+// caches: FlashAttention-3's structure (warpgroup MMAs from shared memory, producer and consumer
+// warpgroups) with the compressed cache dequantized by the producers. Same rows, grid, outputs and
+// numerics as the mma.sync prefill kernel (attention/attention_prefill.cuh), which serves the
+// other shapes and devices: the query, the MSE centroids (FP8 keys exactly) and P' = p · value
+// scale rounded once to fp16, value codes as exact fp16 integers; key norms, value scales and
+// zeros applied in fp32. The bf16 / fp16 caches: keys and values as stored, the query and P
+// rounded once to the cache's type (bf16 MMAs for the bf16 cache), as FlashAttention rounds them.
 //
 // One CTA = (128-row tile, split of the context, KV head, sequence), four warpgroups (setmaxnreg
 // gives the producers 80 registers, the consumers 176):
@@ -13,7 +15,9 @@
 //                           integers, transposed (Vᵀ: head_dim rows of 64 tokens), and the value
 //                           scales and zeros; both in the MMAs' 128-byte swizzled layout. The
 //                           value warpgroup also copies the raw tiles (slots and metadata, by
-//                           cp.async) three tiles ahead into a ring of its own;
+//                           cp.async) three tiles ahead into a ring of its own (bf16 / fp16
+//                           caches: key and value rows, one tile ahead; the key warpgroup copies
+//                           the key rows into place, the value warpgroup transposes the values);
 //   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, both operands
 //                           in shared memory), key scales, mask, online softmax in registers,
 //                           O += P' · V (4 wgmma 64×128×16, P' from registers).
@@ -43,13 +47,18 @@ inline constexpr int kWgConsumerRegs = 176;
 
 // A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
 // the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
-// slots are whole 16-byte pieces (every preset's) run here.
+// slots are whole 16-byte pieces (every preset's) run here. The bf16 / fp16 caches: each token's
+// key row then its value row (256 bytes each), no metadata.
 template <KeyKind kKind, int kValueBits>
 struct WgRawLayout {
   static constexpr bool kMse = kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3;
-  static constexpr int kKeyBytes = kKind == KeyKind::kFp8 ? 128 : kKind == KeyKind::kMse4 ? 64 : 48;
-  static constexpr int kSlot = kKeyBytes + 16 * kValueBits;  // data_per_slot
-  static constexpr int kMeta = kMse ? 3 : 2;                 // num_meta
+  static constexpr bool kPlain = IsPlain(kKind);
+  static constexpr int kKeyBytes = kPlain                   ? 256
+                                   : kKind == KeyKind::kFp8 ? 128
+                                   : kKind == KeyKind::kMse4 ? 64
+                                                             : 48;
+  static constexpr int kSlot = kKeyBytes + 16 * kValueBits;  // data_per_slot (plain: 512)
+  static constexpr int kMeta = kPlain ? 0 : kMse ? 3 : 2;    // num_meta
   static_assert(kSlot % 16 == 0);
   static constexpr uint32_t kMetaOffset = kWgTile * kSlot;  // field f at + f · 2 · kWgTile
   static constexpr uint32_t kBytes = kMetaOffset + kMeta * 2 * kWgTile;
@@ -81,7 +90,10 @@ struct WgLayout {
   static constexpr uint32_t kIds = kEmpty + 8 * kWgStages;
   static constexpr uint32_t kRaw = kIds + 4 * kMaxStagedIds;  // raw tile r at kRaw + r · kRawBytes
   static constexpr uint32_t kRawBytes = WgRawLayout<kKind, kValueBits>::kBytes;
-  static constexpr int kBytes = kRaw + kWgRawStages * kRawBytes + 1024;  // + the base's alignment
+  // Raw tiles in flight (copies kRawStages − 1 tiles ahead): the bf16 / fp16 caches' 32 KB raw
+  // tiles leave room for two.
+  static constexpr int kRawStages = IsPlain(kKind) ? 2 : kWgRawStages;
+  static constexpr int kBytes = kRaw + kRawStages * kRawBytes + 1024;  // + the base's alignment
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -143,8 +155,11 @@ struct WgProducer {
       int blk, pos;
       DivMod(t, p.block_size, inv_block_size, blk, pos);
       const uint8_t* block = p.cache + int64_t{ids[blk - id_base]} * p.block_bytes;
+      // The slot's half, or (plain caches) the token's key row or value row.
       const uint8_t* src =
-          block + (int64_t{pos} * p.num_kv_heads + h) * R::kSlot + 16 * kHalf * half;
+          R::kPlain ? block + (half ? p.meta_offset : 0) +
+                          (int64_t{pos} * p.num_kv_heads + h) * R::kKeyBytes
+                    : block + (int64_t{pos} * p.num_kv_heads + h) * R::kSlot + 16 * kHalf * half;
       const uint32_t dst = raw + u * R::kSlot + 16 * kHalf * half;
       constexpr int kMine = kHalf;  // the second half has kChunks - kHalf pieces
       const int mine = kChunks % 2 == 0 || half == 0 ? kHalf : kChunks - kHalf;
@@ -156,7 +171,7 @@ struct WgProducer {
         piece = piece >= mine ? piece - mine : piece;
         if (i < mine) decode_detail::CopyAsync16Fill(dst + 16 * piece, src + 16 * piece, 16);
       }
-      if ((thread & 15) == 0) {  // u = 8·g: the group's metadata, field by field
+      if (R::kMeta > 0 && (thread & 15) == 0) {  // u = 8·g: the group's metadata, by field
         const uint8_t* meta =
             block + p.meta_offset + 2 * (int64_t{h} * R::kMeta * p.block_size + pos);
 #pragma unroll
@@ -167,6 +182,55 @@ struct WgProducer {
       }
     }
     decode_detail::CopyAsyncCommit();
+  }
+
+  // The bf16 / fp16 caches' raw tile into a stage, tokens 8·tb .. 8·tb + 7 and dims 8·db .. 8·db
+  // + 7: kKeys, the key rows as they are; otherwise Vᵀ, an 8 × 8 transpose of 16-bit elements
+  // (the byte permutes of each token pair's words give two dims' rows at once). Tokens at or
+  // past `end` hold stale bytes: their values are zeroed (P' is 0 there, but 0 · NaN is NaN),
+  // their scores masked.
+  template <bool kKeys>
+  __device__ __forceinline__ void StorePlain(int tile_begin, uint32_t raw, uint8_t* stage) const {
+    using L = WgLayout<kKind, kValueBits>;
+    const int valid = end - (tile_begin + 8 * tb);
+    const uint32_t row0 = raw + 8 * tb * R::kSlot + 16 * db;
+    if constexpr (kKeys) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        uint32_t w[4];
+        decode_detail::SharedLoad16(row0 + k * R::kSlot, w);
+        *reinterpret_cast<uint4*>(stage + (db >> 3) * L::kKAtom +
+                                  wgmma::SwizzledChunk(8 * tb + k, db & 7)) =
+            uint4{w[0], w[1], w[2], w[3]};
+      }
+    } else {
+      // Lanes take the thread's four dim pairs in different orders (pair (jj + db / 2) % 4 at
+      // step jj) so that a store's lanes spread over the banks; the loads pick the pair's word
+      // by address, so every register index stays static.
+      const int rot = db >> 1;
+      uint8_t* vt = stage + L::kKBytes;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = (jj + rot) & 3;
+        uint32_t w[8];  // token k's dims 2j, 2j + 1
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          w[k] = k < valid
+                     ? decode_detail::SharedLoad4(row0 + k * R::kSlot + R::kKeyBytes + 4 * j)
+                     : 0u;
+        }
+        uint32_t even[4], odd[4];  // dims 2j and 2j + 1: tokens 2i and 2i + 1 in word i
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          even[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x5410);
+          odd[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x7632);
+        }
+        *reinterpret_cast<uint4*>(vt + wgmma::SwizzledChunk(8 * db + 2 * j, tb)) =
+            uint4{even[0], even[1], even[2], even[3]};
+        *reinterpret_cast<uint4*>(vt + wgmma::SwizzledChunk(8 * db + 2 * j + 1, tb)) =
+            uint4{odd[0], odd[1], odd[2], odd[3]};
+      }
+    }
   }
 
   // The 8 codes of dims 8·db .. 8·db + 7 in a raw stream at byte `at` (4-bit: one word; 3-bit:
@@ -402,6 +466,10 @@ template <KeyKind kKind, int kValueBits>
 __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkParams p) {
   using L = WgLayout<kKind, kValueBits>;
   constexpr int kD = L::kD;
+  // The bf16 cache's MMAs take bf16 operands (the query and P' rounded to bf16, as
+  // FlashAttention rounds them); every other kind's fp16.
+  constexpr bool kBf16 = kKind == KeyKind::kBf16;
+  constexpr bool kPlain = IsPlain(kKind);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_base + 1023u) & ~1023u;
@@ -456,7 +524,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          w[e] = decode_detail::PackPlain<true>(x[2 * e], x[2 * e + 1]);
+          w[e] = decode_detail::PackPlain<!kBf16>(x[2 * e], x[2 * e + 1]);
         }
       }
       *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
@@ -509,25 +577,31 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     const uint32_t raw0 = base + L::kRaw;
     if (!keys) {
 #pragma unroll
-      for (int i = 0; i < kWgRawStages - 1; ++i) {
+      for (int i = 0; i < L::kRawStages - 1; ++i) {
         pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
       }
     }
     for (int j = 0; j < tiles; ++j) {
-      if (!keys) decode_detail::CopyAsyncWaitGroup<kWgRawStages - 2>();  // its copies of tile j
+      if (!keys) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
       // Every copy of tile j has landed, and raw tile j − 1 has been read.
       asm volatile("bar.sync 1, 256;\n" ::: "memory");
       if (!keys) {
-        const int ahead = j + kWgRawStages - 1;
+        const int ahead = j + L::kRawStages - 1;
         pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
-                raw0 + (ahead % kWgRawStages) * L::kRawBytes);
+                raw0 + (ahead % L::kRawStages) * L::kRawBytes);
       }
       const int s = j % kWgStages;
       if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
-      const uint32_t raw = raw0 + (j % kWgRawStages) * L::kRawBytes;
+      const uint32_t raw = raw0 + (j % L::kRawStages) * L::kRawBytes;
       uint8_t* stage = smem + L::kStage0 + s * L::kStageBytes;
       float* scales = reinterpret_cast<float*>(smem + L::kScales + s * L::kScaleBytes);
-      if (keys) {
+      if constexpr (kPlain) {
+        if (keys) {
+          pr.template StorePlain<true>(loop_begin + j * kWgTile, raw, stage);
+        } else {
+          pr.template StorePlain<false>(loop_begin + j * kWgTile, raw, stage);
+        }
+      } else if (keys) {
         pr.template Store<true>(loop_begin + j * kWgTile, raw, stage, scales);
       } else {
         pr.template Store<false>(loop_begin + j * kWgTile, raw, stage, scales);
@@ -571,15 +645,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
-        wgmma::MmaSS64x64(s, wgmma::Descriptor(q_desc_base + (ks >> 2) * L::kAtom + off),
-                          wgmma::Descriptor(stage + (ks >> 2) * L::kKAtom + off), ks > 0);
+        wgmma::MmaSS64x64<kBf16>(s, wgmma::Descriptor(q_desc_base + (ks >> 2) * L::kAtom + off),
+                                 wgmma::Descriptor(stage + (ks >> 2) * L::kKAtom + off), ks > 0);
       }
       wgmma::Commit();
       wgmma::Wait<0>();
       const float* scales = reinterpret_cast<const float*>(smem + L::kScales + st * L::kScaleBytes);
 #pragma unroll
       for (int n = 0; n < kWgTile / 8; ++n) {  // the key scales (log2 domain)
-        const float2 ks = *reinterpret_cast<const float2*>(scales + 8 * n + 2 * tq);
+        const float2 ks = kPlain ? make_float2(p.score_scale, p.score_scale)
+                                 : *reinterpret_cast<const float2*>(scales + 8 * n + 2 * tq);
         s[4 * n] *= ks.x;
         s[4 * n + 1] *= ks.y;
         s[4 * n + 2] *= ks.x;
@@ -626,15 +701,23 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       // p · value zero.
 #pragma unroll
       for (int n = 0; n < kWgTile / 8; ++n) {
-        const float2 vs = *reinterpret_cast<const float2*>(scales + kWgTile + 8 * n + 2 * tq);
-        const float2 vz = *reinterpret_cast<const float2*>(scales + 2 * kWgTile + 8 * n + 2 * tq);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int k = c >> 1;
           const float w = decode_detail::FastExp2(s[4 * n + c] - ref[k]);
           l[k] += w;
-          z[k] += w * (c & 1 ? vz.y : vz.x);
-          s[4 * n + c] = w * (c & 1 ? vs.y : vs.x);
+          s[4 * n + c] = w;
+        }
+        if constexpr (!kPlain) {  // plain values have no scale or zero
+          const float2 vs = *reinterpret_cast<const float2*>(scales + kWgTile + 8 * n + 2 * tq);
+          const float2 vz =
+              *reinterpret_cast<const float2*>(scales + 2 * kWgTile + 8 * n + 2 * tq);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const float w = s[4 * n + c];
+            z[c >> 1] += w * (c & 1 ? vz.y : vz.x);
+            s[4 * n + c] = w * (c & 1 ? vs.y : vs.x);
+          }
         }
       }
       uint32_t a[kWgTile / 16][4];
@@ -642,14 +725,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       for (int kk = 0; kk < kWgTile / 16; ++kk) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          a[kk][e] = decode_detail::PackPlain<true>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+          a[kk][e] = decode_detail::PackPlain<!kBf16>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
         }
       }
       // O += P · V, 16 tokens per step.
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kWgTile / 16; ++kk) {
-        wgmma::MmaRS64x128(o, a[kk], wgmma::Descriptor(stage + L::kKBytes + 32 * kk));
+        wgmma::MmaRS64x128<kBf16>(o, a[kk], wgmma::Descriptor(stage + L::kKBytes + 32 * kk));
       }
       wgmma::Commit();
       wgmma::Wait<0>();
@@ -713,6 +796,7 @@ __global__ void PrefillWgmmaKernel(const ChunkParams p) {}  // launched only on 
 template <KeyKind kKind, int kValueBits>
 bool WgmmaPrefillRuns(const ChunkParams& p) {
   using R = WgRawLayout<kKind, kValueBits>;
+  if constexpr (R::kPlain) return p.block_size % 8 == 0;
   return p.block_size % 8 == 0 && p.data_per_slot == R::kSlot && p.key_data_bytes == R::kKeyBytes &&
          p.num_meta == R::kMeta;
 }
