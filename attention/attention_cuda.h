@@ -41,9 +41,11 @@ namespace tqkv {
 // more than 64 query rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) and verify
 // passes (AttentionOptions::chunk_precision, ::verify_precision).
 enum class ChunkPrecision : uint8_t {
-  // The prefill kernel (attention/attention_prefill.cuh): one MMA per product, the query, the
-  // keys and P rounded once to fp16 (bf16 for a bf16 cache), as FlashAttention computes: about
-  // 2^-11 relative per operand (bf16: 2^-8).
+  // The prefill kernels (attention/attention_prefill.cuh, attention_prefill_wgmma.cuh): one MMA
+  // per product, the query, the keys and P rounded once to fp16 (bf16 for a bf16 cache), as
+  // FlashAttention computes: about 2^-11 relative per operand (bf16: 2^-8). On Hopper at
+  // head_dim 128 the compressed caches are dequantized to fp16 keys and values (rounded once)
+  // as FlashAttention over an fp16 cache would read them.
   kHalf,
   // The chunk kernel's fp32-level scores and P (hi and lo parts), the decode kernels' numerics, at
   // about 2.5x the MMAs (verify passes: 3x).

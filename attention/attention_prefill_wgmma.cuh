@@ -1,26 +1,29 @@
 // The prefill kernel at head_dim 128 on Hopper, for the compressed kinds and the bf16 / fp16
 // caches: FlashAttention-3's structure (warpgroup MMAs from shared memory, producer and consumer
-// warpgroups) with the compressed cache dequantized by the producers. Same rows, grid, outputs and
-// numerics as the mma.sync prefill kernel (attention/attention_prefill.cuh), which serves the
-// other shapes and devices: the query, the MSE centroids (FP8 keys exactly) and P' = p · value
-// scale rounded once to fp16, value codes as exact fp16 integers; key norms, value scales and
-// zeros applied in fp32. The bf16 / fp16 caches: keys and values as stored, the query and P
-// rounded once to the cache's type (bf16 MMAs for the bf16 cache), as FlashAttention rounds them.
+// warpgroups) with the compressed cache dequantized by the producers. Same rows, grid and outputs
+// as the mma.sync prefill kernel (attention/attention_prefill.cuh), which serves the other shapes
+// and devices, at the same precision class: the query rounded once to fp16, each token's scales
+// applied by the producers so that the consumers run FlashAttention's softmax with no per-token
+// factors (MSE keys: centroid · norm rounded once to fp16; FP8 keys exactly; values (code · scale
+// + zero) / 16 rounded once to fp16, P · 16 rounded once to fp16). The bf16 / fp16 caches: keys
+// and values as stored, the query and P rounded once to the cache's type (bf16 MMAs for the bf16
+// cache), as FlashAttention rounds them.
 //
 // One CTA = (128-row tile, split of the context, KV head, sequence), four warpgroups (setmaxnreg
 // gives the producers 80 registers, the consumers 176):
 //   key producers (0-3),    per 64-token KV tile, in a ring of kWgStages stages: the key
-//   value producers (4-7)   warpgroup writes the tile's keys as fp16 centroids (MSE) or values
-//                           (FP8) and the key scales; the value warpgroup the value codes as fp16
-//                           integers, transposed (Vᵀ: head_dim rows of 64 tokens), and the value
-//                           scales and zeros; both in the MMAs' 128-byte swizzled layout. The
-//                           value warpgroup also copies the raw tiles (slots and metadata, by
-//                           cp.async) three tiles ahead into a ring of its own (bf16 / fp16
-//                           caches: key and value rows, one tile ahead; the key warpgroup copies
-//                           the key rows into place, the value warpgroup transposes the values);
+//   value producers (4-7)   warpgroup writes the tile's keys in fp16 (MSE: centroid · norm; FP8:
+//                           the values); the value warpgroup the values (code · scale + zero) in
+//                           fp16, transposed (Vᵀ: head_dim rows of 64 tokens); both in the MMAs'
+//                           128-byte swizzled layout. The value warpgroup also copies the raw
+//                           tiles (slots and metadata, by cp.async) three tiles ahead into a
+//                           ring of its own (bf16 / fp16 caches: key and value rows, one tile
+//                           ahead; the key warpgroup copies the key rows into place, the value
+//                           warpgroup transposes the values);
 //   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, both operands
-//                           in shared memory), key scales, mask, online softmax in registers,
-//                           O += P' · V (4 wgmma 64×128×16, P' from registers).
+//                           in shared memory), mask, online softmax in registers (the softmax
+//                           scale in the exponent's FMA), O += P · V (4 wgmma 64×128×16, P from
+//                           registers).
 // A stage's "full" barrier completes when both producer warpgroups have written it, its "empty"
 // barrier when both consumer warpgroups are done with it.
 #pragma once
@@ -44,6 +47,10 @@ inline constexpr int kWgThreads = 512;
 // Registers per thread after the split (setmaxnreg): 256 · (80 + 176) = the whole file.
 inline constexpr int kWgProducerRegs = 80;
 inline constexpr int kWgConsumerRegs = 176;
+// The compressed kinds' values are written into the stages divided by 2^kValueShrink, so that any
+// finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
+// and the row sums are divided by it at the end.
+inline constexpr int kValueShrink = 4;
 
 // A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
 // the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
@@ -78,13 +85,9 @@ struct WgLayout {
   static constexpr uint32_t kKBytes = 2 * kKAtom;
   static constexpr uint32_t kStageBytes = kKBytes + kD * 128;
   static constexpr uint32_t kStage0 = kQ + 2 * kAtom;
-  // Per stage: float key scale (softmax scale in the log2 domain, times the norm for MSE keys),
-  // value scale, value zero [64] each.
-  static constexpr uint32_t kScaleBytes = 3 * 4 * kWgTile;
-  static constexpr uint32_t kScales = kStage0 + kWgStages * kStageBytes;
   // The codebook's fp16 centroids, one copy per lane: centroid e for lane l at word 32·e + l (the
   // lanes' lookups never share a bank).
-  static constexpr uint32_t kCodebook = kScales + kWgStages * kScaleBytes;  // uint32 [16][32]
+  static constexpr uint32_t kCodebook = kStage0 + kWgStages * kStageBytes;  // uint32 [16][32]
   static constexpr uint32_t kFull = kCodebook + 4 * 16 * 32;                // uint64 [stages]
   static constexpr uint32_t kEmpty = kFull + 8 * kWgStages;
   static constexpr uint32_t kIds = kEmpty + 8 * kWgStages;
@@ -94,6 +97,7 @@ struct WgLayout {
   // tiles leave room for two.
   static constexpr int kRawStages = IsPlain(kKind) ? 2 : kWgRawStages;
   static constexpr int kBytes = kRaw + kRawStages * kRawBytes + 1024;  // + the base's alignment
+  static_assert(kFull % 8 == 0 && kRaw % 16 == 0);  // mbarriers; cp.async's 16-byte pieces
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -249,14 +253,16 @@ struct WgProducer {
     }
   }
 
-  // Raw tile `raw` (tokens from tile_begin) into a stage. kKeys (the key warpgroup): 8 key rows
-  // of 16 bytes as fp16 (MSE: the centroids; FP8: the values) and the 8 tokens' key scales;
-  // otherwise 8 Vᵀ rows of 16 bytes (the codes as fp16 integers) and the value scales and zeros.
-  // The metadata of tokens at or past `end` (never copied: stale) reads as 0, which zeroes their
-  // scores' scales and their values (their scores are masked too).
+  // Raw tile `raw` (tokens from tile_begin) into a stage, every token's scales applied here so
+  // that the consumers' scores and P·V need none. kKeys (the key warpgroup): 8 key rows of 16
+  // bytes as fp16 (MSE: centroid · norm, rounded once; FP8: the values, exactly); otherwise 8 Vᵀ
+  // rows of 16 bytes, (code · scale + zero) / 16 rounded once to fp16 (kValueShrink: any finite
+  // fp16 scale and zero then give a finite value, |zero| + 15 · |scale| ≤ 16 · 65504, also
+  // metadata tqkv's store never writes but a cache converted from elsewhere may hold). The
+  // metadata of tokens at or past `end` (never copied: stale) reads as 0, which zeroes their keys
+  // and values (their scores are masked too).
   template <bool kKeys>
-  __device__ __forceinline__ void Store(int tile_begin, uint32_t raw, uint8_t* stage,
-                                        float* scales) const {
+  __device__ __forceinline__ void Store(int tile_begin, uint32_t raw, uint8_t* stage) const {
     using L = WgLayout<kKind, kValueBits>;
     const int valid = end - (tile_begin + 8 * tb);
     uint32_t meta[R::kMeta][4];
@@ -287,57 +293,46 @@ struct WgProducer {
         } else {
           constexpr int kBits = kKind == KeyKind::kMse4 ? 4 : 3;
           const uint32_t codes = Codes8<kBits>(at);
+          const uint32_t norm_bits = (meta[0][k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+          const __half2 norm = __halves2half2(__ushort_as_half(static_cast<uint16_t>(norm_bits)),
+                                              __ushort_as_half(static_cast<uint16_t>(norm_bits)));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            q[i] = __byte_perm(Centroid((codes >> (2 * kBits * i)) & ((1u << kBits) - 1u)),
-                               Centroid((codes >> ((2 * i + 1) * kBits)) & ((1u << kBits) - 1u)),
-                               0x5410);
+            constexpr uint32_t kMask = (1u << kBits) - 1u;
+            const uint32_t c = __byte_perm(Centroid((codes >> (2 * kBits * i)) & kMask),
+                                           Centroid((codes >> ((2 * i + 1) * kBits)) & kMask),
+                                           0x5410);
+            const __half2 kn = __hmul2(*reinterpret_cast<const __half2*>(&c), norm);
+            q[i] = *reinterpret_cast<const uint32_t*>(&kn);
           }
         }
         *reinterpret_cast<uint4*>(stage + (db >> 3) * L::kKAtom +
                                   wgmma::SwizzledChunk(8 * tb + k, db & 7)) =
             uint4{q[0], q[1], q[2], q[3]};
       }
-      if (db == 0) {  // the 8 tokens' key scales
-        float ks[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          ks[k] = p.score_scale;
-          if constexpr (R::kMse) {
-            ks[k] *= __half2float(
-                __ushort_as_half(static_cast<uint16_t>(meta[0][k / 2] >> (16 * (k % 2)))));
-          }
-        }
-        *reinterpret_cast<float4*>(scales + 8 * tb) = make_float4(ks[0], ks[1], ks[2], ks[3]);
-        *reinterpret_cast<float4*>(scales + 8 * tb + 4) = make_float4(ks[4], ks[5], ks[6], ks[7]);
-      }
     } else {
-      // Value dim 8·db + dd of the 8 tokens as fp16 integers: 1024 + code (the code's bits under
-      // 1024's exponent), minus 1024 (exact). Lanes start at different dims (rows of Vᵀ) so that
-      // a store's 32 lanes fill every bank evenly.
+      // Value dim 8·db + dd of tokens 2m and 2m + 1 (one word): 64 + code / 16 (the code's bits
+      // under 64's exponent, whose step is 1/16) minus 64 (exact), then · scale + zero / 16 (the
+      // two tokens' fp16 metadata words; zero / 16 exact but for subnormals), one rounding. Lanes
+      // start at different dims (rows of Vᵀ) so that a store's 32 lanes fill every bank evenly.
+      static_assert(kValueBits <= 4 && (1 << kValueShrink) == 16);
       uint32_t value[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) value[k] = Codes8<kValueBits>(row0 + k * R::kSlot + R::kKeyBytes);
-      const __half2 k1024 = __floats2half2_rn(1024.0f, 1024.0f);
-      auto dequant = [&](uint32_t bits, int) {
-        bits |= 0x64006400u;
-        const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&bits), k1024);
+      __half2 scale[4], zero[4];
+      const __half2 sixteenth = __floats2half2_rn(0.0625f, 0.0625f);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        scale[m] = *reinterpret_cast<const __half2*>(&meta[R::kMeta - 2][m]);
+        zero[m] = __hmul2(*reinterpret_cast<const __half2*>(&meta[R::kMeta - 1][m]), sixteenth);
+      }
+      const __half2 k64 = __floats2half2_rn(64.0f, 64.0f);
+      auto dequant = [&](uint32_t bits, int m) {
+        bits |= 0x54005400u;
+        const __half2 c =
+            __hfma2(__hsub2(*reinterpret_cast<const __half2*>(&bits), k64), scale[m], zero[m]);
         return *reinterpret_cast<const uint32_t*>(&c);
       };
-      if (db == 0) {  // the 8 tokens' value scales and zeros
-#pragma unroll
-        for (int f = 0; f < 2; ++f) {
-          float x[8];
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            x[k] = __half2float(__ushort_as_half(
-                static_cast<uint16_t>(meta[R::kMeta - 2 + f][k / 2] >> (16 * (k % 2)))));
-          }
-          float* dst = scales + (1 + f) * kWgTile + 8 * tb;
-          *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
-          *reinterpret_cast<float4*>(dst + 4) = make_float4(x[4], x[5], x[6], x[7]);
-        }
-      }
       uint8_t* vt = stage + L::kKBytes;
       if constexpr (kValueBits == 4) {
 #pragma unroll
@@ -470,6 +465,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   // FlashAttention rounds them); every other kind's fp16.
   constexpr bool kBf16 = kKind == KeyKind::kBf16;
   constexpr bool kPlain = IsPlain(kKind);
+  constexpr float kShift = kPlain ? 0.0f : static_cast<float>(kValueShrink);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_base + 1023u) & ~1023u;
@@ -594,7 +590,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
       const uint32_t raw = raw0 + (j % L::kRawStages) * L::kRawBytes;
       uint8_t* stage = smem + L::kStage0 + s * L::kStageBytes;
-      float* scales = reinterpret_cast<float*>(smem + L::kScales + s * L::kScaleBytes);
       if constexpr (kPlain) {
         if (keys) {
           pr.template StorePlain<true>(loop_begin + j * kWgTile, raw, stage);
@@ -602,9 +597,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
           pr.template StorePlain<false>(loop_begin + j * kWgTile, raw, stage);
         }
       } else if (keys) {
-        pr.template Store<true>(loop_begin + j * kWgTile, raw, stage, scales);
+        pr.template Store<true>(loop_begin + j * kWgTile, raw, stage);
       } else {
-        pr.template Store<false>(loop_begin + j * kWgTile, raw, stage, scales);
+        pr.template Store<false>(loop_begin + j * kWgTile, raw, stage);
       }
       wgmma::FenceProxyAsync();
       wgmma::BarrierArrive(base + L::kFull + 8 * s);
@@ -615,51 +610,45 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
 
   // Consumers: warpgroup wg holds rows 64·wg .. 64·wg + 63; the thread rows 16·wl + g + 8k of it.
-  const int wg = warp / 4 - 2, wl = warp % 4, g = lane >> 2, tq = lane & 3;
+  // wg broadcast from lane 0: warp-uniform as far as the compiler can tell, so that the query's
+  // MMA descriptors live in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp / 4 - 2, 0), wl = warp % 4, g = lane >> 2,
+            tq = lane & 3;
   const int wr0 = row0 + 64 * wg;
   const int wg_last_pos = wr0 < row_end ? ctx0 + (min(wr0 + 64, row_end) - 1) / group : -1;
   const int warp_first_pos = ctx0 + (wr0 + 16 * wl) / group;
   int row_pos[2];
-  float m[2], l[2], z[2];
+  float m[2], l[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int r = wr0 + 16 * wl + g + 8 * k;
     row_pos[k] = r < row_end ? ctx0 + r / group : -1;
     m[k] = -INFINITY;
     l[k] = 0.0f;
-    z[k] = 0.0f;
   }
   float o[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
   float s[32];
-  const uint32_t q_desc_base = base + L::kQ + 64 * 128 * wg;
+  const uint32_t q_desc = wgmma::DescriptorLow(base + L::kQ + 64 * 128 * wg);
   for (int j = 0; j < tiles; ++j) {
     const int st = j % kWgStages;
     const uint32_t stage = base + L::kStage0 + st * L::kStageBytes;
     const int tile_begin = loop_begin + j * kWgTile;
     wgmma::BarrierWait(base + L::kFull + 8 * st, (j / kWgStages) & 1);
     if (tile_begin <= wg_last_pos) {  // the warpgroup's rows see part of the tile
-      // S = Q · Kᵀ (log2 domain: the query carries the softmax scale), 16 dims per step.
+      // S = Q · Kᵀ, 16 dims per step (the softmax scale comes in the exponent).
+      const uint32_t k_desc = wgmma::DescriptorLow(stage);
       wgmma::Fence();
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
-        wgmma::MmaSS64x64<kBf16>(s, wgmma::Descriptor(q_desc_base + (ks >> 2) * L::kAtom + off),
-                                 wgmma::Descriptor(stage + (ks >> 2) * L::kKAtom + off), ks > 0);
+        wgmma::MmaSS64x64<kBf16>(s, wgmma::DescriptorOf(q_desc + ((ks >> 2) * L::kAtom + off) / 16),
+                                 wgmma::DescriptorOf(k_desc + ((ks >> 2) * L::kKAtom + off) / 16),
+                                 ks > 0);
       }
       wgmma::Commit();
       wgmma::Wait<0>();
-      const float* scales = reinterpret_cast<const float*>(smem + L::kScales + st * L::kScaleBytes);
-#pragma unroll
-      for (int n = 0; n < kWgTile / 8; ++n) {  // the key scales (log2 domain)
-        const float2 ks = kPlain ? make_float2(p.score_scale, p.score_scale)
-                                 : *reinterpret_cast<const float2*>(scales + 8 * n + 2 * tq);
-        s[4 * n] *= ks.x;
-        s[4 * n + 1] *= ks.y;
-        s[4 * n + 2] *= ks.x;
-        s[4 * n + 3] *= ks.y;
-      }
       // Mask: tiles wholly inside the split and before the warp's first row need none.
       const bool unmasked = p.sliding_window == 0 && tile_begin >= split_begin &&
                             tile_begin + kWgTile <= split_end &&
@@ -673,7 +662,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
           s[i] = keep ? s[i] : -INFINITY;
         }
       }
-      // Online softmax. O is rescaled only when a row's maximum grew (alpha is 1 otherwise).
+      // Online softmax in the log2 domain (m: the scaled scores' maximum; the softmax scale, a
+      // positive uniform factor, is applied in the exponent). O is rescaled only when a row's
+      // maximum grew (alpha is 1 otherwise).
       float ref[2], alpha[2];
       bool grew = false;
 #pragma unroll
@@ -685,40 +676,26 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[k], mx);
+        const float m_new = fmaxf(m[k], mx * p.score_scale);
         ref[k] = m_new == -INFINITY ? 0.0f : m_new;
         alpha[k] = decode_detail::FastExp2(m[k] - ref[k]);  // m = -inf: 0
         grew |= m_new > m[k];
         m[k] = m_new;
         l[k] *= alpha[k];
-        z[k] *= alpha[k];
       }
       if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
         for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
       }
-      // p = 2^(s − ref); P' = p · value scale, rounded to fp16 for the MMA; l sums p, z sums
-      // p · value zero.
+      // P = 2^(s · scale − ref + shift) (shift: the values' kValueShrink), rounded to fp16
+      // (bf16) for the MMA; l sums P.
+      const float shift[2] = {kShift - ref[0], kShift - ref[1]};
 #pragma unroll
-      for (int n = 0; n < kWgTile / 8; ++n) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int k = c >> 1;
-          const float w = decode_detail::FastExp2(s[4 * n + c] - ref[k]);
-          l[k] += w;
-          s[4 * n + c] = w;
-        }
-        if constexpr (!kPlain) {  // plain values have no scale or zero
-          const float2 vs = *reinterpret_cast<const float2*>(scales + kWgTile + 8 * n + 2 * tq);
-          const float2 vz =
-              *reinterpret_cast<const float2*>(scales + 2 * kWgTile + 8 * n + 2 * tq);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float w = s[4 * n + c];
-            z[c >> 1] += w * (c & 1 ? vz.y : vz.x);
-            s[4 * n + c] = w * (c & 1 ? vs.y : vs.x);
-          }
-        }
+      for (int i = 0; i < 32; ++i) {
+        const int k = (i >> 1) & 1;
+        const float w = decode_detail::FastExp2(fmaf(s[i], p.score_scale, shift[k]));
+        l[k] += w;
+        s[i] = w;
       }
       uint32_t a[kWgTile / 16][4];
 #pragma unroll
@@ -732,7 +709,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kWgTile / 16; ++kk) {
-        wgmma::MmaRS64x128<kBf16>(o, a[kk], wgmma::Descriptor(stage + L::kKBytes + 32 * kk));
+        wgmma::MmaRS64x128<kBf16>(o, a[kk],
+                                  wgmma::DescriptorOf(k_desc + (L::kKBytes + 32 * kk) / 16));
       }
       wgmma::Commit();
       wgmma::Wait<0>();
@@ -741,30 +719,27 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     if (lane == 0) wgmma::BarrierArrive(base + L::kEmpty + 8 * st);
   }
 
-  // Row sums over the quad, then (O + z) / l and the LSE: the output (pairs of elements in one
-  // store where the output is 8-byte aligned), or the split's partial.
+  // Row sums (of P = 2^kShift · p) over the quad, then O / l and the LSE: the output (pairs of
+  // elements in one store where the output is 8-byte aligned), or the split's partial.
   constexpr float kLn2 = 0.69314718055994530942f;
   const bool out_vec = reinterpret_cast<uintptr_t>(p.output) % 8 == 0;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    float lk = l[k], zk = z[k];
+    float lk = l[k];
     lk += __shfl_xor_sync(0xffffffffu, lk, 1);
     lk += __shfl_xor_sync(0xffffffffu, lk, 2);
-    zk += __shfl_xor_sync(0xffffffffu, zk, 1);
-    zk += __shfl_xor_sync(0xffffffffu, zk, 2);
     const int r = wr0 + 16 * wl + g + 8 * k;
     if (r >= row_end) continue;
     const int i = r / group, gg = r % group;
     const int64_t out_row = int64_t{q_start + i} * p.num_q_heads + h * group + gg;
     const bool empty = lk == 0.0f;
-    const float inv = empty ? 0.0f : 1.0f / lk;
-    zk = empty ? 0.0f : zk;
-    const float lse = empty ? -INFINITY : (m[k] + __log2f(lk)) * kLn2;
+    const float inv = empty ? 0.0f : exp2f(kShift) / lk;
+    const float lse = empty ? -INFINITY : (m[k] + __log2f(lk) - kShift) * kLn2;
     if (p.max_splits == 1) {
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
         const int64_t at = out_row * kD + 8 * n + 2 * tq;
-        const float x0 = (o[4 * n + 2 * k] + zk) * inv, x1 = (o[4 * n + 2 * k + 1] + zk) * inv;
+        const float x0 = o[4 * n + 2 * k] * inv, x1 = o[4 * n + 2 * k + 1] * inv;
         if (out_vec) {
           StoreOutputPair(p.output, p.out_dtype, at, x0, x1);
         } else {
@@ -778,7 +753,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
         *reinterpret_cast<float2*>(out + 8 * n + 2 * tq) =
-            make_float2((o[4 * n + 2 * k] + zk) * inv, (o[4 * n + 2 * k + 1] + zk) * inv);
+            make_float2(o[4 * n + 2 * k] * inv, o[4 * n + 2 * k + 1] * inv);
       }
       if (tq == 0) p.partial_lse[out_row * p.max_splits + split] = lse;
     }

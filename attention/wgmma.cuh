@@ -17,12 +17,21 @@ namespace tqkv::attention_detail::wgmma {
 // bytes), 8-row groups 1024 bytes apart, 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the
 // XOR takes address bits 7-9, so a tile starts on a 1024-byte boundary). A k-step of 16 elements
 // starts 32 bytes further into the rows.
+// The descriptor is split in its low word (start address, leading offset) and a constant high
+// word, so that the descriptors of a tile's k-steps are one 32-bit add each from the tile's:
+// Descriptor(a + off) = DescriptorOf(DescriptorLow(a) + off / 16) for 16-byte multiples a and off
+// with a + off inside shared memory (the 14-bit address field never carries).
+__device__ __forceinline__ uint32_t DescriptorLow(uint32_t smem_addr) {
+  return ((smem_addr & 0x3FFFFu) >> 4)  // start address
+         | (1u << 16);                  // leading offset: unused by swizzled K-major tiles
+}
+__device__ __forceinline__ uint64_t DescriptorOf(uint32_t low) {
+  constexpr uint32_t kHigh = (1024u >> 4)  // stride offset: the next 8-row group
+                             | (1u << 30);  // 128-byte swizzle (bit 62)
+  return (uint64_t{kHigh} << 32) | low;
+}
 __device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr) {
-  uint64_t d = (smem_addr & 0x3FFFFu) >> 4;  // start address
-  d |= uint64_t{1} << 16;                    // leading offset: unused by swizzled K-major tiles
-  d |= uint64_t{1024 >> 4} << 32;            // stride offset: the next 8-row group
-  d |= uint64_t{1} << 62;                    // 128-byte swizzle
-  return d;
+  return DescriptorOf(DescriptorLow(smem_addr));
 }
 
 // The byte offset of 16-byte chunk `chunk` (0-7) of row `row` in a swizzled tile.
