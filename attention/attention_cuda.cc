@@ -51,6 +51,12 @@ constexpr int64_t kPrefillCtaRows = 128;  // the prefill kernel's
 static_assert(kPrefillCtaRows == attention_detail::kPrefillRows);
 #endif
 
+// Row-tile slots for `seqs` sequences of `tokens` new tokens in all (attention/attention_tiles.cuh,
+// FindRowTile): sequence b's tiles start at slot floor(its first row · group / cta_rows) + b.
+int64_t RowTileSlots(int64_t tokens, int64_t seqs, int64_t group, int64_t cta_rows) {
+  return (tokens * group + cta_rows - 1) / cta_rows + seqs;
+}
+
 int DeviceSmCount() {
   const auto devices = QueryDevices();
   return devices.empty() ? 0 : devices.front().sm_count;
@@ -58,7 +64,7 @@ int DeviceSmCount() {
 
 // Workspace sections in order: q·Πᵀ (MSE keys), partial outputs and LSEs (with splits), and for a
 // mixed call's decode rows the gathered queries, lengths, the decode's outputs and LSEs, then the
-// decode's own workspace.
+// decode's own workspace (leading decode rows: that alone).
 struct Sections {
   int64_t query = 0, partial_out = 0, partial_lse = 0;
   int64_t rows_query = 0, rows_lens = 0, rows_out = 0, rows_lse = 0, rows_workspace = 0;
@@ -75,6 +81,7 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
     s.partial_out = AlignUp(rows * plan.max_splits * d * 4);
     s.partial_lse = AlignUp(rows * plan.max_splits * 4);
   }
+  if (plan.leading_decodes > 0) s.rows_workspace = AlignUp(plan.decode_plan.workspace_bytes);
   if (plan.decode_rows) {
     const int64_t seq_rows = int64_t{plan.num_seqs} * plan.num_q_heads;
     s.rows_query = AlignUp(seq_rows * d * 4);
@@ -215,7 +222,9 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.num_q_heads = num_q_heads;
   plan.max_blocks_per_seq = max_blocks_per_seq;
   plan.max_q_len = max_q_len;
-  plan.decode = options.decode_kernels && max_q_len == 1 && num_tokens == num_seqs && group <= 16;
+  // One new token per sequence: max_q_len 1, or the caller says every sequence has one.
+  const bool all_one = max_q_len == 1 || options.leading_decode_seqs == num_seqs;
+  plan.decode = options.decode_kernels && all_one && num_tokens == num_seqs && group <= 16;
   int64_t decode_bytes = 0;
   if (plan.decode) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
@@ -235,7 +244,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // Row-tile slots: sequence b's tiles take slots from floor(query_start_loc[b] · G / cta_rows) + b
   // on (attention/attention_tiles.cuh, FindRowTile), so no CTA is launched for the tiles a short
   // sequence lacks (a mixed call's decode rows beside one long chunk).
-  const int64_t slots = (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows + num_seqs;
+  const int64_t slots = RowTileSlots(num_tokens, num_seqs, group, cta_rows);
   if (slots * kMaxSplits * hk > std::numeric_limits<int32_t>::max()) {
     throw InvalidArgument(
         kWhere, "num_tokens", num_tokens,
@@ -281,6 +290,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   if (options.verify_max_q_len < 0) {
     throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len, ">= 0");
   }
+  if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
+      (options.leading_decode_seqs == num_seqs && num_tokens != num_seqs)) {
+    throw InvalidArgument(kWhere, "options.leading_decode_seqs", options.leading_decode_seqs,
+                          fmt::format("0 to num_seqs = {} (num_seqs only where num_tokens = "
+                                      "num_seqs = {})",
+                                      num_seqs, num_tokens));
+  }
   if (options.verify_max_group < 1 || options.verify_max_group > 16) {
     throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 16");
   }
@@ -307,6 +323,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     decode_bytes =
         VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8 && !FinishRotates(s, d), d)
             .Total();
+  }
+  // The caller's leading one-token sequences: on the decode kernels where they lie.
+  if (plan.decode_rows && options.leading_decode_seqs > 0) {
+    plan.decode_rows = false;
+    plan.leading_decodes = options.leading_decode_seqs;
+    plan.decode_plan =
+        s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, options.decode);
   }
 #if TQKV_HAVE_CUDA
   if (plan.prefill && s.fwht) {
@@ -455,6 +478,24 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
   const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+  // The caller's leading one-token sequences (AttentionOptions::leading_decode_seqs) on the
+  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on.
+  const int lead = a.sliding_window == 0 ? plan.leading_decodes : 0;
+  if (lead > 0) {
+    CudaDecodeArgs da;
+    da.query = a.query;
+    da.query_dtype = a.query_dtype;
+    da.cache = a.cache;
+    da.block_tables = a.block_tables;
+    da.seq_lens = a.seq_lens;
+    da.scale = a.scale;
+    da.output = a.output;
+    da.output_dtype = a.output_dtype;
+    da.lse = a.lse;
+    da.workspace = ws + w.query + w.partial_out + w.partial_lse;
+    da.workspace_bytes = w.rows_workspace;
+    s.decoder.Run(plan.decode_plan, da, stream);
+  }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
   // after the chunk kernel (the decode kernels have no sliding window).
   const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
@@ -518,9 +559,9 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     p.query_dtype = a.query_dtype;
   }
   p.cache = a.cache.data;
-  p.block_tables = a.block_tables;
-  p.seq_lens = a.seq_lens;
-  p.query_start_loc = a.query_start_loc;
+  p.block_tables = a.block_tables + int64_t{lead} * plan.max_blocks_per_seq;
+  p.seq_lens = a.seq_lens + lead;
+  p.query_start_loc = a.query_start_loc + lead;
   std::copy(std::begin(s.centroid_hi), std::end(s.centroid_hi), p.centroid_hi);
   std::copy(std::begin(s.centroid_lo), std::end(s.centroid_lo), p.centroid_lo);
   p.out_dtype = a.output_dtype;
@@ -531,13 +572,19 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     p.partial_out = reinterpret_cast<float*>(ws + w.query);
     p.partial_lse = reinterpret_cast<float*>(ws + w.query + w.partial_out);
   }
-  p.num_seqs = plan.num_seqs;
+  p.num_seqs = plan.num_seqs - lead;
   p.num_q_heads = plan.num_q_heads;
   p.num_kv_heads = num_kv_heads();
   p.max_blocks_per_seq = plan.max_blocks_per_seq;
   SetCacheLayout(s, p);
   p.row_warps = plan.row_warps;
-  p.row_tiles = plan.row_tiles;
+  // Without the leading sequences, the slots of the others (rows from row `lead` on).
+  p.row_tiles =
+      lead == 0
+          ? plan.row_tiles
+          : static_cast<int>(RowTileSlots(plan.num_tokens - lead, plan.num_seqs - lead,
+                                          plan.num_q_heads / num_kv_heads(),
+                                          plan.prefill ? kPrefillCtaRows : 16 * plan.row_warps));
   p.heads_fastest = plan.heads_fastest ? 1 : 0;
   p.tokens_per_split = plan.tokens_per_split;
   p.max_splits = plan.max_splits;
@@ -550,13 +597,15 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     TQKV_CUDA_CHECK(LaunchChunkAttention(s.key_kind, s.value_bits, d, p, stream));
   }
   if (plan.max_splits > 1) {
+    // The rows from row `lead` on (the leading rows are the decode kernels' outputs).
+    const int64_t first = int64_t{lead} * plan.num_q_heads;
     ChunkMergeParams mp;
-    mp.partial_out = p.partial_out;
-    mp.partial_lse = p.partial_lse;
-    mp.output = a.output;
-    mp.lse = a.lse;
+    mp.partial_out = p.partial_out + first * plan.max_splits * d;
+    mp.partial_lse = p.partial_lse + first * plan.max_splits;
+    mp.output = static_cast<uint8_t*>(a.output) + first * d * DTypeSize(a.output_dtype);
+    mp.lse = a.lse + first;
     mp.out_dtype = a.output_dtype;
-    mp.rows = static_cast<int>(rows);
+    mp.rows = static_cast<int>(rows - first);
     mp.head_dim = d;
     mp.max_splits = plan.max_splits;
     TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));

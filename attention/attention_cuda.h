@@ -6,9 +6,11 @@
 //   AttentionPlan plan = attention.Plan(B, T, Hq, max_blocks, max_q_len);   // host only
 //   attention.Run(plan, args, stream);                  // never allocates; graph-capturable
 //
-// A plan whose every sequence has exactly one new token (max_q_len 1, num_tokens == num_seqs)
-// and no sliding window runs the decode kernels (attention/decode_cuda.h), and so do the
-// one-token sequences of a mixed call (decode rows beside prefill chunks), and a call of few new
+// A plan whose every sequence has exactly one new token (max_q_len 1 or
+// AttentionOptions::leading_decode_seqs = num_seqs, and num_tokens == num_seqs) and no sliding
+// window runs the decode kernels (attention/decode_cuda.h), and so do the one-token sequences of
+// a mixed call (decode rows beside prefill chunks: in place where the caller says they come
+// first, AttentionOptions::leading_decode_seqs), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass) over the context
 // they share (4bit_nc and k3v4_nc at head_dim 128, passes of more than 4 columns: in half
@@ -76,6 +78,13 @@ struct AttentionOptions {
   // decode.staged = false keep the decode kernels' numerics either way. Sets decode.half for the
   // verify passes' decode plan.
   ChunkPrecision verify_precision = ChunkPrecision::kHalf;
+  // How many sequences at the front of the batch have exactly one new token each, where the
+  // caller knows it (vLLM orders a step's decodes first: its num_decodes). A mixed call then runs
+  // those rows on the decode kernels where they lie (no gather, no scatter) and launches the
+  // chunk or prefill kernel's tiles for the other sequences only; 0: the one-token sequences are
+  // found on the device. 0 to num_seqs; Run's arrays must agree (query_start_loc[b] = b up to
+  // it).
+  int leading_decode_seqs = 0;
 };
 
 struct AttentionPlan {
@@ -89,6 +98,11 @@ struct AttentionPlan {
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
   // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
   bool decode_rows = false;
+  // A mixed call whose first leading_decodes sequences have one new token each
+  // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
+  // or prefill kernel's grid covers the others; unless Run gets a sliding window (then every
+  // sequence runs on the chunk kernel).
+  int leading_decodes = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): the decode kernels in
   // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
   // verify_pass_rows · G over the context the pass's rows share), each row's causal tail (at most

@@ -62,6 +62,8 @@ struct Errors {
   bool prefill = false;                   // the plan ran the prefill kernel
   bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
+  int leading_decodes = 0;                // AttentionPlan::leading_decodes
+  bool decode = false;                    // AttentionPlan::decode
 };
 
 // The tests below hold the chunk kernel and verify passes to the decode kernels' bounds: long
@@ -84,7 +86,8 @@ struct Case {
 };
 
 Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8_t>& cache,
-                     int* max_splits = nullptr, bool* verify_rows = nullptr) {
+                     int* max_splits = nullptr, bool* verify_rows = nullptr,
+                     int max_q_len_bound = 0) {
   // Half-precision queries: the reference reads the same rounded values.
   for (float& x : s.queries) {
     if (c.io == DType::kF16) x = HalfBitsToFloat(FloatToHalfBits(x));
@@ -96,7 +99,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   testing::ReferenceAttention(c.quantizer, c.plain, s, cache, c.window, ref_out, ref_lse);
   const CudaAttention attn = c.quantizer ? CudaAttention(*c.quantizer) : CudaAttention(*c.plain);
   const int num_seqs = static_cast<int>(s.base.seq_lens.size());
-  int max_q_len = 1;
+  int max_q_len = std::max(1, max_q_len_bound);  // a caller's bound may exceed the longest
   for (int b = 0; b < num_seqs; ++b) {
     max_q_len = std::max(max_q_len, s.query_start_loc[b + 1] - s.query_start_loc[b]);
   }
@@ -173,6 +176,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.prefill = plan.prefill;
   e.prefill_rotates = plan.prefill_rotates;
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
+  e.leading_decodes = plan.leading_decodes;
+  e.decode = plan.decode;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
       ++e.bad;
@@ -558,6 +563,58 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
   ExpectWithin(e, kLseTol, "exact");
 }
 
+// A mixed step whose one-token sequences come first, as vLLM orders a step
+// (AttentionOptions::leading_decode_seqs): those rows run on the decode kernels in place, the
+// chunk and prefill kernels' grids start after them. Decode rows to the decode kernels' bounds,
+// the others to the kernel's own (the prefill kernel's half precision, the chunk kernel's exact
+// numerics), with splits (the merge of the rows after the leading ones), a sliding window (every
+// row on the chunk kernel) and a step of one-token sequences only.
+TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step step{{300, 1000, 77, 700, 150, 2000}, {1, 1, 1, 200, 65, 300}};
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 970 + k);
+      for (int variant = 0; variant < 4; ++variant) {
+        Case c{.quantizer = &q};
+        c.options.leading_decode_seqs = 3;
+        if (variant == 0) c.options.chunk_precision = ChunkPrecision::kHalf;
+        if (variant == 2) c.options.tokens_per_split = 64;
+        if (variant == 3) c.window = 100;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        const std::string what = fmt::format(
+            "{} D={} group={} bs={} variant {}: out {:.2e} lse {:.2e}, decode rows out {:.2e} lse "
+            "{:.2e}",
+            preset, d, group, bs, variant, e.out, e.lse, e.decode_out, e.decode_lse);
+        EXPECT_EQ(e.leading_decodes, 3) << what;
+        if (e.prefill) {
+          const HalfBounds hb = HalfBoundsOf(false);
+          EXPECT_EQ(e.bad, 0) << what;
+          EXPECT_LE(e.lse, hb.lse) << what;
+          EXPECT_LE(e.out, hb.out) << what;
+          const DecodeBounds db = DecodeBoundsOf(preset);
+          EXPECT_LE(e.decode_lse, db.lse) << what;
+          EXPECT_LE(e.decode_out, db.out) << what;
+        } else {
+          ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
+        }
+      }
+    }
+  }
+  // Every sequence one token, with a max_q_len bound above 1: a decode plan.
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16);
+  const AttentionScenario s = BuildAttention(q, {300, 1000, 77}, {1, 1, 1}, 8, 990);
+  Case c{.quantizer = &q};
+  c.options.leading_decode_seqs = 3;
+  const Errors e = RunAndCompare(c, s, s.base.cache, nullptr, nullptr, 3);
+  EXPECT_TRUE(e.decode);
+  ExpectWithin(e, kLseTol, "one-token sequences only", DecodeBoundsOf("turboquant_4bit_nc"));
+}
+
 // Value metadata whose values reach past fp16 (scales 2,000-30,000, zeros near -55,000 on every
 // third 8-token group: values up to ~400,000; tqkv's store never writes them, a cache converted
 // from elsewhere may hold them). The prefill kernels dequantize values to fp16 divided by 16 (the
@@ -681,6 +738,18 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   wide.verify_max_group = 17;
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, wide); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 17")));
+  for (int lead : {-1, 3}) {
+    AttentionOptions o;
+    o.leading_decode_seqs = lead;
+    EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, o); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::HasSubstr(fmt::format("leading_decode_seqs = {}", lead))));
+  }
+  AttentionOptions all_lead;  // every sequence one token: only where num_tokens = num_seqs
+  all_lead.leading_decode_seqs = 2;
+  EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, all_lead); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("leading_decode_seqs = 2")));
+  EXPECT_TRUE(attn.Plan(2, 2, 32, 4, 2, all_lead).decode);
   AttentionOptions precision;
   precision.verify_precision = static_cast<ChunkPrecision>(7);
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, precision); },

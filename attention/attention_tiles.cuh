@@ -77,15 +77,17 @@ __device__ __forceinline__ void SlotOfBlock(const ChunkParams& p, int& h, int& s
 }
 
 // The (sequence b, row tile) of row-tile slot x: sequence b's tiles of `rows` rows take the slots
-// from floor(query_start_loc[b] · G / rows) + b on, which strictly increase with b and leave
+// from floor((query_start_loc[b] − query_start_loc[0]) · G / rows) + b on (query_start_loc[0] is
+// not 0 where the call's leading decode rows run apart), which strictly increase with b and leave
 // room for its ceil(q_len · G / rows) tiles; a slot past them gets a tile with no rows. The
 // tiles go last first: the causal mask gives a sequence's last tile the most context to read, so
 // the longest CTAs start first and the short ones fill the end of the grid.
 __device__ __forceinline__ void FindRowTile(const ChunkParams& p, int rows, int x, int& b,
                                             int& tile) {
   const int64_t group = p.num_q_heads / p.num_kv_heads;
+  const int first = p.query_start_loc[0];
   auto start = [&](int s) {
-    return static_cast<int>(int64_t{p.query_start_loc[s]} * group / rows) + s;
+    return static_cast<int>(int64_t{p.query_start_loc[s] - first} * group / rows) + s;
   };
   int lo = 0, hi = p.num_seqs - 1;  // the last sequence whose first slot is at or before x
   while (lo < hi) {

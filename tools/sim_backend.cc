@@ -221,7 +221,13 @@ class CudaBackend : public Backend {
     int max_q_len = 1;
     const auto loc = batch.query_start_loc();
     for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
-    plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len);
+    // The one-token sequences at the front of the batch run on the decode kernels in place.
+    AttentionOptions options;
+    while (options.leading_decode_seqs < b_ &&
+           loc[options.leading_decode_seqs + 1] - loc[options.leading_decode_seqs] == 1) {
+      ++options.leading_decode_seqs;
+    }
+    plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len, options);
     out_bytes_ = int64_t{layers_} * t_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
     // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
     // step's work is enqueued.

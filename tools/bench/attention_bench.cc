@@ -3,7 +3,9 @@
 //   verify   batch 64 x 4k context, 1, 4 and 8 new tokens: on the decode kernels (one sequence
 //            per query row for 4 and 8), and on the chunk kernel
 //   prefill  batch 1, a chunk of 2,048 or 8,192 tokens after a cached prefix of 0, 8k or 32k
-//   mixed    one 2,048-token chunk plus 63 decode rows at 4k in one call, and the two apart
+//   mixed    63 decode rows at 4k then one 2,048-token chunk in one call (the decode rows said
+//            to come first, AttentionOptions::leading_decode_seqs; "gathered": found on the
+//            device), and the two apart
 // Long chunks run the prefill kernel and verify passes the decode kernels' half-precision variant
 // (ChunkPrecision::kHalf, the default); the shapes named "exact" run fp32-level numerics instead
 // (the chunk kernel; the decode kernels' hi + lo products).
@@ -99,6 +101,7 @@ struct Shape {
   bool decode_kernels = true;
   ChunkPrecision precision = ChunkPrecision::kHalf;
   int verify_max_group = 16;
+  int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -194,6 +197,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     options.chunk_precision = s.precision;
     options.verify_precision = s.precision;
     options.verify_max_group = s.verify_max_group;
+    options.leading_decode_seqs = s.leading_decode_seqs;
     const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -264,12 +268,9 @@ int Main(int argc, char** argv) {
     }
   }
   std::vector<Shape> shapes = {
-      Uniform("verify 64x4k q1", 64, 4096, 1),
-      Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
-      Uniform("verify 64x4k q4", 64, 4096, 4),
-      Uniform("verify 64x4k q4 chunk", 64, 4096, 4, false),
-      Uniform("verify 64x4k q8", 64, 4096, 8),
-      Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
+      Uniform("verify 64x4k q1", 64, 4096, 1), Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
+      Uniform("verify 64x4k q4", 64, 4096, 4), Uniform("verify 64x4k q4 chunk", 64, 4096, 4, false),
+      Uniform("verify 64x4k q8", 64, 4096, 8), Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
   // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4 and 8:
   // one and two new tokens per pass at GQA 4).
@@ -302,12 +303,17 @@ int Main(int argc, char** argv) {
   // The extra device memory at 128k (the workspace does not grow with the context).
   shapes.push_back(Uniform("verify 1x128k q8", 1, 131072, 8));
   shapes.push_back(Uniform("prefill 2048 +128k", 1, 131072 + 2048, 2048));
-  Shape mixed{"mixed 2048 + 63x4k", {2048}, {2048}};
-  for (int i = 0; i < 63; ++i) {
-    mixed.lens.push_back(4096);
-    mixed.q_lens.push_back(1);
-  }
+  // The decode rows first, as vLLM orders a step, and said so (leading_decode_seqs: they run in
+  // place); "gathered": the same step with the one-token sequences found on the device.
+  Shape mixed{"mixed 2048 + 63x4k", std::vector<int32_t>(63, 4096), std::vector<int32_t>(63, 1)};
+  mixed.lens.push_back(2048);
+  mixed.q_lens.push_back(2048);
+  mixed.leading_decode_seqs = 63;
   shapes.push_back(mixed);
+  Shape mixed_gathered = mixed;
+  mixed_gathered.name += " gathered";
+  mixed_gathered.leading_decode_seqs = 0;
+  shapes.push_back(mixed_gathered);
   Shape mixed_exact = mixed;
   mixed_exact.name += " exact";
   mixed_exact.precision = ChunkPrecision::kExact;
