@@ -10,7 +10,7 @@
 // cache), as FlashAttention rounds them.
 //
 // One CTA = (128-row tile, split of the context, KV head, sequence), four warpgroups (setmaxnreg
-// gives the producers 80 registers, the consumers 176):
+// gives the producers 88 registers, the consumers 168):
 //   key producers (0-3),    per 64-token KV tile, in a ring of kWgStages stages: the key
 //   value producers (4-7)   warpgroup writes the tile's keys in fp16 (MSE: centroid · norm; FP8:
 //                           the values); the value warpgroup the values (code · scale + zero) in
@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/attention_launch.h"
 #include "attention/attention_tiles.cuh"
@@ -44,9 +45,9 @@ namespace tqkv::attention_detail {
 inline constexpr int kWgTile = 64;   // KV tokens per tile
 inline constexpr int kWgStages = 3;  // tiles in flight between the producers and the consumers
 inline constexpr int kWgThreads = 512;
-// Registers per thread after the split (setmaxnreg): 256 · (80 + 176) = the whole file.
-inline constexpr int kWgProducerRegs = 80;
-inline constexpr int kWgConsumerRegs = 176;
+// Registers per thread after the split (setmaxnreg): 256 · (88 + 168) = the whole file.
+inline constexpr int kWgProducerRegs = 88;
+inline constexpr int kWgConsumerRegs = 168;
 // The compressed kinds' values are written into the stages divided by 2^kValueShrink, so that any
 // finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
 // and the row sums are divided by it at the end.
@@ -73,8 +74,8 @@ struct WgRawLayout {
 
 // Shared memory (offsets from a 1024-byte aligned base): the query [2 swizzle atoms of 64 dims][128
 // rows][128 B]; per stage keys [2 atoms][64 tokens][128 B] then Vᵀ [128 dims][64 tokens · 2 B];
-// the key codebook, one copy per lane; the barriers; the split's block ids;
-// kWgRawStages raw tiles. About 170 KB for 4bit_nc: one CTA per SM.
+// the barriers; the split's block ids; kWgRawStages raw tiles. About 168 KB for 4bit_nc: one CTA
+// per SM.
 inline constexpr int kWgRawStages = 4;  // raw tiles in flight: copies of 3 tiles ahead
 template <KeyKind kKind, int kValueBits>
 struct WgLayout {
@@ -85,10 +86,7 @@ struct WgLayout {
   static constexpr uint32_t kKBytes = 2 * kKAtom;
   static constexpr uint32_t kStageBytes = kKBytes + kD * 128;
   static constexpr uint32_t kStage0 = kQ + 2 * kAtom;
-  // The codebook's fp16 centroids, one copy per lane: centroid e for lane l at word 32·e + l (the
-  // lanes' lookups never share a bank).
-  static constexpr uint32_t kCodebook = kStage0 + kWgStages * kStageBytes;  // uint32 [16][32]
-  static constexpr uint32_t kFull = kCodebook + 4 * 16 * 32;                // uint64 [stages]
+  static constexpr uint32_t kFull = kStage0 + kWgStages * kStageBytes;  // uint64 [stages]
   static constexpr uint32_t kEmpty = kFull + 8 * kWgStages;
   static constexpr uint32_t kIds = kEmpty + 8 * kWgStages;
   static constexpr uint32_t kRaw = kIds + 4 * kMaxStagedIds;  // raw tile r at kRaw + r · kRawBytes
@@ -141,11 +139,62 @@ struct WgProducer {
   const int32_t* ids;
   int id_base, h, end, thread, tb, db;
   float inv_block_size;
+  // The MSE codebook's fp16 centroids as byte planes in registers (LoadCodebook): low bytes of
+  // centroids 4k .. 4k + 3 in lut[k], high bytes in lut[4 + k] (3-bit: lut[0..1], lut[4..5]).
+  uint32_t lut[8] = {};
 
-  // Centroid e's fp16 bits from this lane's copy of the codebook.
-  __device__ __forceinline__ uint32_t Centroid(uint32_t e) const {
-    using L = WgLayout<kKind, kValueBits>;
-    return decode_detail::SharedLoad4(base + L::kCodebook + ((e << 7) | ((thread & 31) << 2)));
+  __device__ __forceinline__ void LoadCodebook() {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t c = p.centroid_hi[4 * k + i];
+        lo |= (c & 0xFFu) << (8 * i);
+        hi |= (c >> 8) << (8 * i);
+      }
+      lut[k] = lo;
+      lut[4 + k] = hi;
+    }
+  }
+
+  // x's bytes permuted by the 4-bit selectors of `sel`, a selector's top bit replicating the
+  // picked byte's sign over the byte (prmt's default mode).
+  static __device__ __forceinline__ uint32_t Prmt(uint32_t x, uint32_t y, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(sel));
+    return r;
+  }
+
+  // The centroids of 8 codes (element j at bits kBits · j of `codes`) as 4 words of fp16 pairs,
+  // elements 2i and 2i + 1 in word i: byte permutes of the codebook's planes, 4 elements per
+  // permute. 4-bit codes pick from centroids 0-7 and 8-15 (selector bits 0-2) and choose by bit 3
+  // (a byte mask made by sign-replicating permutes); 3-bit codes are spread to one per nibble
+  // first.
+  template <int kBits>
+  __device__ __forceinline__ void Centroids8(uint32_t codes, uint32_t (&q)[4]) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t lo, hi;
+      if constexpr (kBits == 4) {
+        const uint32_t sel = (half ? codes >> 16 : codes) & 0x7777u;
+        // Element j's bit 3 is the sign of byte j / 2 of codes << 4 (even j) or of codes (odd j).
+        const uint32_t upper = Prmt(codes << 4, codes, half ? 0xFBEAu : 0xD9C8u);
+        lo = (__byte_perm(lut[0], lut[1], sel) & ~upper) |
+             (__byte_perm(lut[2], lut[3], sel) & upper);
+        hi = (__byte_perm(lut[4], lut[5], sel) & ~upper) |
+             (__byte_perm(lut[6], lut[7], sel) & upper);
+      } else {
+        // Four 3-bit fields to four nibbles: pairs of fields to bytes, then fields to nibbles.
+        const uint32_t t = (half ? codes >> 12 : codes) & 0xFFFu;
+        const uint32_t u = (t & 0x3Fu) | ((t & 0xFC0u) << 2);
+        const uint32_t sel = (u & 0x0707u) | ((u & 0x3838u) << 1);
+        lo = __byte_perm(lut[0], lut[1], sel);
+        hi = __byte_perm(lut[4], lut[5], sel);
+      }
+      q[2 * half] = __byte_perm(lo, hi, 0x5140);
+      q[2 * half + 1] = __byte_perm(lo, hi, 0x7362);
+    }
   }
 
   // Tile [tile_begin, +64)'s slots and metadata (tokens before `end`) into raw tile `raw`: two
@@ -292,17 +341,13 @@ struct WgProducer {
           q[3] = E4M3x2ToHalf2(w[1] >> 16);
         } else {
           constexpr int kBits = kKind == KeyKind::kMse4 ? 4 : 3;
-          const uint32_t codes = Codes8<kBits>(at);
+          Centroids8<kBits>(Codes8<kBits>(at), q);
           const uint32_t norm_bits = (meta[0][k / 2] >> (16 * (k % 2))) & 0xFFFFu;
           const __half2 norm = __halves2half2(__ushort_as_half(static_cast<uint16_t>(norm_bits)),
                                               __ushort_as_half(static_cast<uint16_t>(norm_bits)));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            constexpr uint32_t kMask = (1u << kBits) - 1u;
-            const uint32_t c = __byte_perm(Centroid((codes >> (2 * kBits * i)) & kMask),
-                                           Centroid((codes >> ((2 * i + 1) * kBits)) & kMask),
-                                           0x5410);
-            const __half2 kn = __hmul2(*reinterpret_cast<const __half2*>(&c), norm);
+            const __half2 kn = __hmul2(*reinterpret_cast<const __half2*>(&q[i]), norm);
             q[i] = *reinterpret_cast<const uint32_t*>(&kn);
           }
         }
@@ -493,8 +538,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
 
-  // The query rows rounded once to fp16 (rows past the sequence's: 0); the codebook, one copy per
-  // lane; the split's block ids; the barriers.
+  // The query rows rounded once to fp16 (rows past the sequence's: 0); the split's block ids; the
+  // barriers.
   const bool query_vec =
       p.query_dtype == DType::kF32 && reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
   if (p.query_fwht) {
@@ -527,11 +572,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                 wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
     }
   }
-  if constexpr (kKind == KeyKind::kMse4 || kKind == KeyKind::kMse3) {
-    for (int e = threadIdx.x; e < 16 * 32; e += kWgThreads) {
-      reinterpret_cast<uint32_t*>(smem + L::kCodebook)[e] = p.centroid_hi[e / 32];
-    }
-  }
   const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
   const int id_begin = loop_begin / p.block_size;
   const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
@@ -557,54 +597,60 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     // value warpgroup issues tile j + kWgRawStages − 1's copies; then each writes its half of
     // tile j (copied three steps ago) into its stage once the consumers have freed it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
-    const bool keys = warp < 4;
-    const int thread = static_cast<int>(threadIdx.x & 127);
-    const WgProducer<kKind, kValueBits> pr{p,
-                                           smem,
-                                           base,
-                                           ids,
-                                           id_base,
-                                           h,
-                                           split_end,
-                                           thread,
-                                           thread >> 4,
-                                           thread & 15,
-                                           1.0f / static_cast<float>(p.block_size)};
-    const uint32_t raw0 = base + L::kRaw;
-    if (!keys) {
+    // Two copies of the loop, one per warpgroup, so that the key warpgroup's codebook registers
+    // are not held across the value warpgroup's code.
+    auto produce = [&](auto warpgroup_keys) {
+      constexpr bool kKeys = decltype(warpgroup_keys)::value;
+      const int thread = static_cast<int>(threadIdx.x & 127);
+      WgProducer<kKind, kValueBits> pr{p,
+                                       smem,
+                                       base,
+                                       ids,
+                                       id_base,
+                                       h,
+                                       split_end,
+                                       thread,
+                                       thread >> 4,
+                                       thread & 15,
+                                       1.0f / static_cast<float>(p.block_size)};
+      if constexpr (kKeys && WgRawLayout<kKind, kValueBits>::kMse) pr.LoadCodebook();
+      const uint32_t raw0 = base + L::kRaw;
+      if constexpr (!kKeys) {
 #pragma unroll
-      for (int i = 0; i < L::kRawStages - 1; ++i) {
-        pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
-      }
-    }
-    for (int j = 0; j < tiles; ++j) {
-      if (!keys) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
-      // Every copy of tile j has landed, and raw tile j − 1 has been read.
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      if (!keys) {
-        const int ahead = j + L::kRawStages - 1;
-        pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
-                raw0 + (ahead % L::kRawStages) * L::kRawBytes);
-      }
-      const int s = j % kWgStages;
-      if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
-      const uint32_t raw = raw0 + (j % L::kRawStages) * L::kRawBytes;
-      uint8_t* stage = smem + L::kStage0 + s * L::kStageBytes;
-      if constexpr (kPlain) {
-        if (keys) {
-          pr.template StorePlain<true>(loop_begin + j * kWgTile, raw, stage);
-        } else {
-          pr.template StorePlain<false>(loop_begin + j * kWgTile, raw, stage);
+        for (int i = 0; i < L::kRawStages - 1; ++i) {
+          pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
         }
-      } else if (keys) {
-        pr.template Store<true>(loop_begin + j * kWgTile, raw, stage);
-      } else {
-        pr.template Store<false>(loop_begin + j * kWgTile, raw, stage);
       }
-      wgmma::FenceProxyAsync();
-      wgmma::BarrierArrive(base + L::kFull + 8 * s);
+      for (int j = 0; j < tiles; ++j) {
+        if constexpr (!kKeys) {
+          decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
+        }
+        // Every copy of tile j has landed, and raw tile j − 1 has been read.
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        if constexpr (!kKeys) {
+          const int ahead = j + L::kRawStages - 1;
+          pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
+                  raw0 + (ahead % L::kRawStages) * L::kRawBytes);
+        }
+        const int s = j % kWgStages;
+        if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
+        const uint32_t raw = raw0 + (j % L::kRawStages) * L::kRawBytes;
+        uint8_t* stage = smem + L::kStage0 + s * L::kStageBytes;
+        if constexpr (kPlain) {
+          pr.template StorePlain<kKeys>(loop_begin + j * kWgTile, raw, stage);
+        } else {
+          pr.template Store<kKeys>(loop_begin + j * kWgTile, raw, stage);
+        }
+        wgmma::FenceProxyAsync();
+        wgmma::BarrierArrive(base + L::kFull + 8 * s);
+      }
+      if constexpr (!kKeys) decode_detail::CopyAsyncWait();
+    };
+    if (warp < 4) {
+      produce(std::true_type{});
+    } else {
+      produce(std::false_type{});
     }
-    if (!keys) decode_detail::CopyAsyncWait();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
