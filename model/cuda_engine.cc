@@ -198,19 +198,26 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   moved |= d.batch.data() != batch_before;
 
   // Attention plans (host only) and their workspace.
+  // The one-token requests at the front of the batch run on the decode kernels in place.
   int max_q_len = 0;
+  AttentionOptions options;
+  bool leading = true;
   for (int32_t i = 0; i < batch_.num_requests(); ++i) {
-    max_q_len = std::max(max_q_len, batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i]);
+    const int32_t q_len = batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i];
+    max_q_len = std::max(max_q_len, q_len);
+    leading = leading && q_len == 1;
+    if (leading) ++options.leading_decode_seqs;
   }
   std::optional<AttentionPlan> plan, plan_bf16;
   int64_t attention_bytes = 256;
   if (d.attention) {
-    plan = d.attention->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(), max_q_len);
+    plan = d.attention->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(), max_q_len,
+                             options);
     attention_bytes = std::max(attention_bytes, plan->workspace_bytes);
   }
   if (d.attention_bf16) {
-    plan_bf16 =
-        d.attention_bf16->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(), max_q_len);
+    plan_bf16 = d.attention_bf16->Plan(batch_.num_requests(), n, hq, batch_.block_table_width(),
+                                       max_q_len, options);
     attention_bytes = std::max(attention_bytes, plan_bf16->workspace_bytes);
   }
   moved |= Ensure(d.attention_ws, attention_bytes);
