@@ -268,9 +268,12 @@ int Main(int argc, char** argv) {
     }
   }
   std::vector<Shape> shapes = {
-      Uniform("verify 64x4k q1", 64, 4096, 1), Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
-      Uniform("verify 64x4k q4", 64, 4096, 4), Uniform("verify 64x4k q4 chunk", 64, 4096, 4, false),
-      Uniform("verify 64x4k q8", 64, 4096, 8), Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
+      Uniform("verify 64x4k q1", 64, 4096, 1),
+      Uniform("verify 64x4k q1 chunk", 64, 4096, 1, false),
+      Uniform("verify 64x4k q4", 64, 4096, 4),
+      Uniform("verify 64x4k q4 chunk", 64, 4096, 4, false),
+      Uniform("verify 64x4k q8", 64, 4096, 8),
+      Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
   // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4 and 8:
   // one and two new tokens per pass at GQA 4).
