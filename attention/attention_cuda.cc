@@ -339,8 +339,11 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
         attention_detail::PrefillRotatesQuery(s.key_kind, s.value_bits, d, layout);
   }
 #endif
-  const Sections w =
-      WorkspaceSections(!s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates, plan, d);
+  const bool chunk_query_prep = !s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates;
+  // The chunk right after the leading rows' decode (no query prep between them) starts on the SMs
+  // that decode leaves; it reads nothing the decode writes.
+  if (plan.leading_decodes > 0) plan.decode_plan.overlap_next = !chunk_query_prep;
+  const Sections w = WorkspaceSections(chunk_query_prep, plan, d);
   plan.workspace_bytes = std::max(decode_bytes, w.Total());
   return plan;
 }
@@ -536,6 +539,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   }
   ChunkParams p;
   p.skip_single = decode_rows ? 1 : 0;
+  p.programmatic = lead > 0 && plan.decode_plan.overlap_next ? 1 : 0;
   if (plan.prefill_rotates) {
     p.query = a.query;
     p.query_dtype = a.query_dtype;

@@ -63,6 +63,7 @@ struct Errors {
   bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
+  bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   bool decode = false;                    // AttentionPlan::decode
 };
 
@@ -177,6 +178,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.prefill_rotates = plan.prefill_rotates;
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
   e.leading_decodes = plan.leading_decodes;
+  e.overlap_next = plan.decode_plan.overlap_next;
   e.decode = plan.decode;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
@@ -572,6 +574,20 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
 TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{300, 1000, 77, 700, 150, 2000}, {1, 1, 1, 200, 65, 300}};
+  auto check = [](const Errors& e, const char* preset, const std::string& what) {
+    EXPECT_EQ(e.leading_decodes, 3) << what;
+    if (e.prefill) {
+      const HalfBounds hb = HalfBoundsOf(false);
+      EXPECT_EQ(e.bad, 0) << what;
+      EXPECT_LE(e.lse, hb.lse) << what;
+      EXPECT_LE(e.out, hb.out) << what;
+      const DecodeBounds db = DecodeBoundsOf(preset);
+      EXPECT_LE(e.decode_lse, db.lse) << what;
+      EXPECT_LE(e.decode_out, db.out) << what;
+    } else {
+      ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
+    }
+  };
   int k = 0;
   for (const char* preset : kPresetNames) {
     for (int d : {64, 128, 256}) {
@@ -590,20 +606,24 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
             "{} D={} group={} bs={} variant {}: out {:.2e} lse {:.2e}, decode rows out {:.2e} lse "
             "{:.2e}",
             preset, d, group, bs, variant, e.out, e.lse, e.decode_out, e.decode_lse);
-        EXPECT_EQ(e.leading_decodes, 3) << what;
-        if (e.prefill) {
-          const HalfBounds hb = HalfBoundsOf(false);
-          EXPECT_EQ(e.bad, 0) << what;
-          EXPECT_LE(e.lse, hb.lse) << what;
-          EXPECT_LE(e.out, hb.out) << what;
-          const DecodeBounds db = DecodeBoundsOf(preset);
-          EXPECT_LE(e.decode_lse, db.lse) << what;
-          EXPECT_LE(e.decode_out, db.out) << what;
-        } else {
-          ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
-        }
+        // The chunk kernel follows the decode directly (and starts on the SMs it leaves) unless
+        // a query prep lies between them (a rotated query that the chunk kernel does not rotate).
+        const bool rotated = std::string_view(preset) != "turboquant_k8v4";
+        EXPECT_EQ(e.overlap_next, !rotated || e.prefill_rotates) << what;
+        check(e, preset, what);
       }
     }
+  }
+  {  // A dense Πᵀ: the chunk's query prep runs between the decode and the chunk kernel.
+    const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16, RotationKind::kHaar, 5);
+    const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 8, 995);
+    Case c{.quantizer = &q};
+    c.options.leading_decode_seqs = 3;
+    const Errors e = RunAndCompare(c, s, s.base.cache);
+    EXPECT_FALSE(e.overlap_next);
+    check(e, "turboquant_4bit_nc",
+          fmt::format("haar: out {:.2e} lse {:.2e}, decode rows out {:.2e} lse {:.2e}", e.out,
+                      e.lse, e.decode_out, e.decode_lse));
   }
   // Every sequence one token, with a max_q_len bound above 1: a decode plan.
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16);

@@ -344,7 +344,10 @@ __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkP
   int b, tile;
   FindRowTile(p, Cta::kRows, slot % p.row_tiles, b, tile);
   Cta cta(p, smem, tile, b, h);
-  if (cta.row0 >= cta.row_end) return;  // the sequence has fewer rows
+  if (cta.row0 >= cta.row_end) {  // the sequence has fewer rows
+    GridDependencyWait();         // ChunkParams::programmatic
+    return;
+  }
   const int first_i = cta.row0 / cta.group, last_i = (cta.row_end - 1) / cta.group;
   const int kv_end = cta.ctx0 + last_i + 1;
   const int kv_begin =
@@ -390,8 +393,8 @@ __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkP
     cta.Accumulate(tok0, s);
   }
   cta.Merge();
-  if (cta.kv_part > 0 || !cta.active()) return;
-  cta.Write(h, split);
+  if (cta.kv_part == 0 && cta.active()) cta.Write(h, split);
+  GridDependencyWait();  // ChunkParams::programmatic
 }
 
 template <KeyKind kKind, int kValueBits, int kD, int kRowWarps>
@@ -402,8 +405,7 @@ cudaError_t LaunchChunk(const ChunkParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
-  kernel<<<grid, kWarps * 32, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchChunkGrid(kernel, grid, kWarps * 32, kSmem, stream, p);
 }
 
 // 16 · row_warps query rows per CTA: 1 and 2 for few rows (the other warps split each KV tile),

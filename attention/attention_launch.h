@@ -69,6 +69,12 @@ struct ChunkParams {
   int heads_fastest = 0;
   // Leave sequences of one new token alone (a mixed call runs them on the decode kernels).
   int skip_single = 0;
+  // Host: launch as a programmatic dependent of the kernel before it in the stream, the decode of
+  // the call's leading rows (DecodePlan::overlap_next), which writes nothing this kernel reads:
+  // its CTAs take the SMs as the decode's leave. Every kernel of this family waits for the grid
+  // before it (GridDependencyWait, a no-op in an ordinary launch) only before its CTAs exit, so
+  // that its completion still implies the decode's for the kernels after it.
+  int programmatic = 0;
 };
 
 struct ChunkMergeParams {

@@ -396,7 +396,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PrefillAttentionKernel(const C
   int b, tile;
   FindRowTile(p, kPrefillRows, slot % p.row_tiles, b, tile);
   Cta cta(p, smem, tile, b);
-  if (cta.row0 >= cta.row_end) return;  // the sequence has fewer rows
+  if (cta.row0 >= cta.row_end) {  // the sequence has fewer rows
+    GridDependencyWait();         // ChunkParams::programmatic
+    return;
+  }
   const int first_i = cta.row0 / cta.group, last_i = (cta.row_end - 1) / cta.group;
   const int kv_end = cta.ctx0 + last_i + 1;
   const int kv_begin =
@@ -457,6 +460,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PrefillAttentionKernel(const C
     __syncthreads();  // the next buffer is complete; this one is free for tile j + 2
   }
   cta.Write(h, split);
+  GridDependencyWait();  // ChunkParams::programmatic
 }
 
 template <KeyKind kKind, int kValueBits, int kD>
@@ -467,8 +471,7 @@ cudaError_t LaunchPrefill(const ChunkParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
-  kernel<<<grid, kWarps * 32, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchChunkGrid(kernel, grid, kWarps * 32, kSmem, stream, p);
 }
 
 // head_dim 64 and 128 (256 keeps the chunk kernel: its registers would not hold 32 rows).

@@ -532,7 +532,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   if (q_len == 1 && p.skip_single) q_len = 0;  // the decode kernels' row
   const int row0 = tile * kPrefillRows;
   const int row_end = min(q_len * group, row0 + kPrefillRows);
-  if (row0 >= row_end) return;  // the sequence has fewer rows
+  if (row0 >= row_end) {  // the sequence has fewer rows
+    GridDependencyWait();  // ChunkParams::programmatic
+    return;
+  }
   const int ctx0 = p.seq_lens[b] - q_len;
   const int first_i = row0 / group, last_i = (row_end - 1) / group;
   const int kv_end = ctx0 + last_i + 1;
@@ -816,6 +819,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       if (tq == 0) p.partial_lse[out_row * p.max_splits + split] = lse;
     }
   }
+  // ChunkParams::programmatic (the producers exit without it: the CTA lasts as long as its
+  // consumers).
+  GridDependencyWait();
 }
 
 #else
@@ -853,8 +859,7 @@ cudaError_t LaunchPrefillWgmma(const ChunkParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.max_splits * p.num_kv_heads));
-  kernel<<<grid, kWgThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchChunkGrid(kernel, grid, kWgThreads, kSmem, stream, p);
 }
 
 }  // namespace tqkv::attention_detail

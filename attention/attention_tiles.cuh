@@ -16,7 +16,20 @@
 namespace tqkv::attention_detail {
 
 using decode_detail::E4M3x2ToHalf2;
+using decode_detail::GridDependencyWait;
 using decode_detail::IsPlain;
+
+// Launches a kernel of this family on `grid`, as a programmatic dependent of the kernel before it
+// where p.programmatic says so (ChunkParams::programmatic).
+template <typename Kernel>
+cudaError_t LaunchChunkGrid(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                            const ChunkParams& p) {
+  if (p.programmatic) {
+    return decode_detail::LaunchDependent(kernel, grid, dim3(threads), smem, stream, p);
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -532,6 +532,8 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
       plan.max_splits > 1 ||
       ctas >= int64_t{s.sm_count} *
                   (plan.narrow ? variants.narrow_resident_per_sm : variants.resident_per_sm);
+  const bool overlap_next = plan.overlap_next && plan.dependent_launch && !query_prep;
+  sp.trigger_at_start = overlap_next && plan.max_splits == 1 ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, plan.variant, programmatic, stream));
   if (plan.max_splits == 1) return;
 
@@ -547,6 +549,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   mp.head_dim = d;
   mp.tokens_per_split = plan.tokens_per_split;
   mp.max_splits = plan.max_splits;
+  mp.trigger_at_start = overlap_next ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else
   (void)s;

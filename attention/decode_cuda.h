@@ -126,6 +126,12 @@ struct DecodePlan {
   bool staged = true;        // DecodeOptions::staged
   bool half = false;         // DecodeOptions::half
   bool dependent_launch = true;  // DecodeOptions::dependent_launch
+  // Set by a caller whose next kernel in the stream reads nothing this decode writes and waits
+  // for it only at its end (CudaAttention's chunk after a call's leading decode rows): the last
+  // grid lets that kernel launch once each of its CTAs has started, so that its CTAs take the SMs
+  // as this decode's leave. Only with dependent_launch and a Hadamard or no rotation (no query
+  // prep); ignored otherwise.
+  bool overlap_next = false;
   // The split kernel these choices select (decode_detail::ChooseSplitVariant).
   decode_detail::SplitVariant variant;
   int64_t workspace_bytes = 0;

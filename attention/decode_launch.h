@@ -58,6 +58,11 @@ struct SplitParams {
   // Let the kernel after this one launch once every CTA has finished its chunks (griddepcontrol
   // .launch_dependents): the merge, or a next split grid that fills the SMs anyway.
   int trigger_dependents = 1;
+  // The kernel after this one reads nothing this grid writes and waits for it only at its end
+  // (CudaAttention's chunk after the call's leading decode rows): let it launch as soon as every
+  // CTA has passed its wait at start, so that its CTAs take the SMs as this grid's leave. Needs
+  // wait_at_start.
+  int trigger_at_start = 0;
 };
 
 struct MergeParams {
@@ -72,6 +77,9 @@ struct MergeParams {
   int head_dim = 0;
   int tokens_per_split = 0;
   int max_splits = 0;
+  // As SplitParams::trigger_at_start: the kernel after the merge may launch once every merge CTA
+  // has seen the split grid finish.
+  int trigger_at_start = 0;
 };
 
 // q·Πᵀ for a dense Πᵀ (haar, custom), as its own launch before the split kernel. (Hadamard

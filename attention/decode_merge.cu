@@ -48,10 +48,11 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const int len = p.seq_lens[b];
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
-  // (No early trigger for the kernel after this one: a next step's split kernel launched while
-  // these CTAs and the split grid's last ones still ran took 4-7 µs longer at batch 1, see
-  // LaunchDependents in the split kernel.)
+  // No early trigger for a next step's split kernel: launched while these CTAs and the split
+  // grid's last ones still ran, it took 4-7 µs longer at batch 1 (see LaunchDependents in the
+  // split kernel). Only a kernel that waits for this grid at its end (trigger_at_start).
   GridDependencyWait();  // the split grid's partials
+  if (p.trigger_at_start) LaunchDependents();
   // Up to kFastSplits splits (every batch-1 plan up to 128k tokens): thread d loads its element of
   // every split and every split's LSE at once and reduces them in registers by pairwise trees:
   // one memory round trip, no shuffles, no shared memory, no barrier.

@@ -158,6 +158,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // cache) or writes what it may still read (workspace, output), so it waits here. Only the
   // launch and the table and sign loads above (decoder-owned constants) overlap the kernel before.
   if (p.wait_at_start) GridDependencyWait();
+  if (p.trigger_at_start) LaunchDependents();
   // The first query row this warp rotates in finish_prologue (head = warp), for 16-bit queries:
   // its load is issued here, beside the sequence length's, so that its latency overlaps the
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
