@@ -396,85 +396,114 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     return;
   }
 #if TQKV_HAVE_CUDA
+  if (plan.verify_rows && a.sliding_window == 0) {
+    RunVerify(plan, a, stream);
+  } else {
+    RunChunk(plan, a, stream);
+  }
+#else
+  (void)s;
+  (void)stream;
+  throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kWhere));
+#endif
+}
+
+#if TQKV_HAVE_CUDA
+// Verify rows (AttentionPlan::verify_rows), in passes of verify_pass_rows new tokens per sequence:
+// a pass's rows ride beside the GQA heads as the columns of one decode over the context they share
+// (up to the pass's first token), and the finish kernel adds each row's own few tokens after that
+// and merges the two by log-sum-exp (VerifyGroupParams, attention_launch.h).
+void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
+                              StreamHandle stream) const {
   using namespace attention_detail;
+  const State& s = *state_;
   const int d = head_dim();
   const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
-  if (plan.verify_rows && a.sliding_window == 0) {
-    const VerifySections v = VerifyLayout(plan, rotate && !FinishRotates(s, d), d);
-    uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-    VerifyGroupParams vp;
-    vp.query_start_loc = a.query_start_loc;
-    vp.seq_lens = a.seq_lens;
-    vp.block_tables = a.block_tables;
-    vp.query = a.query;
-    vp.query_dtype = a.query_dtype;
-    if (rotate && FinishRotates(s, d)) {
-      vp.query_fwht = 1;
-      vp.query_signs = s.signs.data();
-      vp.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
-    } else if (rotate) {
-      decode_detail::QueryPrepParams qp;
-      qp.query = a.query;
-      qp.in_dtype = a.query_dtype;
-      qp.rotation = s.rotation.data();
-      qp.rotation_fragments = s.rotation_fragments.data();
-      qp.out = reinterpret_cast<float*>(ws);
-      qp.rows = plan.num_tokens * plan.num_q_heads;
-      qp.head_dim = d;
-      TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
-      vp.mapped_query = qp.out;
-    }
-    uint8_t* at = ws + v.mapped;
-    vp.rows = plan.verify_pass_rows;
-    vp.gathered_query = reinterpret_cast<float*>(at);
-    vp.gathered_lens = reinterpret_cast<int32_t*>(at + v.query);
-    vp.decode_out = reinterpret_cast<float*>(at + v.query + v.lens);
-    vp.decode_lse = reinterpret_cast<float*>(at + v.query + v.lens + v.out);
-    vp.output = a.output;
-    vp.lse = a.lse;
-    vp.out_dtype = a.output_dtype;
-    vp.cache = a.cache.data;
-    vp.kind = s.key_kind;
-    if (s.plain) {
-      vp.block_bytes = s.plain_format.block_bytes;
-      vp.meta_offset = s.plain_format.value_offset;
-    } else {
-      vp.key_bits = s.format.key_bits;
-      vp.value_bits = s.format.value_bits;
-      vp.block_bytes = s.format.block_bytes;
-      vp.meta_offset = s.format.meta_offset;
-      vp.data_per_slot = s.format.data_per_slot;
-      vp.key_data_bytes = s.format.key_data_bytes;
-      vp.num_meta = s.format.num_meta;
-      std::copy(std::begin(s.centroids), std::end(s.centroids), vp.centroids);
-    }
-    vp.num_seqs = plan.num_seqs;
-    vp.num_q_heads = plan.num_q_heads;
-    vp.num_kv_heads = num_kv_heads();
-    vp.head_dim = d;
-    vp.block_size = block_size();
-    vp.max_blocks_per_seq = plan.max_blocks_per_seq;
-    vp.scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    CudaDecodeArgs da;
-    da.query = vp.gathered_query;
-    da.query_dtype = DType::kF32;
-    da.cache = a.cache;
-    da.block_tables = a.block_tables;
-    da.seq_lens = vp.gathered_lens;
-    da.scale = a.scale;
-    da.output = const_cast<float*>(vp.decode_out);
-    da.output_dtype = DType::kF32;
-    da.lse = const_cast<float*>(vp.decode_lse);
-    da.workspace = at + v.query + v.lens + v.out + v.lse;
-    da.workspace_bytes = v.decode;
-    for (int pass = 0; pass < plan.verify_passes; ++pass) {
-      vp.row_begin = pass * plan.verify_pass_rows;
-      TQKV_CUDA_CHECK(LaunchGatherVerifyRows(vp, stream));
-      s.decoder.Run(plan.decode_plan, da, stream);
-      TQKV_CUDA_CHECK(LaunchFinishVerifyRows(vp, stream));
-    }
-    return;
+  const VerifySections v = VerifyLayout(plan, rotate && !FinishRotates(s, d), d);
+  uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+  VerifyGroupParams vp;
+  vp.query_start_loc = a.query_start_loc;
+  vp.seq_lens = a.seq_lens;
+  vp.block_tables = a.block_tables;
+  vp.query = a.query;
+  vp.query_dtype = a.query_dtype;
+  if (rotate && FinishRotates(s, d)) {
+    vp.query_fwht = 1;
+    vp.query_signs = s.signs.data();
+    vp.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
+  } else if (rotate) {
+    decode_detail::QueryPrepParams qp;
+    qp.query = a.query;
+    qp.in_dtype = a.query_dtype;
+    qp.rotation = s.rotation.data();
+    qp.rotation_fragments = s.rotation_fragments.data();
+    qp.out = reinterpret_cast<float*>(ws);
+    qp.rows = plan.num_tokens * plan.num_q_heads;
+    qp.head_dim = d;
+    TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
+    vp.mapped_query = qp.out;
   }
+  uint8_t* at = ws + v.mapped;
+  vp.rows = plan.verify_pass_rows;
+  vp.gathered_query = reinterpret_cast<float*>(at);
+  vp.gathered_lens = reinterpret_cast<int32_t*>(at + v.query);
+  vp.decode_out = reinterpret_cast<float*>(at + v.query + v.lens);
+  vp.decode_lse = reinterpret_cast<float*>(at + v.query + v.lens + v.out);
+  vp.output = a.output;
+  vp.lse = a.lse;
+  vp.out_dtype = a.output_dtype;
+  vp.cache = a.cache.data;
+  vp.kind = s.key_kind;
+  if (s.plain) {
+    vp.block_bytes = s.plain_format.block_bytes;
+    vp.meta_offset = s.plain_format.value_offset;
+  } else {
+    vp.key_bits = s.format.key_bits;
+    vp.value_bits = s.format.value_bits;
+    vp.block_bytes = s.format.block_bytes;
+    vp.meta_offset = s.format.meta_offset;
+    vp.data_per_slot = s.format.data_per_slot;
+    vp.key_data_bytes = s.format.key_data_bytes;
+    vp.num_meta = s.format.num_meta;
+    std::copy(std::begin(s.centroids), std::end(s.centroids), vp.centroids);
+  }
+  vp.num_seqs = plan.num_seqs;
+  vp.num_q_heads = plan.num_q_heads;
+  vp.num_kv_heads = num_kv_heads();
+  vp.head_dim = d;
+  vp.block_size = block_size();
+  vp.max_blocks_per_seq = plan.max_blocks_per_seq;
+  vp.scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  CudaDecodeArgs da;
+  da.query = vp.gathered_query;
+  da.query_dtype = DType::kF32;
+  da.cache = a.cache;
+  da.block_tables = a.block_tables;
+  da.seq_lens = vp.gathered_lens;
+  da.scale = a.scale;
+  da.output = const_cast<float*>(vp.decode_out);
+  da.output_dtype = DType::kF32;
+  da.lse = const_cast<float*>(vp.decode_lse);
+  da.workspace = at + v.query + v.lens + v.out + v.lse;
+  da.workspace_bytes = v.decode;
+  for (int pass = 0; pass < plan.verify_passes; ++pass) {
+    vp.row_begin = pass * plan.verify_pass_rows;
+    TQKV_CUDA_CHECK(LaunchGatherVerifyRows(vp, stream));
+    s.decoder.Run(plan.decode_plan, da, stream);
+    TQKV_CUDA_CHECK(LaunchFinishVerifyRows(vp, stream));
+  }
+}
+
+// Everything else: the caller's leading one-token sequences on the decode kernels in place, other
+// one-token sequences of a mixed call gathered onto them, and the chunk or prefill kernel (and
+// its merge over splits) for the rest.
+void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
+                             StreamHandle stream) const {
+  constexpr const char* kWhere = "CudaAttention::Run";
+  using namespace attention_detail;
+  const State& s = *state_;
+  const int d = head_dim();
+  const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   if (plan.prefill_rotates && !(plan.prefill && s.fwht)) {
     throw Error(fmt::format("{}: the plan was not made by this CudaAttention's Plan", kWhere));
@@ -615,11 +644,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
   }
   if (decode_rows) TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
-#else
-  (void)s;
-  (void)stream;
-  throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kWhere));
-#endif
 }
+#endif
 
 }  // namespace tqkv

@@ -158,6 +158,11 @@ class CudaAttention {
   void Run(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
 
  private:
+  // Run's device paths: verify passes on the decode kernels, and the chunk or prefill kernel with
+  // the call's one-token rows on the decode kernels.
+  void RunVerify(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
+  void RunChunk(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
+
   struct State;
   std::unique_ptr<State> state_;
 };
