@@ -81,9 +81,10 @@ struct AttentionOptions {
   // How many sequences at the front of the batch have exactly one new token each, where the
   // caller knows it (vLLM orders a step's decodes first: its num_decodes). A mixed call then runs
   // those rows on the decode kernels where they lie (no gather, no scatter) and launches the
-  // chunk or prefill kernel's tiles for the other sequences only; 0: the one-token sequences are
-  // found on the device. 0 to num_seqs; Run's arrays must agree (query_start_loc[b] = b up to
-  // it).
+  // chunk or prefill kernel's tiles for the other sequences only, which start on the SMs the
+  // decode leaves (a programmatic dependent launch; not where a dense Πᵀ puts a query prep between
+  // them); 0: the one-token sequences are found on the device. 0 to num_seqs; Run's arrays must
+  // agree (query_start_loc[b] = b up to it).
   int leading_decode_seqs = 0;
 };
 
@@ -100,8 +101,9 @@ struct AttentionPlan {
   bool decode_rows = false;
   // A mixed call whose first leading_decodes sequences have one new token each
   // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
-  // or prefill kernel's grid covers the others; unless Run gets a sliding window (then every
-  // sequence runs on the chunk kernel).
+  // or prefill kernel's grid covers the others (decode_plan.overlap_next: launched as the decode's
+  // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
+  // chunk kernel).
   int leading_decodes = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): the decode kernels in
   // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
