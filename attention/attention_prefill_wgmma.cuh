@@ -546,8 +546,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
 
-  // The query rows rounded once to fp16 (rows past the sequence's: 0); the split's block ids; the
+  // The split's block ids (one per thread, loaded here and stored after the query so that the two
+  // loads overlap); the query rows rounded once to fp16 (rows past the sequence's: 0); the
   // barriers.
+  static_assert(kMaxStagedIds <= kWgThreads);
+  const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
+  const int id_begin = loop_begin / p.block_size;
+  const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
+  const bool staged_ids = id_count <= kMaxStagedIds;
+  int32_t* smem_ids = reinterpret_cast<int32_t*>(smem + L::kIds);
+  const int32_t my_id = staged_ids && static_cast<int>(threadIdx.x) < id_count
+                            ? __ldg(table + id_begin + threadIdx.x)
+                            : 0;
   const bool query_vec =
       p.query_dtype == DType::kF32 && reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
   if (p.query_fwht) {
@@ -580,14 +590,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                 wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
     }
   }
-  const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
-  const int id_begin = loop_begin / p.block_size;
-  const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
-  const bool staged_ids = id_count <= kMaxStagedIds;
-  int32_t* smem_ids = reinterpret_cast<int32_t*>(smem + L::kIds);
-  if (staged_ids) {
-    for (int i = threadIdx.x; i < id_count; i += kWgThreads) smem_ids[i] = table[id_begin + i];
-  }
+  if (staged_ids && static_cast<int>(threadIdx.x) < id_count) smem_ids[threadIdx.x] = my_id;
   const int32_t* ids = staged_ids ? smem_ids : table;
   const int id_base = staged_ids ? id_begin : 0;
   if (threadIdx.x == 0) {
@@ -784,6 +787,54 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   // elements in one store where the output is 8-byte aligned), or the split's partial.
   constexpr float kLn2 = 0.69314718055994530942f;
   const bool out_vec = reinterpret_cast<uintptr_t>(p.output) % 8 == 0;
+  // A 16-bit output in one piece goes through shared memory (the warpgroup's query rows, which
+  // its MMAs no longer read: the same swizzled layout, 128 B per row and atom), so that global
+  // stores are 16 bytes of one row each rather than 4 bytes of eight rows (the scattered stores
+  // took ~3 µs of each CTA, H200).
+  if (p.max_splits == 1 && p.out_dtype != DType::kF32 &&
+      reinterpret_cast<uintptr_t>(p.output) % 16 == 0) {
+    const bool out_f16 = p.out_dtype == DType::kF16;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float lk = l[k];
+      lk += __shfl_xor_sync(0xffffffffu, lk, 1);
+      lk += __shfl_xor_sync(0xffffffffu, lk, 2);
+      const int rw = 64 * wg + 16 * wl + g + 8 * k;  // the CTA's row
+      const bool empty = lk == 0.0f;
+      const float inv = empty ? 0.0f : exp2f(kShift) / lk;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const float x0 = o[4 * n + 2 * k] * inv, x1 = o[4 * n + 2 * k + 1] * inv;
+        const uint32_t w = out_f16 ? decode_detail::PackPlain<true>(x0, x1)
+                                   : decode_detail::PackPlain<false>(x0, x1);
+        *reinterpret_cast<uint32_t*>(smem + L::kQ + (n >> 3) * L::kAtom +
+                                     wgmma::SwizzledChunk(rw, n & 7) + 4 * tq) = w;
+      }
+      const int r = wr0 + 16 * wl + g + 8 * k;
+      if (r < row_end && tq == 0) {
+        const int i = r / group, gg = r % group;
+        p.lse[int64_t{q_start + i} * p.num_q_heads + h * group + gg] =
+            empty ? -INFINITY : (m[k] + __log2f(lk) - kShift) * kLn2;
+      }
+    }
+    wgmma::NamedBarrierSync(2 + wg, 128);  // the warpgroup's rows are in shared memory
+    const int t = static_cast<int>(threadIdx.x & 127), c = t & 15;
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int rw = 64 * wg + (t >> 4) + 8 * it, r = row0 + rw;
+      if (r >= row_end) continue;
+      uint32_t v[4];
+      decode_detail::SharedLoad16(base + L::kQ + (c >> 3) * L::kAtom +
+                                      wgmma::SwizzledChunk(rw, c & 7),
+                                  v);
+      const int i = r / group, gg = r % group;
+      const int64_t out_row = int64_t{q_start + i} * p.num_q_heads + h * group + gg;
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.output) + out_row * kD + 8 * c) =
+          uint4{v[0], v[1], v[2], v[3]};
+    }
+    GridDependencyWait();  // ChunkParams::programmatic
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     float lk = l[k];
