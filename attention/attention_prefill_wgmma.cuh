@@ -10,7 +10,7 @@
 // cache), as FlashAttention rounds them.
 //
 // One CTA = (128-row tile, split of the context, KV head, sequence), four warpgroups (setmaxnreg
-// gives the producers 88 registers, the consumers 168; bf16 / fp16 caches 80 and 176):
+// gives the producers 80 registers, the consumers 176):
 //   key producers (0-3),    per 64-token KV tile, in a ring of kWgStages stages: the key
 //   value producers (4-7)   warpgroup writes the tile's keys in fp16 (MSE: centroid · norm; FP8:
 //                           the values); the value warpgroup the values (code · scale + zero) in
@@ -20,10 +20,10 @@
 //                           ring of its own (bf16 / fp16 caches: key and value rows, one tile
 //                           ahead; the key warpgroup copies the key rows into place, the value
 //                           warpgroup transposes the values);
-//   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, both operands
-//                           in shared memory), mask, online softmax in registers (the softmax
-//                           scale in the exponent's FMA), O += P · V (4 wgmma 64×128×16, P from
-//                           registers).
+//   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, the query
+//                           from registers, the keys from shared memory), mask, online softmax
+//                           in registers (the softmax scale in the exponent's FMA), O += P · V
+//                           (4 wgmma 64×128×16, P from registers).
 // A stage's "full" barrier completes when both producer warpgroups have written it, its "empty"
 // barrier when both consumer warpgroups are done with it.
 #pragma once
@@ -45,14 +45,10 @@ namespace tqkv::attention_detail {
 inline constexpr int kWgTile = 64;   // KV tokens per tile
 inline constexpr int kWgStages = 3;  // tiles in flight between the producers and the consumers
 inline constexpr int kWgThreads = 512;
-// Registers per thread after the split (setmaxnreg): 256 · (88 + 168) = the whole file. The bf16 /
-// fp16 caches' producers (no codebook, no dequantization) keep 80 and their consumers 176, and one
-// producer loop for both warpgroups: that shape measured 4.5-6.2 % faster for them (H200) than
-// the compressed kinds' split.
-template <KeyKind kKind>
-inline constexpr int kWgProducerRegs = IsPlain(kKind) ? 80 : 88;
-template <KeyKind kKind>
-inline constexpr int kWgConsumerRegs = IsPlain(kKind) ? 176 : 168;
+// Registers per thread after the split (setmaxnreg): 256 · (80 + 176) = the whole file. The
+// consumers hold the query's MMA fragments (32) beside O (64) and S (32).
+inline constexpr int kWgProducerRegs = 80;
+inline constexpr int kWgConsumerRegs = 176;
 // The compressed kinds' values are written into the stages divided by 2^kValueShrink, so that any
 // finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
 // and the row sums are divided by it at the end.
@@ -333,20 +329,32 @@ struct WgProducer {
     }
     const uint32_t row0 = raw + 8 * tb * R::kSlot;
     if constexpr (kKeys) {
+      // The 8 tokens' codes are loaded before any stage store: a load after a store to shared
+      // memory waits for it (the compiler cannot tell the raw ring from the stage), so loads
+      // between the stores would expose their latency 8 times.
+      constexpr int kWords = kKind == KeyKind::kFp8 ? 2 : 1;
+      uint32_t code[8][kWords];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const uint32_t at = row0 + k * R::kSlot;
+        if constexpr (kKind == KeyKind::kFp8) {
+          decode_detail::SharedLoad8(at + 8 * db, code[k]);
+        } else {
+          code[k][0] = Codes8<kKind == KeyKind::kMse4 ? 4 : 3>(at);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
         uint32_t q[4];
         if constexpr (kKind == KeyKind::kFp8) {
-          uint32_t w[2];
-          decode_detail::SharedLoad8(at + 8 * db, w);
+          const uint32_t(&w)[kWords] = code[k];
           q[0] = E4M3x2ToHalf2(w[0] & 0xFFFFu);
           q[1] = E4M3x2ToHalf2(w[0] >> 16);
           q[2] = E4M3x2ToHalf2(w[1] & 0xFFFFu);
           q[3] = E4M3x2ToHalf2(w[1] >> 16);
         } else {
           constexpr int kBits = kKind == KeyKind::kMse4 ? 4 : 3;
-          Centroids8<kBits>(Codes8<kBits>(at), q);
+          Centroids8<kBits>(code[k][0], q);
           const uint32_t norm_bits = (meta[0][k / 2] >> (16 * (k % 2))) & 0xFFFFu;
           const __half2 norm = __halves2half2(__ushort_as_half(static_cast<uint16_t>(norm_bits)),
                                               __ushort_as_half(static_cast<uint16_t>(norm_bits)));
@@ -607,7 +615,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     // Producers: the key warpgroup (warps 0-3) and the value warpgroup (4-7). At step j the
     // value warpgroup issues tile j + kWgRawStages − 1's copies; then each writes its half of
     // tile j (copied three steps ago) into its stage once the consumers have freed it.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs<kKind>));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
     // The compressed kinds: two copies of the loop, one per warpgroup (`keys` a compile-time
     // constant), so that the key warpgroup's codebook registers are not held across the value
     // warpgroup's code; the bf16 / fp16 caches: one loop for both (`keys` known at run time).
@@ -671,7 +679,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs<kKind>));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
 
   // Consumers: warpgroup wg holds rows 64·wg .. 64·wg + 63; the thread rows 16·wl + g + 8k of it.
   // wg broadcast from lane 0: warp-uniform as far as the compiler can tell, so that the query's
@@ -693,8 +701,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   float o[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  // The warp's 16 query rows as the MMAs' A fragments (one per 16 dims), read once: S = Q · Kᵀ
+  // then takes only the keys from shared memory, whose bandwidth the MMAs with both operands
+  // there would fill on their own.
+  uint32_t qa[kD / 16][4];
+  {
+    const int r = 64 * wg + 16 * wl + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      LdMatrixX4(base + L::kQ + (ks >> 2) * L::kAtom +
+                     wgmma::SwizzledChunk(r, 2 * (ks & 3) + (lane >> 4)),
+                 qa[ks]);
+    }
+  }
   float s[32];
-  const uint32_t q_desc = wgmma::DescriptorLow(base + L::kQ + 64 * 128 * wg);
   for (int j = 0; j < tiles; ++j) {
     const int st = j % kWgStages;
     const uint32_t stage = base + L::kStage0 + st * L::kStageBytes;
@@ -707,7 +727,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
-        wgmma::MmaSS64x64<kBf16>(s, wgmma::DescriptorOf(q_desc + ((ks >> 2) * L::kAtom + off) / 16),
+        wgmma::MmaRS64x64<kBf16>(s, qa[ks],
                                  wgmma::DescriptorOf(k_desc + ((ks >> 2) * L::kKAtom + off) / 16),
                                  ks > 0);
       }
