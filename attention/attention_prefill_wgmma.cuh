@@ -53,6 +53,8 @@ inline constexpr int kWgConsumerRegs = 176;
 // finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
 // and the row sums are divided by it at the end.
 inline constexpr int kValueShrink = 4;
+// How far (log2) a score may pass its row's softmax reference before the reference moves.
+inline constexpr float kLazyMax = 8.0f;
 
 // A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
 // the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
@@ -746,31 +748,39 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
           s[i] = keep ? s[i] : -INFINITY;
         }
       }
-      // Online softmax in the log2 domain (m: the scaled scores' maximum; the softmax scale, a
-      // positive uniform factor, is applied in the exponent). O is rescaled only when a row's
-      // maximum grew (alpha is 1 otherwise).
-      float ref[2], alpha[2];
-      bool grew = false;
+      // Online softmax in the log2 domain with a lazy maximum: m, the reference of a row's
+      // exponents, moves (and O, l are rescaled) only when a score passes it by more than
+      // kLazyMax, so P = 2^(s · scale − m + shift) ≤ 2^(kLazyMax + kShift), which fp16 holds; the
+      // softmax scale, a positive uniform factor, is applied in the exponent. Most tiles then
+      // take no shuffles and no rescale of O.
+      float mx[2];
+      bool over = false;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        float mx = -INFINITY;
+        mx[k] = -INFINITY;
 #pragma unroll
         for (int n = 0; n < kWgTile / 8; ++n) {
-          mx = fmaxf(mx, fmaxf(s[4 * n + 2 * k], s[4 * n + 2 * k + 1]));
+          mx[k] = fmaxf(mx[k], fmaxf(s[4 * n + 2 * k], s[4 * n + 2 * k + 1]));
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[k], mx * p.score_scale);
-        ref[k] = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[k] = decode_detail::FastExp2(m[k] - ref[k]);  // m = -inf: 0
-        grew |= m_new > m[k];
-        m[k] = m_new;
-        l[k] *= alpha[k];
+        over |= mx[k] * p.score_scale > m[k] + kLazyMax;
       }
-      if (__any_sync(0xffffffffu, grew)) {
+      if (__any_sync(0xffffffffu, over)) {
 #pragma unroll
-        for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        for (int k = 0; k < 2; ++k) {
+          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 1));
+          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 2));
+          const float m_new = fmaxf(m[k], mx[k] * p.score_scale);
+          const float alpha = m_new == -INFINITY ? 1.0f : decode_detail::FastExp2(m[k] - m_new);
+          m[k] = m_new;
+          l[k] *= alpha;
+#pragma unroll
+          for (int n = 0; n < kD / 8; ++n) {
+            o[4 * n + 2 * k] *= alpha;
+            o[4 * n + 2 * k + 1] *= alpha;
+          }
+        }
       }
+      const float ref[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
       // P = 2^(s · scale − ref + shift) (shift: the values' kValueShrink), rounded to fp16
       // (bf16) for the MMA; l sums P.
       const float shift[2] = {kShift - ref[0], kShift - ref[1]};
