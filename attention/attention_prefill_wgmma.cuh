@@ -15,11 +15,12 @@
 //   value producers (4-7)   warpgroup writes the tile's keys in fp16 (MSE: centroid · norm; FP8:
 //                           the values); the value warpgroup the values (code · scale + zero) in
 //                           fp16, transposed (Vᵀ: head_dim rows of 64 tokens); both in the MMAs'
-//                           128-byte swizzled layout. The value warpgroup also copies the raw
-//                           tiles (slots and metadata, by cp.async) three tiles ahead into a
-//                           ring of its own (bf16 / fp16 caches: key and value rows, one tile
-//                           ahead; the key warpgroup copies the key rows into place, the value
-//                           warpgroup transposes the values);
+//                           128-byte swizzled layout. The value warpgroup (FP8 keys: the key
+//                           warpgroup, kWgKeysCopy) also copies the raw tiles (slots and
+//                           metadata, by cp.async) three tiles ahead into a ring of its own
+//                           (bf16 / fp16 caches: key and value rows, one tile ahead; the key
+//                           warpgroup copies the key rows into place, the value warpgroup
+//                           transposes the values);
 //   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, the query
 //                           from registers, the keys from shared memory), mask, online softmax
 //                           in registers (the softmax scale in the exponent's FMA), O += P · V
@@ -49,6 +50,11 @@ inline constexpr int kWgThreads = 512;
 // consumers hold the query's MMA fragments (32) beside O (64) and S (32).
 inline constexpr int kWgProducerRegs = 80;
 inline constexpr int kWgConsumerRegs = 176;
+// Whether the key warpgroup, rather than the value warpgroup, copies the raw tiles: for FP8 keys,
+// whose conversion is the lightest of the producers' work (H200: 4bit_nc and k3v4_nc 0 to +2 %
+// with the keys copying, k8v4 -1 to -6.5 %).
+template <KeyKind kKind>
+inline constexpr bool kWgKeysCopy = kKind == KeyKind::kFp8;
 // The compressed kinds' values are written into the stages divided by 2^kValueShrink, so that any
 // finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
 // and the row sums are divided by it at the end.
@@ -615,14 +621,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   if (warp < 8) {
     // Producers: the key warpgroup (warps 0-3) and the value warpgroup (4-7). At step j the
-    // value warpgroup issues tile j + kWgRawStages − 1's copies; then each writes its half of
-    // tile j (copied three steps ago) into its stage once the consumers have freed it.
+    // copying warpgroup (the values', or the keys' for kWgKeysCopy) issues tile j + kWgRawStages
+    // − 1's copies; then each writes its half of tile j (copied three steps ago) into its stage
+    // once the consumers have freed it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
     // The compressed kinds: two copies of the loop, one per warpgroup (`keys` a compile-time
     // constant), so that the key warpgroup's codebook registers are not held across the value
     // warpgroup's code; the bf16 / fp16 caches: one loop for both (`keys` known at run time).
     auto produce = [&](auto warpgroup_keys) {
       const bool keys = warpgroup_keys;
+      // The warpgroup that copies the raw tiles (kWgKeysCopy).
+      const bool copies = kPlain ? !keys : keys == kWgKeysCopy<kKind>;
       const int thread = static_cast<int>(threadIdx.x & 127);
       WgProducer<kKind, kValueBits> pr{p,
                                        smem,
@@ -637,17 +646,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                        1.0f / static_cast<float>(p.block_size)};
       if (keys && WgRawLayout<kKind, kValueBits>::kMse) pr.LoadCodebook();
       const uint32_t raw0 = base + L::kRaw;
-      if (!keys) {
+      if (copies) {
 #pragma unroll
         for (int i = 0; i < L::kRawStages - 1; ++i) {
           pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
         }
       }
       for (int j = 0; j < tiles; ++j) {
-        if (!keys) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
+        if (copies) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
         // Every copy of tile j has landed, and raw tile j − 1 has been read.
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        if (!keys) {
+        if (copies) {
           const int ahead = j + L::kRawStages - 1;
           pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
                   raw0 + (ahead % L::kRawStages) * L::kRawBytes);
@@ -670,7 +679,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
         wgmma::FenceProxyAsync();
         wgmma::BarrierArrive(base + L::kFull + 8 * s);
       }
-      if (!keys) decode_detail::CopyAsyncWait();
+      if (copies) decode_detail::CopyAsyncWait();
     };
     if constexpr (kPlain) {
       produce(warp < 4);
