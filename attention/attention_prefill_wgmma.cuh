@@ -56,8 +56,8 @@ inline constexpr int kWgConsumerRegs = 176;
 template <KeyKind kKind>
 inline constexpr bool kWgKeysCopy = kKind == KeyKind::kFp8;
 // The compressed kinds' values are written into the stages divided by 2^kValueShrink, so that any
-// finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p ≤ 16)
-// and the row sums are divided by it at the end.
+// finite fp16 scale and zero give a finite fp16 value; P carries the factor back (P = 16 · p, at
+// most 2^(4 + kLazyMax)) and the row sums are divided by it at the end.
 inline constexpr int kValueShrink = 4;
 // How far (log2) a score may pass its row's softmax reference before the reference moves.
 inline constexpr float kLazyMax = 8.0f;
