@@ -680,6 +680,58 @@ TEST(CudaAttentionTest, PrefillKernelKeepsValuesPastFp16) {
   }
 }
 
+// A prompt whose keys from token 256 on include some 8 times as long, so that many rows' scores
+// pass the maximum of their first tile by more than 2^8: the wgmma prefill kernel moves its lazy
+// softmax reference (and rescales O) only then, on a path random K/V alone rarely take. The
+// bf16 / fp16 caches multiply query and keys exactly, so the longer keys add no rounding of their
+// own. On other devices and head dims the mma.sync kernel runs the same rows.
+TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const int hk = 2, group = 4, d = 128, bs = 16, len = 600;
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, {len}, {len}, hk * group, 990);
+    for (float& x : s.queries) {
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    std::vector<float>& keys = s.base.keys[0];
+    for (int t = 256; t < len; t += 37) {
+      for (int i = 0; i < hk * d; ++i) keys[int64_t{t} * hk * d + i] *= 8.0f;
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);  // keys as stored
+    // Rows whose largest score (log2 units, as the kernel's) passes that of tokens 0-63 by > 8.
+    const double scale = std::log2(std::exp(1.0)) / std::sqrt(double(d));
+    int jumps = 0;
+    for (int i = 0; i < len; ++i) {
+      for (int qh = 0; qh < hk * group; ++qh) {
+        const float* q = s.queries.data() + (int64_t{i} * hk * group + qh) * d;
+        double first = -INFINITY, later = -INFINITY;
+        for (int t = 0; t <= i; ++t) {
+          const float* k = keys.data() + (int64_t{t} * hk + qh / group) * d;
+          double dot = 0;
+          for (int e = 0; e < d; ++e) dot += double(q[e]) * k[e];
+          (t < 64 ? first : later) = std::max(t < 64 ? first : later, dot * scale);
+        }
+        jumps += later > first + 8.0;
+      }
+    }
+    EXPECT_GE(jumps, 200) << DTypeName(dtype);
+    Case c{.plain = &f};
+    c.options.chunk_precision = ChunkPrecision::kHalf;
+    const Errors e = RunAndCompare(c, s, cache);
+    const std::string what = fmt::format("{} cache, {} rows past a jump: out {:.2e} lse {:.2e}",
+                                         DTypeName(dtype), jumps, e.out, e.lse);
+    std::printf("%s\n", what.c_str());
+    const HalfBounds b = HalfBoundsOf(dtype == DType::kBF16);
+    EXPECT_TRUE(e.prefill) << what;
+    EXPECT_EQ(e.bad, 0) << what;
+    EXPECT_LE(e.lse, b.lse) << what;
+    EXPECT_LE(e.out, b.out) << what;
+  }
+}
+
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
 // passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 run the
 // decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
