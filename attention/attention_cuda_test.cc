@@ -712,7 +712,8 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
           const float* k = keys.data() + (int64_t{t} * hk + qh / group) * d;
           double dot = 0;
           for (int e = 0; e < d; ++e) dot += double(q[e]) * k[e];
-          (t < 64 ? first : later) = std::max(t < 64 ? first : later, dot * scale);
+          double& best = t < 64 ? first : later;
+          best = std::max(best, dot * scale);
         }
         jumps += later > first + 8.0;
       }
