@@ -210,13 +210,30 @@ struct WgProducer {
   // threads per token, each copying half of its slot's 16-byte pieces; the first thread of each
   // 8-token group also copies the group's metadata. One cp.async group per call, empty or not.
   __device__ __forceinline__ void Copy(int tile_begin, uint32_t raw) const {
+    CopyWith(tile_begin, raw, [&](int blk) { return ids[blk - id_base]; });
+  }
+  // Copy with the block id of this thread's token given (BlockId).
+  __device__ __forceinline__ void CopyFrom(int tile_begin, uint32_t raw, int id) const {
+    CopyWith(tile_begin, raw, [&](int) { return id; });
+  }
+  // The block id of this thread's token in the tile at tile_begin (0 past `end`) from `from`, the
+  // ids of blocks `first` on.
+  __device__ __forceinline__ int BlockId(const int32_t* from, int first, int tile_begin) const {
+    const int t = tile_begin + (thread >> 1);
+    int blk, pos;
+    DivMod(t, p.block_size, inv_block_size, blk, pos);
+    return t < end ? from[blk - first] : 0;
+  }
+  // id_of(block index): the block's id.
+  template <typename IdOf>
+  __device__ __forceinline__ void CopyWith(int tile_begin, uint32_t raw, const IdOf& id_of) const {
     constexpr int kChunks = R::kSlot / 16;  // 16-byte pieces per slot
     constexpr int kHalf = (kChunks + 1) / 2;
     const int u = thread >> 1, half = thread & 1, t = tile_begin + u;
     if (t < end) {
       int blk, pos;
       DivMod(t, p.block_size, inv_block_size, blk, pos);
-      const uint8_t* block = p.cache + int64_t{ids[blk - id_base]} * p.block_bytes;
+      const uint8_t* block = p.cache + int64_t{id_of(blk)} * p.block_bytes;
       // The slot's half, or (plain caches) the token's key row or value row.
       const uint8_t* src =
           R::kPlain ? block + (half ? p.meta_offset : 0) +
@@ -445,9 +462,10 @@ struct WgProducer {
 // the 2,048-token prompt's 181, H200). Four adjacent lanes per row, 32 elements each: five
 // butterfly stages in registers, the last two across the four lanes (Sylvester order, as the
 // decode kernels' prologue).
-template <typename L>
+template <typename L, typename AfterLoads>
 __device__ __forceinline__ void LoadRotatedQuery(const ChunkParams& p, uint8_t* smem, int row0,
-                                                 int row_end, int q_start, int h, int group) {
+                                                 int row_end, int q_start, int h, int group,
+                                                 const AfterLoads& after_loads) {
   constexpr int kD = L::kD, kPer = kD / 4;
   static_assert(kPrefillRows * 4 == kWgThreads && kPer == 32);
   const int r = static_cast<int>(threadIdx.x) >> 2, part = static_cast<int>(threadIdx.x) & 3;
@@ -488,6 +506,7 @@ __device__ __forceinline__ void LoadRotatedQuery(const ChunkParams& p, uint8_t* 
       for (int e = 0; e < kPer; ++e) x[e] *= __ldg(p.query_signs + kPer * part + e);
     }
   }
+  after_loads();  // issued while the loads above are in flight
 #pragma unroll
   for (int m = 1; m < kPer; m <<= 1) {
 #pragma unroll
@@ -574,10 +593,41 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int32_t my_id = staged_ids && static_cast<int>(threadIdx.x) < id_count
                             ? __ldg(table + id_begin + threadIdx.x)
                             : 0;
-  const bool query_vec =
-      p.query_dtype == DType::kF32 && reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
+  // The copying warpgroup (kWgKeysCopy; the bf16 / fp16 caches' value warpgroup) issues its first
+  // raw tiles' copies while the query's loads are in flight, so that the first tile's latency
+  // overlaps the query's instead of following it: their block ids from the table (the staged ids
+  // are written after the query), loaded before the query.
+  const int warp0 = static_cast<int>(threadIdx.x >> 5);
+  const bool copier = !kPlain && kWgKeysCopy<kKind> ? warp0 < 4 : warp0 >= 4 && warp0 < 8;
+  const int copy_thread = static_cast<int>(threadIdx.x & 127);
+  const WgProducer<kKind, kValueBits> first_copier{p,
+                                                   smem,
+                                                   base,
+                                                   table,
+                                                   0,
+                                                   h,
+                                                   split_end,
+                                                   copy_thread,
+                                                   copy_thread >> 4,
+                                                   copy_thread & 15,
+                                                   1.0f / static_cast<float>(p.block_size)};
+  auto first_tile = [&](int i) { return i < tiles ? loop_begin + i * kWgTile : split_end; };
+  int first_ids[L::kRawStages - 1];
+#pragma unroll
+  for (int i = 0; i < L::kRawStages - 1; ++i) {
+    first_ids[i] = copier ? first_copier.BlockId(table, 0, first_tile(i)) : 0;
+  }
+  auto first_copies = [&] {
+    if (!copier) return;
+#pragma unroll
+    for (int i = 0; i < L::kRawStages - 1; ++i) {
+      first_copier.CopyFrom(first_tile(i), base + L::kRaw + i * L::kRawBytes, first_ids[i]);
+    }
+  };
+  const bool query_aligned = reinterpret_cast<uintptr_t>(p.query) % 16 == 0;
+  const bool query_vec = p.query_dtype == DType::kF32 && query_aligned;
   if (p.query_fwht) {
-    LoadRotatedQuery<L>(p, smem, row0, row_end, q_start, h, group);
+    LoadRotatedQuery<L>(p, smem, row0, row_end, q_start, h, group, first_copies);
   } else {
     for (int u = threadIdx.x; u < kPrefillRows * (kD / 8); u += kWgThreads) {
       const int r = u / (kD / 8), c16 = u % (kD / 8);
@@ -593,6 +643,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
               __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + at) + 1);
           x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z,
           x[7] = c.w;
+        } else if (query_aligned) {  // 16-bit elements, 8 per load
+          const uint4 v =
+              __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.query) + at));
+          const uint32_t q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const auto bits = static_cast<uint16_t>(q[e / 2] >> (16 * (e % 2)));
+            x[e] = p.query_dtype == DType::kF16 ? __half2float(__ushort_as_half(bits))
+                                                : __bfloat162float(__ushort_as_bfloat16(bits));
+          }
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) x[e] = LoadQueryElement(p.query, p.query_dtype, at + e);
@@ -605,6 +665,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
       *reinterpret_cast<uint4*>(smem + L::kQ + (c16 >> 3) * L::kAtom +
                                 wgmma::SwizzledChunk(r, c16 & 7)) = uint4{w[0], w[1], w[2], w[3]};
     }
+    first_copies();
   }
   if (staged_ids && static_cast<int>(threadIdx.x) < id_count) smem_ids[threadIdx.x] = my_id;
   const int32_t* ids = staged_ids ? smem_ids : table;
@@ -621,9 +682,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   if (warp < 8) {
     // Producers: the key warpgroup (warps 0-3) and the value warpgroup (4-7). At step j the
-    // copying warpgroup (the values', or the keys' for kWgKeysCopy) issues tile j + kWgRawStages
-    // − 1's copies; then each writes its half of tile j (copied three steps ago) into its stage
-    // once the consumers have freed it.
+    // copying warpgroup (`copier`: the values', or the keys' for kWgKeysCopy) issues tile j +
+    // kWgRawStages − 1's copies; then each writes its half of tile j (copied three steps ago) into
+    // its stage once the consumers have freed it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
     // The compressed kinds: two copies of the loop, one per warpgroup (`keys` a compile-time
     // constant), so that the key warpgroup's codebook registers are not held across the value
@@ -645,13 +706,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                        thread & 15,
                                        1.0f / static_cast<float>(p.block_size)};
       if (keys && WgRawLayout<kKind, kValueBits>::kMse) pr.LoadCodebook();
-      const uint32_t raw0 = base + L::kRaw;
-      if (copies) {
-#pragma unroll
-        for (int i = 0; i < L::kRawStages - 1; ++i) {
-          pr.Copy(i < tiles ? loop_begin + i * kWgTile : split_end, raw0 + i * L::kRawBytes);
-        }
-      }
+      const uint32_t raw0 = base + L::kRaw;  // tiles 0 .. kRawStages − 2: first_copies
       for (int j = 0; j < tiles; ++j) {
         if (copies) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
         // Every copy of tile j has landed, and raw tile j − 1 has been read.
