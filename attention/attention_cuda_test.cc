@@ -62,6 +62,7 @@ struct Errors {
   bool prefill = false;                   // the plan ran the prefill kernel
   bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
+  bool narrow_half_verify = false;        // .. on its narrow twin (4-warp CTAs, two per SM)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   bool decode = false;                    // AttentionPlan::decode
@@ -177,6 +178,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.prefill = plan.prefill;
   e.prefill_rotates = plan.prefill_rotates;
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
+  e.narrow_half_verify = e.half_verify && plan.decode_plan.variant.pipeline ==
+                                              decode_detail::SplitPipeline::kStagedNarrow;
   e.leading_decodes = plan.leading_decodes;
   e.overlap_next = plan.decode_plan.overlap_next;
   e.decode = plan.decode;
@@ -768,6 +771,17 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         EXPECT_LE(e.decode_out, b.out + io_out) << what;
         worst_lse = std::max(worst_lse, e.decode_lse);
         if (io == DType::kF32) worst_out = std::max(worst_out, e.decode_out);
+        if (columns > 8) {  // the 16-column kernel's narrow twin, wherever the plan would not
+          Case narrow = c;
+          narrow.options.decode.narrow = DecodeOptions::Narrow::kAlways;
+          const Errors ne = RunAndCompare(narrow, s, s.base.cache);
+          EXPECT_TRUE(ne.narrow_half_verify) << what;
+          EXPECT_EQ(ne.bad, 0) << what;
+          EXPECT_LE(ne.decode_lse, b.lse) << what << " (narrow twin)";
+          EXPECT_LE(ne.decode_out, b.out + io_out) << what << " (narrow twin)";
+          worst_lse = std::max(worst_lse, ne.decode_lse);
+          if (io == DType::kF32) worst_out = std::max(worst_out, ne.decode_out);
+        }
       } else {
         const DecodeBounds b = DecodeBoundsOf(preset);
         EXPECT_LE(e.decode_lse, b.lse) << what;

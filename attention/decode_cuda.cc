@@ -153,6 +153,7 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
   }
   SplitKernelOccupancy o{resident, state_->staged[k][group], state_->bf16,
                          state_->narrow_resident_per_sm[k][group]};
+  o.narrow_half = half && o.narrow_resident_per_sm > 0;
   // The 8-warp staged kernel of 3-bit keys and its hi-only twin (SplitVariant::hi_only), for a
   // codebook close enough to fp16.
   // (Packed kernels only: GQA groups up to 4; larger groups' staged kernels are the half-precision
@@ -165,7 +166,7 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
   // 4-bit keys' narrow layout runs on paired exact CTAs alone (no 4-warp kernel): an even number
   // of KV heads, and only for sequences of at most 4,096 tokens whose 8-warp grid would need two
   // rounds of CTA pairs (narrow_max_len; ChooseSplitLayout says why).
-  if (!state_->bf16 && state_->key_kind == KeyKind::kMse4) {
+  if (!state_->bf16 && state_->key_kind == KeyKind::kMse4 && packed) {
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
     // Its 8-warp staged kernel's twin compiled for one CTA per SM (SplitVariant::one_cta).
@@ -259,6 +260,13 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   // 128 CTAs) 7.4-7.5 -> 8.4 (one split of 1,024 on 32 SMs). 4 × 32k and 2 × 64k move below
   // 0.883, 4 × 1k would move above 0.785; the shapes that ran the twin before keep their splits.
   constexpr double kOneCtaCost = 0.84;
+  // The half-precision kernels' narrow twin (4-warp CTAs, two per SM) streams its tokens at this
+  // cost of the 8-warp kernel's: at 1 × 128k, 8 new tokens (two passes of 16 columns), 264 narrow
+  // CTAs of 4,032 tokens took 125.3-125.9 µs where 128 8-warp CTAs of 8,192 took 114.0-114.6, the
+  // same tokens per SM. It wins where the 8-warp grid needs several rounds, as each round's CTAs'
+  // prologue and merge then run beside the other CTA's chunks (64 × 4k, 4 new tokens: 512 CTAs,
+  // 122.7-122.9 -> 117.5-118.2 µs; same call).
+  constexpr double kHalfNarrowCost = 1.1;
   const int64_t sms = std::max(sm_count, 1);
   auto cost = [&](int64_t tps, bool narrow) {
     const int64_t splits = (max_len + tps - 1) / tps;
@@ -270,7 +278,8 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
       const int64_t per_sm = occupancy.narrow_resident_per_sm;
       const int64_t fullest = std::min(per_sm, (ctas + sms - 1) / sms);
       const double rounds = double((ctas + per_sm * sms - 1) / (per_sm * sms));
-      return rounds * (fullest > 2 ? kPairCost : 1.0) * double(2 * tps + kStagedFixedTokens) *
+      const double tokens = double(2 * tps) * (occupancy.narrow_half ? kHalfNarrowCost : 1.0);
+      return rounds * (fullest > 2 ? kPairCost : 1.0) * (tokens + double(kStagedFixedTokens)) *
                  (occupancy.narrow_hi_only && tps >= kPairedMinSplit ? kHiOnlyCost : 1.0) +
              split_terms;
     }

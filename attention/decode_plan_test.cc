@@ -96,6 +96,24 @@ TEST(DecodePlanTest, NarrowVariantWhereTheWideKernelNeedsTwoRoundsOfPairs) {
   EXPECT_FALSE(Narrow(64, 4096, kStagedCompressed, 4096));
 }
 
+// The half-precision kernels of GQA groups 9-16 (verify passes of 16 columns): one 8-warp CTA per
+// SM, and a narrow twin of 4-warp CTAs, two per SM.
+TEST(DecodePlanTest, HalfPrecisionNarrowTwinWhereTheWideGridNeedsSeveralRounds) {
+  SplitKernelOccupancy half{1, true, false, 2};
+  half.narrow_half = true;
+  // 64 × 4k: 512 CTAs, four rounds of 8-warp CTAs or two of narrow pairs (measured 122.7-122.9
+  // -> 117.5-118.2 µs with 4 new tokens).
+  EXPECT_TRUE(Narrow(64, 4096, half));
+  EXPECT_EQ(Tps(64, 4096, half), 4096);
+  // 1 × 128k: one round of 16 wide CTAs per KV head (114.0-114.6 µs with 8 new tokens) rather
+  // than 33 narrow ones (125.3-125.9).
+  EXPECT_FALSE(Narrow(1, 131072, half));
+  EXPECT_EQ(Tps(1, 131072, half), 8192);
+  // Without the twin, the 8-warp kernel at the same splits.
+  EXPECT_FALSE(Narrow(64, 4096, SplitKernelOccupancy{1, true, false}));
+  EXPECT_EQ(Tps(64, 4096, SplitKernelOccupancy{1, true, false}), 4096);
+}
+
 // The hi-only twin of k3v4_nc's 8-warp kernel (a codebook close enough to fp16): only where the
 // split grid holds at most one CTA per SM (v20: 5-15 % faster there, 8 % slower at
 // 16 × 16k with two per SM), for the narrow variant only as paired CTAs (narrow_hi_only: even KV

@@ -27,7 +27,8 @@ constexpr float kLn2 = 0.69314718055994530942f;
 // kSplitMinCtas): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead
 // of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
 // (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
-// the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant), and each
+// the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant; the
+// half-precision kernels of groups 9-16 have one of 4 warps at 2 CTAs per SM), and each
 // warp copies its next chunks into shared memory by cp.async,
 // kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
 // slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
@@ -42,6 +43,7 @@ struct StagedLayout;
 // 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
 // halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
 // the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
+// 4 warps (the narrow half-precision kernel): all 16 stages in the table rows' free halves.
 // The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
 // touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
 // 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
@@ -49,12 +51,13 @@ struct StagedLayout;
 // the pitch. The copies (one token's 8 units per 8-lane phase) are conflict-free under any XOR.
 template <int kW>
 struct StagedLayout<KeyKind::kMse4, kW> {
-  static_assert(kW == kStagedWarps, "the stages fill the table rows' halves of 8 warps");
+  static_assert(kW == kStagedWarps || kW == 4, "the stages fill the table rows' halves");
   static constexpr uint32_t kPitch = 256;
   static constexpr uint32_t kExtra = 256 * 256;
-  static constexpr uint32_t kMeta = kExtra + kStagedWarps * 16 * 256;
-  static constexpr int kBytes = kMeta + kStagedWarps * kStages * 128;
+  static constexpr uint32_t kMeta = kW == 4 ? kExtra : kExtra + kStagedWarps * 16 * 256;
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    if constexpr (kW == 4) return 4096u * (kStages * warp + s) + 128u;
     return s < 2 ? 8192u * warp + 4096u * s + 128u : kExtra + 4096u * warp + 128u * (s - 2);
   }
   __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
@@ -128,7 +131,7 @@ struct SplitKernelConfig {
   static constexpr bool kStaged = V.staged();
   static constexpr bool kPaired = V.pipeline == SplitPipeline::kStagedPaired;
   // Warps per CTA of a staged compressed kernel.
-  static constexpr int kSW = V.pipeline == SplitPipeline::kStagedNarrow ? 4 : kStagedWarps;
+  static constexpr int kSW = V.staged() && !IsPlain(V.kind) ? V.cta_warps() : kStagedWarps;
   using Traits = CacheTraits<kKind, kValueBits, kD>;
   static constexpr bool kPlainStaged = kStaged && IsPlain(kKind);
   static constexpr int kCtaWarps = [] {
@@ -204,13 +207,13 @@ struct SplitKernelConfig {
 // ptxas takes 151, the loop keeps its length; 3-5 % faster where a split grid fits the SMs), and
 // for the half-precision staged kernel of two N tiles (GQA groups 9-16: its accumulators and
 // query fragments take ~200 registers; held to 128 for two CTAs, with the fragments in shared
-// memory, it spilled and measured 5 % slower: 182.9 vs 173.4 µs at 64 × 4k).
+// memory, it spilled and measured 5 % slower: 182.9 vs 173.4 µs at 64 × 4k); its narrow twin (4
+// warps, ChooseSplitVariant) keeps the fragments in its 198-204 registers at two CTAs per SM.
 template <SplitVariant V>
-constexpr int kSplitMinCtas = V.staged()
-                                  ? (IsPlain(V.kind)                          ? 2
-                                     : V.one_cta || (V.half && V.n_tiles > 1) ? 1
-                                                                              : 16 / V.cta_warps())
-                              : (V.n_tiles != 1 || V.head_dim > 128) ? 1
-                              : IsPlain(V.kind)                      ? 4
-                                                                     : 3;
+constexpr int kSplitMinCtas = [] {
+  if (!V.staged()) return V.n_tiles != 1 || V.head_dim > 128 ? 1 : IsPlain(V.kind) ? 4 : 3;
+  if (IsPlain(V.kind)) return 2;
+  if (V.one_cta || (V.half && V.n_tiles > 1 && V.cta_warps() == 8)) return 1;
+  return V.half ? 2 : 16 / V.cta_warps();
+}();
 }  // namespace tqkv::decode_detail

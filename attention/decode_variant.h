@@ -21,7 +21,8 @@ enum class SplitPipeline : uint8_t {
   kRegisters,     // 4 warps, each loads its next chunk into registers while computing one
   kStaged,        // cp.async copies some chunks ahead into shared memory: 8 warps (compressed),
                   // 4 warps (bf16/fp16)
-  kStagedNarrow,  // 3-bit keys: 4-warp staged CTAs, four per SM
+  kStagedNarrow,  // 3-bit keys: 4-warp staged CTAs, four per SM; the half-precision kernels of
+                  // GQA groups 9-16 (verify passes of 16 columns): 4-warp CTAs, two per SM
   kStagedPaired,  // 8-warp staged CTAs whose warps 0-3 and 4-7 serve two KV heads
 };
 
@@ -81,7 +82,8 @@ struct SplitVariant {
 // The plan's choices, which ChooseSplitVariant maps to a kernel.
 struct SplitChoice {
   bool staged = true;    // the staged kernels where they exist (false: the register ones)
-  bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys)
+  bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys;
+                         // two per SM for the half-precision kernels of groups 9-16)
   bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
   bool half = false;     // the half-precision staged kernels where they exist (GQA group > 4)
@@ -116,6 +118,15 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
   }
   SplitVariant v{kind, value_bits, head_dim};
   const bool packed_staged = HasStagedKernel(kind, value_bits, head_dim, true) && group <= 4;
+  if (c.narrow && c.half && c.staged && group > 8 && !IsPlain(kind) &&
+      HasStagedKernel(kind, value_bits, head_dim, false, true)) {
+    // The half-precision kernel of 9-16 columns as 4-warp CTAs, two per SM, so that one CTA's
+    // prologue and merge run while the other streams.
+    v.n_tiles = 2;
+    v.half = true;
+    v.pipeline = SplitPipeline::kStagedNarrow;
+    return {true, v};
+  }
   if (c.narrow) {
     if (IsPlain(kind) || !packed_staged || !c.staged) return {};
     v.packed = true;

@@ -17,6 +17,8 @@
 // call (its workspace). --json OUT writes the rows for torch_attention_bench.py's joint table.
 //
 //   attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]
+//                   [--decode-tokens-per-split N]  (the decode kernels' splits, for a sweep;
+//                                                   default: the plan's choice)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -102,6 +104,7 @@ struct Shape {
   ChunkPrecision precision = ChunkPrecision::kHalf;
   int verify_max_group = 16;
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
+  int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -198,6 +201,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     options.verify_precision = s.precision;
     options.verify_max_group = s.verify_max_group;
     options.leading_decode_seqs = s.leading_decode_seqs;
+    options.decode.tokens_per_split = s.decode_tokens_per_split;
     const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -251,6 +255,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
 int Main(int argc, char** argv) {
   bool quick = false;
   std::string json_out, only_kind, only_shape;
+  int decode_tokens_per_split = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -261,9 +266,12 @@ int Main(int argc, char** argv) {
       only_kind = argv[++i];
     } else if (arg == "--only" && i + 1 < argc) {
       only_shape = argv[++i];
+    } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
+      decode_tokens_per_split = std::stoi(argv[++i]);
     } else {
       fmt::print(stderr,
-                 "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]\n");
+                 "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
+                 "[--decode-tokens-per-split N]\n");
       return 2;
     }
   }
@@ -322,6 +330,7 @@ int Main(int argc, char** argv) {
   mixed_exact.precision = ChunkPrecision::kExact;
   shapes.push_back(mixed_exact);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
+  for (Shape& s : shapes) s.decode_tokens_per_split = decode_tokens_per_split;
   if (!only_shape.empty()) {  // the shapes whose name contains it (one shape under ncu)
     std::erase_if(shapes,
                   [&](const Shape& s) { return s.name.find(only_shape) == std::string::npos; });
