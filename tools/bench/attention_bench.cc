@@ -267,7 +267,20 @@ int Main(int argc, char** argv) {
     } else if (arg == "--only" && i + 1 < argc) {
       only_shape = argv[++i];
     } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
-      decode_tokens_per_split = std::stoi(argv[++i]);
+      const std::string v = argv[++i];
+      size_t used = 0;
+      try {
+        decode_tokens_per_split = std::stoi(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size() || decode_tokens_per_split < 0) {
+        fmt::print(stderr,
+                   "attention_bench: --decode-tokens-per-split = {}: want 0 (the plan's choice) or "
+                   "a multiple of 64 from 64 to 8,192\n",
+                   v);
+        return 2;
+      }
     } else {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
