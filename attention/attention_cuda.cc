@@ -93,29 +93,17 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
   return s;
 }
 
-// A verify call's sections: the query in the keys' space (MSE keys), the pass's gathered query
-// and lengths, the decode's output and LSE, then the decode's own workspace.
+// A verify call's sections: the query in the keys' space for a dense Πᵀ (the decode kernels
+// apply a Hadamard Πᵀ themselves), then the decode's own workspace.
 struct VerifySections {
-  int64_t mapped = 0, query = 0, lens = 0, out = 0, lse = 0, decode = 0;
-  int64_t Total() const { return mapped + query + lens + out + lse + decode; }
+  int64_t mapped = 0, decode = 0;
+  int64_t Total() const { return mapped + decode; }
 };
-VerifySections VerifyLayout(const AttentionPlan& plan, bool rotate, int d) {
-  const int64_t columns = int64_t{plan.num_seqs} * plan.decode_plan.num_q_heads;
+VerifySections VerifyLayout(const AttentionPlan& plan, bool dense, int d) {
   VerifySections v;
-  v.mapped = rotate ? AlignUp(int64_t{plan.num_tokens} * plan.num_q_heads * d * 4) : 0;
-  v.query = AlignUp(columns * d * 4);
-  v.lens = AlignUp(int64_t{plan.num_seqs} * 4);
-  v.out = AlignUp(columns * d * 4);
-  v.lse = AlignUp(columns * 4);
+  v.mapped = dense ? AlignUp(int64_t{plan.num_tokens} * plan.num_q_heads * d * 4) : 0;
   v.decode = AlignUp(plan.decode_plan.workspace_bytes);
   return v;
-}
-
-// Whether a verify call's tail rows are mapped into the keys' space by FinishVerifyRows itself (a
-// Hadamard Πᵀ at a head_dim it covers) rather than by the query prep (State: CudaAttention's).
-template <typename State>
-bool FinishRotates(const State& s, int d) {
-  return s.fwht && (d == 64 || d == 128 || d == 256);
 }
 
 #if TQKV_HAVE_CUDA
@@ -321,8 +309,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.decode_plan =
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
     decode_bytes =
-        VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8 && !FinishRotates(s, d), d)
-            .Total();
+        VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht, d).Total();
   }
   // The caller's leading one-token sequences: on the decode kernels where they lie.
   if (plan.decode_rows && options.leading_decode_seqs > 0) {
@@ -410,28 +397,21 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
 
 #if TQKV_HAVE_CUDA
 // Verify rows (AttentionPlan::verify_rows), in passes of verify_pass_rows new tokens per sequence:
-// a pass's rows ride beside the GQA heads as the columns of one decode over the context they share
-// (up to the pass's first token), and the finish kernel adds each row's own few tokens after that
-// and merges the two by log-sum-exp (VerifyGroupParams, attention_launch.h).
+// a pass's rows ride beside the GQA heads as the columns of one decode launch over the context
+// they share, each column also seeing the pass's new tokens up to its own (VerifyColumns,
+// decode_launch.h): one split grid per pass (and its merge where it splits), reading the caller's
+// query rows and writing its output rows.
 void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
                               StreamHandle stream) const {
-  using namespace attention_detail;
   const State& s = *state_;
   const int d = head_dim();
-  const bool rotate = !s.plain && s.key_kind != KeyKind::kFp8;
-  const VerifySections v = VerifyLayout(plan, rotate && !FinishRotates(s, d), d);
+  const bool dense = !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht;
+  const VerifySections v = VerifyLayout(plan, dense, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-  VerifyGroupParams vp;
-  vp.query_start_loc = a.query_start_loc;
-  vp.seq_lens = a.seq_lens;
-  vp.block_tables = a.block_tables;
-  vp.query = a.query;
-  vp.query_dtype = a.query_dtype;
-  if (rotate && FinishRotates(s, d)) {
-    vp.query_fwht = 1;
-    vp.query_signs = s.signs.data();
-    vp.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
-  } else if (rotate) {
+  CudaDecodeArgs da;
+  da.query = a.query;
+  da.query_dtype = a.query_dtype;
+  if (dense) {  // q·Πᵀ of every row once, for all passes
     decode_detail::QueryPrepParams qp;
     qp.query = a.query;
     qp.in_dtype = a.query_dtype;
@@ -441,56 +421,26 @@ void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
     qp.rows = plan.num_tokens * plan.num_q_heads;
     qp.head_dim = d;
     TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
-    vp.mapped_query = qp.out;
+    da.query = qp.out;
+    da.query_dtype = DType::kF32;
   }
-  uint8_t* at = ws + v.mapped;
-  vp.rows = plan.verify_pass_rows;
-  vp.gathered_query = reinterpret_cast<float*>(at);
-  vp.gathered_lens = reinterpret_cast<int32_t*>(at + v.query);
-  vp.decode_out = reinterpret_cast<float*>(at + v.query + v.lens);
-  vp.decode_lse = reinterpret_cast<float*>(at + v.query + v.lens + v.out);
-  vp.output = a.output;
-  vp.lse = a.lse;
-  vp.out_dtype = a.output_dtype;
-  vp.cache = a.cache.data;
-  vp.kind = s.key_kind;
-  if (s.plain) {
-    vp.block_bytes = s.plain_format.block_bytes;
-    vp.meta_offset = s.plain_format.value_offset;
-  } else {
-    vp.key_bits = s.format.key_bits;
-    vp.value_bits = s.format.value_bits;
-    vp.block_bytes = s.format.block_bytes;
-    vp.meta_offset = s.format.meta_offset;
-    vp.data_per_slot = s.format.data_per_slot;
-    vp.key_data_bytes = s.format.key_data_bytes;
-    vp.num_meta = s.format.num_meta;
-    std::copy(std::begin(s.centroids), std::end(s.centroids), vp.centroids);
-  }
-  vp.num_seqs = plan.num_seqs;
-  vp.num_q_heads = plan.num_q_heads;
-  vp.num_kv_heads = num_kv_heads();
-  vp.head_dim = d;
-  vp.block_size = block_size();
-  vp.max_blocks_per_seq = plan.max_blocks_per_seq;
-  vp.scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
-  CudaDecodeArgs da;
-  da.query = vp.gathered_query;
-  da.query_dtype = DType::kF32;
   da.cache = a.cache;
   da.block_tables = a.block_tables;
-  da.seq_lens = vp.gathered_lens;
+  da.seq_lens = a.seq_lens;
   da.scale = a.scale;
-  da.output = const_cast<float*>(vp.decode_out);
-  da.output_dtype = DType::kF32;
-  da.lse = const_cast<float*>(vp.decode_lse);
-  da.workspace = at + v.query + v.lens + v.out + v.lse;
+  da.output = a.output;
+  da.output_dtype = a.output_dtype;
+  da.lse = a.lse;
+  da.workspace = ws + v.mapped;
   da.workspace_bytes = v.decode;
+  decode_detail::VerifyColumns columns;
+  columns.query_start_loc = a.query_start_loc;
+  columns.rows = plan.verify_pass_rows;
+  columns.group = plan.num_q_heads / num_kv_heads();
+  columns.num_q_heads = plan.num_q_heads;
   for (int pass = 0; pass < plan.verify_passes; ++pass) {
-    vp.row_begin = pass * plan.verify_pass_rows;
-    TQKV_CUDA_CHECK(LaunchGatherVerifyRows(vp, stream));
-    s.decoder.Run(plan.decode_plan, da, stream);
-    TQKV_CUDA_CHECK(LaunchFinishVerifyRows(vp, stream));
+    columns.row_begin = pass * plan.verify_pass_rows;
+    s.decoder.RunColumns(plan.decode_plan, da, &columns, stream);
   }
 }
 

@@ -12,10 +12,10 @@
 // a mixed call (decode rows beside prefill chunks: in place where the caller says they come
 // first, AttentionOptions::leading_decode_seqs), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
-// ride beside the GQA heads as decode columns (up to 16 per KV head and pass) over the context
-// they share (4bit_nc and k3v4_nc at head_dim 128, passes of more than 4 columns: in half
-// precision, AttentionOptions::verify_precision), and
-// each row's causal tail (the pass's later tokens) is added after. Long chunks (more than 64
+// ride beside the GQA heads as decode columns (up to 16 per KV head and pass), each column over
+// the context up to its own token (one split grid per pass, causal masks in its last chunks;
+// 4bit_nc and k3v4_nc at head_dim 128, passes of more than 4 columns: in half precision,
+// AttentionOptions::verify_precision). Long chunks (more than 64
 // rows — new tokens × GQA heads — per sequence, head_dim 64 or 128) run the prefill kernel in
 // half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product), unless
 // AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
@@ -23,9 +23,8 @@
 // dequantized into shared memory, split over the context where the grid would not fill the
 // device, then a log-sum-exp merge of the splits. The workspace holds no
 // dequantized cache and nothing that grows with the context: q·Πᵀ for MSE keys (not where the
-// kernels rotate the query themselves: a Hadamard Πᵀ on the wgmma prefill kernel and in the
-// verify tails), with splits the partial outputs of the step's rows, for verify the pass's
-// gathered queries and decode outputs.
+// kernels rotate the query themselves: a Hadamard Πᵀ on the wgmma prefill kernel and the decode
+// kernels), with splits the partial outputs of the step's rows.
 #pragma once
 
 #include <cstdint>
@@ -107,8 +106,8 @@ struct AttentionPlan {
   int leading_decodes = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): the decode kernels in
   // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
-  // verify_pass_rows · G over the context the pass's rows share), each row's causal tail (at most
-  // verify_pass_rows − 1 tokens) added after; unless Run gets a sliding window.
+  // verify_pass_rows · G, each column over the context up to its own token); unless Run gets a
+  // sliding window.
   bool verify_rows = false;
   int verify_pass_rows = 0;
   int verify_passes = 0;

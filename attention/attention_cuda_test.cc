@@ -327,9 +327,11 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
 }
 
 // A verify step (at most 8 new tokens per sequence): the rows ride beside the GQA heads on the
-// decode kernels (passes of up to 16 columns), each row's causal tail added after, held to the
-// decode kernels' bounds, for every preset, head dim and a plain cache; the same step on the
-// chunk kernel (decode kernels off, or a sliding window) to the chunk bounds.
+// decode kernels (passes of up to 16 columns, each column also seeing the pass's new tokens up
+// to its own), held to the decode kernels' bounds, for every preset, head dim and a plain cache;
+// with splits of 64 tokens (the merge; the last sequence's new tokens 64 and 65 straddle a split,
+// so its first column sees no token of the second split); the same step on the chunk kernel
+// (decode kernels off, or a sliding window) to the chunk bounds.
 TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
@@ -338,8 +340,8 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
     for (int d : {64, 128, 256}) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
       ++k;
-      // Every rotation: the tails' queries mapped by FinishVerifyRows (Hadamard kinds) or by the
-      // query prep (a dense Πᵀ).
+      // Every rotation: the queries mapped by the split kernels (Hadamard kinds) or by the query
+      // prep (a dense Πᵀ).
       const RotationKind rotations[] = {RotationKind::kHadamard, RotationKind::kHadamardSigns,
                                         RotationKind::kHaar};
       const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotations[k % 3], 40 + k);
@@ -362,6 +364,10 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
                      DecodeBoundsOf(preset));
       }
       if (d == 128) {
+        Case split{.quantizer = &q};
+        split.options.decode.tokens_per_split = 64;
+        const Errors se = RunAndCompare(split, s, s.base.cache);
+        ExpectWithin(se, kLseTol, what + " (splits of 64 tokens)", DecodeBoundsOf(preset));
         Case chunk{.quantizer = &q};
         chunk.options.verify_max_q_len = 0;
         const Errors ce = RunAndCompare(chunk, s, s.base.cache, nullptr, &verify_rows);

@@ -113,58 +113,6 @@ struct DecodeRowsParams {
 };
 cudaError_t LaunchGatherDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
-// A verify call (AttentionPlan::verify_rows) in passes of `rows` new tokens per sequence: pass
-// rows i in [row_begin, row_begin + rows) of every sequence ride beside the GQA heads as one
-// decode of group rows · G over the context the pass's rows share (up to its first row's token),
-// and the few tokens after that (at most rows − 1, each row's own causal tail) are added after.
-// GatherVerifyRows writes the decode's query [num_seqs, num_kv_heads · rows · G, head_dim] F32
-// (column (h, ii · G + g) = token row_begin + ii, head h · G + g; zeros past the sequence's
-// tokens) and lengths; FinishVerifyRows attends each row to its tail tokens (dequantized in fp32,
-// its query in the keys' space), merges that with the decode's row by log-sum-exp, and writes the
-// call's output and LSE.
-struct VerifyGroupParams {
-  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
-  const int32_t* seq_lens = nullptr;         // [num_seqs]
-  const int32_t* block_tables = nullptr;     // [num_seqs, max_blocks_per_seq]
-  const void* query = nullptr;               // the call's [num_tokens, num_q_heads, head_dim]
-  DType query_dtype = DType::kF32;
-  // [num_tokens, num_q_heads, head_dim] in the keys' space (MSE keys: the query prep's q·Πᵀ), or
-  // null: the call's query.
-  const float* mapped_query = nullptr;
-  // With mapped_query null and query_fwht non-zero, FinishVerifyRows maps the call's query itself:
-  // y = FWHT(q ⊙ signs) · query_scale (a Hadamard Πᵀ; head_dim 64, 128 or 256).
-  int query_fwht = 0;
-  const float* query_signs = nullptr;  // [head_dim] ±1, or null
-  float query_scale = 1.0f;
-  int row_begin = 0;
-  int rows = 1;
-  float* gathered_query = nullptr;   // [num_seqs, num_kv_heads · rows · G, head_dim]
-  int32_t* gathered_lens = nullptr;  // [num_seqs]
-  const float* decode_out = nullptr;  // the decode's output and LSE on the gathered query
-  const float* decode_lse = nullptr;
-  void* output = nullptr;
-  float* lse = nullptr;
-  DType out_dtype = DType::kF32;
-  const uint8_t* cache = nullptr;
-  KeyKind kind = KeyKind::kMse4;
-  int key_bits = 4;
-  int value_bits = 4;
-  int64_t block_bytes = 0;
-  int64_t meta_offset = 0;  // compressed: the fp16 metadata; plain: value_offset
-  int data_per_slot = 0;
-  int key_data_bytes = 0;
-  int num_meta = 0;
-  float centroids[16] = {};
-  int num_seqs = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int block_size = 0;
-  int max_blocks_per_seq = 0;
-  float scale = 0.0f;  // softmax scale
-};
-cudaError_t LaunchGatherVerifyRows(const VerifyGroupParams& p, cudaStream_t stream);
-cudaError_t LaunchFinishVerifyRows(const VerifyGroupParams& p, cudaStream_t stream);
 cudaError_t LaunchScatterDecodeRows(const DecodeRowsParams& p, cudaStream_t stream);
 
 // The chunk kernel of (kind, value_bits, head_dim) on grid row_tiles · max_splits · num_kv_heads; cudaErrorInvalidValue for a combination that has none.

@@ -401,6 +401,12 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
 }
 
 void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
+  RunColumns(plan, a, nullptr, stream);
+}
+
+void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
+                             const decode_detail::VerifyColumns* verify,
+                             StreamHandle stream) const {
   constexpr const char* kWhere = "CudaDecoder::Run";
   const State& s = *state_;
   if (plan.num_seqs < 1 || plan.tokens_per_split < 64 || plan.max_splits < 1) {
@@ -470,7 +476,12 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const int d = head_dim();
   const int64_t rows = int64_t{plan.num_seqs} * plan.num_q_heads;
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-  const int64_t q_bytes = QueryPrepBytes(s.rotate_query && !s.fwht, rows, d);
+  const bool dense = s.rotate_query && !s.fwht;
+  if (verify != nullptr && dense && a.query_dtype != DType::kF32) {
+    throw InvalidArgument(kWhere, "query_dtype", DTypeName(a.query_dtype),
+                          "F32 (a verify pass's q·Πᵀ) for a dense Πᵀ");
+  }
+  const int64_t q_bytes = QueryPrepBytes(dense, rows, d);
   auto* qbuf = reinterpret_cast<float*>(ws);
   auto* partial_out = reinterpret_cast<float*>(ws + q_bytes);
   auto* partial_lse =
@@ -479,8 +490,11 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   SplitParams sp;
   // A dense Πᵀ is applied by the query prep kernel (fp32 q·Πᵀ into the workspace); a Hadamard Πᵀ
   // (and no rotation) by each split CTA for its own heads, with no launch before it.
-  const bool query_prep = q_bytes > 0;
-  if (query_prep) {
+  const bool query_prep = q_bytes > 0 && verify == nullptr;
+  if (verify != nullptr && dense) {  // q·Πᵀ already
+    sp.query = a.query;
+    sp.query_dtype = DType::kF32;
+  } else if (query_prep) {
     QueryPrepParams qp;
     qp.query = a.query;
     qp.in_dtype = a.query_dtype;
@@ -521,6 +535,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   }
   sp.tokens_per_split = plan.tokens_per_split;
   sp.max_splits = plan.max_splits;
+  if (verify != nullptr) sp.verify = *verify;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
   const DType out_dtype = a.output_dtype;
@@ -558,10 +573,13 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   mp.head_dim = d;
   mp.tokens_per_split = plan.tokens_per_split;
   mp.max_splits = plan.max_splits;
+  mp.num_kv_heads = num_kv_heads();
+  if (verify != nullptr) mp.verify = *verify;
   mp.trigger_at_start = overlap_next ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else
   (void)s;
+  (void)verify;
   (void)stream;
   throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kWhere));
 #endif

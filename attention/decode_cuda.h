@@ -33,6 +33,11 @@
 
 namespace tqkv {
 
+namespace decode_detail {
+struct VerifyColumns;  // attention/decode_launch.h
+}  // namespace decode_detail
+class CudaAttention;
+
 // How a split kernel occupies an SM, as CudaDecoder::Plan's cost model sees it.
 struct SplitKernelOccupancy {
   int resident_per_sm = 1;  // CTAs of it that fit on one SM (occupancy query)
@@ -182,6 +187,13 @@ class CudaDecoder {
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
 
  private:
+  friend class CudaAttention;
+  // Run, or with `verify` (not null) one of CudaAttention's verify passes: the plan's query heads
+  // are the pass's columns (decode_detail::VerifyColumns), args.query, output and lse the call's
+  // rows, args.seq_lens the call's; for a dense Πᵀ args.query is already q·Πᵀ in fp32 (the
+  // caller's query prep over its rows).
+  void RunColumns(const DecodePlan& plan, const CudaDecodeArgs& args,
+                  const decode_detail::VerifyColumns* verify, StreamHandle stream) const;
   // How the split kernel for a GQA group occupies an SM (cached), staged or not.
   SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "attention/decode_launch.h"
 #include "runtime/dtype.h"
 
 namespace tqkv::decode_detail {
@@ -186,6 +187,39 @@ __device__ __forceinline__ void GridDependencyWait() {
 }
 __device__ __forceinline__ void LaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// Where a sequence's columns end (VerifyColumns): every column sees positions < end0, the last
+// one positions < len; rows = the pass's new tokens in this sequence (<= 0: none, len = 0).
+// Decode rows: end0 = len = seq_len, q0 = 0.
+struct ColumnSpan {
+  int q0 = 0, rows = 1, end0 = 0, len = 0;
+};
+__device__ __forceinline__ ColumnSpan SpanOfColumns(const VerifyColumns& v,
+                                                    const int32_t* seq_lens, int b) {
+  ColumnSpan s;
+  s.len = seq_lens[b];
+  s.end0 = s.len;
+  if (v.query_start_loc != nullptr) {
+    s.q0 = v.query_start_loc[b];
+    const int q_len = v.query_start_loc[b + 1] - s.q0;
+    s.rows = min(v.rows, q_len - v.row_begin);
+    s.end0 = s.len - q_len + v.row_begin + 1;
+    s.len = s.rows > 0 ? s.end0 + s.rows - 1 : 0;
+  }
+  return s;
+}
+// The caller's row (query and output) of column c of KV head h in sequence b, of a plan with
+// num_q_heads = columns · num_kv_heads; −1 for a verify column past the sequence's new tokens.
+__device__ __forceinline__ int64_t RowOfColumn(const VerifyColumns& v, const ColumnSpan& s,
+                                               int num_q_heads, int num_kv_heads, int b, int h,
+                                               int c) {
+  if (v.query_start_loc == nullptr) {
+    return static_cast<int64_t>(b) * num_q_heads + h * (num_q_heads / num_kv_heads) + c;
+  }
+  const int i = c / v.group;
+  if (i >= s.rows) return -1;
+  return static_cast<int64_t>(s.q0 + v.row_begin + i) * v.num_q_heads + h * v.group + c % v.group;
 }
 
 // 2^x by the SFU alone (exp2f adds a range check and a scaling for results below 2^-126, which

@@ -17,6 +17,21 @@ namespace tqkv::decode_detail {
 // copy of a split's block ids by it.
 inline constexpr int kMaxSplitTokens = 8192;
 
+// A verify pass of CudaAttention on the decode kernels: the plan's query heads of KV head h are
+// the pass's columns, `rows` new tokens of each sequence times the call's GQA group. Column c is
+// new token i = row_begin + c / group of its sequence (query head h · group + c % group): its
+// query and output are the caller's row (query_start_loc[b] + i) · num_q_heads + that head, and
+// it sees the context up to that token (positions < seq_len − q_len + i + 1), so one launch does
+// the causal part too. Columns past the sequence's new tokens read and write nothing.
+// query_start_loc == nullptr: ordinary decode rows.
+struct VerifyColumns {
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  int rows = 0;                              // new tokens per pass
+  int row_begin = 0;                         // the pass's first new token
+  int group = 0;                             // the call's query heads per KV head
+  int num_q_heads = 0;                       // the call's query heads
+};
+
 // Everything one decode launch needs. Pointers are device pointers.
 struct SplitParams {
   const uint8_t* cache = nullptr;         // [num_blocks, block_bytes]
@@ -63,6 +78,7 @@ struct SplitParams {
   // CTA has passed its wait at start, so that its CTAs take the SMs as this grid's leave. Needs
   // wait_at_start.
   int trigger_at_start = 0;
+  VerifyColumns verify;
 };
 
 struct MergeParams {
@@ -80,6 +96,8 @@ struct MergeParams {
   // As SplitParams::trigger_at_start: the kernel after the merge may launch once every merge CTA
   // has seen the split grid finish.
   int trigger_at_start = 0;
+  int num_kv_heads = 0;  // with verify
+  VerifyColumns verify;
 };
 
 // q·Πᵀ for a dense Πᵀ (haar, custom), as its own launch before the split kernel. (Hadamard

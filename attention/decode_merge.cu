@@ -42,10 +42,15 @@ __device__ __forceinline__ float BlockReduce(float v, float* scratch, bool is_ma
 __global__ void DecodeMergeKernel(const MergeParams p) {
   __shared__ float weight_s[kMaxMergeSplits];
   __shared__ float scratch_s[32];
-  const int row = blockIdx.x;  // b · Hq + hq
+  const int row = blockIdx.x;  // b · Hq + hq (the partials' row)
   const int b = row / p.num_q_heads;
   const int d = threadIdx.x;
-  const int len = p.seq_lens[b];
+  const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, b);
+  const int len = span.len;
+  const int columns = p.num_q_heads / p.num_kv_heads, hq = row % p.num_q_heads;
+  const int64_t out_row =
+      RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, hq / columns, hq % columns);
+  if (out_row < 0) return;  // a verify column past the sequence's new tokens
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
   // No early trigger for a next step's split kernel: launched while these CTAs and the split
@@ -93,8 +98,8 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
     fold(4);
     fold(2);
     fold(1);
-    StoreOutput(p.output, p.out_dtype, static_cast<int64_t>(row) * p.head_dim + d, wx[0] / w[0]);
-    if (d == 0) p.lse[row] = m[0] + logf(w[0]);
+    StoreOutput(p.output, p.out_dtype, out_row * p.head_dim + d, wx[0] / w[0]);
+    if (d == 0) p.lse[out_row] = m[0] + logf(w[0]);
     return;
   }
   // Thread (group, v) adds 4 consecutive d (one 16-byte load per split) over the splits ≡ group
@@ -166,8 +171,8 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   float acc = 0.0f;
   for (int g = 0; g < groups; ++g) acc += reinterpret_cast<const float*>(sum_s + g * vecs)[d];
   const float out = splits > 0 ? acc / total : 0.0f;
-  StoreOutput(p.output, p.out_dtype, static_cast<int64_t>(row) * p.head_dim + d, out);
-  if (d == 0) p.lse[row] = splits > 0 ? mx + logf(total) : -INFINITY;
+  StoreOutput(p.output, p.out_dtype, out_row * p.head_dim + d, out);
+  if (d == 0) p.lse[out_row] = splits > 0 ? mx + logf(total) : -INFINITY;
 }
 
 }  // namespace

@@ -46,6 +46,7 @@ struct SplitCompute {
   const SplitParams& p;
   const int& begin;
   const int& end;
+  const int& end0;  // every column sees the tokens before it (VerifyColumns; decode: len)
   const int& g;
   const int& t;
   const uint32_t& lane_word;
@@ -64,6 +65,12 @@ struct SplitCompute {
       valid[0] = t0 + 2 * g < end;
       valid[1] = t0 + 2 * g + 1 < end;
     }
+    // Whether column c sees token 2g + r: a verify pass's column c sees c / group tokens past
+    // end0 (within the split's end).
+    auto sees = [&](int c, int r) {
+      const int extra = p.verify.query_start_loc != nullptr ? c / p.verify.group : 0;
+      return t0 + 2 * g + r < min(end, end0 + extra);
+    };
 
     // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA
     // chains sp[k] (summed below). FP8 / bf16 keys: M rows g, g + 8 are tokens 2g, 2g + 1;
@@ -169,7 +176,7 @@ struct SplitCompute {
           }
         }
         s[r] = sum * row_scale[r];
-        if constexpr (kTail) s[r] = valid[r] ? s[r] : -INFINITY;
+        if constexpr (kTail) s[r] = sees(t, r) ? s[r] : -INFINITY;
       }
       float mx = fmaxf(s[0], s[1]);
       // As below: lazy unless a value scale is too large for p ≤ 2^kLazyMax.
@@ -192,7 +199,8 @@ struct SplitCompute {
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float pr = FastExp2(s[r] - m[0][0]);  // 0 past the end (s = -inf)
+        // 0 past the end (s = -inf), also for a column that has seen no token yet (m = -inf).
+        const float pr = kTail && s[r] == -INFINITY ? 0.0f : FastExp2(s[r] - m[0][0]);
         l[0][0] += pr;
         z[0][0] += pr * vz[r];
         const float pw = pr * vs[r];
@@ -219,7 +227,7 @@ struct SplitCompute {
             if constexpr (kParts > 1) sum += sp[1][nt][i];
           }
           s[i] = sum * row_scale[i / 2];
-          if constexpr (kTail) s[i] = valid[i / 2] ? s[i] : -INFINITY;
+          if constexpr (kTail) s[i] = sees(8 * nt + 2 * t + i % 2, i / 2) ? s[i] : -INFINITY;
         }
         float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
         // Rescale only when some score of the warp passes its head's running maximum by more than
@@ -254,8 +262,9 @@ struct SplitCompute {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = i / 2, j = i % 2;
-          // Past the end s = -inf and m is finite (the chunk's first token is valid): pr = 0.
-          const float pr = FastExp2(s[i] - m[nt][j]);
+          // Past the end s = -inf: pr = 0 (m may be -inf too where a verify column has seen no
+          // token yet).
+          const float pr = kTail && s[i] == -INFINITY ? 0.0f : FastExp2(s[i] - m[nt][j]);
           l[nt][j] += pr;
           if constexpr (!Traits::kPlain) z[nt][j] += pr * vz[r];
           pw[i] = pr * vs[r];

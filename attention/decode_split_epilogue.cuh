@@ -28,7 +28,8 @@ struct SplitEpilogue {
   static constexpr int kMTiles = Config::kMTiles;
 
   // acc, m, l, z: the warp's running state (unscaled accumulator, maximum, sum, zero-point sum).
-  __device__ __forceinline__ static void MergeWarps(const SplitParams& p,
+  // span: the sequence's verify columns (their output rows), if any.
+  __device__ __forceinline__ static void MergeWarps(const SplitParams& p, const ColumnSpan& span,
                                                     float (&acc)[kMTiles][kNTiles][4],
                                                     float (&m)[kNTiles][2], float (&l)[kNTiles][2],
                                                     float (&z)[kNTiles][2], int g, int t,
@@ -117,13 +118,16 @@ struct SplitEpilogue {
         ll += f * stats[(kCW + w) * kHeads + head];
         zz += f * stats[(2 * kCW + w) * kHeads + head];
       }
-      factor[kCW * kHeads + hh] = 1.0f / ll;
+      // ll = 0 only for a verify column that saw no token of this split: output 0, LSE -inf.
+      factor[kCW * kHeads + hh] = ll > 0.0f ? 1.0f / ll : 0.0f;
       factor[(kCW + 1) * kHeads + hh] = zz;
-      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
-      const float lse = (mm + log2f(ll)) * kLn2;
+      const float lse = ll > 0.0f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
       if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
-        p.lse[row] = lse;
+        const int64_t row =
+            RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, h0 + u, head);
+        if (row >= 0) p.lse[row] = lse;
       } else {
+        const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh;
         p.partial_lse[row * p.max_splits + split] = lse;
       }
     }
@@ -137,11 +141,13 @@ struct SplitEpilogue {
         const float f = factor[w * kHeads + head];
         aa += f == 0.0f ? 0.0f : f * acc_s[Config::AccAt(w * kHeads + head, d)];
       }
-      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh);
       const float out = (aa + factor[(kCW + 1) * kHeads + hh]) * factor[kCW * kHeads + hh];
       if (p.output != nullptr) {  // one split per sequence: the final output, no merge
-        StoreOutput(p.output, p.out_dtype, row * kD + d, out);
+        const int64_t row =
+            RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, h0 + u, head);
+        if (row >= 0) StoreOutput(p.output, p.out_dtype, row * kD + d, out);
       } else {
+        const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + h0 * group + hh;
         p.partial_out[(row * p.max_splits + split) * kD + d] = out;
       }
     }

@@ -73,8 +73,9 @@ namespace tqkv::decode_detail {
 // finish_prologue (decode_split_prologue.cuh: query rotation into shared memory, codebook
 // replicas, block ids, query fragments) once a pipeline's first copies are out; one of four chunk
 // pipelines (decode_split_pipelines.cuh) calling `compute` (decode_split_compute.cuh: score MMAs,
-// online softmax, P·V MMAs) per chunk; the split's partial last chunk; the warps' merge through
-// shared memory and the output (decode_split_epilogue.cuh). The phases are function objects
+// online softmax, P·V MMAs) per chunk; the split's masked last chunks (a partial one; a verify
+// pass's causal part, SplitParams::verify); the warps' merge through shared memory and the output
+// (decode_split_epilogue.cuh). The phases are function objects
 // holding references to the kernel's values, or function templates over them, as the lambdas
 // they replaced were: a per-CTA class with member functions compiled to other schedules, 5-9 %
 // slower for k3v4_nc at batch 16 (a7bbadb).
@@ -165,7 +166,9 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
   // the warps waited as long for the query as for the first block ids).
   uint32_t q_pre[kE / 2];
+  // (A verify pass's rows depend on query_start_loc: loaded in finish_prologue.)
   const bool q_prefetched = p.wait_at_start && p.query_dtype != DType::kF32 &&
+                            p.verify.query_start_loc == nullptr &&
                             warp < p.num_q_heads / p.num_kv_heads && warp < Config::kQueryHeads;
   if (q_prefetched) {
     const int64_t row =
@@ -205,9 +208,13 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
     ids_pre[k] = i < num_ids ? __ldg(table + id0 + i) : 0;
   }
   int* const ids_s = reinterpret_cast<int*>(smem + Config::kIdsOffset);
-  const int len = p.seq_lens[b];
-  if (begin >= len) {           // the merge reads only splits that hold tokens
-    if (p.output != nullptr) {  // no merge: an empty sequence's rows are 0, LSE -inf
+  // Every column sees the tokens before span.end0; a verify pass's later columns a few more, up
+  // to span.len (VerifyColumns).
+  const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, b);
+  const int len = span.len;
+  if (begin >= len) {  // the merge reads only splits that hold tokens
+    // No merge: an empty sequence's rows are 0, LSE -inf (a verify pass has no rows there).
+    if (p.output != nullptr && p.verify.query_start_loc == nullptr) {
       const int group = p.num_q_heads / p.num_kv_heads;
       const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + h0 * group;
       for (int i = threadIdx.x; i < kUnits * group * kD; i += blockDim.x) {
@@ -227,9 +234,9 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Config::kQParts;
   uint32_t qf[kQParts][kNTiles][kKSteps][2];
-  const SplitPrologue<V> finish_prologue{p,     unit,         warp,  lane,   b,       h,
-                                         group, q_prefetched, q_pre, q_sign, entries, num_ids,
-                                         ids_s, ids_pre,      g,     t,      qf};
+  const SplitPrologue<V> finish_prologue{p,     unit,         span,  warp,   lane,    b,
+                                         h,     group,        q_pre, q_sign, entries, num_ids,
+                                         ids_s, q_prefetched, ids_pre, g,    t,       qf};
 
   float acc[kMTiles][kNTiles][4];
   float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
@@ -300,11 +307,12 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   };
 
   // One chunk: scores, the online softmax and P·V (decode_split_compute.cuh).
-  const SplitCompute<V> compute{p, begin, end, g, t, lane_word, qf, acc, m, m_thr, l, z};
+  // (Full chunks only: no masks, so end0 is not read.)
+  const SplitCompute<V> compute{p, begin, end, end, g, t, lane_word, qf, acc, m, m_thr, l, z};
 
-  // Full chunks in turn over the warps; the split's last, partial chunk (if any) separately, so
-  // that only it pays for the end-of-sequence masks.
-  const int num_full = (end - begin) / kChunk;
+  // Chunks that every column sees whole in turn over the warps; the split's last chunks (a
+  // partial one, a verify pass's causal part) separately, so that only they pay for the masks.
+  const int num_full = max(0, min(end, span.end0) - begin) / kChunk;
   // block_of(warp + k·kW, num_full) for the chunks read in the prologue (k < kStages).
   auto first_block = [&](int k) { return warp + k * kW < num_full ? first_block_ids[k] : 0; };
   const SplitPipelineFrame frame{
@@ -320,10 +328,16 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   } else {
     Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
   }
-  if ((end - begin) % kChunk != 0 && num_full % kW == warp) {
+  // The span again (not held in registers through the loop).
+  const ColumnSpan last = SpanOfColumns(p.verify, p.seq_lens, b);
+  const SplitCompute<V> masked{p, begin, end, last.end0, g, t, lane_word, qf, acc, m, m_thr, l, z};
+  const int num_chunks = (end - begin + kChunk - 1) / kChunk;
+#pragma unroll 1
+  for (int c = num_full; c < num_chunks; ++c) {
+    if (c % kW != warp) continue;
     Chunk tail;
-    load(num_full, tail, block_of(num_full, num_full + 1));
-    compute.template operator()<true>(num_full, tail);
+    load(c, tail, block_of(c, c + 1));
+    masked.template operator()<true>(c, tail);
   }
 
   // The merge grid (or, without one, the next kernel) may start; it waits for this grid to finish
@@ -334,7 +348,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // kernel is launched when every CTA of this grid has exited.
   if (p.trigger_dependents) LaunchDependents();
 
-  SplitEpilogue<V>::MergeWarps(p, acc, m, l, z, g, t, cta_warp, b, h0, group, split);
+  SplitEpilogue<V>::MergeWarps(p, last, acc, m, l, z, g, t, cta_warp, b, h0, group, split);
 }
 
 // Launch and occupancy of one instantiation of the split kernel.
