@@ -37,10 +37,10 @@ __device__ __forceinline__ float LoadQuery(const void* query, DType dtype, int64
   return __bfloat162float(static_cast<const __nv_bfloat16*>(query)[at]);
 }
 
-// The gathers and the scatter move rows in pieces of 8 elements, one piece per thread, with
-// 16-byte loads and stores where the pointers allow (vec: 16-byte aligned, head_dim a multiple of
-// 8); a CTA per sequence and element, or with scalar loads, took 8.6 µs to gather the 64 × 4k
-// verify's 4 MB (ncu, H200): latency-bound, two rounds of dependent loads per tiny CTA.
+// The gather and the scatter of a mixed call's one-token rows move rows in pieces of 8 elements,
+// one piece per thread, with 16-byte loads and stores where the pointers allow (vec: 16-byte
+// aligned, head_dim a multiple of 8); a CTA per sequence and element, or scalar loads, took 8.6 µs
+// to gather 4 MB of rows (ncu, H200): latency-bound, two rounds of dependent loads per tiny CTA.
 constexpr int kPiece = 8;
 constexpr int kCopyThreads = 256;
 
