@@ -19,6 +19,8 @@
 //   attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]
 //                   [--decode-tokens-per-split N]  (the decode kernels' splits, for a sweep;
 //                                                   default: the plan's choice)
+//                   [--decode-narrow auto|never|always]  (DecodeOptions::narrow: the narrow
+//                                                   split kernels, for a comparison)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -105,6 +107,7 @@ struct Shape {
   int verify_max_group = 16;
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
+  DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -202,6 +205,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     options.verify_max_group = s.verify_max_group;
     options.leading_decode_seqs = s.leading_decode_seqs;
     options.decode.tokens_per_split = s.decode_tokens_per_split;
+    options.decode.narrow = s.decode_narrow;
     const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -256,6 +260,7 @@ int Main(int argc, char** argv) {
   bool quick = false;
   std::string json_out, only_kind, only_shape;
   int decode_tokens_per_split = 0;
+  DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -281,10 +286,23 @@ int Main(int argc, char** argv) {
                    v);
         return 2;
       }
+    } else if (arg == "--decode-narrow" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v == "auto") {
+        decode_narrow = DecodeOptions::Narrow::kAuto;
+      } else if (v == "never") {
+        decode_narrow = DecodeOptions::Narrow::kNever;
+      } else if (v == "always") {
+        decode_narrow = DecodeOptions::Narrow::kAlways;
+      } else {
+        fmt::print(stderr, "attention_bench: --decode-narrow = {}: want auto, never or always\n",
+                   v);
+        return 2;
+      }
     } else {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
-                 "[--decode-tokens-per-split N]\n");
+                 "[--decode-tokens-per-split N] [--decode-narrow auto|never|always]\n");
       return 2;
     }
   }
@@ -343,7 +361,10 @@ int Main(int argc, char** argv) {
   mixed_exact.precision = ChunkPrecision::kExact;
   shapes.push_back(mixed_exact);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
-  for (Shape& s : shapes) s.decode_tokens_per_split = decode_tokens_per_split;
+  for (Shape& s : shapes) {
+    s.decode_tokens_per_split = decode_tokens_per_split;
+    s.decode_narrow = decode_narrow;
+  }
   if (!only_shape.empty()) {  // the shapes whose name contains it (one shape under ncu)
     std::erase_if(shapes,
                   [&](const Shape& s) { return s.name.find(only_shape) == std::string::npos; });
