@@ -96,7 +96,7 @@ struct MergeParams {
   // As SplitParams::trigger_at_start: the kernel after the merge may launch once every merge CTA
   // has seen the split grid finish.
   int trigger_at_start = 0;
-  int num_kv_heads = 0;  // with verify
+  int num_kv_heads = 0;  // read with verify only
   VerifyColumns verify;
 };
 

@@ -47,10 +47,13 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
   const int d = threadIdx.x;
   const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, b);
   const int len = span.len;
-  const int columns = p.num_q_heads / p.num_kv_heads, hq = row % p.num_q_heads;
-  const int64_t out_row =
-      RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, hq / columns, hq % columns);
-  if (out_row < 0) return;  // a verify column past the sequence's new tokens
+  int64_t out_row = row;
+  if (p.verify.query_start_loc != nullptr) {  // the caller's row of the pass's column
+    const int columns = p.num_q_heads / p.num_kv_heads, hq = row % p.num_q_heads;
+    out_row =
+        RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, hq / columns, hq % columns);
+    if (out_row < 0) return;  // past the sequence's new tokens
+  }
   const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
   // No early trigger for a next step's split kernel: launched while these CTAs and the split
