@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for attention over several new tokens per sequence (issue 35): its GPU
-# tests (query_prep_cuda_test, attention_cuda_test, sim_cuda_test, cuda_engine_test: every kernel
-# against a CPU reference before anything is timed), then attention_bench and its peers (torch_attention_bench.py: PyTorch SDPA
+# tests (query_prep_cuda_test, decode_cuda_test (the split kernels verify passes run on),
+# attention_cuda_test, sim_cuda_test, cuda_engine_test: every kernel against a CPU reference
+# before anything is timed), then attention_bench and its peers (torch_attention_bench.py: PyTorch SDPA
 # bf16 and dequantize-then-SDPA) on the same shapes in the same call, and the joint table last.
 # Expects the bundle of tools/gpu_bundle.sh. Writes into $OUT (default /tmp/attention_out): the
 # test logs, attention_bench.json / .txt, peers.json and peers.txt (the joint table).
@@ -24,8 +25,8 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 if [ -z "$skip_tests" ]; then
-  for t in attention/query_prep_cuda_test attention/attention_cuda_test tools/sim_cuda_test \
-    model/cuda_engine_test; do
+  for t in attention/query_prep_cuda_test attention/decode_cuda_test attention/attention_cuda_test \
+    tools/sim_cuda_test model/cuda_engine_test; do
     name=$(basename "$t")
     timeout 300 "$here/bin/$t" --gtest_brief=1 >"$out/$name.log" 2>&1
     rc=$?
