@@ -206,4 +206,20 @@ cudaError_t LaunchPrefillAttention(KeyKind kind, int value_bits, int head_dim, c
   return cudaErrorInvalidValue;
 }
 
+bool PrefillTakesTiles(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p) {
+  switch (kind) {
+    case KeyKind::kMse4:
+      return PrefillTakesTilesOfKind<KeyKind::kMse4>(value_bits, head_dim, p);
+    case KeyKind::kMse3:
+      return PrefillTakesTilesOfKind<KeyKind::kMse3>(value_bits, head_dim, p);
+    case KeyKind::kFp8:
+      return PrefillTakesTilesOfKind<KeyKind::kFp8>(value_bits, head_dim, p);
+    case KeyKind::kBf16:
+      return PrefillTakesTilesOfKind<KeyKind::kBf16>(value_bits, head_dim, p);
+    case KeyKind::kF16:
+      return PrefillTakesTilesOfKind<KeyKind::kF16>(value_bits, head_dim, p);
+  }
+  return false;
+}
+
 }  // namespace tqkv::attention_detail

@@ -64,16 +64,30 @@ int DeviceSmCount() {
 
 // Workspace sections in order: q·Πᵀ (MSE keys), partial outputs and LSEs (with splits), and for a
 // mixed call's decode rows the gathered queries, lengths, the decode's outputs and LSEs, then the
-// decode's own workspace (leading decode rows: that alone).
+// decode's own workspace (leading decode rows: that alone); last the dequantized tiles
+// (AttentionPlan::prefill_tiles).
 struct Sections {
   int64_t query = 0, partial_out = 0, partial_lse = 0;
   int64_t rows_query = 0, rows_lens = 0, rows_out = 0, rows_lse = 0, rows_workspace = 0;
-  int64_t Total() const {
-    return query + partial_out + partial_lse + rows_query + rows_lens + rows_out + rows_lse +
-           rows_workspace;
+  int64_t tiles = 0;
+  int64_t Before(const int64_t& section) const {  // the offset of a section of this struct
+    int64_t at = 0;
+    for (const int64_t* x : {&query, &partial_out, &partial_lse, &rows_query, &rows_lens,
+                             &rows_out, &rows_lse, &rows_workspace, &tiles}) {
+      if (x == &section) return at;
+      at += *x;
+    }
+    return at;
   }
+  int64_t Total() const { return Before(tiles) + tiles; }
 };
-Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
+// ChunkParams::tile_slots of a call, and the bytes of one tile (attention_launch.h).
+int64_t TileSlots(int64_t tokens, int64_t seqs) { return tokens / 64 + 2 * seqs; }
+constexpr int64_t kTileBytes = 32768;
+#if TQKV_HAVE_CUDA
+static_assert(kTileBytes == attention_detail::kPrefillTileBytes);
+#endif
+Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d, int hk) {
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   Sections s;
   s.query = rotate ? AlignUp(rows * d * 4) : 0;
@@ -89,6 +103,9 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d) {
     s.rows_out = AlignUp(seq_rows * d * 4);
     s.rows_lse = AlignUp(seq_rows * 4);
     s.rows_workspace = AlignUp(plan.decode_plan.workspace_bytes);
+  }
+  if (plan.prefill_tiles) {
+    s.tiles = AlignUp(TileSlots(plan.num_tokens, plan.num_seqs) * hk * kTileBytes);
   }
   return s;
 }
@@ -319,18 +336,23 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
         s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, options.decode);
   }
 #if TQKV_HAVE_CUDA
-  if (plan.prefill && s.fwht) {
+  if (plan.prefill) {
     attention_detail::ChunkParams layout;
     SetCacheLayout(s, layout);
-    plan.prefill_rotates =
-        attention_detail::PrefillRotatesQuery(s.key_kind, s.value_bits, d, layout);
+    if (s.fwht) {
+      plan.prefill_rotates =
+          attention_detail::PrefillRotatesQuery(s.key_kind, s.value_bits, d, layout);
+    }
+    plan.prefill_tiles = options.prefill_tiles &&
+                         max_q_len >= attention_detail::kPrefillTilesMinQLen &&
+                         attention_detail::PrefillTakesTiles(s.key_kind, s.value_bits, d, layout);
   }
 #endif
   const bool chunk_query_prep = !s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates;
   // The chunk right after the leading rows' decode (no query prep between them) starts on the SMs
   // that decode leaves; it reads nothing the decode writes.
   if (plan.leading_decodes > 0) plan.decode_plan.overlap_next = !chunk_query_prep;
-  const Sections w = WorkspaceSections(chunk_query_prep, plan, d);
+  const Sections w = WorkspaceSections(chunk_query_prep, plan, d, hk);
   plan.workspace_bytes = std::max(decode_bytes, w.Total());
   return plan;
 }
@@ -458,11 +480,32 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   if (plan.prefill_rotates && !(plan.prefill && s.fwht)) {
     throw Error(fmt::format("{}: the plan was not made by this CudaAttention's Plan", kWhere));
   }
-  const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d);
+  const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d, num_kv_heads());
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // The caller's leading one-token sequences (AttentionOptions::leading_decode_seqs) on the
   // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on.
   const int lead = a.sliding_window == 0 ? plan.leading_decodes : 0;
+  // The dequantized tiles (AttentionPlan::prefill_tiles), written first: the prefill kernel may
+  // start before the leading rows' decode ends, not before it starts.
+  uint8_t* const tiles = plan.prefill_tiles ? ws + w.Before(w.tiles) : nullptr;
+  const int tile_slots = static_cast<int>(TileSlots(plan.num_tokens, plan.num_seqs));
+  if (tiles != nullptr) {
+    ChunkParams tp;
+    tp.cache = a.cache.data;
+    tp.block_tables = a.block_tables + int64_t{lead} * plan.max_blocks_per_seq;
+    tp.seq_lens = a.seq_lens + lead;
+    tp.query_start_loc = a.query_start_loc + lead;
+    std::copy(std::begin(s.centroid_hi), std::end(s.centroid_hi), tp.centroid_hi);
+    tp.num_seqs = plan.num_seqs - lead;
+    tp.num_q_heads = plan.num_q_heads;
+    tp.num_kv_heads = num_kv_heads();
+    tp.max_blocks_per_seq = plan.max_blocks_per_seq;
+    SetCacheLayout(s, tp);
+    tp.tiles = tiles;
+    tp.tile_slots = tile_slots;
+    tp.tiles_pass = 1;
+    TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, tp, stream));
+  }
   if (lead > 0) {
     CudaDecodeArgs da;
     da.query = a.query;
@@ -572,6 +615,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   p.tokens_per_split = plan.tokens_per_split;
   p.max_splits = plan.max_splits;
   p.sliding_window = a.sliding_window;
+  p.tiles = tiles;
+  p.tile_slots = tile_slots;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.score_scale = scale * static_cast<float>(std::numbers::log2e);
   if (plan.prefill) {

@@ -85,6 +85,11 @@ struct AttentionOptions {
   // them); 0: the one-token sequences are found on the device. 0 to num_seqs; Run's arrays must
   // agree (query_start_loc[b] = b up to it).
   int leading_decode_seqs = 0;
+  // Whether the prefill kernel may take long chunks' own tiles dequantized once into the
+  // workspace (AttentionPlan::prefill_tiles; the same values its producers would write): less
+  // time, more workspace (32 KB per 64 new tokens and KV head, not growing with the context
+  // before the chunk). false: every row tile dequantizes the tiles it reads.
+  bool prefill_tiles = true;
 };
 
 struct AttentionPlan {
@@ -119,6 +124,11 @@ struct AttentionPlan {
   // compressed MSE kinds at head_dim 128 on compute capability 9.0), so no q·Πᵀ of every row is
   // computed before it and the workspace holds none.
   bool prefill_rotates = false;
+  // The prefill kernel takes the tiles of long chunks' own tokens dequantized once, into the
+  // workspace, rather than dequantizing each for every row tile (the wgmma kernel, every kind;
+  // sequences of 256 new tokens or more): 32 KB per 64 new tokens and KV head, plus 64 KB per
+  // sequence and KV head, whatever the context before the chunk.
+  bool prefill_tiles = false;
   // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4); row-tile slots per KV head
   // (every sequence's tiles, and one slot each more), context tokens per split, splits.
   int row_warps = 4;

@@ -66,6 +66,7 @@ struct Errors {
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   bool decode = false;                    // AttentionPlan::decode
+  bool prefill_tiles = false;             // AttentionPlan::prefill_tiles
 };
 
 // The tests below hold the chunk kernel and verify passes to the decode kernels' bounds: long
@@ -85,6 +86,8 @@ struct Case {
   AttentionOptions options = ExactChunks();
   DType io = DType::kF32;  // query and output type
   int misalign = 0;        // the query and output start this many elements into their buffers
+  std::vector<float>* keep_out = nullptr;  // non-null: the output and LSE as they came back
+  std::vector<float>* keep_lse = nullptr;
 };
 
 Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8_t>& cache,
@@ -183,6 +186,9 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.leading_decodes = plan.leading_decodes;
   e.overlap_next = plan.decode_plan.overlap_next;
   e.decode = plan.decode;
+  e.prefill_tiles = plan.prefill_tiles;
+  if (c.keep_out != nullptr) *c.keep_out = o;
+  if (c.keep_lse != nullptr) *c.keep_lse = l;
   for (int64_t row = 0; row < int64_t{s.num_tokens} * hq; ++row) {
     if (!std::isfinite(l[row])) {
       ++e.bad;
@@ -572,6 +578,75 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
   const Errors e = RunAndCompare({.quantizer = &q}, s, s.base.cache);
   EXPECT_FALSE(e.prefill);
   ExpectWithin(e, kLseTol, "exact");
+}
+
+// The dequantized tiles of long chunks (AttentionPlan::prefill_tiles) hold the values the wgmma
+// kernel's producers write: the same outputs bit for bit with them and without, for every kind,
+// with splits (a tile read by two splits), a sliding window, leading decode rows (the tiles
+// written before their decode), chunks that start inside a tile after a prefix, beside a chunk
+// too short for tiles and one after too long a prefix (PrefillTilesFor).
+TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
+  TQKV_SKIP_WITHOUT_GPU();
+  cudaDeviceProp prop{};
+  TQKV_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9 || prop.minor != 0) {
+    GTEST_SKIP() << "the dequantized tiles are the wgmma kernel's (compute capability 9.0)";
+  }
+  const Step step{{1, 1, 700, 256, 1300, 300, 1400}, {1, 1, 300, 256, 600, 70, 256}};
+  const int hk = 2, group = 4;
+  int k = 0;
+  auto check = [&](Case c, const AttentionScenario& s, const std::vector<uint8_t>& cache,
+                   bool bf16, const std::string& name) {
+    for (int variant = 0; variant < 4; ++variant) {
+      c.options = AttentionOptions{};
+      c.window = 0;
+      if (variant == 1) c.options.tokens_per_split = 128;
+      if (variant == 2) c.window = 300;
+      if (variant == 3) c.options.leading_decode_seqs = 2;
+      std::vector<float> out[2], lse[2];
+      Errors e[2];
+      for (int tiles = 0; tiles < 2; ++tiles) {
+        c.options.prefill_tiles = tiles == 1;
+        c.keep_out = &out[tiles];
+        c.keep_lse = &lse[tiles];
+        e[tiles] = RunAndCompare(c, s, cache);
+      }
+      const std::string what =
+          fmt::format("{} variant {}: out {:.2e} lse {:.2e}", name, variant, e[1].out, e[1].lse);
+      EXPECT_TRUE(e[1].prefill && e[1].prefill_tiles) << what;
+      EXPECT_FALSE(e[0].prefill_tiles) << what;
+      EXPECT_EQ(e[1].bad, 0) << what;
+      // The precision bounds are PrefillKernelInHalfPrecision's; here the 3-bit values of these
+      // longer chunks reach 8.6e-3 either way.
+      const HalfBounds b = HalfBoundsOf(bf16);
+      EXPECT_LE(e[1].lse, b.lse) << what;
+      EXPECT_LE(e[1].out, 1.5 * std::max(b.out, 6e-3)) << what;
+      ASSERT_EQ(out[0].size(), out[1].size());
+      EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
+          << what;
+      EXPECT_EQ(std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)), 0)
+          << what;
+    }
+  };
+  for (const char* preset : kPresetNames) {
+    const int bs = 16 << (k % 3);
+    const Quantizer q = Quantizer::Create(preset, 128, hk, bs);
+    const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 950 + k++);
+    check(Case{.quantizer = &q}, s, s.base.cache, false, fmt::format("{} bs={}", preset, bs));
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int bs = 16 << (k % 3);
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", 128, hk, bs);
+    AttentionScenario s = BuildAttention(any, step.lens, step.q_lens, hk * group, 950 + k++);
+    for (float& x : s.queries) {
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(128, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    check(Case{.plain = &f}, s, cache, dtype == DType::kBF16,
+          fmt::format("{} bs={}", DTypeName(dtype), bs));
+  }
 }
 
 // A mixed step whose one-token sequences come first, as vLLM orders a step

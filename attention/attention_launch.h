@@ -23,6 +23,20 @@ inline constexpr int kWarps = 4;
 inline constexpr int kPrefillRows = 128;
 constexpr int KvTile(int head_dim) { return head_dim == 256 ? 32 : 64; }
 
+// ChunkParams::tiles: a sequence of at least kPrefillTilesMinQLen new tokens after at most
+// kPrefillTilesMaxPrefix times as many cached ones has the tiles of its own tokens dequantized
+// once (PrefillTilesFor), tile_slots = num_tokens / 64 + 2 · num_seqs tiles of kPrefillTileBytes
+// per KV head. Fewer new tokens: too few row tiles read each tile for a dequantization of their
+// own to pay. A longer prefix: the chunk's tiles are few of what each row tile reads, and their
+// 32 KB each take L2 from the prefix's raw tiles (H200, 2,048 new tokens after 32k: +1.6 % on
+// 4bit_nc, +3.3 % on k8v4 with them).
+inline constexpr int kPrefillTilesMinQLen = 256;
+inline constexpr int kPrefillTilesMaxPrefix = 4;
+inline constexpr int64_t kPrefillTileBytes = 32768;
+inline constexpr bool PrefillTilesFor(int q_len, int prefix) {
+  return q_len >= kPrefillTilesMinQLen && prefix <= kPrefillTilesMaxPrefix * q_len;
+}
+
 struct ChunkParams {
   const uint8_t* cache = nullptr;            // [num_blocks, block_bytes]
   const int32_t* block_tables = nullptr;     // [num_seqs, max_blocks_per_seq]
@@ -75,6 +89,14 @@ struct ChunkParams {
   // before it (GridDependencyWait, a no-op in an ordinary launch) only before its CTAs exit, so
   // that its completion still implies the decode's for the kernels after it.
   int programmatic = 0;
+  // The wgmma prefill kernel (AttentionPlan::prefill_tiles): the 64-token tiles of a long chunk's
+  // own tokens, from the tile holding its first new token on, dequantized once into the stages'
+  // layout, [num_kv_heads][tile_slots][32 KB] (attention_prefill_wgmma.cuh, FirstTileSlot), and
+  // copied into its stages rather than dequantized by every row tile; null: none. With
+  // `tiles_pass` LaunchPrefillAttention launches their dequantization instead of the attention.
+  uint8_t* tiles = nullptr;
+  int tile_slots = 0;
+  int tiles_pass = 0;
 };
 
 struct ChunkMergeParams {
@@ -134,6 +156,14 @@ cudaError_t LaunchPrefillAttention(KeyKind kind, int value_bits, int head_dim,
 // slot layouts and blocks of whole 8-token groups), which can rotate the query itself
 // (ChunkParams::query_fwht). Reads only p's cache-layout fields.
 bool PrefillRotatesQuery(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p);
+
+// Whether LaunchPrefillAttention(kind, value_bits, head_dim, p) runs the wgmma kernel on the
+// current device (every kind at head_dim 128 on compute capability 9.0, for the slot layouts it
+// was built for and blocks of whole 8-token groups), which can take dequantized tiles
+// (ChunkParams::tiles). Reads only p's cache-layout fields.
+bool PrefillTakesTiles(KeyKind kind, int value_bits, int head_dim, const ChunkParams& p);
+template <KeyKind kKind>
+bool PrefillTakesTilesOfKind(int value_bits, int head_dim, const ChunkParams& p);
 
 template <KeyKind kKind>
 cudaError_t LaunchPrefillOfKind(int value_bits, int head_dim, const ChunkParams& p,

@@ -474,9 +474,21 @@ cudaError_t LaunchPrefill(const ChunkParams& p, cudaStream_t stream) {
   return LaunchChunkGrid(kernel, grid, kWarps * 32, kSmem, stream, p);
 }
 
+// Whether LaunchPrefillOfBits<kKind, kValueBits>(head_dim, p, ..) runs the wgmma kernel here.
+template <KeyKind kKind, int kValueBits>
+bool WgmmaRunsOfBits(int head_dim, const ChunkParams& p) {
+  return head_dim == 128 && WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma();
+}
+
 // head_dim 64 and 128 (256 keeps the chunk kernel: its registers would not hold 32 rows).
 template <KeyKind kKind, int kValueBits>
 cudaError_t LaunchPrefillOfBits(int head_dim, const ChunkParams& p, cudaStream_t stream) {
+  if (p.tiles_pass) {  // the tiles the wgmma kernel takes (ChunkParams::tiles)
+    if (WgmmaRunsOfBits<kKind, kValueBits>(head_dim, p)) {
+      return LaunchDequantTiles<kKind, kValueBits>(p, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
   if (p.query_fwht) {  // only the wgmma kernel rotates the query itself
     if constexpr (!IsPlain(kKind)) {
       if (head_dim == 128 && WgmmaPrefillRuns<kKind, kValueBits>(p) && DeviceHasWgmma()) {

@@ -27,4 +27,15 @@ bool PrefillRotatesQuery(KeyKind kind, int value_bits, int head_dim, const Chunk
   return layout && DeviceHasWgmma();
 }
 
+template <>
+bool PrefillTakesTilesOfKind<KeyKind::kMse4>(int value_bits, int head_dim, const ChunkParams& p) {
+  return value_bits == 4 && WgmmaRunsOfBits<KeyKind::kMse4, 4>(head_dim, p);
+}
+
+template <>
+bool PrefillTakesTilesOfKind<KeyKind::kMse3>(int value_bits, int head_dim, const ChunkParams& p) {
+  return (value_bits == 3 && WgmmaRunsOfBits<KeyKind::kMse3, 3>(head_dim, p)) ||
+         (value_bits == 4 && WgmmaRunsOfBits<KeyKind::kMse3, 4>(head_dim, p));
+}
+
 }  // namespace tqkv::attention_detail

@@ -24,4 +24,19 @@ cudaError_t LaunchPrefillOfKind<KeyKind::kF16>(int value_bits, int head_dim,
   return LaunchPrefillOfBits<KeyKind::kF16, 16>(head_dim, p, stream);
 }
 
+template <>
+bool PrefillTakesTilesOfKind<KeyKind::kFp8>(int value_bits, int head_dim, const ChunkParams& p) {
+  return value_bits == 4 && WgmmaRunsOfBits<KeyKind::kFp8, 4>(head_dim, p);
+}
+
+template <>
+bool PrefillTakesTilesOfKind<KeyKind::kBf16>(int value_bits, int head_dim, const ChunkParams& p) {
+  return value_bits == 16 && WgmmaRunsOfBits<KeyKind::kBf16, 16>(head_dim, p);
+}
+
+template <>
+bool PrefillTakesTilesOfKind<KeyKind::kF16>(int value_bits, int head_dim, const ChunkParams& p) {
+  return value_bits == 16 && WgmmaRunsOfBits<KeyKind::kF16, 16>(head_dim, p);
+}
+
 }  // namespace tqkv::attention_detail

@@ -61,6 +61,19 @@ inline constexpr bool kWgKeysCopy = kKind == KeyKind::kFp8;
 inline constexpr int kValueShrink = 4;
 // How far (log2) a score may pass its row's softmax reference before the reference moves.
 inline constexpr float kLazyMax = 8.0f;
+// ChunkParams::tiles (attention_launch.h, PrefillTilesFor): a long chunk has the tiles of its own
+// tokens dequantized once (DequantTilesKernel, the producers' code); the kernel's producers copy
+// each into a stage, one bulk copy per tile, instead of dequantizing it again for every row tile
+// after it.
+inline constexpr uint32_t kWgTileBytes = kPrefillTileBytes;  // a stage: keys, then Vᵀ
+static_assert(kWgTileBytes == 2 * 64 * 128 + 128 * 128);
+
+// Sequence b's first slot in ChunkParams::tiles (of query_start_loc[b] = q_start): its new tokens
+// reach into at most q_len / 64 + 2 tiles, so the slots of consecutive sequences do not overlap,
+// and the last one ends before num_tokens / 64 + 2 · num_seqs (ChunkParams::tile_slots).
+__host__ __device__ __forceinline__ int FirstTileSlot(int q_start, int b) {
+  return q_start / kWgTile + 2 * b;
+}
 
 // A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
 // the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
@@ -94,6 +107,7 @@ struct WgLayout {
   static constexpr uint32_t kKAtom = kWgTile * 128;
   static constexpr uint32_t kKBytes = 2 * kKAtom;
   static constexpr uint32_t kStageBytes = kKBytes + kD * 128;
+  static_assert(kStageBytes == kWgTileBytes);
   static constexpr uint32_t kStage0 = kQ + 2 * kAtom;
   static constexpr uint32_t kFull = kStage0 + kWgStages * kStageBytes;  // uint64 [stages]
   static constexpr uint32_t kEmpty = kFull + 8 * kWgStages;
@@ -580,6 +594,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   // Tiles start on multiples of 64 (a sliding window's first tile masks the tokens before it).
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
+  // Tiles j_pre on (the one holding the first new token on) come dequantized (ChunkParams::tiles):
+  // the tile at token t in slot FirstTileSlot + t / 64 − ctx0 / 64 of pre_tiles.
+  const bool pre = p.tiles != nullptr && PrefillTilesFor(q_len, ctx0);
+  const int j_pre =
+      pre ? min(tiles, max(0, (ctx0 / kWgTile * kWgTile - loop_begin) / kWgTile)) : tiles;
+  const uint8_t* pre_tiles = pre ? p.tiles + int64_t{h} * p.tile_slots * kWgTileBytes : nullptr;
+  const int pre_slot0 = FirstTileSlot(q_start, b) - ctx0 / kWgTile;  // + the tile's token / 64
 
   // The split's block ids (one per thread, loaded here and stored after the query so that the two
   // loads overlap); the query rows rounded once to fp16 (rows past the sequence's: 0); the
@@ -611,7 +632,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                                    copy_thread >> 4,
                                                    copy_thread & 15,
                                                    1.0f / static_cast<float>(p.block_size)};
-  auto first_tile = [&](int i) { return i < tiles ? loop_begin + i * kWgTile : split_end; };
+  // (split_end: nothing copied, past the split or for a dequantized tile.)
+  auto first_tile = [&](int i) { return i < j_pre ? loop_begin + i * kWgTile : split_end; };
   int first_ids[L::kRawStages - 1];
 #pragma unroll
   for (int i = 0; i < L::kRawStages - 1; ++i) {
@@ -707,13 +729,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
                                        1.0f / static_cast<float>(p.block_size)};
       if (keys && WgRawLayout<kKind, kValueBits>::kMse) pr.LoadCodebook();
       const uint32_t raw0 = base + L::kRaw;  // tiles 0 .. kRawStages − 2: first_copies
-      for (int j = 0; j < tiles; ++j) {
+      for (int j = 0; j < j_pre; ++j) {
         if (copies) decode_detail::CopyAsyncWaitGroup<L::kRawStages - 2>();  // its copies of tile j
         // Every copy of tile j has landed, and raw tile j − 1 has been read.
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
         if (copies) {
           const int ahead = j + L::kRawStages - 1;
-          pr.Copy(ahead < tiles ? loop_begin + ahead * kWgTile : split_end,
+          pr.Copy(ahead < j_pre ? loop_begin + ahead * kWgTile : split_end,
                   raw0 + (ahead % L::kRawStages) * L::kRawBytes);
         }
         const int s = j % kWgStages;
@@ -733,6 +755,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
         }
         wgmma::FenceProxyAsync();
         wgmma::BarrierArrive(base + L::kFull + 8 * s);
+      }
+      // The dequantized tiles: one bulk copy each by the value warpgroup's first thread, whose
+      // arrival adds the copy's bytes to what the stage's barrier waits for.
+      for (int j = j_pre; j < tiles; ++j) {
+        const int s = j % kWgStages;
+        if (j >= kWgStages) wgmma::BarrierWait(base + L::kEmpty + 8 * s, (j / kWgStages + 1) & 1);
+        const uint32_t full = base + L::kFull + 8 * s;
+        if (!keys && thread == 0) {
+          wgmma::BarrierArriveExpectTx(full, kWgTileBytes);
+          wgmma::BulkCopy(base + L::kStage0 + s * L::kStageBytes,
+                          pre_tiles + int64_t{pre_slot0 + loop_begin / kWgTile + j} * kWgTileBytes,
+                          kWgTileBytes, full);
+        } else {
+          wgmma::BarrierArrive(full);
+        }
       }
       if (copies) decode_detail::CopyAsyncWait();
     };
@@ -969,10 +1006,71 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   GridDependencyWait();
 }
 
+// The dequantized tiles of ChunkParams::tiles: CTA (slot, KV head) finds its sequence (the last b
+// whose FirstTileSlot is at most the slot) and its tile, copies the tile's raw bytes into shared
+// memory (the value warpgroup, as the prefill kernel's producers) and writes the tile in the
+// stages' layout to global memory with the producers' own code: the key warpgroup the keys, the
+// value warpgroup Vᵀ (tokens at or past the sequence's end zero). So the prefill kernel reads the
+// same values whether its producers dequantize a tile or copy it.
+template <KeyKind kKind, int kValueBits>
+__global__ void __launch_bounds__(256) DequantTilesKernel(const ChunkParams p) {
+  using L = WgLayout<kKind, kValueBits>;
+  __shared__ __align__(128) uint8_t raw_tile[L::kRawBytes];
+  const int slot = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (FirstTileSlot(p.query_start_loc[mid], mid) <= slot) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int b = lo, q_start = p.query_start_loc[b];
+  const int q_len = p.query_start_loc[b + 1] - q_start;
+  const int seq_len = p.seq_lens[b];
+  if (!PrefillTilesFor(q_len, seq_len - q_len)) return;
+  const int tile_begin = ((seq_len - q_len) / kWgTile + slot - FirstTileSlot(q_start, b)) * kWgTile;
+  if (tile_begin >= seq_len) return;
+  const int thread = static_cast<int>(threadIdx.x & 127);
+  const bool keys = threadIdx.x < 128;
+  const WgProducer<kKind, kValueBits> pr{p,
+                                         raw_tile,
+                                         0,
+                                         p.block_tables + int64_t{b} * p.max_blocks_per_seq,
+                                         0,
+                                         h,
+                                         seq_len,
+                                         thread,
+                                         thread >> 4,
+                                         thread & 15,
+                                         1.0f / static_cast<float>(p.block_size)};
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(raw_tile));
+  if (!keys) pr.Copy(tile_begin, raw);
+  decode_detail::CopyAsyncWait();
+  __syncthreads();
+  uint8_t* out = p.tiles + (int64_t{h} * p.tile_slots + slot) * kWgTileBytes;
+  if constexpr (WgRawLayout<kKind, kValueBits>::kPlain) {
+    if (keys) {
+      pr.template StorePlain<true>(tile_begin, raw, out);
+    } else {
+      pr.template StorePlain<false>(tile_begin, raw, out);
+    }
+  } else if (keys) {
+    WgProducer<kKind, kValueBits> kp = pr;
+    if constexpr (WgRawLayout<kKind, kValueBits>::kMse) kp.LoadCodebook();
+    kp.template Store<true>(tile_begin, raw, out);
+  } else {
+    pr.template Store<false>(tile_begin, raw, out);
+  }
+}
+
 #else
 
 template <KeyKind kKind, int kValueBits>
 __global__ void PrefillWgmmaKernel(const ChunkParams p) {}  // launched only on sm_90
+template <KeyKind kKind, int kValueBits>
+__global__ void DequantTilesKernel(const ChunkParams p) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -994,6 +1092,16 @@ inline bool DeviceHasWgmma() {
     return false;
   }
   return major == 9 && minor == 0;
+}
+
+// ChunkParams::tiles: grid tile_slots · num_kv_heads.
+template <KeyKind kKind, int kValueBits>
+cudaError_t LaunchDequantTiles(const ChunkParams& p, cudaStream_t stream) {
+  if (p.tiles == nullptr || p.tile_slots < 1) return cudaErrorInvalidValue;
+  DequantTilesKernel<kKind, kValueBits>
+      <<<dim3(static_cast<unsigned>(p.tile_slots), static_cast<unsigned>(p.num_kv_heads)), 256, 0,
+         stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <KeyKind kKind, int kValueBits>

@@ -68,6 +68,22 @@ __device__ __forceinline__ void BarrierInit(uint32_t bar, int count) {
 __device__ __forceinline__ void BarrierArrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrives on the barrier and adds `bytes` to the transfers its phase waits for (BulkCopy).
+__device__ __forceinline__ void BarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory
+// by the copy engine, completing them on barrier `bar` (BarrierArriveExpectTx).
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
 // Waits for the completion of the barrier's phase of parity `parity`.
 __device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
