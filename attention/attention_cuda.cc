@@ -81,8 +81,11 @@ struct Sections {
   }
   int64_t Total() const { return Before(tiles) + tiles; }
 };
-// ChunkParams::tile_slots of a call, and the bytes of one tile (attention_launch.h).
-int64_t TileSlots(int64_t tokens, int64_t seqs) { return tokens / 64 + 2 * seqs; }
+// ChunkParams::tile_slots and tile_grid of a call, and the bytes of one tile (attention_launch.h).
+int64_t TileSlots(int64_t tokens, int64_t seqs) {
+  return tokens / 64 + 2 * std::min(seqs, tokens / 256);
+}
+int64_t TileGrid(int64_t tokens, int64_t seqs) { return tokens / 64 + 2 * seqs; }
 constexpr int64_t kTileBytes = 32768;
 #if TQKV_HAVE_CUDA
 static_assert(kTileBytes == attention_detail::kPrefillTileBytes);
@@ -503,6 +506,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     SetCacheLayout(s, tp);
     tp.tiles = tiles;
     tp.tile_slots = tile_slots;
+    tp.tile_grid = static_cast<int>(TileGrid(plan.num_tokens, plan.num_seqs));
     tp.tiles_pass = 1;
     TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, tp, stream));
   }

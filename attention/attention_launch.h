@@ -25,8 +25,8 @@ constexpr int KvTile(int head_dim) { return head_dim == 256 ? 32 : 64; }
 
 // ChunkParams::tiles: a sequence of at least kPrefillTilesMinQLen new tokens after at most
 // kPrefillTilesMaxPrefix times as many cached ones has the tiles of its own tokens dequantized
-// once (PrefillTilesFor), tile_slots = num_tokens / 64 + 2 · num_seqs tiles of kPrefillTileBytes
-// per KV head. Fewer new tokens: too few row tiles read each tile for a dequantization of their
+// once (PrefillTilesFor), in tile_slots = num_tokens / 64 + 2 · min(num_seqs, num_tokens / 256)
+// slots of kPrefillTileBytes per KV head. Fewer new tokens: too few row tiles read each tile for a dequantization of their
 // own to pay. A longer prefix: the chunk's tiles are few of what each row tile reads, and their
 // 32 KB each take L2 from the prefix's raw tiles (H200, 2,048 new tokens after 32k: +1.6 % on
 // 4bit_nc, +3.3 % on k8v4 with them).
@@ -93,9 +93,11 @@ struct ChunkParams {
   // own tokens, from the tile holding its first new token on, dequantized once into the stages'
   // layout, [num_kv_heads][tile_slots][32 KB] (attention_prefill_wgmma.cuh, FirstTileSlot), and
   // copied into its stages rather than dequantized by every row tile; null: none. With
-  // `tiles_pass` LaunchPrefillAttention launches their dequantization instead of the attention.
+  // `tiles_pass` LaunchPrefillAttention launches their dequantization instead of the attention,
+  // tile_grid = num_tokens / 64 + 2 · num_seqs CTAs per KV head.
   uint8_t* tiles = nullptr;
   int tile_slots = 0;
+  int tile_grid = 0;
   int tiles_pass = 0;
 };
 

@@ -68,12 +68,27 @@ inline constexpr float kLazyMax = 8.0f;
 inline constexpr uint32_t kWgTileBytes = kPrefillTileBytes;  // a stage: keys, then Vᵀ
 static_assert(kWgTileBytes == 2 * 64 * 128 + 128 * 128);
 
-// Sequence b's first slot in ChunkParams::tiles (of query_start_loc[b] = q_start): its new tokens
-// reach into at most q_len / 64 + 2 tiles, so the slots of consecutive sequences do not overlap,
-// and the last one ends before num_tokens / 64 + 2 · num_seqs (ChunkParams::tile_slots).
-__host__ __device__ __forceinline__ int FirstTileSlot(int q_start, int b) {
-  return q_start / kWgTile + 2 * b;
+#if defined(__CUDA_ARCH__)
+// Whether sequence i takes dequantized tiles (PrefillTilesFor).
+__device__ __forceinline__ bool TakesTiles(const ChunkParams& p, int i) {
+  const int q_len = p.query_start_loc[i + 1] - p.query_start_loc[i];
+  return PrefillTilesFor(q_len, p.seq_lens[i] - q_len);
 }
+
+// Sequence b's first slot in ChunkParams::tiles (q_start = query_start_loc[b]): q_start / 64 + 2 ·
+// the sequences before b that take tiles. Those have at least 256 new tokens each, which reach
+// into at most q_len / 64 + 2 tiles: the slots of two such sequences do not overlap, and the last
+// ends before num_tokens / 64 + 2 · (num_tokens / 256) (ChunkParams::tile_slots). Every thread of
+// the CTA calls it (a barrier per blockDim.x sequences before b).
+__device__ __forceinline__ int FirstTileSlot(const ChunkParams& p, int b, int q_start) {
+  int before = 0;
+  for (int i0 = 0; i0 < b; i0 += static_cast<int>(blockDim.x)) {
+    const int i = i0 + static_cast<int>(threadIdx.x);
+    before += __syncthreads_count(i < b && TakesTiles(p, i));
+  }
+  return q_start / kWgTile + 2 * before;
+}
+#endif
 
 // A tile's raw bytes as the cache holds them: each token's slot (key codes then value codes) and
 // the tokens' fp16 metadata, per field in 8-token groups. Only the layouts of head_dim 128 whose
@@ -595,12 +610,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;
   // Tiles j_pre on (the one holding the first new token on) come dequantized (ChunkParams::tiles):
-  // the tile at token t in slot FirstTileSlot + t / 64 − ctx0 / 64 of pre_tiles.
+  // the tile at token t in slot pre_slot0 + t / 64 of pre_tiles (pre_slot0 below).
   const bool pre = p.tiles != nullptr && PrefillTilesFor(q_len, ctx0);
   const int j_pre =
       pre ? min(tiles, max(0, (ctx0 / kWgTile * kWgTile - loop_begin) / kWgTile)) : tiles;
   const uint8_t* pre_tiles = pre ? p.tiles + int64_t{h} * p.tile_slots * kWgTileBytes : nullptr;
-  const int pre_slot0 = FirstTileSlot(q_start, b) - ctx0 / kWgTile;  // + the tile's token / 64
 
   // The split's block ids (one per thread, loaded here and stored after the query so that the two
   // loads overlap); the query rows rounded once to fp16 (rows past the sequence's: 0); the
@@ -699,6 +713,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     }
   }
   wgmma::FenceProxyAsync();  // the query, for the MMAs
+  // (After the query's loads and the first copies, so that its loads and barriers overlap them.)
+  const int pre_slot0 = pre ? FirstTileSlot(p, b, q_start) - ctx0 / kWgTile : 0;
   __syncthreads();
 
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
@@ -1006,8 +1022,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   GridDependencyWait();
 }
 
-// The dequantized tiles of ChunkParams::tiles: CTA (slot, KV head) finds its sequence (the last b
-// whose FirstTileSlot is at most the slot) and its tile, copies the tile's raw bytes into shared
+// The dequantized tiles of ChunkParams::tiles: CTA (x, KV head) finds its sequence (the last b with
+// query_start_loc[b] / 64 + 2b at most x: every sequence has q_len / 64 + 2 values of x) and its
+// tile, copies the tile's raw bytes into shared
 // memory (the value warpgroup, as the prefill kernel's producers) and writes the tile in the
 // stages' layout to global memory with the producers' own code: the key warpgroup the keys, the
 // value warpgroup Vᵀ (tokens at or past the sequence's end zero). So the prefill kernel reads the
@@ -1016,11 +1033,12 @@ template <KeyKind kKind, int kValueBits>
 __global__ void __launch_bounds__(256) DequantTilesKernel(const ChunkParams p) {
   using L = WgLayout<kKind, kValueBits>;
   __shared__ __align__(128) uint8_t raw_tile[L::kRawBytes];
-  const int slot = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  const int x = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  auto first_x = [&](int b) { return p.query_start_loc[b] / kWgTile + 2 * b; };
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (FirstTileSlot(p.query_start_loc[mid], mid) <= slot) {
+    if (first_x(mid) <= x) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -1030,8 +1048,10 @@ __global__ void __launch_bounds__(256) DequantTilesKernel(const ChunkParams p) {
   const int q_len = p.query_start_loc[b + 1] - q_start;
   const int seq_len = p.seq_lens[b];
   if (!PrefillTilesFor(q_len, seq_len - q_len)) return;
-  const int tile_begin = ((seq_len - q_len) / kWgTile + slot - FirstTileSlot(q_start, b)) * kWgTile;
-  if (tile_begin >= seq_len) return;
+  const int tile = (seq_len - q_len) / kWgTile + x - first_x(b);
+  if (tile * kWgTile >= seq_len) return;
+  const int tile_begin = tile * kWgTile;
+  const int slot = FirstTileSlot(p, b, q_start) + tile - (seq_len - q_len) / kWgTile;
   const int thread = static_cast<int>(threadIdx.x & 127);
   const bool keys = threadIdx.x < 128;
   const WgProducer<kKind, kValueBits> pr{p,
@@ -1094,12 +1114,12 @@ inline bool DeviceHasWgmma() {
   return major == 9 && minor == 0;
 }
 
-// ChunkParams::tiles: grid tile_slots · num_kv_heads.
+// ChunkParams::tiles: grid tile_grid · num_kv_heads.
 template <KeyKind kKind, int kValueBits>
 cudaError_t LaunchDequantTiles(const ChunkParams& p, cudaStream_t stream) {
-  if (p.tiles == nullptr || p.tile_slots < 1) return cudaErrorInvalidValue;
+  if (p.tiles == nullptr || p.tile_slots < 1 || p.tile_grid < 1) return cudaErrorInvalidValue;
   DequantTilesKernel<kKind, kValueBits>
-      <<<dim3(static_cast<unsigned>(p.tile_slots), static_cast<unsigned>(p.num_kv_heads)), 256, 0,
+      <<<dim3(static_cast<unsigned>(p.tile_grid), static_cast<unsigned>(p.num_kv_heads)), 256, 0,
          stream>>>(p);
   return cudaGetLastError();
 }
