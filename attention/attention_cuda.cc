@@ -72,8 +72,8 @@ struct Sections {
   int64_t tiles = 0;
   int64_t Before(const int64_t& section) const {  // the offset of a section of this struct
     int64_t at = 0;
-    for (const int64_t* x : {&query, &partial_out, &partial_lse, &rows_query, &rows_lens,
-                             &rows_out, &rows_lse, &rows_workspace, &tiles}) {
+    for (const int64_t* x : {&query, &partial_out, &partial_lse, &rows_query, &rows_lens, &rows_out,
+                             &rows_lse, &rows_workspace, &tiles}) {
       if (x == &section) return at;
       at += *x;
     }

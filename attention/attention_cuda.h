@@ -126,8 +126,9 @@ struct AttentionPlan {
   bool prefill_rotates = false;
   // The prefill kernel takes the tiles of long chunks' own tokens dequantized once, into the
   // workspace, rather than dequantizing each for every row tile (the wgmma kernel, every kind;
-  // sequences of 256 new tokens or more): 32 KB per 64 new tokens and KV head, plus 64 KB per 256
-  // new tokens (or per sequence, if fewer) and KV head, whatever the context before the chunk.
+  // sequences of 256 new tokens or more after at most 4x as many cached ones, found on the
+  // device): 32 KB per 64 new tokens and KV head, plus 64 KB per 256 new tokens (or per sequence,
+  // if fewer) and KV head, whatever the context before the chunk.
   bool prefill_tiles = false;
   // The chunk kernel: 16 · row_warps query rows per CTA (1, 2 or 4); row-tile slots per KV head
   // (every sequence's tiles, and one slot each more), context tokens per split, splits.

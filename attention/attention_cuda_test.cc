@@ -595,8 +595,8 @@ TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
   const Step step{{1, 1, 700, 256, 1300, 300, 1400}, {1, 1, 300, 256, 600, 70, 256}};
   const int hk = 2, group = 4;
   int k = 0;
-  auto check = [&](Case c, const AttentionScenario& s, const std::vector<uint8_t>& cache,
-                   bool bf16, const std::string& name) {
+  auto check = [&](Case c, const AttentionScenario& s, const std::vector<uint8_t>& cache, bool bf16,
+                   const std::string& name) {
     for (int variant = 0; variant < 4; ++variant) {
       c.options = AttentionOptions{};
       c.window = 0;

@@ -26,10 +26,10 @@ constexpr int KvTile(int head_dim) { return head_dim == 256 ? 32 : 64; }
 // ChunkParams::tiles: a sequence of at least kPrefillTilesMinQLen new tokens after at most
 // kPrefillTilesMaxPrefix times as many cached ones has the tiles of its own tokens dequantized
 // once (PrefillTilesFor), in tile_slots = num_tokens / 64 + 2 · min(num_seqs, num_tokens / 256)
-// slots of kPrefillTileBytes per KV head. Fewer new tokens: too few row tiles read each tile for a dequantization of their
-// own to pay. A longer prefix: the chunk's tiles are few of what each row tile reads, and their
-// 32 KB each take L2 from the prefix's raw tiles (H200, 2,048 new tokens after 32k: +1.6 % on
-// 4bit_nc, +3.3 % on k8v4 with them).
+// slots of kPrefillTileBytes per KV head. Fewer new tokens: too few row tiles read each tile for
+// a dequantization of their own to pay. A longer prefix: the chunk's tiles are few of what each
+// row tile reads, and their 32 KB each take L2 from the prefix's raw tiles (H200, 2,048 new
+// tokens after 32k: +1.6 % on 4bit_nc with them).
 inline constexpr int kPrefillTilesMinQLen = 256;
 inline constexpr int kPrefillTilesMaxPrefix = 4;
 inline constexpr int64_t kPrefillTileBytes = 32768;
