@@ -1,5 +1,6 @@
 #include "tests/attention_scenario.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "attention/attention_cpu.h"
@@ -81,16 +82,35 @@ void ReferenceAttention(const Quantizer* q, const Bf16BlockFormat* plain,
   out.assign(static_cast<size_t>(s.num_tokens) * hq * d, 0.0f);
   lse.assign(static_cast<size_t>(s.num_tokens) * hq, 0.0f);
   const AttentionArgs all = HostArgs(s, cache);
-  ParallelFor(all.num_seqs, [&](int b) {
-    const int32_t begin = s.query_start_loc[b];
-    const int32_t loc[2] = {0, s.query_start_loc[b + 1] - begin};
+  // Pieces of at most kPieceRows new tokens: a row sees the positions up to its own only, so new
+  // tokens i0 .. i1 − 1 of a sequence of q_len are the same rows of that sequence cut after new
+  // token i1 − 1, with i1 − i0 new tokens. The pieces run in parallel (a long chunk would keep one
+  // core busy for all of its rows).
+  constexpr int32_t kPieceRows = 32;
+  struct Piece {
+    int b;
+    int32_t i0, i1;
+  };
+  std::vector<Piece> pieces;
+  for (int b = 0; b < all.num_seqs; ++b) {
+    const int32_t q_len = s.query_start_loc[b + 1] - s.query_start_loc[b];
+    for (int32_t i0 = 0; i0 < q_len; i0 += kPieceRows) {
+      pieces.push_back({b, i0, std::min(q_len, i0 + kPieceRows)});
+    }
+  }
+  ParallelFor(static_cast<int>(pieces.size()), [&](int k) {
+    const Piece& piece = pieces[k];
+    const int32_t q_len = s.query_start_loc[piece.b + 1] - s.query_start_loc[piece.b];
+    const int32_t begin = s.query_start_loc[piece.b] + piece.i0;
+    const int32_t loc[2] = {0, piece.i1 - piece.i0};
+    const int32_t len = all.seq_lens[piece.b] - (q_len - piece.i1);
     AttentionArgs one = all;
     one.num_seqs = 1;
     one.num_tokens = loc[1];
     one.query_start_loc = loc;
     one.query = s.queries.data() + int64_t{begin} * hq * d;
-    one.block_tables = all.block_tables + int64_t{b} * all.max_blocks_per_seq;
-    one.seq_lens = all.seq_lens + b;
+    one.block_tables = all.block_tables + int64_t{piece.b} * all.max_blocks_per_seq;
+    one.seq_lens = &len;
     one.sliding_window = sliding_window;
     one.output = out.data() + int64_t{begin} * hq * d;
     one.lse = lse.data() + int64_t{begin} * hq;

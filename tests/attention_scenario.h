@@ -33,8 +33,8 @@ std::vector<uint8_t> StorePlain(AttentionScenario& s, const Bf16BlockFormat& f);
 // Host arguments over the scenario (F32 query; output and lse left null).
 AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& cache);
 
-// AttentionCpu of the whole scenario, one sequence per task on all cores, F32 outputs:
-// out [T, Hq, D], lse [T, Hq].
+// AttentionCpu of the whole scenario, pieces of up to 32 new tokens of a sequence per task on all
+// cores, F32 outputs: out [T, Hq, D], lse [T, Hq].
 void ReferenceAttention(const Quantizer* q, const Bf16BlockFormat* plain,
                         const AttentionScenario& s, const std::vector<uint8_t>& cache,
                         int32_t sliding_window, std::vector<float>& out, std::vector<float>& lse);
