@@ -26,7 +26,10 @@
 //                           in registers (the softmax scale in the exponent's FMA), O += P · V
 //                           (4 wgmma 64×128×16, P from registers).
 // A stage's "full" barrier completes when both producer warpgroups have written it, its "empty"
-// barrier when both consumer warpgroups are done with it.
+// barrier when both consumer warpgroups are done with it. The tiles of a long chunk's own tokens
+// come dequantized (ChunkParams::tiles, written before by DequantTilesKernel with the producers'
+// code): the value warpgroup's first thread copies each into its stage with one bulk copy, whose
+// bytes the full barrier waits for.
 #pragma once
 
 #include <cuda_bf16.h>
