@@ -81,16 +81,8 @@ struct Sections {
   }
   int64_t Total() const { return Before(tiles) + tiles; }
 };
-// ChunkParams::tile_slots and tile_grid of a call, and the bytes of one tile (attention_launch.h).
-int64_t TileSlots(int64_t tokens, int64_t seqs) {
-  return tokens / 64 + 2 * std::min(seqs, tokens / 256);
-}
-int64_t TileGrid(int64_t tokens, int64_t seqs) { return tokens / 64 + 2 * seqs; }
-constexpr int64_t kTileBytes = 32768;
-#if TQKV_HAVE_CUDA
-static_assert(kTileBytes == attention_detail::kPrefillTileBytes);
-#endif
-Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d, int hk) {
+Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d,
+                           [[maybe_unused]] int hk) {
   const int64_t rows = int64_t{plan.num_tokens} * plan.num_q_heads;
   Sections s;
   s.query = rotate ? AlignUp(rows * d * 4) : 0;
@@ -107,9 +99,12 @@ Sections WorkspaceSections(bool rotate, const AttentionPlan& plan, int d, int hk
     s.rows_lse = AlignUp(seq_rows * 4);
     s.rows_workspace = AlignUp(plan.decode_plan.workspace_bytes);
   }
+#if TQKV_HAVE_CUDA
   if (plan.prefill_tiles) {
-    s.tiles = AlignUp(TileSlots(plan.num_tokens, plan.num_seqs) * hk * kTileBytes);
+    s.tiles = AlignUp(attention_detail::PrefillTileSlots(plan.num_tokens, plan.num_seqs) * hk *
+                      attention_detail::kPrefillTileBytes);
   }
+#endif
   return s;
 }
 
@@ -491,7 +486,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   // The dequantized tiles (AttentionPlan::prefill_tiles), written first: the prefill kernel may
   // start before the leading rows' decode ends, not before it starts.
   uint8_t* const tiles = plan.prefill_tiles ? ws + w.Before(w.tiles) : nullptr;
-  const int tile_slots = static_cast<int>(TileSlots(plan.num_tokens, plan.num_seqs));
+  const int tile_slots = static_cast<int>(PrefillTileSlots(plan.num_tokens, plan.num_seqs));
   if (tiles != nullptr) {
     ChunkParams tp;
     tp.cache = a.cache.data;
@@ -506,7 +501,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     SetCacheLayout(s, tp);
     tp.tiles = tiles;
     tp.tile_slots = tile_slots;
-    tp.tile_grid = static_cast<int>(TileGrid(plan.num_tokens, plan.num_seqs));
+    tp.tile_grid = static_cast<int>(PrefillTileGrid(plan.num_tokens, plan.num_seqs));
     tp.tiles_pass = 1;
     TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, tp, stream));
   }

@@ -29,6 +29,8 @@
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "attention/attention_launch.h"
+
 #include "runtime/cuda_check.h"
 #endif
 
@@ -647,6 +649,52 @@ TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
     check(Case{.plain = &f}, s, cache, dtype == DType::kBF16,
           fmt::format("{} bs={}", DTypeName(dtype), bs));
   }
+}
+
+// The slots of the dequantized tiles (host arithmetic, no device): for random calls (one-token
+// rows, short and long chunks after short and long prefixes, leading rows before the prefill
+// kernel's sequences), the sequences that take tiles get disjoint slot ranges inside
+// PrefillTileSlots of the whole call, and each has as many CTAs of the dequantization grid as
+// tiles, inside PrefillTileGrid.
+TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
+  using namespace attention_detail;
+  std::mt19937 rng(2026);
+  std::uniform_int_distribution<int> kind(0, 3), seqs(1, 40), lead_of(0, 8), prefix_of(0, 30000);
+  std::uniform_int_distribution<int> short_len(2, kPrefillTilesMinQLen - 1), long_len(256, 5000);
+  int takers_seen = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int lead = lead_of(rng), n = seqs(rng);
+    std::vector<int> q_len(n), prefix(n);
+    for (int b = 0; b < n; ++b) {
+      const int k = kind(rng);
+      q_len[b] = k == 0 ? 1 : k == 1 ? short_len(rng) : k == 2 ? long_len(rng) : 0;
+      prefix[b] = prefix_of(rng) % (k == 2 && rng() % 2 ? 2 * q_len[b] + 1 : 30001);
+    }
+    int tokens = lead;  // the leading one-token rows come first in the call
+    std::vector<int> q_start(n + 1);
+    for (int b = 0; b < n; ++b) {
+      q_start[b] = tokens;
+      tokens += q_len[b];
+    }
+    q_start[n] = tokens;
+    const int64_t slots = PrefillTileSlots(tokens, lead + n);
+    const int64_t grid = PrefillTileGrid(tokens, lead + n);
+    int takers = 0, end = 0;
+    for (int b = 0; b < n; ++b) {
+      if (!PrefillTilesFor(q_len[b], prefix[b])) continue;
+      const int first = PrefillFirstTileSlot(q_start[b], takers++);
+      const int count = PrefillTilesOf(q_len[b], prefix[b]);
+      ASSERT_GE(first, end) << "trial " << trial << " sequence " << b;
+      end = first + count;
+      ASSERT_LE(end, slots) << "trial " << trial << " sequence " << b;
+      // The grid's CTAs of b (relative to the kernel's first sequence): q_start / 64 + 2 · b on.
+      const int64_t x0 = q_start[b] / 64 + 2 * b;
+      const int64_t x1 = b + 1 < n ? q_start[b + 1] / 64 + 2 * (b + 1) : grid;
+      ASSERT_LE(x0 + count, x1) << "trial " << trial << " sequence " << b;
+    }
+    takers_seen += takers;
+  }
+  EXPECT_GT(takers_seen, 20000);  // the calls did have sequences that take tiles
 }
 
 // A mixed step whose one-token sequences come first, as vLLM orders a step

@@ -36,6 +36,27 @@ inline constexpr int64_t kPrefillTileBytes = 32768;
 inline constexpr bool PrefillTilesFor(int q_len, int prefix) {
   return q_len >= kPrefillTilesMinQLen && prefix <= kPrefillTilesMaxPrefix * q_len;
 }
+// The slots of ChunkParams::tiles per KV head for a call of `tokens` new tokens in `seqs`
+// sequences, and the CTAs per KV head of their dequantization (a sequence of q_len new tokens has
+// q_len / 64 + 2 of them: from query_start_loc[b] / 64 + 2 · b on).
+inline constexpr int64_t PrefillTileSlots(int64_t tokens, int64_t seqs) {
+  return tokens / 64 + 2 * (seqs < tokens / 256 ? seqs : tokens / 256);
+}
+inline constexpr int64_t PrefillTileGrid(int64_t tokens, int64_t seqs) {
+  return tokens / 64 + 2 * seqs;
+}
+// A sequence's first slot, given its first new token's place in the call (query_start_loc[b]) and
+// how many sequences before it take tiles: those have at least kPrefillTilesMinQLen new tokens
+// each, and each reaches into at most q_len / 64 + 2 tiles (PrefillTilesOf), so no two overlap
+// and the last ends within PrefillTileSlots (PrefillTileSlotsHoldEveryCall checks it).
+inline constexpr int PrefillFirstTileSlot(int q_start, int takers_before) {
+  return q_start / 64 + 2 * takers_before;
+}
+// The tiles a sequence's new tokens reach into: from the one holding its first to the one holding
+// its last (q_len >= 1).
+inline constexpr int PrefillTilesOf(int q_len, int prefix) {
+  return (prefix + q_len - 1) / 64 - prefix / 64 + 1;
+}
 
 struct ChunkParams {
   const uint8_t* cache = nullptr;            // [num_blocks, block_bytes]

@@ -78,18 +78,16 @@ __device__ __forceinline__ bool TakesTiles(const ChunkParams& p, int i) {
   return PrefillTilesFor(q_len, p.seq_lens[i] - q_len);
 }
 
-// Sequence b's first slot in ChunkParams::tiles (q_start = query_start_loc[b]): q_start / 64 + 2 ·
-// the sequences before b that take tiles. Those have at least 256 new tokens each, which reach
-// into at most q_len / 64 + 2 tiles: the slots of two such sequences do not overlap, and the last
-// ends before num_tokens / 64 + 2 · (num_tokens / 256) (ChunkParams::tile_slots). Every thread of
-// the CTA calls it (a barrier per blockDim.x sequences before b).
+// Sequence b's first slot in ChunkParams::tiles (q_start = query_start_loc[b];
+// PrefillFirstTileSlot of the sequences before b that take tiles). Every thread of the CTA calls
+// it (a barrier per blockDim.x sequences before b).
 __device__ __forceinline__ int FirstTileSlot(const ChunkParams& p, int b, int q_start) {
   int before = 0;
   for (int i0 = 0; i0 < b; i0 += static_cast<int>(blockDim.x)) {
     const int i = i0 + static_cast<int>(threadIdx.x);
     before += __syncthreads_count(i < b && TakesTiles(p, i));
   }
-  return q_start / kWgTile + 2 * before;
+  return PrefillFirstTileSlot(q_start, before);
 }
 #endif
 
@@ -1037,7 +1035,7 @@ __global__ void __launch_bounds__(256) DequantTilesKernel(const ChunkParams p) {
   using L = WgLayout<kKind, kValueBits>;
   __shared__ __align__(128) uint8_t raw_tile[L::kRawBytes];
   const int x = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
-  auto first_x = [&](int b) { return p.query_start_loc[b] / kWgTile + 2 * b; };
+  auto first_x = [&](int b) { return p.query_start_loc[b] / kWgTile + 2 * b; };  // PrefillTileGrid
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
