@@ -821,114 +821,189 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   float o[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
-  // The warp's 16 query rows as the MMAs' A fragments (one per 16 dims), read once: S = Q · Kᵀ
-  // then takes only the keys from shared memory, whose bandwidth the MMAs with both operands
-  // there would fill on their own.
-  uint32_t qa[kD / 16][4];
-  {
-    const int r = 64 * wg + 16 * wl + (lane & 7) + 8 * ((lane >> 3) & 1);
+  // The warp's 16 query rows as the MMAs' A fragments (one per 16 dims), so that S = Q · Kᵀ takes
+  // only the keys from shared memory, whose bandwidth the MMAs with both operands there would
+  // fill on their own.
+  const int q_row = 64 * wg + 16 * wl + (lane & 7) + 8 * ((lane >> 3) & 1);
+  auto load_query = [&](uint32_t(&qa)[kD / 16][4]) {
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       LdMatrixX4(base + L::kQ + (ks >> 2) * L::kAtom +
-                     wgmma::SwizzledChunk(r, 2 * (ks & 3) + (lane >> 4)),
+                     wgmma::SwizzledChunk(q_row, 2 * (ks & 3) + (lane >> 4)),
                  qa[ks]);
     }
-  }
+  };
   float s[32];
-  for (int j = 0; j < tiles; ++j) {
-    const int st = j % kWgStages;
-    const uint32_t stage = base + L::kStage0 + st * L::kStageBytes;
+  uint32_t a[kWgTile / 16][4];  // P of the tile whose P · V is next, as the MMAs' A fragments
+  // The warpgroup's tiles: those that start at or before its last row's position (the causal
+  // diagonal); it waits for and releases the others without reading them.
+  const int wg_tiles =
+      wg_last_pos >= loop_begin ? min(tiles, (wg_last_pos - loop_begin) / kWgTile + 1) : 0;
+  auto wait_full = [&](int j) {
+    wgmma::BarrierWait(base + L::kFull + 8 * (j % kWgStages), (j / kWgStages) & 1);
+  };
+  auto release = [&](int j) {
+    __syncwarp();
+    if (lane == 0) wgmma::BarrierArrive(base + L::kEmpty + 8 * (j % kWgStages));
+  };
+  auto stage_desc = [&](int j) {
+    return wgmma::DescriptorLow(base + L::kStage0 + (j % kWgStages) * L::kStageBytes);
+  };
+  // S = Q · Kᵀ of tile j, 16 dims per step (the softmax scale comes in the exponent).
+  auto issue_scores = [&](int j, const uint32_t(&qa)[kD / 16][4]) {
+    const uint32_t k_desc = stage_desc(j);
+    wgmma::Fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
+      wgmma::MmaRS64x64<kBf16>(s, qa[ks],
+                               wgmma::DescriptorOf(k_desc + ((ks >> 2) * L::kKAtom + off) / 16),
+                               ks > 0);
+    }
+    wgmma::Commit();
+  };
+  // O += P · V of tile j (P in a), 16 tokens per step.
+  auto issue_values = [&](int j) {
+    const uint32_t k_desc = stage_desc(j);
+    wgmma::Fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgTile / 16; ++kk) {
+      wgmma::MmaRS64x128<kBf16>(o, a[kk],
+                                wgmma::DescriptorOf(k_desc + (L::kKBytes + 32 * kk) / 16));
+    }
+    wgmma::Commit();
+  };
+  // Tile j's scores in s masked, then P = 2^(s · scale − ref + shift) in s (fp32) and l += P:
+  // online softmax in the log2 domain with a lazy maximum. m, the reference of a row's exponents,
+  // moves only when a score passes it by more than kLazyMax, so P ≤ 2^(kLazyMax + kShift), which
+  // fp16 holds (shift: the values' kValueShrink); the softmax scale, a positive uniform factor, is
+  // applied in the exponent. Where m moves, l is rescaled here and O must be by `alpha` once the
+  // P · V in flight has completed: the return value says so (most tiles: no).
+  auto softmax = [&](int j, float (&alpha)[2]) {
     const int tile_begin = loop_begin + j * kWgTile;
-    wgmma::BarrierWait(base + L::kFull + 8 * st, (j / kWgStages) & 1);
-    if (tile_begin <= wg_last_pos) {  // the warpgroup's rows see part of the tile
-      // S = Q · Kᵀ, 16 dims per step (the softmax scale comes in the exponent).
-      const uint32_t k_desc = wgmma::DescriptorLow(stage);
-      wgmma::Fence();
-#pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) {
-        const uint32_t off = (ks & 3) * 32;  // the step's bytes into the atom's rows
-        wgmma::MmaRS64x64<kBf16>(s, qa[ks],
-                                 wgmma::DescriptorOf(k_desc + ((ks >> 2) * L::kKAtom + off) / 16),
-                                 ks > 0);
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      // Mask: tiles wholly inside the split and before the warp's first row need none.
-      const bool unmasked = p.sliding_window == 0 && tile_begin >= split_begin &&
-                            tile_begin + kWgTile <= split_end &&
-                            tile_begin + kWgTile - 1 <= warp_first_pos;
-      if (!unmasked) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          const int t = tile_begin + 8 * (i / 4) + 2 * tq + (i & 1), pos = row_pos[(i >> 1) & 1];
-          const bool keep = t >= split_begin && t < split_end && t <= pos &&
-                            (p.sliding_window == 0 || t > pos - p.sliding_window);
-          s[i] = keep ? s[i] : -INFINITY;
-        }
-      }
-      // Online softmax in the log2 domain with a lazy maximum: m, the reference of a row's
-      // exponents, moves (and O, l are rescaled) only when a score passes it by more than
-      // kLazyMax, so P = 2^(s · scale − m + shift) ≤ 2^(kLazyMax + kShift), which fp16 holds; the
-      // softmax scale, a positive uniform factor, is applied in the exponent. Most tiles then
-      // take no shuffles and no rescale of O.
-      float mx[2];
-      bool over = false;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        mx[k] = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < kWgTile / 8; ++n) {
-          mx[k] = fmaxf(mx[k], fmaxf(s[4 * n + 2 * k], s[4 * n + 2 * k + 1]));
-        }
-        over |= mx[k] * p.score_scale > m[k] + kLazyMax;
-      }
-      if (__any_sync(0xffffffffu, over)) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 1));
-          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 2));
-          const float m_new = fmaxf(m[k], mx[k] * p.score_scale);
-          const float alpha = m_new == -INFINITY ? 1.0f : decode_detail::FastExp2(m[k] - m_new);
-          m[k] = m_new;
-          l[k] *= alpha;
-#pragma unroll
-          for (int n = 0; n < kD / 8; ++n) {
-            o[4 * n + 2 * k] *= alpha;
-            o[4 * n + 2 * k + 1] *= alpha;
-          }
-        }
-      }
-      const float ref[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
-      // P = 2^(s · scale − ref + shift) (shift: the values' kValueShrink), rounded to fp16
-      // (bf16) for the MMA; l sums P.
-      const float shift[2] = {kShift - ref[0], kShift - ref[1]};
+    // Tiles wholly inside the split and before the warp's first row need no mask.
+    const bool unmasked = p.sliding_window == 0 && tile_begin >= split_begin &&
+                          tile_begin + kWgTile <= split_end &&
+                          tile_begin + kWgTile - 1 <= warp_first_pos;
+    if (!unmasked) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
-        const int k = (i >> 1) & 1;
-        const float w = decode_detail::FastExp2(fmaf(s[i], p.score_scale, shift[k]));
-        l[k] += w;
-        s[i] = w;
+        const int t = tile_begin + 8 * (i / 4) + 2 * tq + (i & 1), pos = row_pos[(i >> 1) & 1];
+        const bool keep = t >= split_begin && t < split_end && t <= pos &&
+                          (p.sliding_window == 0 || t > pos - p.sliding_window);
+        s[i] = keep ? s[i] : -INFINITY;
       }
-      uint32_t a[kWgTile / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kWgTile / 16; ++kk) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          a[kk][e] = decode_detail::PackPlain<!kBf16>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-        }
-      }
-      // O += P · V, 16 tokens per step.
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kWgTile / 16; ++kk) {
-        wgmma::MmaRS64x128<kBf16>(o, a[kk],
-                                  wgmma::DescriptorOf(k_desc + (L::kKBytes + 32 * kk) / 16));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
     }
-    __syncwarp();
-    if (lane == 0) wgmma::BarrierArrive(base + L::kEmpty + 8 * st);
+    float mx[2];
+    bool over = false;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      mx[k] = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kWgTile / 8; ++n) {
+        mx[k] = fmaxf(mx[k], fmaxf(s[4 * n + 2 * k], s[4 * n + 2 * k + 1]));
+      }
+      over |= mx[k] * p.score_scale > m[k] + kLazyMax;
+    }
+    const bool moved = __any_sync(0xffffffffu, over);
+    if (moved) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 1));
+        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 2));
+        const float m_new = fmaxf(m[k], mx[k] * p.score_scale);
+        alpha[k] = m_new == -INFINITY ? 1.0f : decode_detail::FastExp2(m[k] - m_new);
+        m[k] = m_new;
+        l[k] *= alpha[k];
+      }
+    }
+    const float ref[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
+    const float shift[2] = {kShift - ref[0], kShift - ref[1]};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int k = (i >> 1) & 1;
+      const float w = decode_detail::FastExp2(fmaf(s[i], p.score_scale, shift[k]));
+      l[k] += w;
+      s[i] = w;
+    }
+    return moved;
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+  };
+  // P rounded to fp16 (bf16) for the MMA.
+  auto pack = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kWgTile / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a[kk][e] = decode_detail::PackPlain<!kBf16>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      }
+    }
+  };
+  if (2 * j_pre < tiles) {
+    // Most tiles come dequantized (ChunkParams::tiles), so the consumers bound the CTA:
+    // FlashAttention-3's order within the warpgroup. Tile j + 1's S = Q · Kᵀ is issued before tile
+    // j's P · V, and its softmax runs while that P · V does; O is rescaled, P packed and tile j's
+    // stage released once the P · V has completed. The query's fragments are read for each tile
+    // (held across the loop they would leave too few registers).
+    if (wg_tiles > 0) {
+      float alpha[2];
+      wait_full(0);
+      {
+        uint32_t qa[kD / 16][4];
+        load_query(qa);
+        issue_scores(0, qa);
+      }
+      wgmma::Wait<0>();
+      if (softmax(0, alpha)) rescale(alpha);
+      pack();
+      for (int j = 0; j + 1 < wg_tiles; ++j) {
+        wait_full(j + 1);
+        {
+          uint32_t qa[kD / 16][4];
+          load_query(qa);
+          issue_scores(j + 1, qa);
+        }
+        issue_values(j);
+        wgmma::Wait<1>();
+        const bool moved = softmax(j + 1, alpha);
+        wgmma::Wait<0>();
+        release(j);
+        if (moved) rescale(alpha);
+        pack();
+      }
+      issue_values(wg_tiles - 1);
+      wgmma::Wait<0>();
+      release(wg_tiles - 1);
+    }
+  } else {
+    // The producers dequantize most tiles and bound the CTA: one tile at a time, the query's
+    // fragments held across the loop (reading them for each tile took shared-memory bandwidth from
+    // the producers: 2,048 + 32k +4 to +7 %, H200).
+    uint32_t qa[kD / 16][4];
+    load_query(qa);
+    for (int j = 0; j < wg_tiles; ++j) {
+      wait_full(j);
+      issue_scores(j, qa);
+      wgmma::Wait<0>();
+      float alpha[2];
+      if (softmax(j, alpha)) rescale(alpha);
+      pack();
+      issue_values(j);
+      wgmma::Wait<0>();
+      release(j);
+    }
+  }
+  for (int j = wg_tiles; j < tiles; ++j) {
+    wait_full(j);
+    release(j);
   }
 
   // Row sums (of P = 2^kShift · p) over the quad, then O / l and the LSE: the output (pairs of
