@@ -24,7 +24,9 @@
 //   consumers (8-15)        64 rows per warpgroup: S = Q · Kᵀ (8 wgmma 64×64×16, the query
 //                           from registers, the keys from shared memory), mask, online softmax
 //                           in registers (the softmax scale in the exponent's FMA), O += P · V
-//                           (4 wgmma 64×128×16, P from registers).
+//                           (4 wgmma 64×128×16, P from registers); where most of the CTA's
+//                           tiles come dequantized, tile j + 1's S issued before tile j's P · V
+//                           (FlashAttention-3's in-warpgroup overlap).
 // A stage's "full" barrier completes when both producer warpgroups have written it, its "empty"
 // barrier when both consumer warpgroups are done with it. The tiles of a long chunk's own tokens
 // come dequantized (ChunkParams::tiles, written before by DequantTilesKernel with the producers'
