@@ -532,6 +532,18 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
         worst_wgmma_out = std::max(worst_wgmma_out, e.out);
         worst_wgmma_lse = std::max(worst_wgmma_lse, e.lse);
       }
+      // An fp16 query and output (FP8 keys read the caller's query directly).
+      if (group == 8) {
+        Case c{.quantizer = &q};
+        c.options.chunk_precision = ChunkPrecision::kHalf;
+        c.io = DType::kF16;
+        const Errors e = RunAndCompare(c, s, s.base.cache);
+        const std::string what = fmt::format(
+            "{} D=128 group={} bs={} fp16 io: out {:.2e} lse {:.2e}", preset, group, bs, e.out,
+            e.lse);
+        check(e, false, what);
+        EXPECT_LE(e.decode_out, kOutTol + 0.0005) << what;
+      }
       // A query and output only element-aligned (the API asks 16 bytes of the cache alone): the
       // kernels' scalar loads and stores (FP8 keys read the caller's query directly).
       if (group != 3) continue;
@@ -565,10 +577,15 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
         const std::vector<uint8_t> cache = testing::StorePlain(s, f);
         Case c{.plain = &f};
         c.options.chunk_precision = ChunkPrecision::kHalf;
+        // The query and output in fp32, in the cache's type, or in the other 16-bit type (the
+        // kernels convert it; the values, rounded to the cache's type above, stay exact).
+        const DType other = dtype == DType::kBF16 ? DType::kF16 : DType::kBF16;
+        c.io = group == 1 ? DType::kF32 : group == 4 ? dtype : other;
         const Errors e = RunAndCompare(c, s, cache);
         check(e, dtype == DType::kBF16,
-              fmt::format("{} D={} group={} bs={}: out {:.2e} lse {:.2e}", DTypeName(dtype), d,
-                          group, bs, e.out, e.lse));
+              fmt::format("{} D={} group={} bs={} io {}: out {:.2e} lse {:.2e}", DTypeName(dtype),
+                          d, group, bs, DTypeName(c.io), e.out, e.lse),
+              c.io == DType::kBF16 ? 0.0039 : 0.0);
       }
     }
   }
