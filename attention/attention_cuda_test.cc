@@ -614,14 +614,15 @@ TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
   const Step step{{1, 1, 700, 256, 1300, 300, 1400}, {1, 1, 300, 256, 600, 70, 256}};
   const int hk = 2, group = 4;
   int k = 0;
+  // lead > 0: only that many leading one-token rows (AttentionOptions::leading_decode_seqs).
   auto check = [&](Case c, const AttentionScenario& s, const std::vector<uint8_t>& cache, bool bf16,
-                   const std::string& name) {
-    for (int variant = 0; variant < 4; ++variant) {
+                   const std::string& name, int lead = 0) {
+    for (int variant = lead > 0 ? 3 : 0; variant < 4; ++variant) {
       c.options = AttentionOptions{};
       c.window = 0;
       if (variant == 1) c.options.tokens_per_split = 128;
       if (variant == 2) c.window = 300;
-      if (variant == 3) c.options.leading_decode_seqs = 2;
+      if (variant == 3) c.options.leading_decode_seqs = lead > 0 ? lead : 2;
       std::vector<float> out[2], lse[2];
       Errors e[2];
       for (int tiles = 0; tiles < 2; ++tiles) {
@@ -666,21 +667,41 @@ TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
     check(Case{.plain = &f}, s, cache, dtype == DType::kBF16,
           fmt::format("{} bs={}", DTypeName(dtype), bs));
   }
+  // 80 leading one-token rows: the chunks' first new tokens lie past the call's first tile, so the
+  // dequantization grid's first CTAs come before any chunk's and must find none
+  // (PrefillTileSequence), not a tile before the first chunk's prefix, whose block ids would be
+  // read from the rows before it.
+  Step many;
+  for (int i = 0; i < 80; ++i) {
+    many.lens.push_back(40 + 7 * i);
+    many.q_lens.push_back(1);
+  }
+  many.lens.insert(many.lens.end(), {700, 1300});
+  many.q_lens.insert(many.q_lens.end(), {300, 600});
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
+    const Quantizer q = Quantizer::Create(preset, 128, hk, 16);
+    const AttentionScenario s = BuildAttention(q, many.lens, many.q_lens, hk * group, 950 + k++);
+    check(Case{.quantizer = &q}, s, s.base.cache, false, fmt::format("{} 80 leading rows", preset),
+          80);
+  }
 }
 
 // The slots of the dequantized tiles (host arithmetic, no device): for random calls (one-token
 // rows, short and long chunks after short and long prefixes, leading rows before the prefill
 // kernel's sequences), the sequences that take tiles get disjoint slot ranges inside
 // PrefillTileSlots of the whole call, and each has as many CTAs of the dequantization grid as
-// tiles, inside PrefillTileGrid.
+// tiles, inside PrefillTileGrid, which find it (PrefillTileSequence) and its tiles in order.
 TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
   using namespace attention_detail;
   std::mt19937 rng(2026);
   std::uniform_int_distribution<int> kind(0, 3), seqs(1, 40), lead_of(0, 8), prefix_of(0, 30000);
   std::uniform_int_distribution<int> short_len(2, kPrefillTilesMinQLen - 1), long_len(256, 5000);
-  int takers_seen = 0;
+  int takers_seen = 0, mapped_after_lead = 0;
   for (int trial = 0; trial < 20000; ++trial) {
-    const int lead = lead_of(rng), n = seqs(rng);
+    // Leading one-token rows (AttentionOptions::leading_decode_seqs): a few, or enough (64 and
+    // more) to put the kernel's first sequence past its first tile.
+    const int lead = trial % 3 == 0 ? 64 + static_cast<int>(rng() % 400) : lead_of(rng);
+    const int n = seqs(rng);
     std::vector<int> q_len(n), prefix(n);
     for (int b = 0; b < n; ++b) {
       const int k = kind(rng);
@@ -710,8 +731,36 @@ TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
       ASSERT_LE(x0 + count, x1) << "trial " << trial << " sequence " << b;
     }
     takers_seen += takers;
+    // The dequantization grid (DequantTilesKernel): CTA x finds its sequence (PrefillTileSequence)
+    // and dequantizes that sequence's tile x - PrefillFirstTileCta; every tile of every sequence
+    // that takes tiles exactly once, and no CTA a tile before a sequence's first new token (a CTA
+    // before the first sequence's finds none).
+    if (trial % 4 != 0) continue;
+    std::vector<int32_t> qsl(q_start.begin(), q_start.end());
+    std::vector<int> covered(n, 0);
+    for (int x = 0; x < grid; ++x) {
+      const int b = PrefillTileSequence(qsl.data(), n, x);
+      if (b < 0) {
+        ASSERT_LT(x, PrefillFirstTileCta(qsl.data(), 0)) << "trial " << trial << " CTA " << x;
+        continue;
+      }
+      const int rel = x - PrefillFirstTileCta(qsl.data(), b);
+      ASSERT_GE(rel, 0) << "trial " << trial << " CTA " << x << " sequence " << b;
+      if (b + 1 < n) ASSERT_LT(x, PrefillFirstTileCta(qsl.data(), b + 1)) << "trial " << trial;
+      if (PrefillTilesFor(q_len[b], prefix[b]) && rel < PrefillTilesOf(q_len[b], prefix[b])) {
+        ASSERT_EQ(covered[b], rel) << "trial " << trial << " sequence " << b;
+        ++covered[b];
+        mapped_after_lead += lead >= 64 ? 1 : 0;
+      }
+    }
+    for (int b = 0; b < n; ++b) {
+      const int want =
+          PrefillTilesFor(q_len[b], prefix[b]) ? PrefillTilesOf(q_len[b], prefix[b]) : 0;
+      ASSERT_EQ(covered[b], want) << "trial " << trial << " sequence " << b;
+    }
   }
   EXPECT_GT(takers_seen, 20000);  // the calls did have sequences that take tiles
+  EXPECT_GT(mapped_after_lead, 1000);  // and tiles after 64 or more leading rows
 }
 
 // A mixed step whose one-token sequences come first, as vLLM orders a step

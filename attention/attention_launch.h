@@ -57,6 +57,26 @@ inline constexpr int PrefillFirstTileSlot(int q_start, int takers_before) {
 inline constexpr int PrefillTilesOf(int q_len, int prefix) {
   return (prefix + q_len - 1) / 64 - prefix / 64 + 1;
 }
+// The first dequantization CTA of sequence b (PrefillTileGrid), and the sequence whose CTAs hold
+// CTA x: the last b with PrefillFirstTileCta(b) <= x, or -1 for an x before the first
+// sequence's (leading one-token rows before the kernel's sequences put its query_start_loc[0]
+// past 63). CTA x then dequantizes the sequence's tile x - PrefillFirstTileCta(b) counted from
+// the one holding its first new token (past its last: nothing).
+inline constexpr int PrefillFirstTileCta(const int32_t* query_start_loc, int b) {
+  return query_start_loc[b] / 64 + 2 * b;
+}
+inline constexpr int PrefillTileSequence(const int32_t* query_start_loc, int num_seqs, int x) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (PrefillFirstTileCta(query_start_loc, mid) <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return PrefillFirstTileCta(query_start_loc, lo) <= x ? lo : -1;
+}
 
 struct ChunkParams {
   const uint8_t* cache = nullptr;            // [num_blocks, block_bytes]

@@ -1148,33 +1148,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
   GridDependencyWait();
 }
 
-// The dequantized tiles of ChunkParams::tiles: CTA (x, KV head) finds its sequence (the last b with
-// query_start_loc[b] / 64 + 2b at most x: every sequence has q_len / 64 + 2 values of x) and its
-// tile, copies the tile's raw bytes into shared
-// memory (the value warpgroup, as the prefill kernel's producers) and writes the tile in the
-// stages' layout to global memory with the producers' own code: the key warpgroup the keys, the
-// value warpgroup Vᵀ (tokens at or past the sequence's end zero). So the prefill kernel reads the
-// same values whether its producers dequantize a tile or copy it.
+// The dequantized tiles of ChunkParams::tiles: CTA (x, KV head) finds its sequence and tile
+// (PrefillTileSequence: every sequence has q_len / 64 + 2 values of x), copies the tile's raw
+// bytes into shared memory (the value warpgroup, as the prefill kernel's producers) and writes
+// the tile in the stages' layout to global memory with the producers' own code: the key
+// warpgroup the keys, the value warpgroup Vᵀ (tokens at or past the sequence's end zero). So the
+// prefill kernel reads the same values whether its producers dequantize a tile or copy it.
 template <KeyKind kKind, int kValueBits>
 __global__ void __launch_bounds__(256) DequantTilesKernel(const ChunkParams p) {
   using L = WgLayout<kKind, kValueBits>;
   __shared__ __align__(128) uint8_t raw_tile[L::kRawBytes];
   const int x = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
-  auto first_x = [&](int b) { return p.query_start_loc[b] / kWgTile + 2 * b; };  // PrefillTileGrid
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (first_x(mid) <= x) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int b = lo, q_start = p.query_start_loc[b];
+  const int b = PrefillTileSequence(p.query_start_loc, p.num_seqs, x);
+  if (b < 0) return;
+  const int q_start = p.query_start_loc[b];
   const int q_len = p.query_start_loc[b + 1] - q_start;
   const int seq_len = p.seq_lens[b];
   if (!PrefillTilesFor(q_len, seq_len - q_len)) return;
-  const int tile = (seq_len - q_len) / kWgTile + x - first_x(b);
+  const int tile = (seq_len - q_len) / kWgTile + x - PrefillFirstTileCta(p.query_start_loc, b);
   if (tile * kWgTile >= seq_len) return;
   const int tile_begin = tile * kWgTile;
   const int slot = FirstTileSlot(p, b, q_start) + tile - (seq_len - q_len) / kWgTile;
