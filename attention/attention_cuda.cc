@@ -501,7 +501,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     SetCacheLayout(s, tp);
     tp.tiles = tiles;
     tp.tile_slots = tile_slots;
-    tp.tile_grid = static_cast<int>(PrefillTileGrid(plan.num_tokens, plan.num_seqs));
+    // The kernel's sequences only: CTAs for the leading rows would all find none.
+    tp.tile_grid = static_cast<int>(PrefillTileGrid(plan.num_tokens, plan.num_seqs - lead));
     tp.tiles_pass = 1;
     TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, tp, stream));
   }

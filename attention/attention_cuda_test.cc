@@ -716,7 +716,7 @@ TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
     }
     q_start[n] = tokens;
     const int64_t slots = PrefillTileSlots(tokens, lead + n);
-    const int64_t grid = PrefillTileGrid(tokens, lead + n);
+    const int64_t grid = PrefillTileGrid(tokens, n);  // the kernel's sequences (after the lead)
     int takers = 0, end = 0;
     for (int b = 0; b < n; ++b) {
       if (!PrefillTilesFor(q_len[b], prefix[b])) continue;
