@@ -37,8 +37,9 @@ inline constexpr bool PrefillTilesFor(int q_len, int prefix) {
   return q_len >= kPrefillTilesMinQLen && prefix <= kPrefillTilesMaxPrefix * q_len;
 }
 // The slots of ChunkParams::tiles per KV head for a call of `tokens` new tokens in `seqs`
-// sequences, and the CTAs per KV head of their dequantization (a sequence of q_len new tokens has
-// q_len / 64 + 2 of them: from query_start_loc[b] / 64 + 2 · b on).
+// sequences, and the CTAs per KV head of their dequantization, `seqs` there counting the
+// sequences after the leading one-token rows (a sequence of q_len new tokens has q_len / 64 + 2
+// of them: from query_start_loc[b] / 64 + 2 · b on, b counted after those rows).
 inline constexpr int64_t PrefillTileSlots(int64_t tokens, int64_t seqs) {
   return tokens / 64 + 2 * (seqs < tokens / 256 ? seqs : tokens / 256);
 }
