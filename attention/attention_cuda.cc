@@ -300,8 +300,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                                       "num_seqs = {})",
                                       num_seqs, num_tokens));
   }
-  if (options.verify_max_group < 1 || options.verify_max_group > 16) {
-    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 16");
+  if (options.verify_max_group < 1 || options.verify_max_group > 32) {
+    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
   }
   for (const auto& [name, precision] :
        {std::pair{"options.chunk_precision", options.chunk_precision},
@@ -317,10 +317,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                      max_q_len <= options.verify_max_q_len && group <= 16;
   if (plan.verify_rows) {
     plan.decode_rows = false;
-    plan.verify_pass_rows = std::min(max_q_len, std::max(1, options.verify_max_group / group));
-    plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
     DecodeOptions decode = options.decode;
     decode.half = options.verify_precision == ChunkPrecision::kHalf;
+    // Columns past the decode kernels' largest group (16 but on the half-precision kernels) are
+    // left to a further pass.
+    const int max_columns = std::min(options.verify_max_group, s.decoder.MaxGroup(decode));
+    plan.verify_pass_rows = std::min(max_q_len, std::max(1, max_columns / group));
+    plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
     plan.decode_plan =
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
     decode_bytes =

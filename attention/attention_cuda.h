@@ -64,9 +64,10 @@ struct AttentionOptions {
   // position (0: never).
   int verify_max_q_len = 8;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
-  // other, 1 to 16: a call of q_len new tokens per sequence runs ceil(q_len / rows) passes of
-  // rows = max(1, verify_max_group / group) tokens, each reading the cache once.
-  int verify_max_group = 16;
+  // other, 1 to 32 (16 at most but on the half-precision kernels: CudaDecoder::MaxGroup): a call
+  // of q_len new tokens per sequence runs ceil(q_len / rows) passes of rows = max(1, columns /
+  // group) tokens, each reading the cache once.
+  int verify_max_group = 32;
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim

@@ -65,6 +65,7 @@ struct Errors {
   bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
   bool narrow_half_verify = false;        // .. on its narrow twin (4-warp CTAs, two per SM)
+  int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   bool decode = false;                    // AttentionPlan::decode
@@ -185,6 +186,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
   e.narrow_half_verify = e.half_verify && plan.decode_plan.variant.pipeline ==
                                               decode_detail::SplitPipeline::kStagedNarrow;
+  e.verify_columns = plan.verify_rows ? plan.decode_plan.num_q_heads / attn.num_kv_heads() : 0;
   e.leading_decodes = plan.leading_decodes;
   e.overlap_next = plan.decode_plan.overlap_next;
   e.decode = plan.decode;
@@ -935,28 +937,33 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 // passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 run the
 // decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
 // roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds.
-// Every preset, head_dim 64/128/256, GQA groups 1-8, every block size, verify_max_group 16, 8
-// and 4, bf16 I/O.
+// Every preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16,
+// 8 and 4 (passes of up to 32 columns where the half kernels run, 16 elsewhere), bf16 I/O.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
   double worst_lse = 0, worst_out = 0;  // half-precision passes (out: fp32 I/O)
-  auto check = [&](const char* preset, int d, int group, int bs, DType io, uint32_t seed) {
+  int wide_passes = 0;                  // calls with passes of 17-32 columns
+  auto check = [&](const char* preset, int d, int group, int bs, DType io, uint32_t seed,
+                   RotationKind rotation = RotationKind::kHadamard) {
     const int hk = 2;
-    const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+    const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
     const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, seed);
-    for (int max_group : {16, 8, 4}) {
+    const bool half_kernels = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
+                                           std::string_view(preset) == "turboquant_k3v4_nc");
+    for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.verify_max_group = max_group;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      const int columns = group * std::min(8, std::max(1, max_group / group));
+      const int max_columns = std::min(max_group, half_kernels ? 32 : 16);
+      const int columns = group * std::min(8, std::max(1, max_columns / group));
       const std::string what =
           fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset, d,
                       group, bs, columns, DTypeName(io), e.decode_out, e.decode_lse);
-      const bool half = columns > 4 && d == 128 &&
-                        (std::string_view(preset) == "turboquant_4bit_nc" ||
-                         std::string_view(preset) == "turboquant_k3v4_nc");
+      const bool half = columns > 4 && half_kernels;
+      EXPECT_EQ(e.verify_columns, columns) << what;
+      wide_passes += columns > 16;
       EXPECT_EQ(e.half_verify, half) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const double io_out = io == DType::kBF16 ? 0.0039 : 0.0;
@@ -966,7 +973,9 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         EXPECT_LE(e.decode_out, b.out + io_out) << what;
         worst_lse = std::max(worst_lse, e.decode_lse);
         if (io == DType::kF32) worst_out = std::max(worst_out, e.decode_out);
-        if (columns > 8) {  // the 16-column kernel's narrow twin, wherever the plan would not
+        // The narrow twin of the 9-16-column kernel, wherever the plan would not take it (17-32
+        // columns: the only kernel, narrow either way).
+        if (columns > 8) {
           Case narrow = c;
           narrow.options.decode.narrow = DecodeOptions::Narrow::kAlways;
           const Errors ne = RunAndCompare(narrow, s, s.base.cache);
@@ -996,13 +1005,16 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   }
   // ... and the half kernels at more GQA groups, with bf16 I/O too.
   for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
-    for (int group : {1, 3, 4, 8}) {
+    for (int group : {1, 3, 4, 8, 16}) {
       for (DType io : {DType::kF32, DType::kBF16}) {
-        check(preset, 128, group, 16 << (k % 4), io, 990 + k);
+        // A dense Πᵀ too: the query prep's rows instead of the kernels' own rotation.
+        check(preset, 128, group, 16 << (k % 4), io, 990 + k,
+              k % 3 == 0 ? RotationKind::kHaar : RotationKind::kHadamard);
         ++k;
       }
     }
   }
+  EXPECT_GE(wide_passes, 16);
   std::printf("half-precision verify, worst: out %.2e lse %.2e\n", worst_out, worst_lse);
 }
 
@@ -1017,9 +1029,9 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, {.tokens_per_split = 100}); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("tokens_per_split = 100")));
   AttentionOptions wide;
-  wide.verify_max_group = 17;
+  wide.verify_max_group = 33;
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, wide); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 17")));
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 33")));
   for (int lead : {-1, 3}) {
     AttentionOptions o;
     o.leading_decode_seqs = lead;

@@ -32,9 +32,9 @@ struct CudaDecoder::State {
   int sm_count = 0;
   // By 2 · half + staged (DecodeOptions::half, ::staged) and GQA group, filled on first use (0 =
   // not yet asked).
-  int resident_per_sm[4][17] = {};
-  bool staged[4][17] = {};
-  int narrow_resident_per_sm[4][17] = {};
+  int resident_per_sm[4][33] = {};
+  bool staged[4][33] = {};
+  int narrow_resident_per_sm[4][33] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
   // come out α times too large and the softmax scale is divided by α. codebook_hi_only: 3-bit keys
   // whose α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel's hi-only twin may
@@ -119,6 +119,11 @@ CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_uniqu
 CudaDecoder::~CudaDecoder() = default;
 CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
+
+int CudaDecoder::MaxGroup(const DecodeOptions& options) const {
+  return decode_detail::MaxSplitGroup(state_->key_kind, state_->bf16 ? 16 : state_->format.value_bits,
+                                      head_dim(), options.staged, options.half);
+}
 
 decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {
   return decode_detail::ChooseSplitVariant(
@@ -350,10 +355,11 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   if (num_seqs < 1 || num_seqs > 65535) {
     throw InvalidArgument(kWhere, "num_seqs", num_seqs, "1 to 65535");
   }
-  if (num_q_heads < hk || num_q_heads % hk != 0 || num_q_heads / hk > 16) {
-    throw InvalidArgument(
-        kWhere, "num_q_heads", num_q_heads,
-        fmt::format("a multiple of num_kv_heads = {} with a group of at most 16", hk));
+  const int max_group = MaxGroup(options);
+  if (num_q_heads < hk || num_q_heads % hk != 0 || num_q_heads / hk > max_group) {
+    throw InvalidArgument(kWhere, "num_q_heads", num_q_heads,
+                          fmt::format("a multiple of num_kv_heads = {} with a group of at most {}",
+                                      hk, max_group));
   }
   if (max_blocks_per_seq < 1) {
     throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");

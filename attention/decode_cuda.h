@@ -175,9 +175,14 @@ class CudaDecoder {
   int num_kv_heads() const;
   int block_size() const;
 
+  // The largest GQA group Plan takes with these options: 32 for the half-precision kernels
+  // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128: verify
+  // passes of up to 32 columns), else 16.
+  int MaxGroup(const DecodeOptions& options = {}) const;
+
   // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
-  // multiple of num_kv_heads with a group of at most 16; num_seqs 1..65535) and for options out of
-  // range (DecodeOptions::tokens_per_split).
+  // multiple of num_kv_heads with a group of at most MaxGroup(options); num_seqs 1..65535) and for
+  // options out of range (DecodeOptions::tokens_per_split).
   DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
                   const DecodeOptions& options = {}) const;
 

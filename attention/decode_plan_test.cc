@@ -296,7 +296,9 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 // The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
 // with 4-bit values at D = 128. Everywhere else the choice is ignored, and the variant is the
-// one without it. Every chosen variant is instantiated (SplitVariantsOf) and survives its code.
+// one without it. Groups 17-32 exist on these kernels alone (four N tiles, 4-warp CTAs), and
+// MaxSplitGroup says so. Every chosen variant is instantiated (SplitVariantsOf) and survives its
+// code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -306,18 +308,42 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
     const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(kind);
     for (int bits : {3, 4, 16}) {
       for (int d : {64, 128, 256}) {
-        for (int group = 1; group <= 16; ++group) {
+        for (int group = 1; group <= 33; ++group) {
           for (bool staged : {false, true}) {
             const MaybeSplitVariant with =
                 ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, true});
             const MaybeSplitVariant without =
                 ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, false});
-            ASSERT_EQ(with.ok, without.ok);
-            if (!with.ok) continue;
+            const bool half_kernels = staged && bits == 4 && d == 128 &&
+                                      (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+            const bool expected = half_kernels && group > 4;
             const std::string what = fmt::format("kind {} bits {} D {} group {} staged {}",
                                                  static_cast<int>(kind), bits, d, group, staged);
-            const bool expected = staged && bits == 4 && d == 128 && group > 4 &&
-                                  (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true),
+                      half_kernels ? 32 : 16)
+                << what;
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
+            EXPECT_FALSE(without.ok && group > 16) << what;
+            if (group > 16) {
+              ASSERT_EQ(with.ok, expected && group <= 32) << what;
+              if (!with.ok) continue;
+              ++half_variants;
+              EXPECT_TRUE(with.variant.half) << what;
+              EXPECT_EQ(with.variant.n_tiles, 4) << what;
+              EXPECT_EQ(with.variant.cta_warps(), 4) << what;
+              // The narrow choice selects the same kernel.
+              EXPECT_EQ(ChooseSplitVariant(kind, bits, d, group, {true, true, true, false, true})
+                            .variant,
+                        with.variant)
+                  << what;
+              EXPECT_EQ(SplitVariant::FromCode(with.variant.Code()), with.variant) << what;
+              bool instantiated = false;
+              for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == with.variant;
+              EXPECT_TRUE(instantiated) << what;
+              continue;
+            }
+            ASSERT_EQ(with.ok, without.ok);
+            if (!with.ok) continue;
             EXPECT_EQ(with.variant.half, expected) << what;
             EXPECT_FALSE(without.variant.half) << what;
             if (expected) {
@@ -339,7 +365,7 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
       }
     }
   }
-  EXPECT_EQ(half_variants, 2 * 12);  // 4-bit and 3-bit keys, groups 5-16
+  EXPECT_EQ(half_variants, 2 * 28);  // 4-bit and 3-bit keys, groups 5-32
 }
 
 }  // namespace

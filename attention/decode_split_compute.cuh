@@ -42,6 +42,7 @@ struct SplitCompute {
   static constexpr bool kHiOnly = Config::kHiOnly;
   static constexpr bool kHalf = Config::kHalf;
   static constexpr int kQParts = Config::kQParts;
+  static constexpr int kD = V.head_dim;
 
   const SplitParams& p;
   const int& begin;
@@ -50,12 +51,26 @@ struct SplitCompute {
   const int& g;
   const int& t;
   const uint32_t& lane_word;
-  const uint32_t (&qf)[kQParts][kNTiles][kKSteps][2];
+  const uint32_t (&qf)[kQParts][Config::kFragTiles][kKSteps][2];
   float (&acc)[kMTiles][kNTiles][4];
   float (&m)[kNTiles][2];
   float (&m_thr)[kNTiles][2];
   float (&l)[kNTiles][2];
   float (&z)[kNTiles][2];
+
+  // Config::kQueryInSmem: the shared address of unit 0 of the thread's run of row g (N tile 0),
+  // its XOR permutation applied (unit j is at this ^ 16·j; kQueryOffset and the window's start
+  // are multiples of 64, so the XOR touches only the unit bits).
+  __device__ __forceinline__ uint32_t QueryRunAddress() const {
+    if constexpr (!Config::kQueryInSmem) {
+      return 0u;
+    } else {
+      extern __shared__ __align__(16) uint8_t smem[];
+      const uint32_t f = 2u * static_cast<uint32_t>(t >> 1) ^ static_cast<uint32_t>(g & 1);
+      return static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + Config::kQueryOffset +
+             2u * static_cast<uint32_t>(g * kD + 32 * t) + 16u * f;
+    }
+  }
 
   template <bool kTail>
   __device__ __forceinline__ void operator()(int c, Chunk& cur) const {
@@ -80,10 +95,11 @@ struct SplitCompute {
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
     // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
-    // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1, chains k = k-step parity.)
+    // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1, chains k = k-step parity; one chain
+    // per N tile where there are four of them.)
     constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
                            : Traits::kPlain ? 1
-                           : kHalf          ? 2
+                           : kHalf          ? (kNTiles > 2 ? 1 : 2)
                                             : (kCodebook ? 4 : 2);
     float sp[kParts][kNTiles][4];
 #pragma unroll
@@ -94,12 +110,29 @@ struct SplitCompute {
         for (int i = 0; i < 4; ++i) sp[k][nt][i] = 0.0f;
       }
     }
+    // Config::kQueryInSmem: the B fragments of k-steps 2j and 2j + 1 of every N tile, read per
+    // pair from unit j of the thread's run of row 8·nt + g (Config::QueryAt).
+    uint32_t qv[Config::kQueryInSmem ? kNTiles : 1][4];
+    [[maybe_unused]] const uint32_t q_run = QueryRunAddress();
     StaticFor<kKSteps>([&](auto ks_c) {
       constexpr int ks = decltype(ks_c)::value;
       if constexpr (kHiOnly) {  // rows g, g + 8 = tokens 2g, 2g + 1; chains k = k-step mod 4
         uint32_t a[4];
         Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
         MmaF16(sp[ks & 3][0], a, qf[0][0][ks][0], qf[0][0][ks][1]);
+      } else if constexpr (kHalf && Config::kQueryInSmem) {
+        if constexpr (ks % 2 == 0) {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            SharedLoad16((q_run ^ (16u * (ks / 2))) + 16u * kD * nt, qv[nt]);
+          }
+        }
+        uint32_t a[4];
+        Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          MmaF16(sp[0][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
+        }
       } else if constexpr (kHalf) {  // codebook keys (ChooseSplitVariant)
         uint32_t a[4];
         Traits::template KeyFragHi<ks>(cur.kg, cur.k8, lane_word, a);

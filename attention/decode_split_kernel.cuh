@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // centroids as hi + lo rows of the A operand, so scores keep fp32 accuracy. The plain kinds use
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Config::kQParts;
-  uint32_t qf[kQParts][kNTiles][kKSteps][2];
+  uint32_t qf[kQParts][Config::kFragTiles][kKSteps][2];
   const SplitPrologue<V> finish_prologue{p,     unit,         span,  warp,   lane,    b,
                                          h,     group,        q_pre, q_sign, entries, num_ids,
                                          ids_s, q_prefetched, ids_pre, g,    t,       qf};

@@ -53,7 +53,8 @@ struct SplitPrologue {
   const bool& q_prefetched;  // q_pre holds the row of head `warp`
   const int (&ids_pre)[kIdsPerThread > 0 ? kIdsPerThread : 1];
   const int &g, &t;
-  uint32_t (&qf)[kQParts][kNTiles][kKSteps][2];  // out: the score MMA's B fragments
+  // out: the score MMA's B fragments (Config::kQueryInSmem: none, the compute reads them)
+  uint32_t (&qf)[kQParts][Config::kFragTiles][kKSteps][2];
 
   __device__ __forceinline__ void operator()() const {
     extern __shared__ __align__(16) uint8_t smem[];
@@ -128,7 +129,7 @@ struct SplitPrologue {
       // pairs.
 #pragma unroll
       for (int e = 0; e < kE; e += 2) {
-        const int at = head * kD + kE * lane + e;
+        const int at = Config::QueryAt(head, kE * lane + e);
         if constexpr (Traits::kPlain) {  // the cache's element type
           *reinterpret_cast<uint32_t*>(q_hi + at) = PackPlain<Traits::kFp16>(x[e], x[e + 1]);
         } else {
@@ -166,6 +167,7 @@ struct SplitPrologue {
       if (i < num_ids) ids_s[i] = ids_pre[k];
     }
     __syncthreads();  // the rotated rows, the table replicas and the block ids
+    if constexpr (Config::kQueryInSmem) return;
 #pragma unroll
     for (int part = 0; part < kQParts; ++part) {
 #pragma unroll

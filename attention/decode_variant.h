@@ -22,7 +22,7 @@ enum class SplitPipeline : uint8_t {
   kStaged,        // cp.async copies some chunks ahead into shared memory: 8 warps (compressed),
                   // 4 warps (bf16/fp16)
   kStagedNarrow,  // 3-bit keys: 4-warp staged CTAs, four per SM; the half-precision kernels of
-                  // GQA groups 9-16 (verify passes of 16 columns): 4-warp CTAs, two per SM
+                  // GQA groups 9-32 (verify passes of 16 or 32 columns): 4-warp CTAs, two per SM
   kStagedPaired,  // 8-warp staged CTAs whose warps 0-3 and 4-7 serve two KV heads
 };
 
@@ -31,7 +31,9 @@ struct SplitVariant {
   KeyKind kind = KeyKind::kMse4;
   int value_bits = 4;  // 16 for the uncompressed kinds
   int head_dim = 128;
-  // 8-head N tiles of the score MMA: 2 for GQA groups 9-16 of the unpacked kernels.
+  // 8-head N tiles of the score MMA: 2 for GQA groups 9-16 of the unpacked kernels, 4 for the
+  // half-precision kernels' groups 17-32 (verify passes of up to 32 columns), whose query
+  // fragments come from shared memory (their output accumulators take 128 registers).
   int n_tiles = 1;
   // Compressed kinds, GQA group <= 4: a head's q_hi and q_lo in adjacent MMA columns (one score MMA
   // per k-step computes both; DecodeSplitKernel).
@@ -63,19 +65,19 @@ struct SplitVariant {
   constexpr uint32_t Code() const {
     return static_cast<uint32_t>(kind) | static_cast<uint32_t>(value_bits) << 3 |
            static_cast<uint32_t>(head_dim) << 8 | static_cast<uint32_t>(n_tiles) << 17 |
-           uint32_t{packed} << 19 | static_cast<uint32_t>(pipeline) << 20 |
-           uint32_t{hi_only} << 22 | uint32_t{one_cta} << 23 | uint32_t{half} << 24;
+           uint32_t{packed} << 20 | static_cast<uint32_t>(pipeline) << 21 |
+           uint32_t{hi_only} << 23 | uint32_t{one_cta} << 24 | uint32_t{half} << 25;
   }
   static constexpr SplitVariant FromCode(uint32_t c) {
     return {static_cast<KeyKind>(c & 7u),
             static_cast<int>((c >> 3) & 31u),
             static_cast<int>((c >> 8) & 511u),
-            static_cast<int>((c >> 17) & 3u),
-            ((c >> 19) & 1u) != 0,
-            static_cast<SplitPipeline>((c >> 20) & 3u),
-            ((c >> 22) & 1u) != 0,
+            static_cast<int>((c >> 17) & 7u),
+            ((c >> 20) & 1u) != 0,
+            static_cast<SplitPipeline>((c >> 21) & 3u),
             ((c >> 23) & 1u) != 0,
-            ((c >> 24) & 1u) != 0};
+            ((c >> 24) & 1u) != 0,
+            ((c >> 25) & 1u) != 0};
   }
 };
 
@@ -104,19 +106,36 @@ constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool 
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
 
+// The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
+// where the half-precision staged kernels exist and are asked for, else 16.
+constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half) {
+  return staged && half && !IsPlain(kind) &&
+                 HasStagedKernel(kind, value_bits, head_dim, false, true)
+             ? 32
+             : 16;
+}
+
 // The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
 // narrow, which only 3-bit and 4-bit keys with 4-bit values at D = 128 and groups <= 4 have.
+// Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
   const bool valid_bits = IsPlain(kind)            ? value_bits == 16
                           : kind == KeyKind::kMse3 ? (value_bits == 3 || value_bits == 4)
                                                    : value_bits == 4;
-  if (!valid_bits || group < 1 || group > 16 ||
+  if (!valid_bits || group < 1 ||
+      group > MaxSplitGroup(kind, value_bits, head_dim, c.staged, c.half) ||
       (head_dim != 64 && head_dim != 128 && head_dim != 256)) {
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
+  if (group > 16) {  // 4-warp CTAs, two per SM, like the narrow kernel of groups 9-16
+    v.n_tiles = 4;
+    v.half = true;
+    v.pipeline = SplitPipeline::kStagedNarrow;
+    return {true, v};
+  }
   const bool packed_staged = HasStagedKernel(kind, value_bits, head_dim, true) && group <= 4;
   if (c.narrow && c.half && c.staged && group > 8 && !IsPlain(kind) &&
       HasStagedKernel(kind, value_bits, head_dim, false, true)) {
@@ -171,7 +190,7 @@ constexpr SplitVariantList SplitVariantsOf(KeyKind kind) {
   SplitVariantList list;
   for (int bits : {3, 4, 16}) {
     for (int d : {64, 128, 256}) {
-      for (int group = 1; group <= 16; ++group) {
+      for (int group = 1; group <= 32; ++group) {
         for (int choice = 0; choice < 32; ++choice) {
           const SplitChoice c{(choice & 1) != 0, (choice & 2) != 0, (choice & 4) != 0,
                               (choice & 8) != 0, (choice & 16) != 0};

@@ -104,7 +104,7 @@ struct Shape {
   std::vector<int32_t> lens, q_lens;
   bool decode_kernels = true;
   ChunkPrecision precision = ChunkPrecision::kHalf;
-  int verify_max_group = 16;
+  int verify_max_group = AttentionOptions{}.verify_max_group;
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
@@ -314,10 +314,11 @@ int Main(int argc, char** argv) {
       Uniform("verify 64x4k q8", 64, 4096, 8),
       Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
-  // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4 and 8:
-  // one and two new tokens per pass at GQA 4).
+  // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4, 8 and
+  // 16: one, two and four new tokens per pass at GQA 4).
   for (int q : {4, 8}) {
-    for (int g : {4, 8}) {
+    for (int g : {4, 8, 16}) {
+      if (g / (kHq / kHk) >= q) continue;  // the default's single pass
       Shape v = Uniform(fmt::format("verify 64x4k q{} rows{}", q, g / (kHq / kHk)), 64, 4096, q);
       v.verify_max_group = g;
       shapes.push_back(v);
