@@ -337,8 +337,9 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
 }
 
 // A verify step (at most 8 new tokens per sequence): the rows ride beside the GQA heads on the
-// decode kernels (passes of up to 16 columns, each column also seeing the pass's new tokens up
-// to its own), held to the decode kernels' bounds, for every preset, head dim and a plain cache;
+// decode kernels (exact numerics: passes of up to 16 columns, each column also seeing the pass's
+// new tokens up to its own), held to the decode kernels' bounds, for every preset, head dim and a
+// plain cache;
 // with splits of 64 tokens (the merge; the last sequence's new tokens 64 and 65 straddle a split,
 // so its first column sees no token of the second split); the same step on the chunk kernel
 // (decode kernels off, or a sliding window) to the chunk bounds.

@@ -45,7 +45,7 @@ struct SplitKernelOccupancy {
   bool bf16 = false;        // the uncompressed kernel
   // 4-warp units of its narrow variant that fit on one SM (k3v4_nc: 4-warp CTAs, or their paired
   // 8-warp CTAs of two units; 4bit_nc: paired CTAs only, so an even number of KV heads; the
-  // half-precision kernels of GQA groups 9-16: 4-warp CTAs, two per SM), 0 where there is none.
+  // half-precision kernels of GQA groups 9-32: 4-warp CTAs, two per SM), 0 where there is none.
   int narrow_resident_per_sm = 0;
   // The 8-warp staged kernel of 3-bit keys has a twin that computes scores from the codebook's
   // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to

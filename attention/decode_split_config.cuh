@@ -23,12 +23,12 @@ constexpr float kMaxLazyValueScale = 1023.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
-// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-16, see
+// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, see
 // kSplitMinCtas): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead
 // of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
 // (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
 // the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant; the
-// half-precision kernels of groups 9-16 have one of 4 warps at 2 CTAs per SM), and each
+// half-precision kernels of groups 9-32 have one of 4 warps at 2 CTAs per SM), and each
 // warp copies its next chunks into shared memory by cp.async,
 // kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
 // slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
@@ -226,7 +226,10 @@ struct SplitKernelConfig {
 // for the half-precision staged kernel of two N tiles (GQA groups 9-16: its accumulators and
 // query fragments take ~200 registers; held to 128 for two CTAs, with the fragments in shared
 // memory, it spilled and measured 5 % slower: 182.9 vs 173.4 µs at 64 × 4k); its narrow twin (4
-// warps, ChooseSplitVariant) keeps the fragments in its 198-204 registers at two CTAs per SM.
+// warps, ChooseSplitVariant) keeps the fragments in its 198-204 registers at two CTAs per SM
+// (three, with the fragments in shared memory and 165 registers, measured 6 % slower). The
+// kernel of four N tiles (groups 17-32) reads its fragments from shared memory: two CTAs per SM
+// at 246-251 registers.
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) return V.n_tiles != 1 || V.head_dim > 128 ? 1 : IsPlain(V.kind) ? 4 : 3;
