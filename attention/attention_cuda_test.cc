@@ -592,6 +592,58 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
       }
     }
   }
+  // Short chunks: from 17 rows (new tokens × GQA heads) per sequence on, the prefill kernel (its
+  // 128-row tiles half empty or less; 1.7-2.2x faster than the chunk kernel at 64 × 4k, 8-16 new
+  // tokens); up to 16 rows the chunk kernel. max_q_len 16 and 5 at GQA 4, 12 at GQA 2, beside
+  // decode rows, every preset and a bf16 cache, head_dim 64 and 128, with and without splits.
+  for (const auto& [q_lens, group] :
+       {std::pair{std::vector<int32_t>{16, 1, 9, 12, 3, 16}, 4},
+        std::pair{std::vector<int32_t>{5, 1, 2, 5, 4, 3}, 4},
+        std::pair{std::vector<int32_t>{12, 1, 9, 2, 12, 7}, 2},
+        std::pair{std::vector<int32_t>{4, 1, 2, 4, 3, 4}, 4}}) {
+    const std::vector<int32_t> lens{300, 77, 1000, 150, 65, 2100};
+    const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
+    for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
+      for (int d : {64, 128}) {
+        const int hk = 2, bs = 16 << (k % 4);
+        const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+        const AttentionScenario s = BuildAttention(q, lens, q_lens, hk * group, 800 + k++);
+        for (int tps : {0, 128}) {
+          Case c{.quantizer = &q};
+          c.options.chunk_precision = ChunkPrecision::kHalf;
+          c.options.verify_max_q_len = 0;  // not on the decode kernels
+          c.options.tokens_per_split = tps;
+          const Errors e = RunAndCompare(c, s, s.base.cache);
+          const std::string what =
+              fmt::format("{} D={} group={} max_q_len={} tokens_per_split={}: out {:.2e} lse {:.2e}",
+                          preset, d, group, max_q, tps, e.out, e.lse);
+          if (max_q * group > 16) {
+            check(e, false, what);
+          } else {
+            EXPECT_FALSE(e.prefill) << what;
+            ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
+          }
+        }
+      }
+    }
+    const int d = 128, hk = 2, bs = 32;
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, DType::kBF16);
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, lens, q_lens, hk * group, 800 + k++);
+    for (float& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    Case c{.plain = &f};
+    c.options.chunk_precision = ChunkPrecision::kHalf;
+    c.options.verify_max_q_len = 0;
+    const Errors e = RunAndCompare(c, s, cache);
+    const std::string what = fmt::format("bf16 cache group={} max_q_len={}: out {:.2e} lse {:.2e}",
+                                         group, max_q, e.out, e.lse);
+    if (max_q * group > 16) {
+      check(e, true, what);
+    } else {
+      EXPECT_FALSE(e.prefill) << what;
+    }
+  }
   std::printf("prefill kernel, worst: fp16 operands out %.2e lse %.2e; bf16 out %.2e lse %.2e\n",
               worst_out[0], worst_lse[0], worst_out[1], worst_lse[1]);
   // Exact precision keeps these shapes on the chunk kernel.

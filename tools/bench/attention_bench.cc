@@ -105,6 +105,7 @@ struct Shape {
   bool decode_kernels = true;
   ChunkPrecision precision = ChunkPrecision::kHalf;
   int verify_max_group = AttentionOptions{}.verify_max_group;
+  int verify_max_q_len = AttentionOptions{}.verify_max_q_len;
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
@@ -203,6 +204,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     options.chunk_precision = s.precision;
     options.verify_precision = s.precision;
     options.verify_max_group = s.verify_max_group;
+    options.verify_max_q_len = s.verify_max_q_len;
     options.leading_decode_seqs = s.leading_decode_seqs;
     options.decode.tokens_per_split = s.decode_tokens_per_split;
     options.decode.narrow = s.decode_narrow;
@@ -324,6 +326,14 @@ int Main(int argc, char** argv) {
       shapes.push_back(v);
     }
   }
+  // Longer drafts (16 and 32 new tokens): the plan's choice, and verify passes on the decode
+  // kernels ("passes": AttentionOptions::verify_max_q_len raised to q).
+  for (int q : {16, 32}) {
+    shapes.push_back(Uniform(fmt::format("verify 64x4k q{}", q), 64, 4096, q));
+    Shape v = Uniform(fmt::format("verify 64x4k q{} passes", q), 64, 4096, q);
+    v.verify_max_q_len = q;
+    shapes.push_back(v);
+  }
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
       if (quick && chunk == 8192 && prefix == 8192) continue;
@@ -345,6 +355,12 @@ int Main(int argc, char** argv) {
   }
   // The extra device memory at 128k (the workspace does not grow with the context).
   shapes.push_back(Uniform("verify 1x128k q8", 1, 131072, 8));
+  // The same without the decode kernels (a sliding window's plan): the prefill kernel, and the
+  // chunk kernel ("exact").
+  shapes.push_back(Uniform("verify 1x128k q8 chunk", 1, 131072, 8, false));
+  shapes.push_back(shapes.back());
+  shapes.back().name += " exact";
+  shapes.back().precision = ChunkPrecision::kExact;
   shapes.push_back(Uniform("prefill 2048 +128k", 1, 131072 + 2048, 2048));
   // The decode rows first, as vLLM orders a step, and said so (leading_decode_seqs: they run in
   // place); "gathered": the same step with the one-token sequences found on the device.
