@@ -63,7 +63,8 @@ struct AttentionOptions {
   bool decode_kernels = true;
   // Calls whose sequences have at most this many new tokens each (speculative verify) run every
   // query row on the decode kernels, as a sequence of its own whose context ends at the row's
-  // position (0: never).
+  // position; so do calls with more whose new tokens all fit one pass (max_q_len · group up to
+  // the columns of verify_max_group; 0: never).
   int verify_max_q_len = 8;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
   // other, 1 to 32 (16 at most but on the half-precision kernels: CudaDecoder::MaxGroup): a call

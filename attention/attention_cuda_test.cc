@@ -1068,6 +1068,41 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     }
   }
   EXPECT_GE(wide_passes, 16);
+  // More new tokens than verify_max_q_len (8) still run as verify rows where one pass holds them
+  // all (max_q_len · group up to 32 columns on the half kernels, 16 elsewhere); otherwise the
+  // prefill kernel.
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
+    for (const auto& [q_lens, group] :
+         {std::pair{std::vector<int32_t>{32, 1, 9, 20, 0, 31}, 1},
+          std::pair{std::vector<int32_t>{16, 1, 12, 9, 0, 16}, 2},
+          std::pair{std::vector<int32_t>{12, 1, 2, 9, 0, 10}, 4}}) {
+      const int hk = 2, d = 128, max_q = *std::max_element(q_lens.begin(), q_lens.end());
+      const Quantizer q = Quantizer::Create(preset, d, hk, 16 << (k % 4));
+      const AttentionScenario s = BuildAttention(q, {300, 77, 1000, 150, 0, 65}, q_lens,
+                                                 hk * group, 1100 + k++);
+      Case c{.quantizer = &q};
+      c.options.verify_precision = ChunkPrecision::kHalf;
+      c.options.chunk_precision = ChunkPrecision::kHalf;
+      const Errors e = RunAndCompare(c, s, s.base.cache);
+      const bool half = std::string_view(preset) != "turboquant_k8v4";
+      const bool one_pass = max_q * group <= (half ? 32 : 16);
+      const std::string what = fmt::format("{} group={} max_q_len={}: out {:.2e} lse {:.2e}",
+                                           preset, group, max_q, e.out, e.lse);
+      EXPECT_EQ(e.verify_columns, one_pass ? max_q * group : 0) << what;
+      if (!one_pass) EXPECT_TRUE(e.prefill) << what;  // (a verify plan keeps one for windows)
+      EXPECT_EQ(e.half_verify, one_pass && half) << what;
+      EXPECT_EQ(e.bad, 0) << what;
+      const HalfBounds b = HalfBoundsOf(false);
+      if (one_pass) {
+        const DecodeBounds db = half ? DecodeBounds{b.lse, b.out} : DecodeBoundsOf(preset);
+        EXPECT_LE(e.decode_lse, db.lse) << what;
+        EXPECT_LE(e.decode_out, db.out) << what;
+      } else {
+        EXPECT_LE(e.lse, b.lse) << what;
+        EXPECT_LE(e.out, b.out) << what;
+      }
+    }
+  }
   std::printf("half-precision verify, worst: out %.2e lse %.2e\n", worst_out, worst_lse);
 }
 
