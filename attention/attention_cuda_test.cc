@@ -614,9 +614,9 @@ TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
           c.options.verify_max_q_len = 0;  // not on the decode kernels
           c.options.tokens_per_split = tps;
           const Errors e = RunAndCompare(c, s, s.base.cache);
-          const std::string what =
-              fmt::format("{} D={} group={} max_q_len={} tokens_per_split={}: out {:.2e} lse {:.2e}",
-                          preset, d, group, max_q, tps, e.out, e.lse);
+          const std::string what = fmt::format(
+              "{} D={} group={} max_q_len={} tokens_per_split={}: out {:.2e} lse {:.2e}", preset,
+              d, group, max_q, tps, e.out, e.lse);
           if (max_q * group > 16) {
             check(e, false, what);
           } else {

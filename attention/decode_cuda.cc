@@ -121,8 +121,9 @@ CudaDecoder::CudaDecoder(CudaDecoder&&) noexcept = default;
 CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 
 int CudaDecoder::MaxGroup(const DecodeOptions& options) const {
-  return decode_detail::MaxSplitGroup(state_->key_kind, state_->bf16 ? 16 : state_->format.value_bits,
-                                      head_dim(), options.staged, options.half);
+  const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
+  return decode_detail::MaxSplitGroup(state_->key_kind, value_bits, head_dim(), options.staged,
+                                      options.half);
 }
 
 decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {

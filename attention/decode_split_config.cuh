@@ -177,7 +177,7 @@ struct SplitKernelConfig {
   // the ids the loop reads (and drops) for the (kStages - 1)·kW chunks it looks past the end.
   // Not the narrow kernel: measured 8-18 % slower with them at one round of 512 CTAs (k3v4_nc
   // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; not understood).
-  static_assert(kQueryOffset % 64 == 0, "QueryFragAddress XORs the unit bits of the address");
+  static_assert(kQueryOffset % 64 == 0, "QueryRunAddress XORs the unit bits of the address");
   static constexpr int kIdsOffset = kQueryOffset + kUnits * kQueryHeads * kD * 4;
   static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired
                                      ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
@@ -196,14 +196,15 @@ struct SplitKernelConfig {
   // half-precision kernels drop it.
   static constexpr int kQParts = IsPlain(kKind) || V.packed || V.half ? 1 : 2;
   // Four N tiles (groups 17-32): the output accumulators take 128 registers, so the query's B
-  // fragments are read from the rotated rows in shared memory (QueryFragAddress), not held.
+  // fragments are read from the rotated rows in shared memory (SplitCompute::QueryRunAddress),
+  // not held.
   static constexpr bool kQueryInSmem = kNTiles > 2;
   static constexpr int kFragTiles = kQueryInSmem ? 1 : kNTiles;  // qf's N tiles (unused: 1)
-  // Element d of rotated query row `head` in shared memory. With kQueryInSmem a thread (g, t) reads
-  // 16-byte unit j of its 64-byte run (elements 32t .. 32t + 31) of row 8·nt + g per pair of k-steps;
-  // rows are 256 bytes apart, so units 4t + j and 4(t + 2) + j share banks. The units of a run are
-  // XOR-permuted by f = 2·(t / 2) + head mod 2: an 8-lane phase (g in {2i, 2i + 1}, t = 0..3) then
-  // reads 8 distinct 16-byte bank groups.
+  // Element d of rotated query row `head` in shared memory. With kQueryInSmem a thread (g, t)
+  // reads 16-byte unit j of its 64-byte run (elements 32t .. 32t + 31) of row 8·nt + g per pair
+  // of k-steps; rows are 256 bytes apart, so units 4t + j and 4(t + 2) + j share banks. The
+  // units of a run are XOR-permuted by f = 2·(t / 2) + head mod 2: an 8-lane phase (g in {2i,
+  // 2i + 1}, t = 0..3) then reads 8 distinct 16-byte bank groups.
   __host__ __device__ static constexpr int QueryAt(int head, int d) {
     if constexpr (!kQueryInSmem) {
       return head * kD + d;
