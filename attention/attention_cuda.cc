@@ -241,10 +241,11 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   const int64_t seq_rows = int64_t{max_q_len} * group;
   plan.row_warps = seq_rows <= 16 ? 1 : seq_rows <= 32 ? 2 : 4;
   if (d == 256) plan.row_warps = std::max(plan.row_warps, 2);
-  // The prefill kernel from 17 rows per sequence on (H200, 8 new tokens at GQA 4: 64 × 4k 364 µs
-  // against the chunk kernel's 629, 1 × 128k 160 against 318; 16 new tokens: 363 against 795).
+  // The prefill kernel from 16 rows per sequence on (H200, 64 × 4k at GQA 4, 4bit_nc: 4 new
+  // tokens 394 µs against the chunk kernel's 515, 8 364 against 629, 16 363 against 795; 1 × 128k
+  // with 8: 160 against 318); with 4 rows the chunk kernel was faster (451 against 602).
   plan.prefill =
-      options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) && seq_rows > 16;
+      options.chunk_precision == ChunkPrecision::kHalf && (d == 64 || d == 128) && seq_rows >= 16;
   const int64_t cta_rows = plan.prefill ? kPrefillCtaRows : 16 * plan.row_warps;
   // Row-tile slots: sequence b's tiles take slots from floor(query_start_loc[b] · G / cta_rows) + b
   // on (attention/attention_tiles.cuh, FindRowTile), so no CTA is launched for the tiles a short

@@ -15,11 +15,11 @@
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc and
 // k3v4_nc at head_dim 128 in half precision), each column over the context up to its own token
 // (one split grid per pass, causal masks in its last chunks; those two at head_dim 128, passes
-// of more than 4 columns: in half precision, AttentionOptions::verify_precision). Chunks of more
-// than 16 rows — new tokens × GQA heads — per sequence (head_dim 64 or 128) run the prefill
+// of more than 4 columns: in half precision, AttentionOptions::verify_precision). Chunks of 16
+// rows — new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill
 // kernel in half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per
-// product; from 17 rows on it beat the chunk kernel 1.6-3x at 64 × 4k and 1 × 128k on the
-// H200, its tiles half empty or less), unless AttentionOptions::chunk_precision asks for kExact.
+// product; from 16 rows on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the
+// H200, its tiles mostly empty), unless AttentionOptions::chunk_precision asks for kExact.
 // Everything else runs the chunk kernel
 // (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
 // dequantized into shared memory, split over the context where the grid would not fill the
