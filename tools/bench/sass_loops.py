@@ -9,15 +9,20 @@ The staged decode kernels are bound by the instructions a warp executes per 16-t
 
 For every kernel whose description contains all the given words (default: the D = 128 packed
 staged compressed kernels), it prints the kernel's instruction count and its chunk loop: the
-largest backward branch whose body holds exactly one chunk's HMMAs (24 for the packed staged
-kernels), with its instruction count, HMMA and LDGSTS counts. A kernel DecodeSplitKernel<code> is
-described by its SplitVariant (attention/decode_variant.h, SplitVariant::Code), e.g.
-"mse4 v4 D128 nt1 packed staged": key kind (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N
-tiles, packed or unpacked, pipeline (registers, staged, narrow, paired), hi_only, one_cta.
+backward branch whose body holds exactly one chunk's HMMAs (CHUNK_HMMAS: 24 for the packed staged
+kernels, 32 / 64 for the half-precision ones with 2 / 4 N tiles) and issues copies (LDGSTS: the
+staged main loop, not the masked last chunks' loop), else the largest such, with its instruction
+count, HMMA and LDGSTS counts; the count is static: the lazy rescale's branch is in it, though it
+rarely runs. A kernel DecodeSplitKernel<code> is described by its SplitVariant
+(attention/decode_variant.h, SplitVariant::Code), e.g. "mse4 v4 D128 nt1 packed staged": key kind
+(mse4, mse3, fp8, bf16, f16), value bits, head_dim, N tiles, packed or unpacked, pipeline
+(registers, staged, narrow, paired), hi_only, one_cta, half.
 
 cuobjdump is not in every CUDA toolkit image: the script looks in PATH, CUDA_HOME/bin,
 /usr/local/cuda/bin, then in a pip-installed nvidia-cuda-cuobjdump
-(`pip install --target /tmp/cuobj nvidia-cuda-cuobjdump`, then CUOBJDUMP=/tmp/cuobj/nvidia/cu13/bin/cuobjdump).
+(`pip install --target /tmp/cuobj nvidia-cuda-cuobjdump`, then CUOBJDUMP=/tmp/cuobj/nvidia/cu13/bin/cuobjdump);
+that cuobjdump needs nvdisasm in PATH (`pip download --no-deps nvidia-cuda-nvdisasm`, unzip the
+wheel: nvidia/cu13/bin/nvdisasm).
 """
 import collections
 import glob
@@ -38,14 +43,17 @@ def describe(name):
     if not m:
         return name
     c = int(m.group(1))
-    words = [KINDS[c & 7], f"v{(c >> 3) & 31}", f"D{(c >> 8) & 511}", f"nt{(c >> 17) & 3}",
-             "packed" if (c >> 19) & 1 else "unpacked", PIPELINES[(c >> 20) & 3]]
-    if (c >> 22) & 1:
-        words.append("hi_only")
+    words = [KINDS[c & 7], f"v{(c >> 3) & 31}", f"D{(c >> 8) & 511}", f"nt{(c >> 17) & 7}",
+             "packed" if (c >> 20) & 1 else "unpacked", PIPELINES[(c >> 21) & 3]]
     if (c >> 23) & 1:
+        words.append("hi_only")
+    if (c >> 24) & 1:
         words.append("one_cta")
+    if (c >> 25) & 1:
+        words.append("half")
     return " ".join(words)
-CHUNK_HMMAS = int(os.environ.get("CHUNK_HMMAS", "24"))  # 16: the hi-only score path
+# 16: the hi-only score path; the half-precision kernels 32 (nt2) or 64 (nt4).
+CHUNK_HMMAS = int(os.environ.get("CHUNK_HMMAS", "24"))
 
 
 def find_cuobjdump():
@@ -84,9 +92,14 @@ def chunk_loop(code):
         if target >= addr or target not in index:
             continue
         body = [t for _, t in code[index[target]:i + 1]]
-        if sum("HMMA" in t for t in body) == CHUNK_HMMAS and (best is None or len(body) > len(best)):
-            best = body
-    return best
+        if sum("HMMA" in t for t in body) != CHUNK_HMMAS:
+            continue
+        # The staged kernels' main loop issues the next chunks' copies; the masked last chunks'
+        # loop (longer: its column masks) does not.
+        key = (any("LDGSTS" in t for t in body), len(body))
+        if best is None or key > best[0]:
+            best = (key, body)
+    return best[1] if best else None
 
 
 def opcode(text):
