@@ -46,8 +46,8 @@ std::vector<int32_t> Tokens(int n, uint64_t seed) {
 }
 
 struct Diff {
-  double rel_rms = 0;   // ‖a − b‖ / ‖b‖ over every logit compared
-  double agree = 0;     // argmax agreement
+  double rel_rms = 0;  // ‖a − b‖ / ‖b‖ over every logit compared
+  double agree = 0;    // argmax agreement
   int64_t rows = 0;
   bool argmax_consistent = true;  // the CUDA argmax output is its logits' argmax
 };
@@ -215,6 +215,56 @@ TEST(CudaEngineTest, ServesWithPreemption) {
     for (int32_t t : c.tokens) EXPECT_TRUE(t >= 0 && t < 1000);
   }
   EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+}
+
+// Speculative decoding on the CUDA engine (ServerOptions::spec_tokens): the drafts run as verify
+// rows beside decode rows and prompt chunks; greedy requests generate the tokens they generate
+// without drafts, in fewer steps, and sampled ones finish; some drafts are kept and some
+// rewound, and the manager stays consistent, also through preemption.
+TEST(CudaEngineTest, ServesSpeculatively) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 9);
+  auto serve = [&](int spec, int32_t num_blocks) {
+    CudaEngine engine(model, {"turboquant_4bit_nc", 0, 16, num_blocks});
+    ServerOptions options{8, 48};
+    options.spec_tokens = spec;
+    Server server(engine, options);
+    for (int i = 0; i < 6; ++i) {
+      Request r;
+      // As engine_test's SpeculativeDecodingRewindsRejectedDrafts: "a a" and other tokens in a
+      // greedy prompt ending in a, so that its first drafts are rejected.
+      r.prompt = Tokens(40 + 7 * i, 200 + i);
+      if (i % 2 == 0) {
+        const int32_t a = r.prompt.back();
+        const int32_t pair[] = {a, a, (a + 1) % 1000, (a + 2) % 1000, (a + 3) % 1000};
+        r.prompt.insert(r.prompt.begin() + 20, std::begin(pair), std::end(pair));
+      }
+      r.max_new_tokens = 20;
+      r.sampling = {i % 2 == 0 ? 0.0f : 1.5f, static_cast<uint64_t>(i)};
+      server.Submit(std::move(r));
+    }
+    server.RunToCompletion();
+    EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+    std::vector<std::vector<int32_t>> tokens;
+    for (int i = 0; i < 6; ++i) {
+      const Completion& c = server.completion(i);
+      EXPECT_TRUE(c.finished);
+      EXPECT_EQ(c.error, "");
+      EXPECT_EQ(c.tokens.size(), 20u);
+      for (int32_t t : c.tokens) EXPECT_TRUE(t >= 0 && t < 1000);
+      tokens.push_back(c.tokens);
+    }
+    return std::pair{tokens, server.stats()};
+  };
+  const auto [plain, plain_stats] = serve(0, 64);
+  const auto [spec, spec_stats] = serve(4, 64);
+  for (int i = 0; i < 6; i += 2) EXPECT_EQ(spec[i], plain[i]) << "greedy request " << i;
+  EXPECT_LT(spec_stats.steps, plain_stats.steps);
+  EXPECT_GT(spec_stats.accepted_drafts, 0);
+  EXPECT_LE(spec_stats.accepted_drafts, spec_stats.draft_tokens - 3);  // a rejection per greedy
+  const auto [tight, tight_stats] = serve(4, 12);
+  EXPECT_GT(tight_stats.preemptions, 0);
+  for (int i = 0; i < 6; i += 2) EXPECT_EQ(tight[i], plain[i]) << "greedy request " << i;
 }
 
 }  // namespace

@@ -1,7 +1,5 @@
 #include "model/engine.h"
 
-#include "model/server.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -9,10 +7,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <optional>
+#include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "model/gguf.h"
 #include "model/llama.h"
+#include "model/server.h"
 #include "model/tokenizer.h"
 #include "runtime/error.h"
 
@@ -206,10 +208,10 @@ TEST(EngineTest, ServerBatchesLikeOneAtATime) {
   std::vector<Request> requests;
   for (const char* q : {"What is the capital of France?", "Name a large ocean.",
                         "What color is the sky on a clear day?"}) {
-    requests.push_back(Req(s->tokenizer.Encode(
-                               system + "<|im_start|>user\n" + q + "<|im_end|>\n<|im_start|>assistant\n",
-                               true),
-                           8));
+    requests.push_back(
+        Req(s->tokenizer.Encode(
+                system + "<|im_start|>user\n" + q + "<|im_end|>\n<|im_start|>assistant\n", true),
+            8));
   }
   requests.push_back(Req(s->tokenizer.Encode(kText), 8, {0.8f, 3}));
   ASSERT_GE(requests[0].prompt.size(), 48u);
@@ -251,13 +253,202 @@ TEST(EngineTest, ServerBatchesLikeOneAtATime) {
   CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 9});
   Server server(engine, {4, 64});
   std::vector<int32_t> huge;
-  for (int i = 0; i < 8; ++i) huge.insert(huge.end(), requests[3].prompt.begin(), requests[3].prompt.end());
+  for (int i = 0; i < 8; ++i)
+    huge.insert(huge.end(), requests[3].prompt.begin(), requests[3].prompt.end());
   const int bad = server.Submit(Req(huge, 4));
   const int good = server.Submit(requests[1]);
   server.RunToCompletion();
   EXPECT_THAT(server.completion(bad).error, ::testing::HasSubstr("more than the pool"));
   EXPECT_TRUE(server.completion(bad).tokens.empty());
   EXPECT_EQ(server.completion(good).tokens, alone[1]);
+}
+
+// Prompt lookup: the continuation of the most recent earlier occurrence of the longest suffix
+// (up to max_ngram tokens) that recurs.
+TEST(ServerTest, ProposeDraftsLooksUpTheContext) {
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(ProposeDrafts(V{1, 2, 3, 4, 1, 2}, 3, 3), (V{3, 4, 1}));  // {4, 1, 2} never; {1, 2}
+  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 3), (V{7, 5, 6}));  // the latest {5, 6}
+  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 8), (V{7, 5, 6}));  // up to the end
+  EXPECT_EQ(ProposeDrafts(V{8, 1, 9, 2, 1}, 3, 4), (V{9, 2, 1}));           // down to one token
+  EXPECT_EQ(ProposeDrafts(V{7, 7}, 3, 4), (V{7}));
+  EXPECT_EQ(ProposeDrafts(V{1, 2, 3}, 3, 4), V{});  // nothing recurs
+  EXPECT_EQ(ProposeDrafts(V{4}, 3, 4), V{});
+  EXPECT_EQ(ProposeDrafts(V{1, 2, 1, 2}, 3, 0), V{});
+}
+
+// A draft is kept with the model's probability of it and otherwise replaced by a draw from the
+// rest, so that the token has the model's distribution; greedy keeps exactly the argmax.
+TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
+  const std::vector<float> logits = {0.5f, 2.0f, 1.0f, -1.0f, 0.0f};
+  const int vocab = static_cast<int>(logits.size());
+  const float temperature = 0.7f;
+  std::vector<double> p(vocab);
+  double sum = 0.0;
+  for (int v = 0; v < vocab; ++v) sum += p[v] = std::exp((logits[v] - 2.0f) / temperature);
+  for (double& x : p) x /= sum;
+  std::mt19937_64 rng(11);
+  for (int32_t draft : {1, 2, 3}) {
+    constexpr int kDraws = 200000;
+    std::vector<int> count(vocab, 0);
+    int kept_count = 0;
+    for (int i = 0; i < kDraws; ++i) {
+      bool kept = false;
+      const int32_t t = AcceptDraft(logits.data(), vocab, temperature, 1, draft, rng, &kept);
+      ASSERT_TRUE(t >= 0 && t < vocab);
+      ASSERT_EQ(kept, t == draft);  // a replacement is never the draft
+      ++count[t];
+      kept_count += kept;
+    }
+    EXPECT_NEAR(static_cast<double>(kept_count) / kDraws, p[draft], 0.005) << draft;
+    for (int v = 0; v < vocab; ++v) {
+      EXPECT_NEAR(static_cast<double>(count[v]) / kDraws, p[v], 0.005) << draft << " " << v;
+    }
+  }
+  bool kept = true;
+  EXPECT_EQ(AcceptDraft(nullptr, vocab, 0.0f, 1, 2, rng, &kept), 1);
+  EXPECT_FALSE(kept);
+  EXPECT_EQ(AcceptDraft(nullptr, vocab, 0.0f, 1, 1, rng, &kept), 1);
+  EXPECT_TRUE(kept);
+}
+
+// Speculative decoding by prompt lookup (ServerOptions::spec_tokens): the drafts are verified as
+// extra rows of their sequence over the compressed cache and the rejected positions rewound, so
+// greedy requests generate exactly the tokens they generate without drafts, in fewer steps where
+// the text repeats the prompt; also with stop tokens, max_new_tokens below the drafts, several
+// requests arriving while others decode (verify rows beside prompt chunks) and preemption.
+// Sampled requests stay reproducible by seed.
+TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
+  const Loaded* s = SmolLm2();
+  if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  // Asked to repeat a text, the model copies it: prompt lookup drafts the copy.
+  const std::vector<int32_t> copy =
+      s->tokenizer.Encode(std::string("<|im_start|>user\nRepeat this text exactly: ") + kText +
+                              "<|im_end|>\n<|im_start|>assistant\n",
+                          true);
+  const std::vector<int32_t> copy2 =
+      s->tokenizer.Encode(std::string("<|im_start|>user\nCopy this text word for word: ") + kText +
+                              "<|im_end|>\n<|im_start|>assistant\n",
+                          true);
+  const std::vector<int32_t> other = s->tokenizer.Encode("The capital of France is");
+  struct Run {
+    std::vector<std::vector<int32_t>> tokens;
+    ServerStats stats;
+  };
+  auto serve = [&](int spec, std::vector<Request> requests, int32_t num_blocks = 64,
+                   int step_tokens = 16) {
+    CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, num_blocks});
+    ServerOptions options{4, step_tokens};
+    options.spec_tokens = spec;
+    Server server(engine, options);
+    for (int step = 0, next = 0; next < static_cast<int>(requests.size()) || !server.idle();
+         ++step) {
+      // One arrival every third step, so that later prompts are prefilled beside decodes.
+      if (next < static_cast<int>(requests.size()) && step % 3 == 0)
+        server.Submit(requests[next++]);
+      server.Step();
+    }
+    EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+    Run run;
+    for (int i = 0; i < static_cast<int>(requests.size()); ++i) {
+      EXPECT_TRUE(server.completion(i).finished);
+      EXPECT_EQ(server.completion(i).error, "");
+      run.tokens.push_back(server.completion(i).tokens);
+    }
+    run.stats = server.stats();
+    return run;
+  };
+  const Run plain = serve(0, {Req(copy, 24)});
+  const Run spec = serve(4, {Req(copy, 24)});
+  ASSERT_EQ(plain.tokens[0].size(), 24u);
+  EXPECT_EQ(spec.tokens, plain.tokens);
+  EXPECT_EQ(plain.stats.draft_tokens, 0);
+  EXPECT_GT(spec.stats.accepted_drafts, 8);
+  EXPECT_LE(spec.stats.accepted_drafts, spec.stats.draft_tokens);
+  EXPECT_LT(spec.stats.steps, plain.stats.steps - 4);
+  EXPECT_EQ(spec.stats.generated_tokens, 24);
+
+  // A stop token within the drafts, and max_new_tokens below a step's drafts.
+  Request stop = Req(copy, 24);
+  stop.stop_token = plain.tokens[0][9];
+  const size_t stop_at =
+      std::find(plain.tokens[0].begin(), plain.tokens[0].end(), stop.stop_token) -
+      plain.tokens[0].begin();
+  const Run stopped = serve(4, {stop, Req(copy, 3)});
+  EXPECT_EQ(stopped.tokens[0],
+            std::vector<int32_t>(plain.tokens[0].begin(), plain.tokens[0].begin() + stop_at + 1));
+  EXPECT_EQ(stopped.tokens[1],
+            std::vector<int32_t>(plain.tokens[0].begin(), plain.tokens[0].begin() + 3));
+
+  // Several requests, arriving while others decode; a pool tight enough to preempt.
+  const std::vector<Request> mixed = {Req(copy, 16), Req(other, 12), Req(copy2, 20),
+                                      Req(other, 8, {0.8f, 5})};
+  const Run alone = serve(0, mixed);
+  const Run together = serve(4, mixed);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(together.tokens[i], alone.tokens[i]) << "request " << i;
+  EXPECT_GT(together.stats.accepted_drafts, 0);
+  const Run tight = serve(4, mixed, 9);
+  EXPECT_GT(tight.stats.preemptions, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(tight.tokens[i], alone.tokens[i]) << "request " << i;
+  EXPECT_EQ(tight.tokens[3], together.tokens[3]);  // sampled: the same seed, the same tokens
+  EXPECT_EQ(tight.tokens[3].size(), 8u);
+}
+
+// The same on a random-weight model (no model file; cuda_engine_test's ServesSpeculatively runs
+// this on the CUDA engine), which repeats a prompt's last token a: a greedy request's prompt
+// holds "a a" earlier, followed by other tokens, so that once the model has answered a, the
+// drafts continue the prompt after that pair where the model does not (rejected, rewound);
+// later drafts follow its output (kept). Greedy requests keep their tokens, with and without
+// preemption; sampled ones finish.
+TEST(EngineTest, SpeculativeDecodingRewindsRejectedDrafts) {
+  LlamaConfig config;
+  config.num_layers = 4;
+  config.hidden = 384;
+  config.ffn = 1024;
+  config.num_heads = 6;
+  config.num_kv_heads = 2;
+  config.head_dim = 64;
+  config.vocab = 1000;
+  config.context = 4096;
+  config.rope_base = 10000.0f;
+  const LlamaModel model = LlamaModel::RandomInit(config, 9);
+  auto serve = [&](int spec, int32_t num_blocks) {
+    CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, num_blocks});
+    ServerOptions options{8, 48};
+    options.spec_tokens = spec;
+    Server server(engine, options);
+    for (int i = 0; i < 6; ++i) {
+      std::mt19937_64 rng(200 + i);
+      Request r;
+      for (int j = 0; j < 40 + 7 * i; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
+      if (i % 2 == 0) {
+        const int32_t a = r.prompt.back();
+        const int32_t pair[] = {a, a, 901, 902, 903, 904};
+        r.prompt.insert(r.prompt.begin() + 20, std::begin(pair), std::end(pair));
+      }
+      r.max_new_tokens = 20;
+      r.sampling = {i % 2 == 0 ? 0.0f : 1.5f, static_cast<uint64_t>(i)};
+      server.Submit(std::move(r));
+    }
+    server.RunToCompletion();
+    EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+    std::vector<std::vector<int32_t>> tokens;
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(server.completion(i).finished);
+      EXPECT_EQ(server.completion(i).tokens.size(), 20u);
+      tokens.push_back(server.completion(i).tokens);
+    }
+    return std::pair{tokens, server.stats()};
+  };
+  const auto [plain, plain_stats] = serve(0, 64);
+  const auto [spec, spec_stats] = serve(4, 64);
+  for (int i = 0; i < 6; i += 2) EXPECT_EQ(spec[i], plain[i]) << "greedy request " << i;
+  EXPECT_LT(spec_stats.steps, plain_stats.steps);
+  EXPECT_GT(spec_stats.accepted_drafts, 0);
+  EXPECT_LE(spec_stats.accepted_drafts, spec_stats.draft_tokens - 3);  // a rejection per greedy
+  const auto [tight, tight_stats] = serve(4, 12);
+  EXPECT_GT(tight_stats.preemptions, 0);
+  for (int i = 0; i < 6; i += 2) EXPECT_EQ(tight[i], plain[i]) << "greedy request " << i;
 }
 
 // Bad requests and options are refused, naming the field, and leave the server as it was.
@@ -269,6 +460,19 @@ TEST(EngineTest, ServerRejectsBadInput) {
   CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 16});
   EXPECT_THROW((void)Server(engine, ServerOptions{0, 16}), Error);
   EXPECT_THROW((void)Server(engine, ServerOptions{4, 0}), Error);
+  for (const auto& [spec, ngram, name] :
+       {std::tuple{-1, 3, "options.spec_tokens"}, std::tuple{65, 3, "options.spec_tokens"},
+        std::tuple{4, 0, "options.spec_ngram"}}) {
+    ServerOptions o;
+    o.spec_tokens = spec;
+    o.spec_ngram = ngram;
+    try {
+      (void)Server(engine, o);
+      ADD_FAILURE() << name << " accepted";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(name));
+    }
+  }
   Server server(engine, {});
   auto message = [&](Request r) {
     try {

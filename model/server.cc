@@ -19,13 +19,49 @@ double Seconds(Clock::time_point t) {
 
 }  // namespace
 
-Server::Server(Engine& engine, ServerOptions options)
-    : engine_(engine), options_(options) {
+std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngram,
+                                   int max_drafts) {
+  const int64_t len = static_cast<int64_t>(context.size());
+  if (max_drafts < 1) return {};
+  for (int64_t n = std::min<int64_t>(max_ngram, len - 1); n >= 1; --n) {
+    const auto suffix = context.subspan(static_cast<size_t>(len - n));
+    for (int64_t s = len - n - 1; s >= 0; --s) {  // the most recent earlier occurrence
+      if (!std::equal(suffix.begin(), suffix.end(), context.begin() + s)) continue;
+      const int64_t from = s + n, to = std::min(len, from + max_drafts);
+      return {context.begin() + from, context.begin() + to};
+    }
+  }
+  return {};
+}
+
+int32_t AcceptDraft(const float* logits, int vocab, float temperature, int32_t argmax,
+                    int32_t draft, std::mt19937_64& rng, bool* kept) {
+  if (temperature == 0.0f) {
+    *kept = draft == argmax;
+    return argmax;
+  }
+  const float mx = *std::max_element(logits, logits + vocab);
+  std::vector<double> p(static_cast<size_t>(vocab));
+  double sum = 0.0;
+  for (int v = 0; v < vocab; ++v) sum += p[v] = std::exp((logits[v] - mx) / temperature);
+  *kept = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * sum < p[draft];
+  if (*kept) return draft;
+  p[draft] = 0.0;
+  return static_cast<int32_t>(std::discrete_distribution<int>(p.begin(), p.end())(rng));
+}
+
+Server::Server(Engine& engine, ServerOptions options) : engine_(engine), options_(options) {
   if (options_.max_running < 1) {
     throw InvalidArgument("Server", "options.max_running", options_.max_running, ">= 1");
   }
   if (options_.step_tokens < 1) {
     throw InvalidArgument("Server", "options.step_tokens", options_.step_tokens, ">= 1");
+  }
+  if (options_.spec_tokens < 0 || options_.spec_tokens > 64) {
+    throw InvalidArgument("Server", "options.spec_tokens", options_.spec_tokens, "0 to 64");
+  }
+  if (options_.spec_ngram < 1) {
+    throw InvalidArgument("Server", "options.spec_ngram", options_.spec_ngram, ">= 1");
   }
   engine_.manager();  // the pool exists (and its size was given) before any request
 }
@@ -35,8 +71,7 @@ int Server::Submit(Request request) {
   if (request.prompt.empty()) throw InvalidArgument("Server::Submit", "prompt.size()", 0, ">= 1");
   for (int32_t t : request.prompt) {
     if (t < 0 || t >= vocab) {
-      throw InvalidArgument("Server::Submit", "prompt token", t,
-                            fmt::format("0 to {}", vocab - 1));
+      throw InvalidArgument("Server::Submit", "prompt token", t, fmt::format("0 to {}", vocab - 1));
     }
   }
   if (request.max_new_tokens < 1) {
@@ -71,30 +106,43 @@ void Server::Admit() {
   }
 }
 
-void Server::PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live) const {
+void Server::PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live,
+                      std::vector<std::vector<int32_t>>& drafts) const {
   const KVCacheManager& m = engine_.manager();
   requests.clear();
   live.clear();
+  drafts.clear();
   std::vector<int64_t> remaining(running_.size());
   int budget = options_.step_tokens;
-  // Decode rows (a sequence at its last known token) are never deferred; prompt chunks share
-  // what is left of the budget in admission order.
+  // Decode rows (a sequence at its last known token) are never deferred; their drafts take what
+  // the budget has left after them, and prompt chunks what is left then, in admission order.
+  int decoding = 0;
   for (size_t i = 0; i < running_.size(); ++i) {
     const Live& r = running_[i];
     int64_t done = m.GetSequenceInfo(r.seq).num_scheduled;
     if (done == 0) done = m.Lookup(r.seq).num_tokens;  // fresh: its cached prefix
     remaining[i] = static_cast<int64_t>(r.tokens.size()) - done;
-    if (remaining[i] == 1) {
-      requests.push_back({r.seq, 1, 0});
-      live.push_back(static_cast<int>(i));
-      --budget;
-    }
+    if (remaining[i] == 1) ++decoding;
+  }
+  budget -= decoding;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (remaining[i] != 1) continue;
+    const Live& r = running_[i];
+    // Drafts never reach past max_new_tokens: the step commits one token more than it accepts.
+    const int room = requests_[r.id].max_new_tokens - r.generated - 1;
+    std::vector<int32_t> d = ProposeDrafts(
+        r.tokens, options_.spec_ngram, std::min({options_.spec_tokens, room, std::max(budget, 0)}));
+    budget -= static_cast<int>(d.size());
+    requests.push_back({r.seq, 1 + static_cast<int32_t>(d.size()), 0});
+    live.push_back(static_cast<int>(i));
+    drafts.push_back(std::move(d));
   }
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     if (remaining[i] <= 1) continue;
     const int n = static_cast<int>(std::min<int64_t>(remaining[i], budget));
     requests.push_back({running_[i].seq, n, 0});
     live.push_back(static_cast<int>(i));
+    drafts.emplace_back();
     budget -= n;
   }
 }
@@ -137,8 +185,9 @@ bool Server::Step() {
   Admit();
   std::vector<StepRequest> requests;
   std::vector<int> live;
+  std::vector<std::vector<int32_t>> drafts;
   for (;;) {
-    PlanStep(requests, live);
+    PlanStep(requests, live, drafts);
     if (requests.empty()) return true;
     const ScheduleResult result = engine_.Schedule(requests);
     if (result.admitted) break;
@@ -156,8 +205,8 @@ bool Server::Step() {
     } else if (running_.size() > 1) {
       Preempt();
     } else {
-      throw Error(fmt::format("Server::Step: one sequence alone lacks {} blocks",
-                              result.blocks_missing));
+      throw Error(
+          fmt::format("Server::Step: one sequence alone lacks {} blocks", result.blocks_missing));
     }
     if (running_.empty()) return true;
   }
@@ -165,19 +214,23 @@ bool Server::Step() {
   const int num_req = static_cast<int>(requests.size());
   stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, num_req);
 
-  // The step's tokens in row order, and the rows that sample: a request whose rows reach its
-  // last known token.
+  // The step's tokens in row order (a decoding sequence's drafts after its last known token),
+  // and the rows that sample: those of a request whose rows reach its last known token, from
+  // that token's row on (one per draft, and one more).
   std::vector<int32_t> tokens, logit_rows;
   std::vector<int> samples(static_cast<size_t>(num_req), -1);  // index into logit_rows
   tokens.reserve(static_cast<size_t>(batch.num_tokens()));
   for (int k = 0; k < num_req; ++k) {
     const Live& r = running_[live[k]];
-    const int32_t end = batch.seq_lens()[k];
-    const int32_t start = end - requests[k].num_new_tokens;
+    const int32_t nd = static_cast<int32_t>(drafts[k].size());
+    const int32_t end = batch.seq_lens()[k] - nd;
+    const int32_t start = end - (requests[k].num_new_tokens - nd);
     tokens.insert(tokens.end(), r.tokens.begin() + start, r.tokens.begin() + end);
+    tokens.insert(tokens.end(), drafts[k].begin(), drafts[k].end());
     if (end == static_cast<int32_t>(r.tokens.size())) {
       samples[k] = static_cast<int>(logit_rows.size());
-      logit_rows.push_back(batch.query_start_loc()[k + 1] - 1);
+      for (int32_t i = nd; i >= 0; --i)
+        logit_rows.push_back(batch.query_start_loc()[k + 1] - 1 - i);
     }
   }
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -210,21 +263,38 @@ bool Server::Step() {
       m.Commit(r.seq, {});
       continue;
     }
-    const int32_t next =
-        Sample(r, need_logits ? logits.data() + static_cast<int64_t>(samples[k]) * vocab : nullptr,
-               argmax[samples[k]]);
-    ++stats_.generated_tokens;
-    r.tokens.push_back(next);
-    ++r.generated;
-    c.tokens.push_back(next);
+    // The drafts in order while each is kept, then one token drawn at the first position whose
+    // draft was not (or after the last draft); up to the stop token or max_new_tokens.
+    const Request& req = requests_[r.id];
+    const std::vector<int32_t>& d = drafts[k];
+    std::vector<int32_t> next;
+    bool done = false;
+    for (size_t i = 0; i <= d.size() && !done; ++i) {
+      const int row = samples[k] + static_cast<int>(i);
+      const float* lg = need_logits ? logits.data() + static_cast<int64_t>(row) * vocab : nullptr;
+      bool kept = false;
+      const int32_t t = i < d.size() ? AcceptDraft(lg, vocab, req.sampling.temperature, argmax[row],
+                                                   d[i], r.rng, &kept)
+                                     : Sample(r, lg, argmax[row]);
+      next.push_back(t);
+      stats_.accepted_drafts += kept ? 1 : 0;
+      done = !kept || t == req.stop_token ||
+             r.generated + static_cast<int>(next.size()) == req.max_new_tokens;
+    }
+    stats_.draft_tokens += static_cast<int64_t>(d.size());
+    stats_.generated_tokens += static_cast<int64_t>(next.size());
+    r.tokens.insert(r.tokens.end(), next.begin(), next.end());
+    r.generated += static_cast<int>(next.size());
+    c.tokens.insert(c.tokens.end(), next.begin(), next.end());
     if (c.first_token_step < 0) {
       c.first_token_step = stats_.steps;
       c.first_token_seconds = Seconds(Clock::now()) - submit_time_[r.id];
     }
-    m.Commit(r.seq, std::span<const int32_t>(&next, 1));
-    if (next == requests_[r.id].stop_token || r.generated == requests_[r.id].max_new_tokens) {
-      Finish(r);
-    }
+    // The positions of drafts not committed (the last committed token has no K/V yet).
+    const int64_t rejected = static_cast<int64_t>(d.size()) + 1 - static_cast<int64_t>(next.size());
+    if (rejected > 0) m.Rewind(r.seq, rejected);
+    m.Commit(r.seq, next);
+    if (next.back() == req.stop_token || r.generated == req.max_new_tokens) Finish(r);
   }
   std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t1).count();

@@ -1,5 +1,6 @@
-// A serving loop over an Engine (CpuEngine or CudaEngine): requests arrive at any time (Submit between Steps) and every
-// Step runs one batch through the model, like an inference engine's scheduler loop:
+// A serving loop over an Engine (CpuEngine or CudaEngine): requests arrive at any time (Submit
+// between Steps) and every Step runs one batch through the model, like an inference engine's
+// scheduler loop:
 //
 // - continuous batching: up to max_running sequences in flight; a finished one frees its blocks
 //   and a waiting request takes its place at the next step;
@@ -10,7 +11,11 @@
 // - preemption: when Schedule finds too few blocks, the sequence admitted last is freed and
 //   requeued at the front; readmitted, it recomputes from its prompt and the tokens it already
 //   generated (mostly prefix-cache hits), and goes on sampling where it stopped;
-// - greedy or temperature sampling, one random stream per request seeded by the request.
+// - greedy or temperature sampling, one random stream per request seeded by the request;
+// - speculative decoding by prompt lookup (ServerOptions::spec_tokens): a decoding sequence
+//   drafts the tokens that followed an earlier occurrence of its last few tokens, the step
+//   verifies them as extra rows of that sequence (attention over the compressed cache, the
+//   drafts' K/V stored like any token's), and the rejected positions are rewound.
 //
 // A request's tokens do not depend on what else is in the batch, on prefix hits or on
 // preemption: every row's computation depends only on its own sequence (Engine::Compute), and
@@ -20,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,29 +47,50 @@ struct Request {
 
 struct Completion {
   bool finished = false;
-  std::string error;            // set when the request can never fit the block pool
-  std::vector<int32_t> tokens;  // the new tokens (the stop token included if reached)
+  std::string error;              // set when the request can never fit the block pool
+  std::vector<int32_t> tokens;    // the new tokens (the stop token included if reached)
   int64_t prefix_hit_tokens = 0;  // prompt tokens served from the prefix cache (first admission)
   int preemptions = 0;
   int64_t submit_step = 0, first_token_step = -1, finish_step = -1;  // Step() counts
-  double first_token_seconds = 0.0, finish_seconds = 0.0;  // since Submit
+  double first_token_seconds = 0.0, finish_seconds = 0.0;            // since Submit
 };
 
 struct ServerOptions {
-  int max_running = 16;     // sequences in flight
-  int step_tokens = 256;    // tokens per step: decode rows first, then prompt chunks
+  int max_running = 16;   // sequences in flight
+  int step_tokens = 256;  // tokens per step: decode rows (and drafts) first, then prompt chunks
+  // Draft tokens per decoding sequence and step, 0-64 (ProposeDrafts; 0: no speculation). The
+  // accepted drafts and one more token are committed per step. Greedy requests produce the same
+  // tokens as without drafts; sampled ones the same distribution (a draft is kept with the
+  // model's probability of it, otherwise the token is drawn from the rest: AcceptDraft).
+  int spec_tokens = 0;
+  int spec_ngram = 3;  // the longest suffix ProposeDrafts looks up, >= 1
 };
 
 struct ServerStats {
   int64_t steps = 0;
-  int64_t computed_tokens = 0;    // rows run through the model (prompts, decodes, recomputation)
+  int64_t computed_tokens = 0;  // rows run through the model (prompts, decodes, recomputation)
   int64_t generated_tokens = 0;
   int64_t prefix_hit_tokens = 0;  // positions taken from the prefix cache (readmissions too)
   int64_t preemptions = 0;
-  int max_batch_sequences = 0;  // most sequences in one step
+  int max_batch_sequences = 0;   // most sequences in one step
+  int64_t draft_tokens = 0;      // drafts verified (ServerOptions::spec_tokens)
+  int64_t accepted_drafts = 0;   // of those, committed
   double compute_seconds = 0.0;  // Engine::Compute (its results on the host)
   double manager_seconds = 0.0;  // AddSequence, Schedule, Commit, Free
 };
+
+// Prompt lookup: up to `max_drafts` tokens that followed the most recent earlier occurrence of
+// the context's last n tokens, for the longest n from max_ngram down to 1 that occurs; none when
+// no suffix recurs.
+std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngram, int max_drafts);
+
+// Speculative sampling of one position whose draft is `draft` (a proposal of probability 1):
+// greedy (temperature 0) keeps it when it is the argmax and returns the argmax otherwise; with
+// a temperature it keeps the draft with the model's probability p(draft) and otherwise draws
+// from p without the draft, so that the token returned has the model's distribution. Returns the
+// token; *kept says whether it is the draft.
+int32_t AcceptDraft(const float* logits, int vocab, float temperature, int32_t argmax,
+                    int32_t draft, std::mt19937_64& rng, bool* kept);
 
 class Server {
  public:
@@ -96,9 +123,11 @@ class Server {
   };
   // Admits waiting requests (front first) while fewer than max_running are in flight.
   void Admit();
-  // The step's requests: every sequence at its last known token decodes one row, then prompt
-  // chunks in admission order within the budget. `live` gets each request's index in running_.
-  void PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live) const;
+  // The step's requests: every sequence at its last known token decodes one row and its drafts,
+  // then prompt chunks in admission order within the budget. `live` gets each request's index
+  // in running_, `drafts` its draft tokens.
+  void PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live,
+                std::vector<std::vector<int32_t>>& drafts) const;
   // Frees the sequence admitted last and requeues it at the front of the queue.
   void Preempt();
   // The next token: the argmax (greedy), or drawn from the logits.

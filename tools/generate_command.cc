@@ -1,8 +1,9 @@
-// `tqkv generate`: a GGUF Llama model serving prompts with tqkv's KV cache (CPU or CUDA). The prompts
-// arrive over time (--arrive-every), and a continuous-batching server (model/server.h) runs them
-// together: chunked prefill through the block manager, prefix caching of a shared system prompt,
-// one token per sequence and decode step, preemption when the block pool runs short. Every
-// layer's K/V are stored into the layer's paged cache and attended from there.
+// `tqkv generate`: a GGUF Llama model serving prompts with tqkv's KV cache (CPU or CUDA). The
+// prompts arrive over time (--arrive-every), and a continuous-batching server (model/server.h) runs
+// them together: chunked prefill through the block manager, prefix caching of a shared system
+// prompt, one token per sequence and decode step (with --spec-tokens, the accepted drafts of
+// prompt lookup and one more), preemption when the block pool runs short. Every layer's K/V are
+// stored into the layer's paged cache and attended from there.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@ struct GenerateFlags {
   int arrive_every = 2;
   int32_t num_blocks = 0;
   std::string device = "cpu";
+  int spec_tokens = 0;
 };
 
 void RunGenerate(const GenerateFlags& flags) {
@@ -56,9 +58,10 @@ void RunGenerate(const GenerateFlags& flags) {
   int32_t blocks = 1;  // the null block
   for (size_t i = 0; i < flags.prompts.size(); ++i) {
     const std::string text =
-        chat ? fmt::format("<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-                           "<|im_start|>assistant\n",
-                           flags.system, flags.prompts[i])
+        chat ? fmt::format(
+                   "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                   "<|im_start|>assistant\n",
+                   flags.system, flags.prompts[i])
              : flags.prompts[i];
     model::Request r;
     r.prompt = tokenizer.Encode(text, /*parse_special=*/chat);
@@ -77,7 +80,9 @@ void RunGenerate(const GenerateFlags& flags) {
   } else {
     engine = std::make_unique<model::CpuEngine>(llama, policy);
   }
-  model::Server server(*engine, {flags.max_running, flags.step_tokens});
+  model::ServerOptions options{flags.max_running, flags.step_tokens};
+  options.spec_tokens = flags.spec_tokens;
+  model::Server server(*engine, options);
   const model::LlamaConfig& c = llama.config();
   fmt::print("{}: {} layers on {}, KV cache {}{}: {} bytes per token (bf16: {}), {} blocks of 16\n",
              std::filesystem::path(path).filename().string(), c.num_layers,
@@ -89,8 +94,7 @@ void RunGenerate(const GenerateFlags& flags) {
   const auto t0 = std::chrono::steady_clock::now();
   size_t next = 0;
   for (int step = 0; next < requests.size() || !server.idle(); ++step) {
-    while (next < requests.size() &&
-           static_cast<int64_t>(next) * flags.arrive_every <= step) {
+    while (next < requests.size() && static_cast<int64_t>(next) * flags.arrive_every <= step) {
       server.Submit(requests[next++]);
     }
     server.Step();
@@ -117,6 +121,11 @@ void RunGenerate(const GenerateFlags& flags) {
       requests.size(), s.steps, wall, s.generated_tokens,
       static_cast<double>(s.generated_tokens) / wall, s.computed_tokens, s.prefix_hit_tokens,
       s.max_batch_sequences, s.preemptions, s.compute_seconds, s.manager_seconds);
+  if (flags.spec_tokens > 0) {
+    fmt::print("speculative decoding (prompt lookup): {} drafts verified, {} accepted ({:.0f} %)\n",
+               s.draft_tokens, s.accepted_drafts,
+               s.draft_tokens > 0 ? 100.0 * s.accepted_drafts / s.draft_tokens : 0.0);
+  }
 }
 
 }  // namespace
@@ -126,7 +135,7 @@ void AddGenerateCommand(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "generate",
       "Serve prompts with a GGUF Llama model on the CPU or CUDA, its KV cache in tqkv: continuous "
-      "batching, chunked prefill, prefix caching, preemption");
+      "batching, chunked prefill, prefix caching, preemption, speculative decoding");
   cmd->add_option("--model", flags->model,
                   "GGUF file (tools/setup.sh fetches SmolLM2-135M-Instruct)")
       ->capture_default_str();
@@ -158,6 +167,11 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--num-blocks", flags->num_blocks,
                   "KV blocks of 16 tokens (0: room for every request at once)")
       ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--spec-tokens", flags->spec_tokens,
+                  "draft tokens per decoding sequence and step, from its own context (prompt "
+                  "lookup), verified in the same step; 0: none")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   cmd->add_option("--device", flags->device, "cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
