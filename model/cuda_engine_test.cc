@@ -231,7 +231,7 @@ TEST(CudaEngineTest, ServesSpeculatively) {
     Server server(engine, options);
     for (int i = 0; i < 6; ++i) {
       Request r;
-      // As engine_test's SpeculativeDecodingRewindsRejectedDrafts: "a a" and other tokens in a
+      // As server_test's SpeculativeDecodingRewindsRejectedDrafts: "a a" and other tokens in a
       // greedy prompt ending in a, so that its first drafts are rejected.
       r.prompt = Tokens(40 + 7 * i, 200 + i);
       if (i % 2 == 0) {

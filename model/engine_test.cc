@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <optional>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -263,55 +262,6 @@ TEST(EngineTest, ServerBatchesLikeOneAtATime) {
   EXPECT_EQ(server.completion(good).tokens, alone[1]);
 }
 
-// Prompt lookup: the continuation of the most recent earlier occurrence of the longest suffix
-// (up to max_ngram tokens) that recurs.
-TEST(ServerTest, ProposeDraftsLooksUpTheContext) {
-  using V = std::vector<int32_t>;
-  EXPECT_EQ(ProposeDrafts(V{1, 2, 3, 4, 1, 2}, 3, 3), (V{3, 4, 1}));  // {4, 1, 2} never; {1, 2}
-  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 3), (V{7, 5, 6}));  // the latest {5, 6}
-  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 8), (V{7, 5, 6}));  // up to the end
-  EXPECT_EQ(ProposeDrafts(V{8, 1, 9, 2, 1}, 3, 4), (V{9, 2, 1}));           // down to one token
-  EXPECT_EQ(ProposeDrafts(V{7, 7}, 3, 4), (V{7}));
-  EXPECT_EQ(ProposeDrafts(V{1, 2, 3}, 3, 4), V{});  // nothing recurs
-  EXPECT_EQ(ProposeDrafts(V{4}, 3, 4), V{});
-  EXPECT_EQ(ProposeDrafts(V{1, 2, 1, 2}, 3, 0), V{});
-}
-
-// A draft is kept with the model's probability of it and otherwise replaced by a draw from the
-// rest, so that the token has the model's distribution; greedy keeps exactly the argmax.
-TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
-  const std::vector<float> logits = {0.5f, 2.0f, 1.0f, -1.0f, 0.0f};
-  const int vocab = static_cast<int>(logits.size());
-  const float temperature = 0.7f;
-  std::vector<double> p(vocab);
-  double sum = 0.0;
-  for (int v = 0; v < vocab; ++v) sum += p[v] = std::exp((logits[v] - 2.0f) / temperature);
-  for (double& x : p) x /= sum;
-  std::mt19937_64 rng(11);
-  for (int32_t draft : {1, 2, 3}) {
-    constexpr int kDraws = 200000;
-    std::vector<int> count(vocab, 0);
-    int kept_count = 0;
-    for (int i = 0; i < kDraws; ++i) {
-      bool kept = false;
-      const int32_t t = AcceptDraft(logits.data(), vocab, temperature, 1, draft, rng, &kept);
-      ASSERT_TRUE(t >= 0 && t < vocab);
-      ASSERT_EQ(kept, t == draft);  // a replacement is never the draft
-      ++count[t];
-      kept_count += kept;
-    }
-    EXPECT_NEAR(static_cast<double>(kept_count) / kDraws, p[draft], 0.005) << draft;
-    for (int v = 0; v < vocab; ++v) {
-      EXPECT_NEAR(static_cast<double>(count[v]) / kDraws, p[v], 0.005) << draft << " " << v;
-    }
-  }
-  bool kept = true;
-  EXPECT_EQ(AcceptDraft(nullptr, vocab, 0.0f, 1, 2, rng, &kept), 1);
-  EXPECT_FALSE(kept);
-  EXPECT_EQ(AcceptDraft(nullptr, vocab, 0.0f, 1, 1, rng, &kept), 1);
-  EXPECT_TRUE(kept);
-}
-
 // Speculative decoding by prompt lookup (ServerOptions::spec_tokens): the drafts are verified as
 // extra rows of their sequence over the compressed cache and the rejected positions rewound, so
 // greedy requests generate exactly the tokens they generate without drafts, in fewer steps where
@@ -392,63 +342,6 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(tight.tokens[i], alone.tokens[i]) << "request " << i;
   EXPECT_EQ(tight.tokens[3], together.tokens[3]);  // sampled: the same seed, the same tokens
   EXPECT_EQ(tight.tokens[3].size(), 8u);
-}
-
-// The same on a random-weight model (no model file; cuda_engine_test's ServesSpeculatively runs
-// this on the CUDA engine), which repeats a prompt's last token a: a greedy request's prompt
-// holds "a a" earlier, followed by other tokens, so that once the model has answered a, the
-// drafts continue the prompt after that pair where the model does not (rejected, rewound);
-// later drafts follow its output (kept). Greedy requests keep their tokens, with and without
-// preemption; sampled ones finish.
-TEST(EngineTest, SpeculativeDecodingRewindsRejectedDrafts) {
-  LlamaConfig config;
-  config.num_layers = 4;
-  config.hidden = 384;
-  config.ffn = 1024;
-  config.num_heads = 6;
-  config.num_kv_heads = 2;
-  config.head_dim = 64;
-  config.vocab = 1000;
-  config.context = 4096;
-  config.rope_base = 10000.0f;
-  const LlamaModel model = LlamaModel::RandomInit(config, 9);
-  auto serve = [&](int spec, int32_t num_blocks) {
-    CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, num_blocks});
-    ServerOptions options{8, 48};
-    options.spec_tokens = spec;
-    Server server(engine, options);
-    for (int i = 0; i < 6; ++i) {
-      std::mt19937_64 rng(200 + i);
-      Request r;
-      for (int j = 0; j < 40 + 7 * i; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
-      if (i % 2 == 0) {
-        const int32_t a = r.prompt.back();
-        const int32_t pair[] = {a, a, 901, 902, 903, 904};
-        r.prompt.insert(r.prompt.begin() + 20, std::begin(pair), std::end(pair));
-      }
-      r.max_new_tokens = 20;
-      r.sampling = {i % 2 == 0 ? 0.0f : 1.5f, static_cast<uint64_t>(i)};
-      server.Submit(std::move(r));
-    }
-    server.RunToCompletion();
-    EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
-    std::vector<std::vector<int32_t>> tokens;
-    for (int i = 0; i < 6; ++i) {
-      EXPECT_TRUE(server.completion(i).finished);
-      EXPECT_EQ(server.completion(i).tokens.size(), 20u);
-      tokens.push_back(server.completion(i).tokens);
-    }
-    return std::pair{tokens, server.stats()};
-  };
-  const auto [plain, plain_stats] = serve(0, 64);
-  const auto [spec, spec_stats] = serve(4, 64);
-  for (int i = 0; i < 6; i += 2) EXPECT_EQ(spec[i], plain[i]) << "greedy request " << i;
-  EXPECT_LT(spec_stats.steps, plain_stats.steps);
-  EXPECT_GT(spec_stats.accepted_drafts, 0);
-  EXPECT_LE(spec_stats.accepted_drafts, spec_stats.draft_tokens - 3);  // a rejection per greedy
-  const auto [tight, tight_stats] = serve(4, 12);
-  EXPECT_GT(tight_stats.preemptions, 0);
-  for (int i = 0; i < 6; i += 2) EXPECT_EQ(tight[i], plain[i]) << "greedy request " << i;
 }
 
 // Bad requests and options are refused, naming the field, and leave the server as it was.
