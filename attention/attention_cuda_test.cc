@@ -65,6 +65,7 @@ struct Errors {
   bool prefill_rotates = false;           // which rotated the query itself
   bool half_verify = false;               // verify passes on the half-precision decode kernel
   bool narrow_half_verify = false;        // .. on its narrow twin (4-warp CTAs, two per SM)
+  bool shared_verify = false;             // .. on the kernel whose warps share the output
   int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
@@ -186,6 +187,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
   e.narrow_half_verify = e.half_verify && plan.decode_plan.variant.pipeline ==
                                               decode_detail::SplitPipeline::kStagedNarrow;
+  e.shared_verify = e.half_verify && plan.decode_plan.variant.shared_o;
   e.verify_columns = plan.verify_rows ? plan.decode_plan.num_q_heads / attn.num_kv_heads() : 0;
   e.leading_decodes = plan.leading_decodes;
   e.overlap_next = plan.decode_plan.overlap_next;
@@ -994,11 +996,14 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 // roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds.
 // Every preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16,
 // 8 and 4 (passes of up to 32 columns where the half kernels run, 16 elsewhere), bf16 I/O.
+// Passes of 9-32 columns also on the kernel whose warps share the output (DecodeOptions::
+// shared_o), to the same bounds.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
   double worst_lse = 0, worst_out = 0;  // half-precision passes (out: fp32 I/O)
   int wide_passes = 0;                  // calls with passes of 17-32 columns
+  int shared_passes = 0;                // calls on the shared-output kernel
   auto check = [&](const char* preset, int d, int group, int bs, DType io, uint32_t seed,
                    RotationKind rotation = RotationKind::kHadamard) {
     const int hk = 2;
@@ -1040,6 +1045,16 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
           EXPECT_LE(ne.decode_out, b.out + io_out) << what << " (narrow twin)";
           worst_lse = std::max(worst_lse, ne.decode_lse);
           if (io == DType::kF32) worst_out = std::max(worst_out, ne.decode_out);
+          Case shared = c;
+          shared.options.decode.shared_o = true;
+          const Errors se = RunAndCompare(shared, s, s.base.cache);
+          EXPECT_TRUE(se.shared_verify) << what;
+          EXPECT_EQ(se.bad, 0) << what;
+          EXPECT_LE(se.decode_lse, b.lse) << what << " (shared output)";
+          EXPECT_LE(se.decode_out, b.out + io_out) << what << " (shared output)";
+          worst_lse = std::max(worst_lse, se.decode_lse);
+          if (io == DType::kF32) worst_out = std::max(worst_out, se.decode_out);
+          ++shared_passes;
         }
       } else {
         const DecodeBounds b = DecodeBoundsOf(preset);
@@ -1070,6 +1085,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     }
   }
   EXPECT_GE(wide_passes, 16);
+  EXPECT_GE(shared_passes, 16);
   // More new tokens than verify_max_q_len (8) still run as verify rows where one pass holds them
   // all (max_q_len · group up to 32 columns on the half kernels, 16 elsewhere); otherwise the
   // prefill kernel.
@@ -1106,6 +1122,72 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     }
   }
   std::printf("half-precision verify, worst: out %.2e lse %.2e\n", worst_out, worst_lse);
+}
+
+// The shared-output kernel over long contexts: many whole steps of 128 tokens, one split per
+// sequence or several (64 tokens: every step masked), and the CTA's shared maximum moving
+// mid-split. Some tokens' key norms are raised 6x, so that later steps' scores pass the maximum
+// by more than 2^6 (every warp rescales its accumulators to the new maximum), and some value
+// scales and zero points are raised past kMaxLazyValueScale (those steps rescale to the exact
+// maximum, so that P' stays within fp16). Against the reference at the half kernels' bounds.
+TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step step{{5000, 2600, 9000, 130}, {8, 5, 8, 3}};
+  int k = 0;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+    for (int group : {2, 4}) {
+      const int hk = 2, d = 128, bs = 16 << (k % 4);
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 1200 + k);
+      ++k;
+      for (bool jumps : {false, true}) {
+        std::vector<uint8_t> cache = s.base.cache;
+        if (jumps) {
+          const BlockFormat& f = q.format();
+          std::mt19937_64 rng(k);
+          std::uniform_real_distribution<float> scale(2000.0f, 30000.0f),
+              zero(-60000.0f, -50000.0f);
+          for (size_t b = 0; b < s.base.seq_lens.size(); ++b) {
+            for (int t = 0; t < s.base.seq_lens[b]; ++t) {
+              const int32_t block = s.base.block_tables[b * s.base.max_blocks + t / bs];
+              uint8_t* base = cache.data() + int64_t{block} * f.block_bytes;
+              for (int h = 0; h < hk; ++h) {
+                if (t % 577 == 300) {
+                  uint16_t norm;
+                  std::memcpy(&norm, base + f.MetaOffset(MetaField::kKeyNorm, t % bs, h), 2);
+                  norm = FloatToHalfBits(6.0f * HalfBitsToFloat(norm));
+                  std::memcpy(base + f.MetaOffset(MetaField::kKeyNorm, t % bs, h), &norm, 2);
+                }
+                if (t % 1000 == 700) {
+                  const uint16_t sc = FloatToHalfBits(scale(rng)), ze = FloatToHalfBits(zero(rng));
+                  std::memcpy(base + f.MetaOffset(MetaField::kValueScale, t % bs, h), &sc, 2);
+                  std::memcpy(base + f.MetaOffset(MetaField::kValueZero, t % bs, h), &ze, 2);
+                }
+              }
+            }
+          }
+        }
+        for (int tps : {0, 1024, 64}) {
+          Case c{.quantizer = &q};
+          c.options.verify_precision = ChunkPrecision::kHalf;
+          c.options.decode.shared_o = true;
+          c.options.decode.tokens_per_split = tps;
+          int max_splits = 0;
+          const Errors e = RunAndCompare(c, s, cache, &max_splits);
+          const std::string what =
+              fmt::format("{} group={} bs={} jumps={} tps={} ({} splits): out {:.2e} lse {:.2e}",
+                          preset, group, bs, jumps, tps, max_splits, e.decode_out, e.decode_lse);
+          std::printf("%s\n", what.c_str());
+          EXPECT_TRUE(e.shared_verify) << what;
+          EXPECT_EQ(e.verify_columns, 8 * group) << what;
+          EXPECT_EQ(e.bad, 0) << what;
+          const HalfBounds b = HalfBoundsOf(false);
+          EXPECT_LE(e.decode_lse, b.lse) << what;
+          EXPECT_LE(e.decode_out, b.out) << what;
+        }
+      }
+    }
+  }
 }
 
 TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {

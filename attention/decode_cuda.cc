@@ -30,11 +30,11 @@ struct CudaDecoder::State {
   DeviceBuffer<float> signs;     // hadamard_signs: [D] ±1
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
-  // By 2 · half + staged (DecodeOptions::half, ::staged) and GQA group, filled on first use (0 =
-  // not yet asked).
-  int resident_per_sm[4][33] = {};
-  bool staged[4][33] = {};
-  int narrow_resident_per_sm[4][33] = {};
+  // By 4 · shared_o + 2 · half + staged (DecodeOptions::shared_o, ::half, ::staged) and GQA
+  // group, filled on first use (0 = not yet asked).
+  int resident_per_sm[8][33] = {};
+  bool staged[8][33] = {};
+  int narrow_resident_per_sm[8][33] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
   // come out α times too large and the softmax scale is divided by α. codebook_hi_only: 3-bit keys
   // whose α·c lie within kMaxHiOnlyError of fp16, so the 8-warp staged kernel's hi-only twin may
@@ -129,12 +129,13 @@ int CudaDecoder::MaxGroup(const DecodeOptions& options) const {
 decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {
   return decode_detail::ChooseSplitVariant(
       state_->key_kind, state_->bf16 ? 16 : state_->format.value_bits, head_dim(), group,
-      {plan.staged, plan.narrow, plan.hi_only, plan.one_cta, plan.half});
+      {plan.staged, plan.narrow, plan.hi_only, plan.one_cta, plan.half, plan.shared_o});
 }
 
-SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool half) const {
+SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool half,
+                                                 bool shared_o) const {
   using decode_detail::KeyKind;
-  const int k = 2 * int{half} + int{staged};
+  const int k = 4 * int{shared_o} + 2 * int{half} + int{staged};
   int& resident = state_->resident_per_sm[k][group];
   if (resident == 0) {
     int fit = 1, narrow_fit = 0;
@@ -142,11 +143,15 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
     // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
     // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
     // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
-    const decode_detail::MaybeSplitVariant wide = decode_detail::ChooseSplitVariant(
-        state_->key_kind, value_bits, head_dim(), group, {staged, false, true, false, half});
-    [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
+    const decode_detail::MaybeSplitVariant wide =
         decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
-                                          {staged, true, false, false, half});
+                                          {staged, false, true, false, half, shared_o});
+    // (The shared-output kernel has no narrow layout: where it serves the group, none.)
+    [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
+        wide.variant.shared_o
+            ? decode_detail::MaybeSplitVariant{}
+            : decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
+                                                {staged, true, false, false, half});
     TQKV_CHECK(wide.ok);
 #if TQKV_HAVE_CUDA
     TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
@@ -379,7 +384,8 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
               kMaxSplitTokens, kMaxSplits, max_len));
     }
   }
-  SplitKernelOccupancy occupancy = SplitOccupancy(num_q_heads / hk, options.staged, options.half);
+  SplitKernelOccupancy occupancy =
+      SplitOccupancy(num_q_heads / hk, options.staged, options.half, options.shared_o);
   occupancy.one_cta_twin = occupancy.one_cta_twin && options.one_cta_twin;
   const SplitLayout layout = ChooseSplitLayout(max_len, int64_t{num_seqs} * hk, state_->sm_count,
                                                occupancy, tokens_per_split, options.narrow);
@@ -395,6 +401,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.one_cta = layout.one_cta;
   plan.staged = options.staged;
   plan.half = options.half;
+  plan.shared_o = options.shared_o;
   plan.dependent_launch = options.dependent_launch;
   const decode_detail::MaybeSplitVariant variant = Variant(num_q_heads / hk, plan);
   TQKV_CHECK(variant.ok);  // the layouts come from this cache's occupancy
@@ -450,7 +457,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
   const SplitKernelOccupancy variants =
-      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half);
+      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half, plan.shared_o);
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (the narrow split kernel serves "

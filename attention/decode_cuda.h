@@ -92,6 +92,11 @@ struct DecodeOptions {
   // P' rounded once to fp16, as FlashAttention rounds) instead of the hi + lo products'
   // fp32-level scores; a third of the MMAs. Elsewhere (and with staged = false) ignored.
   bool half = false;
+  // With half: verify passes of 9-32 columns on the kernel whose 8 warps share one output
+  // (decode_detail::SplitVariant::shared_o: 32 accumulator registers per thread instead of 128, so
+  // two 8-warp CTAs per SM instead of two 4-warp ones; attention/decode_split_shared.cuh), with the
+  // same numerics as the other half-precision kernels. Not the default: not yet timed on a GPU.
+  bool shared_o = false;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -133,6 +138,7 @@ struct DecodePlan {
   bool one_cta = false;      // 4-bit keys: the one-CTA-per-SM twin (SplitLayout)
   bool staged = true;        // DecodeOptions::staged
   bool half = false;         // DecodeOptions::half
+  bool shared_o = false;     // DecodeOptions::shared_o
   bool dependent_launch = true;  // DecodeOptions::dependent_launch
   // Set by a caller whose next kernel in the stream reads nothing this decode writes and waits
   // for it only at its end (CudaAttention's chunk after a call's leading decode rows): the last
@@ -200,7 +206,7 @@ class CudaDecoder {
   void RunColumns(const DecodePlan& plan, const CudaDecodeArgs& args,
                   const decode_detail::VerifyColumns* verify, StreamHandle stream) const;
   // How the split kernel for a GQA group occupies an SM (cached), staged or not.
-  SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half) const;
+  SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half, bool shared_o) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).
   decode_detail::MaybeSplitVariant Variant(int group, const DecodePlan& plan) const;
 

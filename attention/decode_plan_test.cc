@@ -368,5 +368,63 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   EXPECT_EQ(half_variants, 2 * 28);  // 4-bit and 3-bit keys, groups 5-32
 }
 
+// The shared-output kernel (DecodeOptions::shared_o) serves exactly the half-precision kernels'
+// groups 9-32, on 8-warp CTAs (two N tiles up to 16 columns, four above), whatever the narrow
+// choice; everywhere else the choice is ignored. Each variant is instantiated and survives its
+// code.
+TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
+  using decode_detail::ChooseSplitVariant;
+  using decode_detail::MaybeSplitVariant;
+  using decode_detail::SplitVariant;
+  int shared_variants = 0;
+  for (KeyKind kind : kKeyKinds) {
+    const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(kind);
+    for (int bits : {3, 4, 16}) {
+      for (int d : {64, 128, 256}) {
+        for (int group = 1; group <= 33; ++group) {
+          for (bool staged : {false, true}) {
+            for (bool half : {false, true}) {
+              for (bool narrow : {false, true}) {
+                const MaybeSplitVariant with = ChooseSplitVariant(
+                    kind, bits, d, group, {staged, narrow, true, false, half, true});
+                const MaybeSplitVariant without = ChooseSplitVariant(
+                    kind, bits, d, group, {staged, narrow, true, false, half, false});
+                const bool expected = staged && half && bits == 4 && d == 128 && group > 8 &&
+                                      group <= 32 &&
+                                      (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+                const std::string what =
+                    fmt::format("kind {} bits {} D {} group {} staged {} half {} narrow {}",
+                                static_cast<int>(kind), bits, d, group, staged, half, narrow);
+                if (!expected) {
+                  ASSERT_EQ(with.ok, without.ok) << what;
+                  if (with.ok) {
+                    EXPECT_EQ(with.variant, without.variant) << what;
+                  }
+                  continue;
+                }
+                ASSERT_TRUE(with.ok) << what;
+                ASSERT_TRUE(without.ok) << what;
+                ++shared_variants;
+                EXPECT_TRUE(with.variant.shared_o) << what;
+                EXPECT_TRUE(with.variant.half) << what;
+                EXPECT_EQ(with.variant.pipeline, decode_detail::SplitPipeline::kStaged) << what;
+                EXPECT_EQ(with.variant.cta_warps(), 8) << what;
+                EXPECT_EQ(with.variant.n_tiles, group <= 16 ? 2 : 4) << what;
+                EXPECT_EQ(with.variant.n_tiles, without.variant.n_tiles) << what;
+                EXPECT_EQ(SplitVariant::FromCode(with.variant.Code()), with.variant) << what;
+                bool instantiated = false;
+                for (int i = 0; i < listed.size; ++i)
+                  instantiated |= listed.items[i] == with.variant;
+                EXPECT_TRUE(instantiated) << what;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(shared_variants, 2 * 24 * 2);  // 4-bit and 3-bit keys, groups 9-32, narrow or not
+}
+
 }  // namespace
 }  // namespace tqkv

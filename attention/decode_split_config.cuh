@@ -115,6 +115,46 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (HasStagedKernel)
   }
 };
 
+// The shared-output kernels (SplitVariant::shared_o: 8 warps, half precision, 4-bit values, D =
+// 128): three stages per warp (two steps of 8 chunks copied ahead), since all eight warps of a CTA
+// move through the split in steps of 128 tokens together. 4-bit keys: stages 0-1 of warp w in the
+// table rows' free halves (as StagedLayout<kMse4, 8>), stage 2 of warps 2i and 2i + 1 in the two
+// halves of rows 16i .. 16i + 15 of a 16 KB region after the table; 3-bit keys: all stages after
+// the table. Then the metadata cells, 128 bytes per stage. The swizzles are StagedLayout's.
+inline constexpr int kSharedStages = 3;
+
+template <KeyKind kKind>
+struct SharedOLayout;
+
+template <>
+struct SharedOLayout<KeyKind::kMse4> {
+  static constexpr uint32_t kPitch = 256;
+  static constexpr uint32_t kExtra = 256 * 256;
+  static constexpr uint32_t kMeta = kExtra + 4 * 16 * 256;
+  static constexpr int kBytes = kMeta + kStagedWarps * kSharedStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return s < 2 ? 8192u * warp + 4096u * s + 128u
+                 : kExtra + 4096u * (warp >> 1) + 128u * (warp & 1);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    return StagedLayout<KeyKind::kMse4, kStagedWarps>::Swizzle(i);
+  }
+};
+
+template <>
+struct SharedOLayout<KeyKind::kMse3> {
+  static constexpr uint32_t kPitch = 128;
+  static constexpr uint32_t kFirst = 64 * 256;
+  static constexpr uint32_t kMeta = kFirst + kStagedWarps * kSharedStages * 16 * 128;
+  static constexpr int kBytes = kMeta + kStagedWarps * kSharedStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kFirst + 2048u * (kSharedStages * warp + s);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    return StagedLayout<KeyKind::kMse3, kStagedWarps>::Swizzle(i);
+  }
+};
+
 // The configuration of split kernel V. Paired CTAs (SplitPipeline::kStagedPaired; 3-bit keys: the
 // hi-only twin; 4-bit keys: exact scores): warps 0-3 and 4-7 serve KV heads 2y and 2y + 1 of one
 // sequence, each as a narrow CTA would (chunks interleaved over 4 warps, block ids from global
@@ -144,9 +184,12 @@ struct SplitKernelConfig {
   static constexpr int kUnits = kPaired ? 2 : 1;  // KV heads per CTA
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
+  static constexpr bool kSharedO = V.shared_o;
   static constexpr int kLutBytes = [] {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
+    } else if constexpr (kSharedO) {
+      return SharedOLayout<kKind>::kBytes;
     } else if constexpr (kStaged) {
       return StagedLayout<kKind, kSW>::kBytes;
     } else {
@@ -165,8 +208,13 @@ struct SplitKernelConfig {
   __host__ __device__ static constexpr int AccAt(int row, int d) {
     return row * kAccStride + (kD <= 128 ? d + d / 32 : d);
   }
+  // The shared-output kernels merge less (SharedOSplit::WriteOutput): warps 4-7's accumulators
+  // (kSharedAccStride floats per column and quarter of head_dim), each warp's l and z per column,
+  // then 1/l, z and m per column.
+  static constexpr int kSharedAccStride = 36;
   static constexpr int kMergeBytes =
-      (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
+      kSharedO ? (4 * 8 * kNTiles * kSharedAccStride + (2 * kCtaWarps + 3) * 8 * kNTiles) * 4
+               : (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
   // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (plain caches:
   // the cache's type in the first array), rows past the group zero, after everything else (the
   // prologue writes them while the first chunks' copies land in the stages).
@@ -179,10 +227,16 @@ struct SplitKernelConfig {
   // 64 × 4k 83.5 -> 91.1 µs, 16 × 32k 164.6 -> 194.2; not understood).
   static_assert(kQueryOffset % 64 == 0, "QueryRunAddress XORs the unit bits of the address");
   static constexpr int kIdsOffset = kQueryOffset + kUnits * kQueryHeads * kD * 4;
-  static constexpr int kMaxIds = kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired
-                                     ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
-                                     : 0;
-  static constexpr int kSmemBytes = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
+  static constexpr int kMaxIds =
+      kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired && !kSharedO
+          ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
+          : 0;
+  // The shared-output kernels: P' of a step's 8 chunks (per chunk and N tile two 8 x 8 fp16
+  // matrices, columns by token slot: SharedOSplit), then each warp's column maxima.
+  static constexpr int kPOffset = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
+  static constexpr int kPBytes = kSharedO ? kStagedWarps * kNTiles * 256 : 0;
+  static constexpr int kRedOffset = kPOffset + kPBytes;
+  static constexpr int kSmemBytes = kRedOffset + (kSharedO ? kStagedWarps * 8 * kNTiles * 4 : 0);
   // Scores from the codebook's hi parts alone (SplitVariant::hi_only).
   static constexpr bool kHiOnly = V.hi_only;
   // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
@@ -198,7 +252,7 @@ struct SplitKernelConfig {
   // Four N tiles (groups 17-32): the output accumulators take 128 registers, so the query's B
   // fragments are read from the rotated rows in shared memory (SplitCompute::QueryRunAddress),
   // not held.
-  static constexpr bool kQueryInSmem = kNTiles > 2;
+  static constexpr bool kQueryInSmem = kNTiles > 2 || kSharedO;
   static constexpr int kFragTiles = kQueryInSmem ? 1 : kNTiles;  // qf's N tiles (unused: 1)
   // Element d of rotated query row `head` in shared memory. With kQueryInSmem a thread (g, t)
   // reads 16-byte unit j of its 64-byte run (elements 32t .. 32t + 31) of row 8·nt + g per pair
@@ -235,6 +289,7 @@ template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) return V.n_tiles != 1 || V.head_dim > 128 ? 1 : IsPlain(V.kind) ? 4 : 3;
   if (IsPlain(V.kind)) return 2;
+  if (V.shared_o) return 2;
   if (V.one_cta || (V.half && V.n_tiles > 1 && V.cta_warps() == 8)) return 1;
   return V.half ? 2 : 16 / V.cta_warps();
 }();

@@ -50,6 +50,7 @@
 #include "attention/decode_split_epilogue.cuh"
 #include "attention/decode_split_pipelines.cuh"
 #include "attention/decode_split_prologue.cuh"
+#include "attention/decode_split_shared.cuh"
 #include "attention/decode_variant.h"
 
 namespace tqkv::decode_detail {
@@ -238,117 +239,127 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
                                          h,     group,        q_pre, q_sign, entries, num_ids,
                                          ids_s, q_prefetched, ids_pre, g,    t,       qf};
 
-  float acc[kMTiles][kNTiles][4];
-  float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      m[nt][i] = -INFINITY;
-      m_thr[nt][i] = -INFINITY;
-      l[nt][i] = 0.0f;
-      z[nt][i] = 0.0f;
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-    }
-  }
-
-  // Per-thread byte offsets within a block (block_bytes < 2^31), computed once; per chunk only the
-  // block pointer and the position change.
-  const int stride_token =
-      Traits::kPlain ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
-  const int head_off = Traits::kPlain ? 2 * h * kD : h * p.data_per_slot;
-  const int value_base = Traits::kPlain ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
-  const int off_kg = head_off + (kInterleavedKeys ? 16 : Traits::kKeyBytes) * t +
-                     2 * g * stride_token;   // token 2g
-  const int off_k8 = off_kg + stride_token;  // token 2g + 1
-  const int off_v = value_base + head_off + Traits::kValueBytes * g + 4 * t * stride_token;
-  const int off_meta =
-      static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + 2 * g);
-  const int meta_field = 2 * p.block_size;  // bytes between fields of one head
-
-  using Chunk = SplitChunk<Traits>;
-  // Block id of chunk c, or 0 past the split's full chunks. Loaded one chunk before the chunk's
-  // data loads need it, so that a warp never waits for a table read before its next compute.
-  auto block_of = [&](int c, int num_chunks) -> int {
-    return c < num_chunks ? __ldg(table + ((begin + c * kChunk) >> block_shift)) : 0;
-  };
-  auto load = [&](int c, Chunk& ck, int block) {
-    const int t0 = begin + c * kChunk;
-    const uint32_t pos0 = t0 & (p.block_size - 1);
-    const uint8_t* base = p.cache + static_cast<int64_t>(block) * p.block_bytes;
-    const uint8_t* at = base + pos0 * stride_token;
-    if constexpr (kInterleavedKeys) {  // units 4j + t
-#pragma unroll
-      for (int j = 0; j < kKW / 4; ++j) {
-        const uint4 a = __ldg(reinterpret_cast<const uint4*>(at + off_kg + 64 * j));
-        const uint4 c = __ldg(reinterpret_cast<const uint4*>(at + off_k8 + 64 * j));
-        ck.kg[4 * j] = a.x, ck.kg[4 * j + 1] = a.y, ck.kg[4 * j + 2] = a.z, ck.kg[4 * j + 3] = a.w;
-        ck.k8[4 * j] = c.x, ck.k8[4 * j + 1] = c.y, ck.k8[4 * j + 2] = c.z, ck.k8[4 * j + 3] = c.w;
-      }
-    } else {
-      LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_kg, ck.kg);
-      LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_k8, ck.k8);
-    }
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v, ck.v[0]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 2 * stride_token, ck.v[1]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[2]);
-    LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 3 * stride_token, ck.v[3]);
-    if constexpr (!Traits::kPlain) {
-      const uint8_t* meta = base + off_meta + 2 * pos0;
-      constexpr int kScaleField = Traits::kHasNorm ? 1 : 0;
-      ck.norm = Traits::kHasNorm ? __ldg(reinterpret_cast<const uint32_t*>(meta)) : 0u;
-      ck.vscale = __ldg(reinterpret_cast<const uint32_t*>(meta + kScaleField * meta_field));
-      ck.vzero = __ldg(reinterpret_cast<const uint32_t*>(meta + (kScaleField + 1) * meta_field));
-    }
-  };
-
-  // One chunk: scores, the online softmax and P·V (decode_split_compute.cuh).
-  // (Full chunks only: no masks, so end0 is not read.)
-  const SplitCompute<V> compute{p, begin, end, end, g, t, lane_word, qf, acc, m, m_thr, l, z};
-
-  // Chunks that every column sees whole in turn over the warps; the split's last chunks (a
-  // partial one, a verify pass's causal part) separately, so that only they pay for the masks.
-  const int num_full = max(0, min(end, span.end0) - begin) / kChunk;
-  // block_of(warp + k·kW, num_full) for the chunks read in the prologue (k < kStages).
-  auto first_block = [&](int k) { return warp + k * kW < num_full ? first_block_ids[k] : 0; };
-  const SplitPipelineFrame frame{
-      p,           lane,         g,        t,          warp,       cta_warp, h,    begin, num_full,
-      block_shift, stride_token, head_off, value_base, meta_field, id0,      ids_s};
-  using Pipelines = SplitPipelines<V>;
-  if constexpr (Traits::kPlain && kStaged) {
-    Pipelines::PlainStaged(frame, first_block, block_of, finish_prologue, compute);
-  } else if constexpr (Traits::kPlain) {
-    Pipelines::PlainRegisters(frame, first_block, block_of, finish_prologue, load, compute);
-  } else if constexpr (kStaged) {
-    Pipelines::Staged(frame, lane_word, first_block, block_of, finish_prologue, compute);
+  if constexpr (V.shared_o) {  // the warps share one output: decode_split_shared.cuh
+    const typename SharedOSplit<V>::Frame frame{p, begin, end,   lane,      warp,  g,          t, h,
+                                                b, group, split, lane_word, table, block_shift};
+    SharedOSplit<V>::Run(frame, first_block_ids, finish_prologue);
   } else {
-    Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
-  }
-  // The span again (not held in registers through the loop).
-  const ColumnSpan last = SpanOfColumns(p.verify, p.seq_lens, b);
-  const SplitCompute<V> masked{p, begin, end, last.end0, g, t, lane_word, qf, acc, m, m_thr, l, z};
-  const int num_chunks = (end - begin + kChunk - 1) / kChunk;
+    float acc[kMTiles][kNTiles][4];
+    float m[kNTiles][2], m_thr[kNTiles][2], l[kNTiles][2], z[kNTiles][2];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        m[nt][i] = -INFINITY;
+        m_thr[nt][i] = -INFINITY;
+        l[nt][i] = 0.0f;
+        z[nt][i] = 0.0f;
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+      }
+    }
+
+    // Per-thread byte offsets within a block (block_bytes < 2^31), computed once; per chunk only
+    // the block pointer and the position change.
+    const int stride_token =
+        Traits::kPlain ? 2 * p.num_kv_heads * kD : p.num_kv_heads * p.data_per_slot;
+    const int head_off = Traits::kPlain ? 2 * h * kD : h * p.data_per_slot;
+    const int value_base = Traits::kPlain ? static_cast<int>(p.meta_offset) : p.key_data_bytes;
+    const int off_kg = head_off + (kInterleavedKeys ? 16 : Traits::kKeyBytes) * t +
+                       2 * g * stride_token;   // token 2g
+    const int off_k8 = off_kg + stride_token;  // token 2g + 1
+    const int off_v = value_base + head_off + Traits::kValueBytes * g + 4 * t * stride_token;
+    const int off_meta =
+        static_cast<int>(p.meta_offset) + 2 * (h * p.num_meta * p.block_size + 2 * g);
+    const int meta_field = 2 * p.block_size;  // bytes between fields of one head
+
+    using Chunk = SplitChunk<Traits>;
+    // Block id of chunk c, or 0 past the split's full chunks. Loaded one chunk before the chunk's
+    // data loads need it, so that a warp never waits for a table read before its next compute.
+    auto block_of = [&](int c, int num_chunks) -> int {
+      return c < num_chunks ? __ldg(table + ((begin + c * kChunk) >> block_shift)) : 0;
+    };
+    auto load = [&](int c, Chunk& ck, int block) {
+      const int t0 = begin + c * kChunk;
+      const uint32_t pos0 = t0 & (p.block_size - 1);
+      const uint8_t* base = p.cache + static_cast<int64_t>(block) * p.block_bytes;
+      const uint8_t* at = base + pos0 * stride_token;
+      if constexpr (kInterleavedKeys) {  // units 4j + t
+#pragma unroll
+        for (int j = 0; j < kKW / 4; ++j) {
+          const uint4 a = __ldg(reinterpret_cast<const uint4*>(at + off_kg + 64 * j));
+          const uint4 c = __ldg(reinterpret_cast<const uint4*>(at + off_k8 + 64 * j));
+          ck.kg[4 * j] = a.x, ck.kg[4 * j + 1] = a.y;
+          ck.kg[4 * j + 2] = a.z, ck.kg[4 * j + 3] = a.w;
+          ck.k8[4 * j] = c.x, ck.k8[4 * j + 1] = c.y;
+          ck.k8[4 * j + 2] = c.z, ck.k8[4 * j + 3] = c.w;
+        }
+      } else {
+        LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_kg, ck.kg);
+        LoadBytes<Traits::kKeyBytes, Traits::kKeyAlign>(at + off_k8, ck.k8);
+      }
+      LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v, ck.v[0]);
+      LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 2 * stride_token, ck.v[1]);
+      LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + stride_token, ck.v[2]);
+      LoadBytes<Traits::kValueBytes, Traits::kValueAlign>(at + off_v + 3 * stride_token, ck.v[3]);
+      if constexpr (!Traits::kPlain) {
+        const uint8_t* meta = base + off_meta + 2 * pos0;
+        constexpr int kScaleField = Traits::kHasNorm ? 1 : 0;
+        ck.norm = Traits::kHasNorm ? __ldg(reinterpret_cast<const uint32_t*>(meta)) : 0u;
+        ck.vscale = __ldg(reinterpret_cast<const uint32_t*>(meta + kScaleField * meta_field));
+        ck.vzero = __ldg(reinterpret_cast<const uint32_t*>(meta + (kScaleField + 1) * meta_field));
+      }
+    };
+
+    // One chunk: scores, the online softmax and P·V (decode_split_compute.cuh).
+    // (Full chunks only: no masks, so end0 is not read.)
+    const SplitCompute<V> compute{p, begin, end, end, g, t, lane_word, qf, acc, m, m_thr, l, z};
+
+    // Chunks that every column sees whole in turn over the warps; the split's last chunks (a
+    // partial one, a verify pass's causal part) separately, so that only they pay for the masks.
+    const int num_full = max(0, min(end, span.end0) - begin) / kChunk;
+    // block_of(warp + k·kW, num_full) for the chunks read in the prologue (k < kStages).
+    auto first_block = [&](int k) { return warp + k * kW < num_full ? first_block_ids[k] : 0; };
+    const SplitPipelineFrame frame{
+        p,          lane,       g,        t,           warp,         cta_warp,
+        h,          begin,      num_full, block_shift, stride_token, head_off,
+        value_base, meta_field, id0,      ids_s};
+    using Pipelines = SplitPipelines<V>;
+    if constexpr (Traits::kPlain && kStaged) {
+      Pipelines::PlainStaged(frame, first_block, block_of, finish_prologue, compute);
+    } else if constexpr (Traits::kPlain) {
+      Pipelines::PlainRegisters(frame, first_block, block_of, finish_prologue, load, compute);
+    } else if constexpr (kStaged) {
+      Pipelines::Staged(frame, lane_word, first_block, block_of, finish_prologue, compute);
+    } else {
+      Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
+    }
+    // The span again (not held in registers through the loop).
+    const ColumnSpan last = SpanOfColumns(p.verify, p.seq_lens, b);
+    const SplitCompute<V> masked{p,  begin, end, last.end0, g, t, lane_word,
+                                 qf, acc,   m,   m_thr,     l, z};
+    const int num_chunks = (end - begin + kChunk - 1) / kChunk;
 #pragma unroll 1
-  for (int c = num_full; c < num_chunks; ++c) {
-    if (c % kW != warp) continue;
-    Chunk tail;
-    load(c, tail, block_of(c, c + 1));
-    masked.template operator()<true>(c, tail);
+    for (int c = num_full; c < num_chunks; ++c) {
+      if (c % kW != warp) continue;
+      Chunk tail;
+      load(c, tail, block_of(c, c + 1));
+      masked.template operator()<true>(c, tail);
+    }
+
+    // The merge grid (or, without one, the next kernel) may start; it waits for this grid to finish
+    // before it reads anything. Not when the next kernel may be a split grid smaller than the SMs'
+    // room (p.trigger_dependents = 0): CTAs launched while this grid's last ones still ran were
+    // placed next to them, two on some SMs, and a one-wave grid is as slow as its slowest SM
+    // (batch 1 × 32k: 20.5 -> 27 µs with the merge's early trigger, measured); then the next
+    // kernel is launched when every CTA of this grid has exited.
+    if (p.trigger_dependents) LaunchDependents();
+
+    SplitEpilogue<V>::MergeWarps(p, last, acc, m, l, z, g, t, cta_warp, b, h0, group, split);
   }
-
-  // The merge grid (or, without one, the next kernel) may start; it waits for this grid to finish
-  // before it reads anything. Not when the next kernel may be a split grid smaller than the SMs'
-  // room (p.trigger_dependents = 0): CTAs launched while this grid's last ones still ran were
-  // placed next to them, two on some SMs, and a one-wave grid is as slow as its slowest SM
-  // (batch 1 × 32k: 20.5 -> 27 µs with the merge's early trigger, measured); then the next
-  // kernel is launched when every CTA of this grid has exited.
-  if (p.trigger_dependents) LaunchDependents();
-
-  SplitEpilogue<V>::MergeWarps(p, last, acc, m, l, z, g, t, cta_warp, b, h0, group, split);
 }
 
 // Launch and occupancy of one instantiation of the split kernel.

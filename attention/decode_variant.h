@@ -50,6 +50,12 @@ struct SplitVariant {
   // 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a third of the MMAs of the
   // hi + lo products; ~2^-11 relative per operand).
   bool half = false;
+  // The half-precision staged kernels of GQA groups 9-32 (verify passes of 9-32 columns) with
+  // 8-warp CTAs whose warps share one output: each warp scores its own chunk and writes P' to
+  // shared memory, then computes O for a quarter of head_dim over half of the step's 8 chunks
+  // (attention/decode_split_shared.cuh). 32 accumulator registers instead of 128, so two 8-warp
+  // CTAs fit an SM where the other kernel of 17-32 columns runs two of 4 warps.
+  bool shared_o = false;
 
   constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
   // Warps per CTA, and KV heads per CTA.
@@ -66,7 +72,8 @@ struct SplitVariant {
     return static_cast<uint32_t>(kind) | static_cast<uint32_t>(value_bits) << 3 |
            static_cast<uint32_t>(head_dim) << 8 | static_cast<uint32_t>(n_tiles) << 17 |
            uint32_t{packed} << 20 | static_cast<uint32_t>(pipeline) << 21 |
-           uint32_t{hi_only} << 23 | uint32_t{one_cta} << 24 | uint32_t{half} << 25;
+           uint32_t{hi_only} << 23 | uint32_t{one_cta} << 24 | uint32_t{half} << 25 |
+           uint32_t{shared_o} << 26;
   }
   static constexpr SplitVariant FromCode(uint32_t c) {
     return {static_cast<KeyKind>(c & 7u),
@@ -77,7 +84,8 @@ struct SplitVariant {
             static_cast<SplitPipeline>((c >> 21) & 3u),
             ((c >> 23) & 1u) != 0,
             ((c >> 24) & 1u) != 0,
-            ((c >> 25) & 1u) != 0};
+            ((c >> 25) & 1u) != 0,
+            ((c >> 26) & 1u) != 0};
   }
 };
 
@@ -89,6 +97,7 @@ struct SplitChoice {
   bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
   bool half = false;     // the half-precision staged kernels where they exist (GQA group > 4)
+  bool shared_o = false;  // with half, groups 9-32: the kernel whose warps share the output
 };
 
 // A variant, or none (ok = false) where no kernel serves that combination.
@@ -130,6 +139,14 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
+  if (c.shared_o && c.half && c.staged && group > 8 && !IsPlain(kind) &&
+      HasStagedKernel(kind, value_bits, head_dim, false, true)) {
+    v.n_tiles = group > 16 ? 4 : 2;
+    v.half = true;
+    v.shared_o = true;
+    v.pipeline = SplitPipeline::kStaged;
+    return {true, v};
+  }
   if (group > 16) {  // 4-warp CTAs, two per SM, like the narrow kernel of groups 9-16
     v.n_tiles = 4;
     v.half = true;
@@ -191,9 +208,9 @@ constexpr SplitVariantList SplitVariantsOf(KeyKind kind) {
   for (int bits : {3, 4, 16}) {
     for (int d : {64, 128, 256}) {
       for (int group = 1; group <= 32; ++group) {
-        for (int choice = 0; choice < 32; ++choice) {
-          const SplitChoice c{(choice & 1) != 0, (choice & 2) != 0, (choice & 4) != 0,
-                              (choice & 8) != 0, (choice & 16) != 0};
+        for (int choice = 0; choice < 64; ++choice) {
+          const SplitChoice c{(choice & 1) != 0, (choice & 2) != 0,  (choice & 4) != 0,
+                              (choice & 8) != 0, (choice & 16) != 0, (choice & 32) != 0};
           const MaybeSplitVariant m = ChooseSplitVariant(kind, bits, d, group, c);
           if (!m.ok) continue;
           bool seen = false;

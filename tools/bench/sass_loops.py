@@ -16,7 +16,8 @@ count, HMMA and LDGSTS counts; the count is static: the lazy rescale's branch is
 rarely runs. A kernel DecodeSplitKernel<code> is described by its SplitVariant
 (attention/decode_variant.h, SplitVariant::Code), e.g. "mse4 v4 D128 nt1 packed staged": key kind
 (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N tiles, packed or unpacked, pipeline
-(registers, staged, narrow, paired), hi_only, one_cta, half.
+(registers, staged, narrow, paired), hi_only, one_cta, half, shared_o (whose loop is one step:
+its warp's chunk scored, then P·V over four chunks for a quarter of head_dim; the same HMMAs).
 
 cuobjdump is not in every CUDA toolkit image: the script looks in PATH, CUDA_HOME/bin,
 /usr/local/cuda/bin, then in a pip-installed nvidia-cuda-cuobjdump
@@ -51,6 +52,8 @@ def describe(name):
         words.append("one_cta")
     if (c >> 25) & 1:
         words.append("half")
+    if (c >> 26) & 1:
+        words.append("shared_o")
     return " ".join(words)
 # 16: the hi-only score path; the half-precision kernels 32 (nt2) or 64 (nt4).
 CHUNK_HMMAS = int(os.environ.get("CHUNK_HMMAS", "24"))
@@ -95,8 +98,10 @@ def chunk_loop(code):
         if sum("HMMA" in t for t in body) != CHUNK_HMMAS:
             continue
         # The staged kernels' main loop issues the next chunks' copies; the masked last chunks'
-        # loop (longer: its column masks) does not.
-        key = (any("LDGSTS" in t for t in body), len(body))
+        # loop (longer: its column masks) does not, but in the shared-output kernels, where
+        # both do, the shorter one is the main loop.
+        staged = any("LDGSTS" in t for t in body)
+        key = (staged, -len(body) if staged else len(body))
         if best is None or key > best[0]:
             best = (key, body)
     return best[1] if best else None

@@ -1,0 +1,544 @@
+// The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
+// columns (new tokens × GQA heads) on 4-bit and 3-bit keys with 4-bit values at D = 128, in half
+// precision. DecodeSplitKernel runs its own prologue (block ids, the group's rotated query rows
+// and the codebook table in shared memory), then SharedOSplit::Run for the chunks and the output.
+//
+// The other split kernels give each warp its own chunks and its own output Oᵀ[d, column] for
+// every d: at 32 columns that is 128 accumulator registers per thread, so only 8 warps fit an SM
+// and the chunk loop, a chain of dependent lookups, MMAs and exponentials, runs latency-bound. Here
+// the 8 warps of a CTA move through the split in steps of 128 tokens (8 chunks of 16), and
+//
+//   1. warp w scores chunk w of the step, Sᵀ[token, column] = K̂ · Qᵀ, as the half kernels do;
+//   2. the CTA agrees on the running maximum of every column (lazy, as the other kernels: only
+//      when some score of the step passes it by kLazyMax; a vote, bar.red.or, and, rarely, a
+//      round of every warp's column maxima through shared memory), so all warps scale by the same
+//      maximum and no warp's partial output needs rescaling against another's;
+//   3. warp w writes P'ᵀ = (p · value scale) of its chunk to shared memory in fp16 (stmatrix);
+//   4. after a barrier, warp w computes Oᵀ[d, column] for the 32 d of value unit w mod 4 (a
+//      quarter of head_dim) over chunks 4·(w / 4) .. + 3 (half of the step): the value codes read
+//      by ldmatrix.trans straight from the stages, P' by ldmatrix.
+//
+// A thread then holds 2 m-tiles × N tiles × 4 accumulators (32 at 32 columns). Warps w and w + 4
+// hold partial sums of the same d over disjoint tokens with the same maximum: the output adds
+// them. Two barriers per step: the vote (after which the stage that the previous step's P·V read
+// is free for the copy two steps ahead) and the one after P'.
+//
+// Token order in a chunk: score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1 (as the other
+// kernels); P·V k-slot j < 8 ↔ token 2j, k-slot 8 + j ↔ token 2j + 1. The stmatrix.trans of the
+// score fragment's 8 x 8 tiles (rows: tokens 2g or 2g + 1; columns: 8 query columns) stores
+// P'ᵀ[column][k-slot] rows, which ldmatrix hands back as the P·V MMA's B fragments; the
+// ldmatrix.trans of the even and odd tokens' 16-byte value units (8 tokens per matrix, whose
+// swizzles differ: conflict-free) gives thread (g, t) the code bytes 2g, 2g + 1 of the unit for
+// tokens 4t, 4t + 2 (k-slots 2t, 2t + 1) and 4t + 1, 4t + 3 (k-slots 2t + 8, 2t + 9), i.e. d =
+// 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place (CacheTraits::RowsPair's trick),
+// rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile 1 (the bytes shifted down by
+// 8) d = 32u + 4g + 2 and + 3.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attention/decode_cache_traits.cuh"
+#include "attention/decode_device.cuh"
+#include "attention/decode_launch.h"
+#include "attention/decode_split_config.cuh"
+#include "attention/decode_variant.h"
+
+namespace tqkv::decode_detail {
+
+__device__ __forceinline__ void SharedLdsmX4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void SharedLdsmX4Trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void SharedStsmX4Trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
+template <SplitVariant V>
+struct SharedOSplit {
+  using Config = SplitKernelConfig<V>;
+  using Traits = typename Config::Traits;
+  using Layout = SharedOLayout<V.kind>;
+  static constexpr KeyKind kKind = V.kind;
+  static constexpr int kW = kStagedWarps;  // warps per CTA, chunks per step
+  static constexpr int kNT = V.n_tiles;
+  static constexpr int kCols = 8 * kNT;
+  static constexpr int kD = V.head_dim;
+  static constexpr int kKSteps = kD / 16;
+  static constexpr int kS = kSharedStages;
+  static constexpr uint32_t kPitch = Layout::kPitch;
+  static constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
+  static constexpr uint32_t kValueUnit0 = kKeyBytes / 16;       // the first value unit of a slot
+  // Score chains per N tile: two (k-step parity) where there are two N tiles, else one.
+  static constexpr int kChains = kNT > 2 ? 1 : 2;
+  // The cache copies with the L2 evict-first policy, except 3-bit keys' (as SplitPipelines).
+  static constexpr bool kStreamCopies = kKind != KeyKind::kMse3;
+  static_assert(V.shared_o && V.half && kD == 128 && V.value_bits == 4 && !V.packed &&
+                Config::kCtaWarps == kW && Config::kUnits == 1 && (kNT == 2 || kNT == 4));
+  static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
+  static_assert(Config::kQueryInSmem && Config::kSharedO);
+
+  // A thread's running state: accumulators of m-tiles 0-1 (d = 32u + 4g + 2·mi + row half) and
+  // its columns 8·nt + 2t + j; the CTA's maximum of each column (the same in every warp), and the
+  // thread's partial sums l (of p) and z (of p · value zero) over its tokens.
+  struct State {
+    float acc[2][kNT][4];
+    float m[kNT][2], l[kNT][2], z[kNT][2];
+  };
+
+  // What DecodeSplitKernel's prologue hands over.
+  struct Frame {
+    const SplitParams& p;
+    int begin, end;  // the split's tokens (end: the last column's)
+    int lane, warp, g, t;
+    int h, b, group, split;
+    uint32_t lane_word;
+    const int32_t* table;  // the sequence's block table
+    int block_shift;
+  };
+
+  __device__ __forceinline__ static uint32_t SharedAddr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+  }
+
+  // The shared address of unit 0 of thread (g, t)'s run of query row g (Config::QueryAt; unit j is
+  // at this ^ 16·j, row 8·nt + g at + 16·kD·nt), as SplitCompute::QueryRunAddress.
+  __device__ __forceinline__ static uint32_t QueryRun(uint32_t smem_base, int g, int t) {
+    const uint32_t f = 2u * static_cast<uint32_t>(t >> 1) ^ static_cast<uint32_t>(g & 1);
+    return smem_base + Config::kQueryOffset + 2u * static_cast<uint32_t>(g * kD + 32 * t) + 16u * f;
+  }
+
+  template <typename Finish>
+  __device__ __forceinline__ static void Run(const Frame& f, const int (&first_block_ids)[kStages],
+                                             Finish& finish_prologue) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const SplitParams& p = f.p;
+    const int lane = f.lane, warp = f.warp, g = f.g, t = f.t, h = f.h, begin = f.begin;
+    const int end = f.end;
+    const uint32_t smem_base = SharedAddr(smem);
+    const int stride_token = p.num_kv_heads * p.data_per_slot;
+    const int head_off = h * p.data_per_slot;
+    const int meta_field = 2 * p.block_size;
+    const int num_chunks = (end - begin + kChunk - 1) / kChunk;
+
+    // Copies, as SplitPipelines::Staged's 8-warp kernels: in copy instruction j lane l copies
+    // unit l mod 8 of token 4j + l / 8; lanes 0-5 one 16-byte half of a metadata run each. A
+    // warp's chunks lie 128 tokens apart, a multiple of every block size, so each sits at the
+    // same position in its block. Chunks past the split's last (partial) one are zero-filled.
+    const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
+    const uint32_t copy_dst =
+        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
+    const uint32_t warp_pos = static_cast<uint32_t>(begin + warp * kChunk) & (p.block_size - 1);
+    const uint32_t copy_src =
+        Pinned((warp_pos + copy_tok) * stride_token + head_off + 16u * copy_unit);
+    const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));
+    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
+    const bool meta_lane = lane < 6;
+    const uint32_t copy_meta =
+        Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
+               (lane >> 1) * meta_field + 16 * (lane & 1) + 2 * warp_pos);
+    const uint32_t meta_own = Pinned(smem_base + Layout::kMeta + 128u * kS * warp);
+    const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
+    auto issue = [&](int cc, int s, int block) {
+      const uint32_t bytes = cc < num_chunks ? 16u : 0u;
+      const uint8_t* base =
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint8_t* from = base + copy_src;
+      const uint32_t dst = smem_base + Layout::Stage(warp, s);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
+        if constexpr (kKeyBytes + 64 == 128) {
+          CopyAsync16Fill<kStreamCopies>(to, from, bytes);
+        } else {
+          CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
+        }
+        from += copy_step;
+      }
+      CopyAsync16FillIf<kStreamCopies>(meta_lane, meta_own + 128u * s + 16u * lane,
+                                       base + copy_meta, bytes);
+    };
+    auto block_of = [&](int cc) -> int {
+      return cc < num_chunks ? __ldg(f.table + ((begin + cc * kChunk) >> f.block_shift)) : 0;
+    };
+    // Steps 0 and 1 are copied ahead; step i + 2's copy is issued in step i.
+    int next_block = warp + 2 * kW < num_chunks ? first_block_ids[2] : 0;
+    issue(warp, 0, warp < num_chunks ? first_block_ids[0] : 0);
+    CopyAsyncCommit();
+    issue(warp + kW, 1, warp + kW < num_chunks ? first_block_ids[1] : 0);
+    CopyAsyncCommit();
+    finish_prologue();
+    const uint32_t lane_word = Pinned(f.lane_word);
+
+    State st;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        st.m[nt][j] = -INFINITY;
+        st.l[nt][j] = 0.0f;
+        st.z[nt][j] = 0.0f;
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st.acc[mi][nt][i] = 0.0f;
+      }
+    }
+
+    // Read offsets within a stage (StagedLayout's swizzles): keys of tokens 2g, 2g + 1 (+kPitch),
+    // metadata of tokens 2g, 2g + 1; the value unit of this warp's quarter of head_dim for the
+    // token this lane addresses in an ldmatrix of two chunks (matrix l / 8: chunk (l / 16), even
+    // or odd tokens; row l mod 8).
+    auto at = [](uint32_t token, uint32_t byte) {
+      return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
+    };
+    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
+    uint32_t read_k[kKeyReads];
+#pragma unroll
+    for (int w = 0; w < kKeyReads; ++w) {
+      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
+    }
+    const uint32_t v_token = 2u * (lane & 7) + ((lane >> 3) & 1);
+    const uint32_t read_v =
+        Pinned(kPitch * v_token + 16u * ((kValueUnit0 + (warp & 3)) ^ Layout::Swizzle(v_token)));
+    const int v_chunk0 = 4 * (warp >> 2) + (lane >> 4);  // + 2 for the second ldmatrix
+    // P' of chunk q, N tiles nt and nt + 1: 4 matrices (tile nt's tokens 2g, then 2g + 1; tile
+    // nt + 1's) at P + 256·(kNT·q + nt), lane l addressing row l mod 8 of matrix l / 8.
+    const uint32_t p_lane = Pinned(smem_base + Config::kPOffset + 16u * lane);
+    const uint32_t q_run = Pinned(QueryRun(smem_base, g, t));
+    float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset);  // [column][warp]
+
+    // One step: this warp's chunk c = kW·i + warp from stage s, P·V over the step's chunks.
+    auto step = [&](int i, int stage_index, int end0, auto tail_c) {
+      constexpr bool kTail = decltype(tail_c)::value;
+      const int c = kW * i + warp;
+      const int ahead = c + 2 * kW;
+      const int following = block_of(ahead + kW);
+      CopyAsyncWaitGroup<kS - 2>();
+      __syncwarp();  // every lane's copies of chunk c are complete and visible to the warp
+      const uint32_t stage = smem_base + Layout::Stage(warp, stage_index);
+      uint32_t kg[Traits::kKeyWords], k8[Traits::kKeyWords];
+      if constexpr (kKind == KeyKind::kMse4) {
+        SharedLoad16(stage + read_k[0], kg);
+        SharedLoad16(stage + read_k[0] + kPitch, k8);
+      } else {
+#pragma unroll
+        for (int w = 0; w < kKeyReads; ++w) {
+          kg[w] = SharedLoad4(stage + read_k[w]);
+          k8[w] = SharedLoad4(stage + read_k[w] + kPitch);
+        }
+      }
+      const uint32_t meta = meta_own + 128u * stage_index + 4u * g;
+      const uint32_t norm = SharedLoad4(meta), vscale = SharedLoad4(meta + 32);
+      const uint32_t vzero = SharedLoad4(meta + 64);
+
+      // Scores (half precision: c_hi · q once, one MMA per k-step and N tile).
+      float sp[kChains][kNT][4];
+#pragma unroll
+      for (int k = 0; k < kChains; ++k) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sp[k][nt][e] = 0.0f;
+        }
+      }
+      uint32_t qv[kNT][4];
+      StaticFor<kKSteps>([&](auto ks_c) {
+        constexpr int ks = decltype(ks_c)::value;
+        if constexpr (ks % 2 == 0) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            SharedLoad16((q_run ^ (16u * (ks / 2))) + 16u * kD * nt, qv[nt]);
+          }
+        }
+        uint32_t a[4];
+        Traits::template KeyFragHi<ks>(kg, k8, lane_word, a);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          MmaF16(sp[ks % kChains][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
+        }
+      });
+      float vs[2], vz[2], row_scale[2];
+      bool valid[2] = {true, true};  // tokens 2g, 2g + 1
+      const int t0 = begin + c * kChunk;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_scale[r] = HalfBitsToFloat(static_cast<uint16_t>(norm >> (16 * r))) * p.score_scale;
+        vs[r] = HalfBitsToFloat(static_cast<uint16_t>(vscale >> (16 * r)));
+        vz[r] = HalfBitsToFloat(static_cast<uint16_t>(vzero >> (16 * r)));
+        if constexpr (kTail) {  // metadata past the end may be NaN garbage (0 · NaN = NaN)
+          valid[r] = t0 + 2 * g + r < end;
+          vs[r] = valid[r] ? vs[r] : 0.0f;
+          vz[r] = valid[r] ? vz[r] : 0.0f;
+        }
+      }
+      // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2; a verify pass's column c sees
+      // c / group tokens past end0 (within the split's end).
+      float s[kNT][4];
+      float mx[kNT][2];
+      bool need = false;
+      const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float sum = sp[0][nt][e];
+          if constexpr (kChains > 1) sum += sp[1][nt][e];
+          s[nt][e] = sum * row_scale[e / 2];
+          if constexpr (kTail) {
+            const int col = 8 * nt + 2 * t + e % 2;
+            const int extra = p.verify.query_start_loc != nullptr ? col / p.verify.group : 0;
+            s[nt][e] = t0 + 2 * g + e / 2 < min(end, end0 + extra) ? s[nt][e] : -INFINITY;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
+          // Lazy: only past the maximum by kLazyMax, or by anything where a value scale is too
+          // large for p ≤ 2^kLazyMax (then the maximum becomes exact).
+          need = need || mx[nt][j] > (exact ? st.m[nt][j] : st.m[nt][j] + kLazyMax);
+        }
+      }
+      // The vote is also the barrier after which the stage that the previous step's P·V read
+      // (every warp's stage (s + 2) mod 3) is free.
+      if (__syncthreads_or(need)) {
+        // Every warp's column maxima of this step, then the same new maximum in every warp.
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            float x = mx[nt][j];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+            if (g == 0) red[(8 * nt + 2 * t + j) * kW + warp] = x;
+          }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float4* r4 = reinterpret_cast<const float4*>(red + (8 * nt + 2 * t + j) * kW);
+            const float4 x0 = r4[0], x1 = r4[1];
+            const float step_max = fmaxf(fmaxf(fmaxf(x0.x, x0.y), fmaxf(x0.z, x0.w)),
+                                         fmaxf(fmaxf(x1.x, x1.y), fmaxf(x1.z, x1.w)));
+            const float m_new = fmaxf(st.m[nt][j], step_max);
+            const float corr = m_new == -INFINITY ? 1.0f : exp2f(st.m[nt][j] - m_new);
+            st.m[nt][j] = m_new;
+            st.l[nt][j] *= corr;
+            st.z[nt][j] *= corr;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              st.acc[mi][nt][j] *= corr;
+              st.acc[mi][nt][j + 2] *= corr;
+            }
+          }
+        }
+      }
+      // The copy two steps ahead, into the stage the previous step read.
+      const int s_ahead = stage_index == 0 ? kS - 1 : stage_index - 1;
+      issue(ahead, s_ahead, next_block);
+      CopyAsyncCommit();
+      next_block = following;
+
+      // P' = p · value scale in fp16, stored as P'ᵀ[column][k-slot] (module comment).
+      const uint32_t p_chunk = p_lane + 256u * kNT * warp;
+#pragma unroll
+      for (int nt = 0; nt < kNT; nt += 2) {
+        uint32_t packed[2][2];  // [N tile][token 2g / 2g + 1]
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          float pw[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = e % 2, r = e / 2;
+            // Past the end s = -inf: p = 0 (m may be -inf too, for a column that has seen no
+            // token yet).
+            const float pr = kTail && s[nt + k][e] == -INFINITY
+                                 ? 0.0f
+                                 : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
+            st.l[nt + k][j] += pr;
+            st.z[nt + k][j] += pr * vz[r];
+            pw[e] = pr * vs[r];
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+            packed[k][r] = *reinterpret_cast<const uint32_t*>(&x);
+          }
+        }
+        SharedStsmX4Trans(p_chunk + 256u * nt, packed[0][0], packed[0][1], packed[1][0],
+                          packed[1][1]);
+      }
+      __syncthreads();  // every warp's P' and every warp's chunk of this step
+
+      // Oᵀ[d, column] += Vᵀ[d, token] · P'ᵀ[token, column] over chunks 4·(warp / 4) .. + 3.
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t v[4];  // chunk q, q + 1: even tokens, odd tokens
+        SharedLdsmX4Trans(smem_base + Layout::Stage(v_chunk0 + 2 * pair, stage_index) + read_v, v);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int q = 4 * (warp >> 2) + 2 * pair + k;
+          const uint32_t ve = v[2 * k], vo = v[2 * k + 1];
+          const uint32_t ve8 = ve >> 8, vo8 = vo >> 8;
+          const uint32_t a0[4] = {ve & 0x000F000Fu, ve & 0x00F000F0u, vo & 0x000F000Fu,
+                                  vo & 0x00F000F0u};
+          const uint32_t a1[4] = {ve8 & 0x000F000Fu, ve8 & 0x00F000F0u, vo8 & 0x000F000Fu,
+                                  vo8 & 0x00F000F0u};
+#pragma unroll
+          for (int nt = 0; nt < kNT; nt += 2) {
+            uint32_t b[4];  // N tile nt: b0, b1; nt + 1: b0, b1
+            SharedLdsmX4(p_lane + 256u * (kNT * q + nt), b);
+            MmaF16(st.acc[0][nt], a0, b[0], b[1]);
+            MmaF16(st.acc[1][nt], a1, b[0], b[1]);
+            MmaF16(st.acc[0][nt + 1], a0, b[2], b[3]);
+            MmaF16(st.acc[1][nt + 1], a1, b[2], b[3]);
+          }
+        }
+      }
+    };
+
+    // Steps whose 8 chunks every column sees whole, then the split's last steps (a partial chunk,
+    // a verify pass's causal part, chunks past the end), masked. All warps run every step.
+    const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, f.b);
+    const int num_full = max(0, min(end, span.end0) - begin) / kChunk;
+    const int full_steps = num_full / kW;
+    const int num_steps = (num_chunks + kW - 1) / kW;
+    int stage_index = 0;
+    int i = 0;
+#pragma unroll 1
+    for (; i < full_steps; ++i) {
+      step(i, stage_index, span.end0, std::false_type{});
+      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+    }
+#pragma unroll 1
+    for (; i < num_steps; ++i) {
+      step(i, stage_index, span.end0, std::true_type{});
+      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+    }
+    CopyAsyncWait();  // (only empty or unread groups remain) before shared memory is reused
+
+    if (p.trigger_dependents) LaunchDependents();
+    WriteOutput(f, st);
+  }
+
+  // The output: warps w and w + 4 add their partial accumulators (same maximum, disjoint
+  // tokens); l and z are summed over the CTA's threads. One split per sequence: the final rows
+  // and LSE; otherwise the split's partial ones for the merge.
+  __device__ __forceinline__ static void WriteOutput(const Frame& f, State& st) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const SplitParams& p = f.p;
+    const int warp = f.warp, g = f.g, t = f.t;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+          st.l[nt][j] += __shfl_xor_sync(0xffffffffu, st.l[nt][j], off);
+          st.z[nt][j] += __shfl_xor_sync(0xffffffffu, st.z[nt][j], off);
+        }
+      }
+    }
+    __syncthreads();  // the stages, P' and the table are no longer read
+    // acc_s[u][column][kSharedAccStride]: d = 32u + 4g .. + 3 of a column as one float4 (the
+    // stride of 36 floats puts the 8 lanes of a store phase on distinct 16-byte bank groups);
+    // lz[column][warp]: l, z; fin[column]: 1/l, z, and m.
+    constexpr int kAS = Config::kSharedAccStride;
+    float* const acc_s = reinterpret_cast<float*>(smem);
+    float2* const lz = reinterpret_cast<float2*>(acc_s + 4 * kCols * kAS);
+    float* const fin = reinterpret_cast<float*>(lz + kW * kCols);
+    const int u = warp & 3;
+    constexpr float kEven = Traits::kEvenRowScale, kOdd = Traits::kOddRowScale;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 8 * nt + 2 * t + j;
+        if (warp >= 4) {
+          *reinterpret_cast<float4*>(acc_s + (u * kCols + col) * kAS + 4 * g) =
+              make_float4(st.acc[0][nt][j] * kEven, st.acc[0][nt][j + 2] * kOdd,
+                          st.acc[1][nt][j] * kEven, st.acc[1][nt][j + 2] * kOdd);
+        }
+        if (g == 0) {
+          lz[col * kW + warp] = make_float2(st.l[nt][j], st.z[nt][j]);
+          if (warp == 0) fin[3 * col + 2] = st.m[nt][j];
+        }
+      }
+    }
+    __syncthreads();
+    const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, f.b);
+    const int64_t row0 = static_cast<int64_t>(f.b) * p.num_q_heads + f.h * f.group;
+    if (threadIdx.x < kCols) {
+      const int col = threadIdx.x;
+      float ll = 0.0f, zz = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kW; ++w) {
+        const float2 x = lz[col * kW + w];
+        ll += x.x;
+        zz += x.y;
+      }
+      const float mm = fin[3 * col + 2];
+      // ll = 0 only for a verify column that saw no token of this split: output 0, LSE -inf.
+      fin[3 * col] = ll > 0.0f ? 1.0f / ll : 0.0f;
+      fin[3 * col + 1] = zz;
+      const float lse = ll > 0.0f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+      if (col < f.group) {
+        if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
+          const int64_t row =
+              RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, f.b, f.h, col);
+          if (row >= 0) p.lse[row] = lse;
+        } else {
+          p.partial_lse[(row0 + col) * p.max_splits + f.split] = lse;
+        }
+      }
+    }
+    __syncthreads();
+    if (warp >= 4) return;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 8 * nt + 2 * t + j;
+        if (col >= f.group) continue;
+        const float4 o = *reinterpret_cast<const float4*>(acc_s + (u * kCols + col) * kAS + 4 * g);
+        const float inv_l = fin[3 * col], zz = fin[3 * col + 1];
+        const float out[4] = {(st.acc[0][nt][j] * kEven + o.x + zz) * inv_l,
+                              (st.acc[0][nt][j + 2] * kOdd + o.y + zz) * inv_l,
+                              (st.acc[1][nt][j] * kEven + o.z + zz) * inv_l,
+                              (st.acc[1][nt][j + 2] * kOdd + o.w + zz) * inv_l};
+        const int d0 = 32 * u + 4 * g;
+        if (p.output != nullptr) {
+          const int64_t row =
+              RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, f.b, f.h, col);
+          if (row < 0) continue;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) StoreOutput(p.output, p.out_dtype, row * kD + d0 + k, out[k]);
+        } else {
+          *reinterpret_cast<float4*>(p.partial_out + ((row0 + col) * p.max_splits + f.split) * kD +
+                                     d0) = make_float4(out[0], out[1], out[2], out[3]);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace tqkv::decode_detail
