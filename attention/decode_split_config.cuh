@@ -237,6 +237,8 @@ struct SplitKernelConfig {
   static constexpr int kPBytes = kSharedO ? kStagedWarps * kNTiles * 256 : 0;
   static constexpr int kRedOffset = kPOffset + kPBytes;
   static constexpr int kSmemBytes = kRedOffset + (kSharedO ? kStagedWarps * 8 * kNTiles * 4 : 0);
+  // Two shared-output CTAs per SM (kSplitMinCtas): 228 KB of shared memory, 1 KB reserved per CTA.
+  static_assert(!kSharedO || 2 * (kSmemBytes + 1024) <= 228 * 1024);
   // Scores from the codebook's hi parts alone (SplitVariant::hi_only).
   static constexpr bool kHiOnly = V.hi_only;
   // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
