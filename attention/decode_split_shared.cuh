@@ -28,11 +28,11 @@
 // score fragment's 8 x 8 tiles (rows: tokens 2g or 2g + 1; columns: 8 query columns) stores
 // P'ᵀ[column][k-slot] rows, which ldmatrix hands back as the P·V MMA's B fragments; the
 // ldmatrix.trans of the even and odd tokens' 16-byte value units (one matrix per parity; its 8
-// tokens differ in token bits 1-3, so their swizzles differ: conflict-free) gives thread (g, t) the code bytes 2g, 2g + 1 of the unit for
-// tokens 4t, 4t + 2 (k-slots 2t, 2t + 1) and 4t + 1, 4t + 3 (k-slots 2t + 8, 2t + 9), i.e. d =
-// 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place (CacheTraits::RowsPair's trick),
-// rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile 1 (the bytes shifted down by
-// 8) d = 32u + 4g + 2 and + 3.
+// tokens differ in token bits 1-3, so their swizzles differ: conflict-free) gives thread (g, t) the
+// code bytes 2g, 2g + 1 of the unit for tokens 4t, 4t + 2 (k-slots 2t, 2t + 1) and 4t + 1, 4t + 3
+// (k-slots 2t + 8, 2t + 9), i.e. d = 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place
+// (CacheTraits::RowsPair's trick), rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile
+// 1 (the bytes shifted down by 8) d = 32u + 4g + 2 and + 3.
 #pragma once
 
 #include <cuda_fp16.h>
