@@ -210,10 +210,10 @@ struct SplitKernelConfig {
   }
   // The shared-output kernels merge less (SharedOSplit::WriteOutput): warps 4-7's accumulators
   // (kSharedAccStride floats per column and quarter of head_dim), each warp's l and z per column,
-  // then 1/l, z and m per column.
+  // then 1/l, z and each group's factor and maximum per column.
   static constexpr int kSharedAccStride = 36;
   static constexpr int kMergeBytes =
-      kSharedO ? (4 * 8 * kNTiles * kSharedAccStride + (2 * kCtaWarps + 3) * 8 * kNTiles) * 4
+      kSharedO ? (4 * 8 * kNTiles * kSharedAccStride + (2 * kCtaWarps + 6) * 8 * kNTiles) * 4
                : (kCtaWarps * 8 * kNTiles * kAccStride + (4 * kCtaWarps + 2) * 8 * kNTiles) * 4;
   // The group's rotated query rows as fp16 hi [heads][kD] then lo [heads][kD] parts (plain caches:
   // the cache's type in the first array), rows past the group zero, after everything else (the

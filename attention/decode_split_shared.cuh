@@ -6,22 +6,25 @@
 // The other split kernels give each warp its own chunks and its own output Oᵀ[d, column] for
 // every d: at 32 columns that is 128 accumulator registers per thread, so only 8 warps fit an SM
 // and the chunk loop, a chain of dependent lookups, MMAs and exponentials, runs latency-bound. Here
-// the 8 warps of a CTA move through the split in steps of 128 tokens (8 chunks of 16), and
+// the 8 warps of a CTA move through the split in steps of 128 tokens (8 chunks of 16), as two
+// groups of 4 (warps 0-3 take chunks 0-3 of each step, warps 4-7 chunks 4-7), and
 //
 //   1. warp w scores chunk w of the step, Sᵀ[token, column] = K̂ · Qᵀ, as the half kernels do;
-//   2. the CTA agrees on the running maximum of every column (lazy, as the other kernels: only
-//      when some score of the step passes it by kLazyMax; a vote, bar.red.or, and, rarely, a
-//      round of every warp's column maxima through shared memory), so all warps scale by the same
-//      maximum and no warp's partial output needs rescaling against another's;
+//   2. its group agrees on the running maximum of every column (lazy, as the other kernels: only
+//      when some score of the step passes it by kLazyMax; a vote, bar.red.or on the group's
+//      named barrier, and, rarely, a round of the group's column maxima through shared memory),
+//      so the group's warps scale by the same maximum;
 //   3. warp w writes P'ᵀ = (p · value scale) of its chunk to shared memory in fp16 (stmatrix);
-//   4. after a barrier, warp w computes Oᵀ[d, column] for the 32 d of value unit w mod 4 (a
-//      quarter of head_dim) over chunks 4·(w / 4) .. + 3 (half of the step): the value codes read
-//      by ldmatrix.trans straight from the stages, P' by ldmatrix.
+//   4. after the group's barrier, warp w computes Oᵀ[d, column] for the 32 d of value unit
+//      w mod 4 (a quarter of head_dim) over its group's 4 chunks: the value codes read by
+//      ldmatrix.trans straight from the stages, P' by ldmatrix.
 //
 // A thread then holds 2 m-tiles × N tiles × 4 accumulators (32 at 32 columns). Warps w and w + 4
-// hold partial sums of the same d over disjoint tokens with the same maximum: the output adds
-// them. Two barriers per step: the vote (after which the stage that the previous step's P·V read
-// is free for the copy two steps ahead) and the one after P'.
+// hold partial sums of the same d over disjoint tokens, each against its group's maximum: the
+// output merges them (as the merge kernel merges splits). Two group barriers per step: the vote
+// (after which the stage that the previous step's P·V read is free for the copy two steps ahead)
+// and the one after P'. A group waits only for its own warps; the CTA's two groups and the SM's
+// two CTAs run out of step with each other.
 //
 // Token order in a chunk: score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1 (as the other
 // kernels); P·V k-slot j < 8 ↔ token 2j, k-slot 8 + j ↔ token 2j + 1. The stmatrix.trans of the
@@ -69,6 +72,36 @@ __device__ __forceinline__ void SharedStsmX4Trans(uint32_t addr, uint32_t r0, ui
       : "memory");
 }
 
+// Named barrier 1 + group (0 is __syncthreads') of the 128 threads of one warp group. The id is
+// an immediate in each branch: with an id in a register ptxas reserves all 16 barriers.
+__device__ __forceinline__ void GroupSync(int group) {
+  if (group == 0) {
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  } else {
+    asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  }
+}
+// The same barrier, returning whether `pred` holds in any of its threads (bar.red.or).
+__device__ __forceinline__ bool GroupAny(int group, bool pred) {
+  uint32_t any;
+  if (group == 0) {
+    asm volatile(
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 1, 128, p;\n"
+        "selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(any)
+        : "r"(static_cast<uint32_t>(pred))
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 2, 128, p;\n"
+        "selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(any)
+        : "r"(static_cast<uint32_t>(pred))
+        : "memory");
+  }
+  return any != 0;
+}
+
 template <SplitVariant V>
 struct SharedOSplit {
   using Config = SplitKernelConfig<V>;
@@ -76,6 +109,7 @@ struct SharedOSplit {
   using Layout = SharedOLayout<V.kind>;
   static constexpr KeyKind kKind = V.kind;
   static constexpr int kW = kStagedWarps;  // warps per CTA, chunks per step
+  static constexpr int kGW = 4;            // warps per group (they share an output)
   static constexpr int kNT = V.n_tiles;
   static constexpr int kCols = 8 * kNT;
   static constexpr int kD = V.head_dim;
@@ -94,8 +128,8 @@ struct SharedOSplit {
   static_assert(Config::kQueryInSmem && Config::kSharedO);
 
   // A thread's running state: accumulators of m-tiles 0-1 (d = 32u + 4g + 2·mi + row half) and
-  // its columns 8·nt + 2t + j; the CTA's maximum of each column (the same in every warp), and the
-  // thread's partial sums l (of p) and z (of p · value zero) over its tokens.
+  // its columns 8·nt + 2t + j; the group's maximum of each column (the same in its 4 warps), and
+  // the thread's partial sums l (of p) and z (of p · value zero) over its tokens.
   struct State {
     float acc[2][kNT][4];
     float m[kNT][2], l[kNT][2], z[kNT][2];
@@ -222,9 +256,13 @@ struct SharedOSplit {
     // nt + 1's) at P + 256·(kNT·q + nt), lane l addressing row l mod 8 of matrix l / 8.
     const uint32_t p_lane = Pinned(smem_base + Config::kPOffset + 16u * lane);
     const uint32_t q_run = Pinned(QueryRun(smem_base, g, t));
-    float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset);  // [column][warp]
+    // Warps 0-3 and 4-7 are two groups, each with its own maximum, barrier and output (their
+    // partial outputs are merged at the end): a group waits only for its own four warps.
+    const int group = warp >> 2;
+    // The group's column maxima: [column][warp of the group].
+    float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset) + group * kCols * kGW;
 
-    // One step: this warp's chunk c = kW·i + warp from stage s, P·V over the step's chunks.
+    // One step: this warp's chunk c = kW·i + warp from stage s, P·V over its group's chunks.
     auto step = [&](int i, int stage_index, int end0, auto tail_c) {
       constexpr bool kTail = decltype(tail_c)::value;
       const int c = kW * i + warp;
@@ -316,9 +354,9 @@ struct SharedOSplit {
         }
       }
       // The vote is also the barrier after which the stage that the previous step's P·V read
-      // (every warp's stage (s + 2) mod 3) is free.
-      if (__syncthreads_or(need)) {
-        // Every warp's column maxima of this step, then the same new maximum in every warp.
+      // (every group warp's stage (s + 2) mod 3) is free.
+      if (GroupAny(group, need)) {
+        // Every group warp's column maxima of this step, then the same new maximum in each.
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -327,18 +365,16 @@ struct SharedOSplit {
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-            if (g == 0) red[(8 * nt + 2 * t + j) * kW + warp] = x;
+            if (g == 0) red[(8 * nt + 2 * t + j) * kGW + (warp & 3)] = x;
           }
         }
-        __syncthreads();
+        GroupSync(group);
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float4* r4 = reinterpret_cast<const float4*>(red + (8 * nt + 2 * t + j) * kW);
-            const float4 x0 = r4[0], x1 = r4[1];
-            const float step_max = fmaxf(fmaxf(fmaxf(x0.x, x0.y), fmaxf(x0.z, x0.w)),
-                                         fmaxf(fmaxf(x1.x, x1.y), fmaxf(x1.z, x1.w)));
+            const float4 x = *reinterpret_cast<const float4*>(red + (8 * nt + 2 * t + j) * kGW);
+            const float step_max = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
             const float m_new = fmaxf(st.m[nt][j], step_max);
             const float corr = m_new == -INFINITY ? 1.0f : exp2f(st.m[nt][j] - m_new);
             st.m[nt][j] = m_new;
@@ -387,7 +423,7 @@ struct SharedOSplit {
         SharedStsmX4Trans(p_chunk + 256u * nt, packed[0][0], packed[0][1], packed[1][0],
                           packed[1][1]);
       }
-      __syncthreads();  // every warp's P' and every warp's chunk of this step
+      GroupSync(group);  // every group warp's P' and chunk of this step
 
       // Oᵀ[d, column] += Vᵀ[d, token] · P'ᵀ[token, column] over chunks 4·(warp / 4) .. + 3.
 #pragma unroll
@@ -396,7 +432,7 @@ struct SharedOSplit {
         SharedLdsmX4Trans(smem_base + Layout::Stage(v_chunk0 + 2 * pair, stage_index) + read_v, v);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const int q = 4 * (warp >> 2) + 2 * pair + k;
+          const int q = 4 * group + 2 * pair + k;
           const uint32_t ve = v[2 * k], vo = v[2 * k + 1];
           const uint32_t ve8 = ve >> 8, vo8 = vo >> 8;
           const uint32_t a0[4] = {ve & 0x000F000Fu, ve & 0x00F000F0u, vo & 0x000F000Fu,
@@ -440,9 +476,9 @@ struct SharedOSplit {
     WriteOutput(f, st);
   }
 
-  // The output: warps w and w + 4 add their partial accumulators (same maximum, disjoint
-  // tokens); l and z are summed over the CTA's threads. One split per sequence: the final rows
-  // and LSE; otherwise the split's partial ones for the merge.
+  // The output: the two groups' partial accumulators (warps w and w + 4: disjoint tokens), l and
+  // z merged, each scaled by f = 2^(its maximum - the larger). One split per sequence: the final
+  // rows and LSE; otherwise the split's partial ones for the merge.
   __device__ __forceinline__ static void WriteOutput(const Frame& f, State& st) {
     extern __shared__ __align__(16) uint8_t smem[];
     const SplitParams& p = f.p;
@@ -461,7 +497,7 @@ struct SharedOSplit {
     __syncthreads();  // the stages, P' and the table are no longer read
     // acc_s[u][column][kSharedAccStride]: d = 32u + 4g .. + 3 of a column as one float4 (the
     // stride of 36 floats puts the 8 lanes of a store phase on distinct 16-byte bank groups);
-    // lz[column][warp]: l, z; fin[column]: 1/l, z, and m.
+    // lz[column][warp]: l, z; fin[column]: 1/l, z, f of groups 0 and 1, m of groups 0 and 1.
     constexpr int kAS = Config::kSharedAccStride;
     float* const acc_s = reinterpret_cast<float*>(smem);
     float2* const lz = reinterpret_cast<float2*>(acc_s + 4 * kCols * kAS);
@@ -480,7 +516,7 @@ struct SharedOSplit {
         }
         if (g == 0) {
           lz[col * kW + warp] = make_float2(st.l[nt][j], st.z[nt][j]);
-          if (warp == 0) fin[3 * col + 2] = st.m[nt][j];
+          if ((warp & 3) == 0) fin[6 * col + 4 + (warp >> 2)] = st.m[nt][j];
         }
       }
     }
@@ -489,17 +525,23 @@ struct SharedOSplit {
     const int64_t row0 = static_cast<int64_t>(f.b) * p.num_q_heads + f.h * f.group;
     if (threadIdx.x < kCols) {
       const int col = threadIdx.x;
+      const float m0 = fin[6 * col + 4], m1 = fin[6 * col + 5], mm = fmaxf(m0, m1);
+      // A group without tokens of this column has m = -inf: f = 0.
+      const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - mm);
+      const float f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - mm);
       float ll = 0.0f, zz = 0.0f;
 #pragma unroll
       for (int w = 0; w < kW; ++w) {
         const float2 x = lz[col * kW + w];
-        ll += x.x;
-        zz += x.y;
+        const float f = w < kGW ? f0 : f1;
+        ll += f * x.x;
+        zz += f * x.y;
       }
-      const float mm = fin[3 * col + 2];
       // ll = 0 only for a verify column that saw no token of this split: output 0, LSE -inf.
-      fin[3 * col] = ll > 0.0f ? 1.0f / ll : 0.0f;
-      fin[3 * col + 1] = zz;
+      fin[6 * col] = ll > 0.0f ? 1.0f / ll : 0.0f;
+      fin[6 * col + 1] = zz;
+      fin[6 * col + 2] = f0;
+      fin[6 * col + 3] = f1;
       const float lse = ll > 0.0f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
       if (col < f.group) {
         if (p.output != nullptr) {  // one split per sequence: the final LSE, no merge
@@ -520,11 +562,12 @@ struct SharedOSplit {
         const int col = 8 * nt + 2 * t + j;
         if (col >= f.group) continue;
         const float4 o = *reinterpret_cast<const float4*>(acc_s + (u * kCols + col) * kAS + 4 * g);
-        const float inv_l = fin[3 * col], zz = fin[3 * col + 1];
-        const float out[4] = {(st.acc[0][nt][j] * kEven + o.x + zz) * inv_l,
-                              (st.acc[0][nt][j + 2] * kOdd + o.y + zz) * inv_l,
-                              (st.acc[1][nt][j] * kEven + o.z + zz) * inv_l,
-                              (st.acc[1][nt][j + 2] * kOdd + o.w + zz) * inv_l};
+        const float inv_l = fin[6 * col], zz = fin[6 * col + 1];
+        const float f0 = fin[6 * col + 2], f1 = fin[6 * col + 3];
+        const float out[4] = {(f0 * (st.acc[0][nt][j] * kEven) + f1 * o.x + zz) * inv_l,
+                              (f0 * (st.acc[0][nt][j + 2] * kOdd) + f1 * o.y + zz) * inv_l,
+                              (f0 * (st.acc[1][nt][j] * kEven) + f1 * o.z + zz) * inv_l,
+                              (f0 * (st.acc[1][nt][j + 2] * kOdd) + f1 * o.w + zz) * inv_l};
         const int d0 = 32 * u + 4 * g;
         if (p.output != nullptr) {
           const int64_t row =
