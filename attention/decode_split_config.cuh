@@ -116,8 +116,8 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (HasStagedKernel)
 };
 
 // The shared-output kernels (SplitVariant::shared_o: 8 warps, half precision, 4-bit values, D =
-// 128): three stages per warp (two steps of 8 chunks copied ahead), since all eight warps of a CTA
-// move through the split in steps of 128 tokens together. 4-bit keys: stages 0-1 of warp w in the
+// 128): three stages per warp (two steps of 8 chunks copied ahead), since each group of four warps
+// moves through the split in steps together (SharedOSplit). 4-bit keys: stages 0-1 of warp w in the
 // table rows' free halves (as StagedLayout<kMse4, 8>), stage 2 of warps 2i and 2i + 1 in the two
 // halves of rows 16i .. 16i + 15 of a 16 KB region after the table; 3-bit keys: all stages after
 // the table. Then the metadata cells, 128 bytes per stage. The swizzles are StagedLayout's.
@@ -232,7 +232,8 @@ struct SplitKernelConfig {
           ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
           : 0;
   // The shared-output kernels: P' of a step's 8 chunks (per chunk and N tile two 8 x 8 fp16
-  // matrices, columns by token slot: SharedOSplit), then each warp's column maxima.
+  // matrices, columns by token slot: SharedOSplit), then each group's column maxima (per column,
+  // one per warp of the group).
   static constexpr int kPOffset = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
   static constexpr int kPBytes = kSharedO ? kStagedWarps * kNTiles * 256 : 0;
   static constexpr int kRedOffset = kPOffset + kPBytes;

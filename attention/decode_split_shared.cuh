@@ -21,10 +21,10 @@
 //
 // A thread then holds 2 m-tiles × N tiles × 4 accumulators (32 at 32 columns). Warps w and w + 4
 // hold partial sums of the same d over disjoint tokens, each against its group's maximum: the
-// output merges them (as the merge kernel merges splits). Two group barriers per step: the vote
-// (after which the stage that the previous step's P·V read is free for the copy two steps ahead)
-// and the one after P'. A group waits only for its own warps; the CTA's two groups and the SM's
-// two CTAs run out of step with each other.
+// output merges them (as the merge kernel merges splits). Two group barriers per step (three when
+// the maximum moves): the vote (after which the stage that the previous step's P·V read is free
+// for the copy two steps ahead) and the one after P'. A group waits only for its own warps; the
+// CTA's two groups and the SM's two CTAs run out of step with each other.
 //
 // Token order in a chunk: score MMA row g ↔ token 2g, row g + 8 ↔ token 2g + 1 (as the other
 // kernels); P·V k-slot j < 8 ↔ token 2j, k-slot 8 + j ↔ token 2j + 1. The stmatrix.trans of the
@@ -533,9 +533,9 @@ struct SharedOSplit {
 #pragma unroll
       for (int w = 0; w < kW; ++w) {
         const float2 x = lz[col * kW + w];
-        const float f = w < kGW ? f0 : f1;
-        ll += f * x.x;
-        zz += f * x.y;
+        const float fw = w < kGW ? f0 : f1;
+        ll += fw * x.x;
+        zz += fw * x.y;
       }
       // ll = 0 only for a verify column that saw no token of this split: output 0, LSE -inf.
       fin[6 * col] = ll > 0.0f ? 1.0f / ll : 0.0f;
