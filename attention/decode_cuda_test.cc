@@ -95,20 +95,11 @@ DeviceScenario Upload(const Scenario& s, const std::vector<uint8_t>& cache) {
   return d;
 }
 
-// Runs the decoder with fp32 query and output and compares with (ref_out, ref_lse).
-Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const DeviceScenario& d,
-                     int64_t num_blocks, const std::vector<float>& ref_out,
-                     const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0,
-                     std::optional<bool> narrow = std::nullopt) {
-  const int num_seqs = static_cast<int>(s.seq_lens.size());
-  const DecodePlan plan =
-      decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, {.tokens_per_split = tokens_per_split});
-  if (tokens_per_split != 0) {
-    EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
-  }
-  if (narrow) {
-    EXPECT_EQ(plan.narrow, *narrow) << "the plan's split kernel variant";
-  }
+// Runs the decoder by `plan` with fp32 query and output and compares with (ref_out, ref_lse).
+Errors RunPlanAndCompare(const CudaDecoder& decoder, const DecodePlan& plan,
+                         const DeviceScenario& d, int64_t num_blocks,
+                         const std::vector<float>& ref_out, const std::vector<float>& ref_lse,
+                         int head_dim) {
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
       lse(static_cast<int64_t>(ref_lse.size()));
@@ -157,6 +148,23 @@ Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const Device
     if (std::isfinite(rl)) e.out = std::max(e.out, worst / scale);
   }
   return e;
+}
+
+// The same by the plan of these choices.
+Errors RunAndCompare(const CudaDecoder& decoder, const Scenario& s, const DeviceScenario& d,
+                     int64_t num_blocks, const std::vector<float>& ref_out,
+                     const std::vector<float>& ref_lse, int head_dim, int tokens_per_split = 0,
+                     std::optional<bool> narrow = std::nullopt) {
+  const int num_seqs = static_cast<int>(s.seq_lens.size());
+  const DecodePlan plan =
+      decoder.Plan(num_seqs, s.num_q_heads, s.max_blocks, {.tokens_per_split = tokens_per_split});
+  if (tokens_per_split != 0) {
+    EXPECT_EQ(plan.tokens_per_split, tokens_per_split);
+  }
+  if (narrow) {
+    EXPECT_EQ(plan.narrow, *narrow) << "the plan's split kernel variant";
+  }
+  return RunPlanAndCompare(decoder, plan, d, num_blocks, ref_out, ref_lse, head_dim);
 }
 
 // Rewrites the value scale and zero of every written slot with large fp16 metadata (scales
@@ -616,6 +624,52 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
     EXPECT_LE(e.out, kOutTol) << "tokens_per_split " << tps;
     EXPECT_LE(e.lse, kLseTol) << "tokens_per_split " << tps;
   }
+}
+
+// The half-precision kernels of GQA groups 9-32 (DecodeOptions::half; CudaAttention runs them for
+// verify passes, a decode with that many query heads per KV head reaches them too), and the
+// kernel whose warps share the output (DecodeOptions::shared_o), on plain decode rows: 4bit_nc
+// and k3v4_nc at D = 128, the edge lengths and an empty sequence, every block size, large value
+// scales, the plan's splits and forced ones (one split writes the output; several, merged
+// partials). Held to the half-precision bounds of attention_cuda_test (query, centroids and P'
+// rounded once to fp16: 2e-3 of the LSE, 6e-3 of a row's largest element).
+TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  int k = 0, shared_runs = 0;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+    for (int group : {9, 16, 24, 32}) {
+      const int hk = 2, d = 128, bs = 16 << (k % 4);
+      const bool large_values = k % 3 == 1;
+      ++k;
+      const uint64_t seed = 1300 + k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, seed);
+      Scenario s = Build(q, {1, bs - 1, 0, bs + 1, 700, 4097}, hk * group, seed);
+      if (large_values) UseLargeValueScales(q, s, seed + 1);
+      std::vector<float> ref_out, ref_lse;
+      testing::ReferenceDecode(q, s, ref_out, ref_lse);
+      const DeviceScenario dev = Upload(s, s.cache);
+      const CudaDecoder decoder(q);
+      for (bool shared_o : {false, true}) {
+        for (int tps : {0, 64, 1024}) {
+          DecodeOptions options{.tokens_per_split = tps, .half = true, .shared_o = shared_o};
+          const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
+                                               s.max_blocks, options);
+          const std::string what =
+              fmt::format("{} group {} bs {} large values {} shared_o {} tps {}", preset, group, bs,
+                          large_values, shared_o, tps);
+          EXPECT_TRUE(plan.variant.half) << what;
+          EXPECT_EQ(plan.variant.shared_o, shared_o) << what;
+          shared_runs += shared_o;
+          const Errors e = RunPlanAndCompare(decoder, plan, dev, s.num_blocks, ref_out, ref_lse, d);
+          std::printf("%s: out %.2e lse %.2e\n", what.c_str(), e.out, e.lse);
+          EXPECT_EQ(e.bad, 0) << what;
+          EXPECT_LE(e.lse, 2e-3) << what;
+          EXPECT_LE(e.out, 6e-3) << what;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(shared_runs, 2 * 4 * 3);
 }
 
 // k3v4_nc's narrow layout (4-warp units, four per SM), which the plan picks where the 8-warp
