@@ -92,10 +92,11 @@ struct DecodeOptions {
   // P' rounded once to fp16, as FlashAttention rounds) instead of the hi + lo products'
   // fp32-level scores; a third of the MMAs. Elsewhere (and with staged = false) ignored.
   bool half = false;
-  // With half: verify passes of 9-32 columns on the kernel whose 8 warps share one output
-  // (decode_detail::SplitVariant::shared_o: 32 accumulator registers per thread instead of 128, so
-  // two 8-warp CTAs per SM instead of two 4-warp ones; attention/decode_split_shared.cuh), with the
-  // same numerics as the other half-precision kernels. Not the default: not yet timed on a GPU.
+  // With half: verify passes of 9-32 columns on the kernel whose warps share their outputs, 4
+  // warps to one (decode_detail::SplitVariant::shared_o: 32 accumulator registers per thread
+  // instead of 128, so two 8-warp CTAs per SM instead of two 4-warp ones;
+  // attention/decode_split_shared.cuh), with the same numerics as the other half-precision
+  // kernels. Not the default: not yet timed on a GPU.
   bool shared_o = false;
 };
 

@@ -51,10 +51,10 @@ struct SplitVariant {
   // hi + lo products; ~2^-11 relative per operand).
   bool half = false;
   // The half-precision staged kernels of GQA groups 9-32 (verify passes of 9-32 columns) with
-  // 8-warp CTAs whose warps share one output: each warp scores its own chunk and writes P' to
-  // shared memory, then computes O for a quarter of head_dim over half of the step's 8 chunks
-  // (attention/decode_split_shared.cuh). 32 accumulator registers instead of 128, so two 8-warp
-  // CTAs fit an SM where the other kernel of 17-32 columns runs two of 4 warps.
+  // 8-warp CTAs of two groups of 4 warps, each group sharing one output: each warp scores its own
+  // chunk and writes P' to shared memory, then computes O for a quarter of head_dim over its
+  // group's 4 chunks (attention/decode_split_shared.cuh). 32 accumulator registers instead of 128,
+  // so two 8-warp CTAs fit an SM where the other kernel of 17-32 columns runs two of 4 warps.
   bool shared_o = false;
 
   constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
