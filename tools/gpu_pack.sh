@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # A small bundle for one device call (the device tool carries at most 64 MiB; the full bundle of
-# tools/gpu_bundle.sh is larger): builds the given targets, strips them, copies their non-system
-# shared libraries and the attention run scripts, and packs everything as
+# tools/gpu_bundle.sh is larger): builds the given targets (default: the attention GPU tests,
+# attention_bench and model_bench: 49 MB packed), strips them, copies their non-system shared
+# libraries and the attention run scripts, and packs everything as
 # .gpu_bundle_pack/b.tar.xz with a runner. On the GPU machine (carry .gpu_bundle_pack):
 #   bash .gpu_bundle_pack/run.sh 'bash attention_gpu_run.sh --only verify'
 #   bash .gpu_bundle_pack/run.sh 'bin/attention/attention_cuda_test --gtest_filter=*Shared*'
+#   bash .gpu_bundle_pack/run.sh 'bin/tools/bench/model_bench --spec-tokens 4'
 # (run.sh unpacks into /tmp/b, sets LD_LIBRARY_PATH and runs its arguments there.)
 # Usage: [TARGETS="//a:b //c:d"] tools/gpu_pack.sh [EXTRA_FILE ...]   (extra files go to bin/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 targets=${TARGETS:-"//attention:attention_cuda_test //attention:query_prep_cuda_test \
 //attention:decode_cuda_test //tools:sim_cuda_test //model:cuda_engine_test \
-//tools/bench:attention_bench"}
+//tools/bench:attention_bench //tools/bench:model_bench"}
 bazel build -c opt $targets
 stage=$(mktemp -d)
 mkdir -p "$stage/b/bin" "$stage/b/lib"
