@@ -264,10 +264,10 @@ TEST(EngineTest, ServerBatchesLikeOneAtATime) {
 
 // Speculative decoding by prompt lookup (ServerOptions::spec_tokens): the drafts are verified as
 // extra rows of their sequence over the compressed cache and the rejected positions rewound, so
-// greedy requests generate exactly the tokens they generate without drafts, in fewer steps where
-// the text repeats the prompt; also with stop tokens, max_new_tokens below the drafts, several
-// requests arriving while others decode (verify rows beside prompt chunks) and preemption.
-// Sampled requests stay reproducible by seed.
+// requests generate exactly the tokens they generate without drafts, greedy or sampled, in fewer
+// steps where the text repeats the prompt; also with stop tokens, max_new_tokens below the
+// drafts, drafts past what the pool holds, several requests arriving while others decode (verify
+// rows beside prompt chunks) and preemption.
 TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
   const Loaded* s = SmolLm2();
   if (s == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
@@ -330,17 +330,31 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
   EXPECT_EQ(stopped.tokens[1],
             std::vector<int32_t>(plain.tokens[0].begin(), plain.tokens[0].begin() + 3));
 
-  // Several requests, arriving while others decode; a pool tight enough to preempt.
+  // Drafts reach past what a small pool holds (they are capped by max_new_tokens only) where the
+  // request ends at its stop token first: the step runs without them, nothing fails.
+  Request near = Req(copy, 40);
+  near.stop_token = plain.tokens[0][10];
+  const Run edge_plain = serve(0, {near}, 5);
+  const Run edge = serve(8, {near}, 5);
+  EXPECT_LE(edge_plain.tokens[0].size(), 11u);
+  EXPECT_EQ(edge.tokens, edge_plain.tokens);
+  EXPECT_EQ(edge.stats.preemptions, 0);
+
+  // Several requests, arriving while others decode, two of them sampled (one copying: it drafts
+  // and keeps drafts); a pool tight enough to preempt. Every request's tokens, sampled ones too,
+  // are the same with drafts, beside others and preempted.
   const std::vector<Request> mixed = {Req(copy, 16), Req(other, 12), Req(copy2, 20),
-                                      Req(other, 8, {0.8f, 5})};
+                                      Req(other, 8, {0.8f, 5}), Req(copy, 20, {0.5f, 7})};
   const Run alone = serve(0, mixed);
   const Run together = serve(4, mixed);
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(together.tokens[i], alone.tokens[i]) << "request " << i;
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(together.tokens[i], alone.tokens[i]) << "request " << i;
   EXPECT_GT(together.stats.accepted_drafts, 0);
+  const Run sampled_alone = serve(6, {mixed[4]});
+  EXPECT_EQ(sampled_alone.tokens[0], alone.tokens[4]);
+  EXPECT_GT(sampled_alone.stats.accepted_drafts, 0);
   const Run tight = serve(4, mixed, 9);
   EXPECT_GT(tight.stats.preemptions, 0);
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(tight.tokens[i], alone.tokens[i]) << "request " << i;
-  EXPECT_EQ(tight.tokens[3], together.tokens[3]);  // sampled: the same seed, the same tokens
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(tight.tokens[i], alone.tokens[i]) << "request " << i;
   EXPECT_EQ(tight.tokens[3].size(), 8u);
 }
 

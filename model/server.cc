@@ -34,20 +34,20 @@ std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngr
   return {};
 }
 
+int32_t SampleToken(const float* logits, int vocab, float temperature, int32_t argmax,
+                    std::mt19937_64& rng) {
+  if (temperature == 0.0f) return argmax;
+  const float mx = *std::max_element(logits, logits + vocab);
+  std::vector<double> w(static_cast<size_t>(vocab));
+  for (int v = 0; v < vocab; ++v) w[v] = std::exp((logits[v] - mx) / temperature);
+  return static_cast<int32_t>(std::discrete_distribution<int>(w.begin(), w.end())(rng));
+}
+
 int32_t AcceptDraft(const float* logits, int vocab, float temperature, int32_t argmax,
                     int32_t draft, std::mt19937_64& rng, bool* kept) {
-  if (temperature == 0.0f) {
-    *kept = draft == argmax;
-    return argmax;
-  }
-  const float mx = *std::max_element(logits, logits + vocab);
-  std::vector<double> p(static_cast<size_t>(vocab));
-  double sum = 0.0;
-  for (int v = 0; v < vocab; ++v) sum += p[v] = std::exp((logits[v] - mx) / temperature);
-  *kept = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * sum < p[draft];
-  if (*kept) return draft;
-  p[draft] = 0.0;
-  return static_cast<int32_t>(std::discrete_distribution<int>(p.begin(), p.end())(rng));
+  const int32_t t = SampleToken(logits, vocab, temperature, argmax, rng);
+  *kept = t == draft;
+  return t;
 }
 
 Server::Server(Engine& engine, ServerOptions options) : engine_(engine), options_(options) {
@@ -107,7 +107,7 @@ void Server::Admit() {
 }
 
 void Server::PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live,
-                      std::vector<std::vector<int32_t>>& drafts) const {
+                      std::vector<std::vector<int32_t>>& drafts, bool with_drafts) const {
   const KVCacheManager& m = engine_.manager();
   requests.clear();
   live.clear();
@@ -131,7 +131,8 @@ void Server::PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live
     // Drafts never reach past max_new_tokens: the step commits one token more than it accepts.
     const int room = requests_[r.id].max_new_tokens - r.generated - 1;
     std::vector<int32_t> d = ProposeDrafts(
-        r.tokens, options_.spec_ngram, std::min({options_.spec_tokens, room, std::max(budget, 0)}));
+        r.tokens, options_.spec_ngram,
+        with_drafts ? std::min({options_.spec_tokens, room, std::max(budget, 0)}) : 0);
     budget -= static_cast<int>(d.size());
     requests.push_back({r.seq, 1 + static_cast<int32_t>(d.size()), 0});
     live.push_back(static_cast<int>(i));
@@ -157,16 +158,6 @@ void Server::Preempt() {
   waiting_.push_front(std::move(victim));
 }
 
-int32_t Server::Sample(Live& r, const float* logits, int32_t argmax) {
-  const int vocab = engine_.model().config().vocab;
-  const float temperature = requests_[r.id].sampling.temperature;
-  if (temperature == 0.0f) return argmax;
-  const float mx = *std::max_element(logits, logits + vocab);
-  std::vector<double> w(static_cast<size_t>(vocab));
-  for (int v = 0; v < vocab; ++v) w[v] = std::exp((logits[v] - mx) / temperature);
-  return static_cast<int32_t>(std::discrete_distribution<int>(w.begin(), w.end())(r.rng));
-}
-
 void Server::Finish(Live& r, std::string error) {
   Completion& c = completions_[r.id];
   c.finished = true;
@@ -186,11 +177,18 @@ bool Server::Step() {
   std::vector<StepRequest> requests;
   std::vector<int> live;
   std::vector<std::vector<int32_t>> drafts;
+  bool with_drafts = options_.spec_tokens > 0;
   for (;;) {
-    PlanStep(requests, live, drafts);
+    PlanStep(requests, live, drafts, with_drafts);
     if (requests.empty()) return true;
     const ScheduleResult result = engine_.Schedule(requests);
     if (result.admitted) break;
+    // Drafts are optional work: without them the step may fit (Schedule changed nothing).
+    if (with_drafts && std::any_of(drafts.begin(), drafts.end(),
+                                   [](const std::vector<int32_t>& d) { return !d.empty(); })) {
+      with_drafts = false;
+      continue;
+    }
     // A request that needs more blocks than the pool holds fails alone; otherwise preempt.
     bool dropped = false;
     for (const ScheduleRejection& rej : result.rejected) {
@@ -263,8 +261,9 @@ bool Server::Step() {
       m.Commit(r.seq, {});
       continue;
     }
-    // The drafts in order while each is kept, then one token drawn at the first position whose
-    // draft was not (or after the last draft); up to the stop token or max_new_tokens.
+    // Each position's token as without drafts (AcceptDraft), while its draft was that token; up to
+    // the first position whose draft was not (or the one after the last draft), the stop token or
+    // max_new_tokens.
     const Request& req = requests_[r.id];
     const std::vector<int32_t>& d = drafts[k];
     std::vector<int32_t> next;
@@ -273,9 +272,10 @@ bool Server::Step() {
       const int row = samples[k] + static_cast<int>(i);
       const float* lg = need_logits ? logits.data() + static_cast<int64_t>(row) * vocab : nullptr;
       bool kept = false;
-      const int32_t t = i < d.size() ? AcceptDraft(lg, vocab, req.sampling.temperature, argmax[row],
-                                                   d[i], r.rng, &kept)
-                                     : Sample(r, lg, argmax[row]);
+      const int32_t t =
+          i < d.size()
+              ? AcceptDraft(lg, vocab, req.sampling.temperature, argmax[row], d[i], r.rng, &kept)
+              : SampleToken(lg, vocab, req.sampling.temperature, argmax[row], r.rng);
       next.push_back(t);
       stats_.accepted_drafts += kept ? 1 : 0;
       done = !kept || t == req.stop_token ||

@@ -17,9 +17,10 @@
 //   verifies them as extra rows of that sequence (attention over the compressed cache, the
 //   drafts' K/V stored like any token's), and the rejected positions are rewound.
 //
-// A request's tokens do not depend on what else is in the batch, on prefix hits or on
-// preemption: every row's computation depends only on its own sequence (Engine::Compute), and
-// a cached block holds the bytes the request would have written itself.
+// A request's tokens do not depend on what else is in the batch, on prefix hits, on preemption
+// or on its drafts: every row's computation depends only on its own sequence (Engine::Compute),
+// a cached block holds the bytes the request would have written itself, and each position's token
+// is drawn from its request's random stream as it would be without drafts (AcceptDraft).
 #pragma once
 
 #include <cstdint>
@@ -59,9 +60,10 @@ struct ServerOptions {
   int max_running = 16;   // sequences in flight
   int step_tokens = 256;  // tokens per step: decode rows (and drafts) first, then prompt chunks
   // Draft tokens per decoding sequence and step, 0-64 (ProposeDrafts; 0: no speculation). The
-  // accepted drafts and one more token are committed per step. Greedy requests produce the same
-  // tokens as without drafts; sampled ones the same distribution (a draft is kept with the
-  // model's probability of it, otherwise the token is drawn from the rest: AcceptDraft).
+  // accepted drafts and one more token are committed per step. A request produces the same tokens
+  // as without drafts, greedy or sampled: each position's token is drawn as it would be without
+  // one, and a draft is kept when it is that token (AcceptDraft). Drafts are optional work: a step
+  // whose drafts do not fit the block pool runs without them, before anything is preempted.
   int spec_tokens = 0;
   int spec_ngram = 3;  // the longest suffix ProposeDrafts looks up, >= 1
 };
@@ -84,18 +86,25 @@ struct ServerStats {
 // no suffix recurs.
 std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngram, int max_drafts);
 
-// Speculative sampling of one position whose draft is `draft` (a proposal of probability 1):
-// greedy (temperature 0) keeps it when it is the argmax and returns the argmax otherwise; with
-// a temperature it keeps the draft with the model's probability p(draft) and otherwise draws
-// from p without the draft, so that the token returned has the model's distribution. Returns the
-// token; *kept says whether it is the draft.
+// The token of one position: the argmax (temperature 0), or one draw from softmax(logits /
+// temperature) from `rng`.
+int32_t SampleToken(const float* logits, int vocab, float temperature, int32_t argmax,
+                    std::mt19937_64& rng);
+
+// Speculative sampling of one position whose draft is `draft` (a proposal of probability 1): the
+// position's token is drawn exactly as without a draft (SampleToken, the same draws from `rng`),
+// and the draft is kept when it is that token. So the draft is kept with the model's probability
+// p(draft) (greedy: when it is the argmax), a rejected position's token has p without the draft,
+// renormalized, as in speculative sampling, and a request's tokens do not depend on its drafts.
+// Returns the token; *kept says whether it is the draft.
 int32_t AcceptDraft(const float* logits, int vocab, float temperature, int32_t argmax,
                     int32_t draft, std::mt19937_64& rng, bool* kept);
 
 class Server {
  public:
   // The engine's policy must size the block pool (KvPolicy::num_blocks). Throws tqkv::Error
-  // naming the option for max_running or step_tokens below 1.
+  // naming the option for max_running or step_tokens below 1, spec_tokens outside 0-64 or
+  // spec_ngram below 1.
   Server(Engine& engine, ServerOptions options);
 
   // Queues a request; returns its id (0, 1, ...). Throws tqkv::Error naming the field for an
@@ -123,15 +132,13 @@ class Server {
   };
   // Admits waiting requests (front first) while fewer than max_running are in flight.
   void Admit();
-  // The step's requests: every sequence at its last known token decodes one row and its drafts,
-  // then prompt chunks in admission order within the budget. `live` gets each request's index
-  // in running_, `drafts` its draft tokens.
+  // The step's requests: every sequence at its last known token decodes one row and (with
+  // `with_drafts`) its drafts, then prompt chunks in admission order within the budget. `live`
+  // gets each request's index in running_, `drafts` its draft tokens.
   void PlanStep(std::vector<StepRequest>& requests, std::vector<int>& live,
-                std::vector<std::vector<int32_t>>& drafts) const;
+                std::vector<std::vector<int32_t>>& drafts, bool with_drafts) const;
   // Frees the sequence admitted last and requeues it at the front of the queue.
   void Preempt();
-  // The next token: the argmax (greedy), or drawn from the logits.
-  int32_t Sample(Live& r, const float* logits, int32_t argmax);
   void Finish(Live& r, std::string error = {});
 
   Engine& engine_;

@@ -33,7 +33,8 @@ TEST(ServerTest, ProposeDraftsLooksUpTheContext) {
 }
 
 // A draft is kept with the model's probability of it and otherwise replaced by a draw from the
-// rest, so that the token has the model's distribution; greedy keeps exactly the argmax.
+// rest, so that the token has the model's distribution; greedy keeps exactly the argmax. The
+// token is the one SampleToken draws from the same random stream, whatever the draft.
 TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
   const std::vector<float> logits = {0.5f, 2.0f, 1.0f, -1.0f, 0.0f};
   const int vocab = static_cast<int>(logits.size());
@@ -60,6 +61,13 @@ TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
       EXPECT_NEAR(static_cast<double>(count[v]) / kDraws, p[v], 0.005) << draft << " " << v;
     }
   }
+  for (int i = 0; i < 1000; ++i) {
+    std::mt19937_64 a(500 + i), b(500 + i);
+    bool kept = false;
+    const int32_t t = AcceptDraft(logits.data(), vocab, temperature, 1, i % vocab, a, &kept);
+    ASSERT_EQ(t, SampleToken(logits.data(), vocab, temperature, 1, b));
+    ASSERT_EQ(a(), b());  // the same draws
+  }
   bool kept = true;
   EXPECT_EQ(AcceptDraft(nullptr, vocab, 0.0f, 1, 2, rng, &kept), 1);
   EXPECT_FALSE(kept);
@@ -72,8 +80,8 @@ TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
 // on the CUDA engine), which repeats a prompt's last token a: a greedy request's prompt
 // holds "a a" earlier, followed by other tokens, so that once the model has answered a, the
 // drafts continue the prompt after that pair where the model does not (rejected, rewound);
-// later drafts follow its output (kept). Greedy requests keep their tokens, with and without
-// preemption; sampled ones finish.
+// later drafts follow its output (kept). Every request, greedy or sampled, keeps its tokens, with
+// and without preemption.
 TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
   LlamaConfig config;
   config.num_layers = 4;
@@ -109,6 +117,7 @@ TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
     std::vector<std::vector<int32_t>> tokens;
     for (int i = 0; i < 6; ++i) {
       EXPECT_TRUE(server.completion(i).finished);
+      EXPECT_EQ(server.completion(i).error, "");
       EXPECT_EQ(server.completion(i).tokens.size(), 20u);
       tokens.push_back(server.completion(i).tokens);
     }
@@ -116,13 +125,13 @@ TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
   };
   const auto [plain, plain_stats] = serve(0, 64);
   const auto [spec, spec_stats] = serve(4, 64);
-  for (int i = 0; i < 6; i += 2) EXPECT_EQ(spec[i], plain[i]) << "greedy request " << i;
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(spec[i], plain[i]) << "request " << i;
   EXPECT_LT(spec_stats.steps, plain_stats.steps);
   EXPECT_GT(spec_stats.accepted_drafts, 0);
   EXPECT_LE(spec_stats.accepted_drafts, spec_stats.draft_tokens - 3);  // a rejection per greedy
   const auto [tight, tight_stats] = serve(4, 12);
   EXPECT_GT(tight_stats.preemptions, 0);
-  for (int i = 0; i < 6; i += 2) EXPECT_EQ(tight[i], plain[i]) << "greedy request " << i;
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(tight[i], plain[i]) << "request " << i;
 }
 
 }  // namespace
