@@ -349,8 +349,9 @@ SimReport RunSim(const SimConfig& c) {
       running.push_back(std::move(b));
     }
 
-    // Build the step: decode tokens first (each with up to --spec-tokens drafts to verify), then
-    // prompt chunks within the token budget.
+    // Build the step, branch by branch in running order: a decoding branch's sampled token (with
+    // up to --spec-tokens drafts to verify; a readmitted one: every token not cached), a prompt
+    // branch's next chunk within the token budget.
     ScheduleResult result;
     for (;;) {
       requests.clear();
@@ -553,8 +554,13 @@ SimReport RunSim(const SimConfig& c) {
           const Branch& b = running[request_branch[i]];
           const int32_t pos = batch.seq_lens()[i] - requests[i].num_new_tokens +
                               (t - batch.query_start_loc()[i]);
-          rep.output_checksums[{b.request, b.branch, pos, layer}] =
-              checksums[size_t(layer) * rows + r];
+          const double checksum = checksums[size_t(layer) * rows + r];
+          const auto [it, first] =
+              rep.output_checksums.try_emplace({b.request, b.branch, pos, layer}, checksum);
+          if (!first) {
+            ++rep.recomputed_outputs;
+            rep.recomputed_differing += it->second != checksum;
+          }
         }
       }
       for (size_t r = 0; r < checks; ++r) {
@@ -732,51 +738,63 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
 }
 
 std::string ReportJson(const SimConfig& c, const SimReport& r) {
-  nlohmann::json j = {
-      {"config",
-       {{"preset", c.preset}, {"device", c.device}, {"layers", c.layers}, {"q_heads", c.q_heads},
-        {"kv_heads", c.kv_heads}, {"head_dim", c.head_dim}, {"block_size", c.block_size},
-        {"requests", c.requests}, {"prompt_len", c.prompt_len},
-        {"shared_prefix", c.shared_prefix}, {"decode_len", c.decode_len}, {"spec_tokens", c.spec_tokens}, {"seed", c.seed},
-        {"prefix_caching", c.enable_prefix_caching}, {"kernel_timing", c.kernel_timing}}},
-      {"steps", r.steps},
-      {"prefill_tokens", r.prefill_tokens},
-      {"decode_tokens", r.decode_tokens},
-      {"draft_tokens", r.draft_tokens},
-      {"accepted_drafts", r.accepted_drafts},
-      {"cached_tokens", r.cached_tokens},
-      {"decode_tokens_per_s", r.decode_tokens_per_s},
-      {"kv_bytes_per_token", r.kv_bytes_per_token},
-      {"bf16_bytes_per_token", r.bf16_bytes_per_token},
-      {"num_blocks", r.num_blocks},
-      {"capacity_tokens", r.capacity_tokens},
-      {"bf16_capacity_tokens", r.bf16_capacity_tokens},
-      {"prefix_hit_rate", r.prefix_hit_rate},
-      {"preemptions", r.preemptions},
-      {"forks", r.forks},
-      {"cow_copies", r.cow_copies},
-      {"manager_us_per_step", r.manager_us_per_step},
-      {"store_us_per_step", r.store_us_per_step},
-      {"attention_us_per_step", r.attention_us_per_step},
-      {"store_calls", r.store_calls},
-      {"store_host_us_per_layer", r.store_host_us_per_layer},
-      {"store_stream_us_per_layer", r.store_stream_us_per_layer},
-      {"store_kernels_us_per_layer", r.store_kernels_us_per_layer},
-      {"attention_calls", r.attention_calls},
-      {"attention_host_us_per_layer", r.attention_host_us_per_layer},
-      {"attention_stream_us_per_layer", r.attention_stream_us_per_layer},
-      {"attention_kernels_us_per_layer", r.attention_kernels_us_per_layer},
-      {"step_stream_us", r.step_stream_us},
-      {"generate_us_per_step", r.generate_us_per_step},
-      {"check_us_per_step", r.check_us_per_step},
-      {"cosine_mean", r.cosine_mean},
-      {"cosine_worst", r.cosine_worst},
-      {"rel_error_mean", r.rel_error_mean},
-      {"rel_error_worst", r.rel_error_worst},
-      {"accuracy_samples", r.accuracy_samples},
-      {"wall_s", r.wall_s}};
-  // Checksums of every decode output row (request, branch, position, layer, checksum): two runs
-  // (devices, prefix caching on and off) can be compared entry by entry.
+  nlohmann::json j = {{"config",
+                       {{"preset", c.preset},
+                        {"device", c.device},
+                        {"layers", c.layers},
+                        {"q_heads", c.q_heads},
+                        {"kv_heads", c.kv_heads},
+                        {"head_dim", c.head_dim},
+                        {"block_size", c.block_size},
+                        {"requests", c.requests},
+                        {"prompt_len", c.prompt_len},
+                        {"shared_prefix", c.shared_prefix},
+                        {"decode_len", c.decode_len},
+                        {"spec_tokens", c.spec_tokens},
+                        {"seed", c.seed},
+                        {"prefix_caching", c.enable_prefix_caching},
+                        {"kernel_timing", c.kernel_timing}}},
+                      {"steps", r.steps},
+                      {"prefill_tokens", r.prefill_tokens},
+                      {"decode_tokens", r.decode_tokens},
+                      {"draft_tokens", r.draft_tokens},
+                      {"accepted_drafts", r.accepted_drafts},
+                      {"cached_tokens", r.cached_tokens},
+                      {"decode_tokens_per_s", r.decode_tokens_per_s},
+                      {"kv_bytes_per_token", r.kv_bytes_per_token},
+                      {"bf16_bytes_per_token", r.bf16_bytes_per_token},
+                      {"num_blocks", r.num_blocks},
+                      {"capacity_tokens", r.capacity_tokens},
+                      {"bf16_capacity_tokens", r.bf16_capacity_tokens},
+                      {"prefix_hit_rate", r.prefix_hit_rate},
+                      {"preemptions", r.preemptions},
+                      {"forks", r.forks},
+                      {"cow_copies", r.cow_copies},
+                      {"manager_us_per_step", r.manager_us_per_step},
+                      {"store_us_per_step", r.store_us_per_step},
+                      {"attention_us_per_step", r.attention_us_per_step},
+                      {"store_calls", r.store_calls},
+                      {"store_host_us_per_layer", r.store_host_us_per_layer},
+                      {"store_stream_us_per_layer", r.store_stream_us_per_layer},
+                      {"store_kernels_us_per_layer", r.store_kernels_us_per_layer},
+                      {"attention_calls", r.attention_calls},
+                      {"attention_host_us_per_layer", r.attention_host_us_per_layer},
+                      {"attention_stream_us_per_layer", r.attention_stream_us_per_layer},
+                      {"attention_kernels_us_per_layer", r.attention_kernels_us_per_layer},
+                      {"step_stream_us", r.step_stream_us},
+                      {"generate_us_per_step", r.generate_us_per_step},
+                      {"check_us_per_step", r.check_us_per_step},
+                      {"cosine_mean", r.cosine_mean},
+                      {"cosine_worst", r.cosine_worst},
+                      {"rel_error_mean", r.rel_error_mean},
+                      {"rel_error_worst", r.rel_error_worst},
+                      {"accuracy_samples", r.accuracy_samples},
+                      {"recomputed_outputs", r.recomputed_outputs},
+                      {"recomputed_differing", r.recomputed_differing},
+                      {"wall_s", r.wall_s}};
+  // Checksums of every computed output row, prefill and decode (request, branch, position, layer,
+  // checksum; the first computation where a row was recomputed): two runs (devices, prefix caching
+  // on and off) can be compared entry by entry.
   nlohmann::json outputs = nlohmann::json::array();
   for (const auto& [key, checksum] : r.output_checksums) {
     const auto& [request, branch, position, layer] = key;

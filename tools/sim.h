@@ -99,6 +99,11 @@ struct SimReport {
   // of every computed token (prefill, decode, accepted drafts; not rejected drafts), for
   // comparing runs (prefix caching on and off, with and without drafts, CPU and CUDA).
   std::map<std::tuple<int, int, int, int>, double> output_checksums;
+  // Outputs computed again for a key already held (recomputation after a preemption), and of
+  // those, how many differ from the first computation (cpu: never, its attention is fp64 row by
+  // row; cuda: a recomputed row may run on another kernel).
+  int64_t recomputed_outputs = 0;
+  int64_t recomputed_differing = 0;
 };
 
 // Runs the simulation. Throws tqkv::Error for invalid configurations (naming the flag).

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Compares the decode outputs of two `tqkv sim --json` reports (e.g. --device cpu vs cuda).
+"""Compares the attention outputs of two `tqkv sim --json` reports (e.g. --device cpu vs cuda).
 
-Each output row's checksum is Σ_i out[i]·(i mod 97 + 1) over the Hq·D outputs of one decode query;
+Each output row's checksum is Σ_i out[i]·(i mod 97 + 1) over the Hq·D outputs of one query row
+(prefill and decode);
 rows are matched by (request, branch, position, layer). Prints the worst relative difference and
 exits non-zero above the tolerance (default 2e-3: the decode kernels' row-relative tolerance).
 """

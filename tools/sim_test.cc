@@ -70,18 +70,24 @@ TEST(SimTest, PrefixCachingChangesNothingButTheWork) {
   EXPECT_EQ(a.decode_tokens, b.decode_tokens);
   ASSERT_FALSE(a.output_checksums.empty());
   // Tokens computed with prefix caching on were computed without it too, with the same outputs
-  // (all but recomputations after preemptions, which differ); without it the cached prompt
-  // tokens are computed as well.
+  // (all but some recomputations after preemptions: which tokens a run recomputes depends on its
+  // schedule); without it the cached prompt tokens are computed as well. A recomputed row equals
+  // its first computation.
   EXPECT_GE(ExpectSameOutputs(a, b), a.output_checksums.size() * 95 / 100);
   EXPECT_GT(b.output_checksums.size(), a.output_checksums.size());
+  EXPECT_GT(a.recomputed_outputs, 0);
+  EXPECT_EQ(a.recomputed_differing, 0);
+  EXPECT_GT(b.recomputed_outputs, 0);
+  EXPECT_EQ(b.recomputed_differing, 0);
   }
 }
 
 // Speculative decoding: drafts verified in the same call as the last token, a rejected suffix
 // rewound. The generated tokens are the same as without drafts, so every output of the run
 // without drafts (prefill and decode rows) is, exactly, an output of the run with them (accepted
-// drafts' rows are the decode rows of those positions), in fewer steps (all but recomputations
-// after preemptions, which differ between the two schedules).
+// drafts' rows are the decode rows of those positions), in fewer steps (all but some
+// recomputations after preemptions: which tokens are recomputed differs between the two
+// schedules).
 TEST(SimTest, SpeculativeVerifyMatchesPlainDecoding) {
   SimConfig plain = Small();
   plain.check_invariants = true;
@@ -96,6 +102,8 @@ TEST(SimTest, SpeculativeVerifyMatchesPlainDecoding) {
   EXPECT_EQ(a.decode_tokens, b.decode_tokens);
   EXPECT_LT(b.steps, a.steps);
   EXPECT_GE(ExpectSameOutputs(a, b), a.output_checksums.size() * 95 / 100);
+  EXPECT_EQ(a.recomputed_differing, 0);
+  EXPECT_EQ(b.recomputed_differing, 0);
   EXPECT_GT(b.cosine_mean, 0.97);
 }
 
@@ -180,6 +188,11 @@ TEST(SimTest, InvalidFlagsNameTheFlag) {
   c = Small();
   c.device = "tpu";
   EXPECT_THAT(message(c), HasSubstr("--device = tpu"));
+  c = Small();
+  c.spec_tokens = 65;
+  EXPECT_THAT(message(c), HasSubstr("--spec-tokens = 65"));
+  c.spec_tokens = -1;
+  EXPECT_THAT(message(c), HasSubstr("--spec-tokens = -1"));
 }
 
 }  // namespace
