@@ -580,6 +580,8 @@ SimReport RunSim(const SimConfig& c) {
     for (int i = 0; i < num_req; ++i) {
       if (running[request_branch[i]].generated == 0) {
         rep.prefill_tokens += requests[i].num_new_tokens;
+      } else {  // the last known token's row, its drafts, and before them any recomputed ones
+        rep.recomputed_tokens += requests[i].num_new_tokens - 1 - drafts[i];
       }
       rep.draft_tokens += drafts[i];
       rep.accepted_drafts += accepted[i];
@@ -691,6 +693,9 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
   row("tokens processed (prefill + decode)",
       fmt::format("{} + {} (cached prefix tokens skipped: {})", r.prefill_tokens,
                   r.decode_tokens, r.cached_tokens));
+  if (r.recomputed_tokens > 0) {
+    row("recomputed after preemption", fmt::format("{} tokens", r.recomputed_tokens));
+  }
   row("decode tokens/s (wall)", fmt::format("{:.0f}", r.decode_tokens_per_s));
   if (c.spec_tokens > 0) {
     row("draft tokens verified / accepted",
@@ -789,6 +794,7 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
                       {"rel_error_mean", r.rel_error_mean},
                       {"rel_error_worst", r.rel_error_worst},
                       {"accuracy_samples", r.accuracy_samples},
+                      {"recomputed_tokens", r.recomputed_tokens},
                       {"recomputed_outputs", r.recomputed_outputs},
                       {"recomputed_differing", r.recomputed_differing},
                       {"wall_s", r.wall_s}};

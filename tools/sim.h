@@ -55,6 +55,8 @@ struct SimReport {
   int64_t prefill_tokens = 0;  // prompt tokens computed (stored), cached prefixes excluded
   int64_t cached_tokens = 0;   // prompt tokens served from the prefix cache
   int64_t decode_tokens = 0;   // generated tokens
+  // Known tokens of readmitted decoding branches computed again (not from the prefix cache).
+  int64_t recomputed_tokens = 0;
   int64_t draft_tokens = 0;    // drafts verified (spec_tokens)
   int64_t accepted_drafts = 0;
   int64_t preemptions = 0;

@@ -76,6 +76,7 @@ TEST(SimTest, PrefixCachingChangesNothingButTheWork) {
   EXPECT_GE(ExpectSameOutputs(a, b), a.output_checksums.size() * 95 / 100);
   EXPECT_GT(b.output_checksums.size(), a.output_checksums.size());
   EXPECT_GT(a.recomputed_outputs, 0);
+  EXPECT_GT(a.recomputed_tokens, 0);
   EXPECT_EQ(a.recomputed_differing, 0);
   EXPECT_GT(b.recomputed_outputs, 0);
   EXPECT_EQ(b.recomputed_differing, 0);
