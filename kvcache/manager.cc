@@ -201,7 +201,11 @@ void KVCacheManager::Free(SeqId id) {
   s.num_scheduled = 0;
   s.num_cached_blocks = 0;
   s.num_released = 0;
-  free_slots_.push_back(static_cast<uint32_t>(id & 0xffffffff));
+  // A slot whose next generation would make ids negative (2^31 sequences in it: free slots are
+  // reused last-in first-out, so at low concurrency one slot takes nearly every request) is
+  // retired rather than reused, so that every id ever issued stays unique and >= 0.
+  if (s.generation < (uint32_t{1} << 31))
+    free_slots_.push_back(static_cast<uint32_t>(id & 0xffffffff));
   --num_live_;
 }
 
@@ -240,7 +244,8 @@ PrefixMatch KVCacheManager::Lookup(SeqId id) const {
 // Schedule
 
 // Phases 1 and 2 change nothing that a caller can observe (they may throw, and may end in a
-// rejection); phase 3 cannot fail.
+// rejection); then the batch is reshaped and the containers phase 3 grows are reserved (which may
+// throw: a huge padding), and phase 3 changes the state.
 ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, StepBatch& batch,
                                         const ScheduleOptions& options) {
   const int64_t total_tokens = ValidateRequests(requests, options);  // phase 1
@@ -258,11 +263,26 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   }
   result.admitted = true;
 
+  // What may still throw (the batch's buffers, the tables' and the copy list's growth) before the
+  // first change, so that a failing call leaves the manager as it was.
+  const int32_t padded_requests =
+      std::max<int32_t>(static_cast<int32_t>(requests.size()), options.pad_requests_to);
+  const int32_t padded_tokens =
+      std::max<int32_t>(static_cast<int32_t>(total_tokens), options.pad_tokens_to);
+  batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
+                static_cast<int32_t>(total_tokens), padded_tokens, demand.width);
+  size_t copies = 0;
+  for (const Plan& p : plans_) {
+    copies += p.cow ? 1 : 0;
+    p.seq->blocks.reserve(p.seq->blocks.size() + p.hit_blocks + p.new_blocks + 1);
+  }
+  batch.copies_.reserve(copies);
+
   // Phase 3: hits, then window releases (so their blocks serve this batch), then copies and
   // allocations, then the batch.
   TakePrefixHits();
   if (options_.sliding_window > 0) ReleaseWindowBlocks();
-  WriteBatch(requests, options, total_tokens, demand.width, batch);
+  WriteBatch(requests, demand.width, batch);
   return result;
 }
 
@@ -465,16 +485,12 @@ void KVCacheManager::ReleaseWindowBlocks() {
   }
 }
 
-void KVCacheManager::WriteBatch(std::span<const StepRequest> requests,
-                                const ScheduleOptions& options, int64_t total_tokens, int32_t width,
+void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t width,
                                 StepBatch& batch) {
   const int32_t bs = block_size_;
-  int32_t padded_requests =
-      std::max<int32_t>(static_cast<int32_t>(requests.size()), options.pad_requests_to);
-  int32_t padded_tokens =
-      std::max<int32_t>(static_cast<int32_t>(total_tokens), options.pad_tokens_to);
-  batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
-                static_cast<int32_t>(total_tokens), padded_tokens, width);
+  // Schedule reshaped the batch to these.
+  const int32_t padded_requests = batch.padded_num_requests();
+  const int32_t padded_tokens = batch.padded_num_tokens();
   int64_t* slots = batch.MutableSection<int64_t>(batch.layout_.slot_mapping);
   int32_t* tables = batch.MutableSection<int32_t>(batch.layout_.block_tables);
   int32_t* seq_lens = batch.MutableSection<int32_t>(batch.layout_.seq_lens);

@@ -266,8 +266,7 @@ class KVCacheManager {
   // allocates blocks and writes the batch (slots, table rows, lengths, query starts, padding).
   void TakePrefixHits();
   void ReleaseWindowBlocks();
-  void WriteBatch(std::span<const StepRequest> requests, const ScheduleOptions& options,
-                  int64_t total_tokens, int32_t width, StepBatch& batch);
+  void WriteBatch(std::span<const StepRequest> requests, int32_t width, StepBatch& batch);
 
   KVCacheManagerOptions options_;
   int32_t block_size_;

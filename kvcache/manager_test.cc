@@ -845,6 +845,28 @@ TEST(ManagerTest, StatsAddUp) {
   EXPECT_EQ(st.prefix_hit_tokens, 0);
 }
 
+// A Schedule that throws after its checks (a batch buffer too large to allocate: a huge padding)
+// leaves the manager as it was: the prefix hits of a fresh sequence are not taken, and a retry
+// takes them.
+TEST(ManagerTest, ScheduleThatCannotAllocateItsBatchChangesNothing) {
+  KVCacheManager m(Options(10));
+  StepBatch b;
+  const SeqId a = m.AddSequence(Range(0, 9));
+  Step(m, b, a, 9);
+  m.Commit(a, std::vector<int32_t>{1});  // blocks 0-1 published
+  const SeqId s = m.AddSequence(Range(0, 9));
+  ASSERT_EQ(m.Lookup(s).num_tokens, 8);
+  const std::string before = m.DebugString();
+  const StepRequest r{s, 1, 0};
+  EXPECT_ANY_THROW(
+      m.Schedule({&r, 1}, b, {.pad_requests_to = 1 << 30, .block_table_width = 1 << 20}));
+  EXPECT_EQ(m.DebugString(), before);
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+  Step(m, b, s, 1);
+  EXPECT_EQ(b.seq_lens()[0], 9);  // the cached 8 positions taken, then the new one
+  EXPECT_EQ(m.GetSequenceInfo(s).num_cached_blocks, 2);
+}
+
 // Steady-state decode: the batch's buffers keep their addresses and capacity (a counting
 // allocator checks the same loop in step_batch_alloc_test).
 TEST(ManagerTest, StepBatchReusesItsBuffers) {
