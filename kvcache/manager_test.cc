@@ -849,6 +849,10 @@ TEST(ManagerTest, StatsAddUp) {
 // leaves the manager as it was: the prefix hits of a fresh sequence are not taken, and a retry
 // takes them.
 TEST(ManagerTest, ScheduleThatCannotAllocateItsBatchChangesNothing) {
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer aborts on an allocation past its maximum instead of failing it.
+  GTEST_SKIP() << "the allocation must fail, not abort";
+#endif
   KVCacheManager m(Options(10));
   StepBatch b;
   const SeqId a = m.AddSequence(Range(0, 9));
