@@ -271,10 +271,13 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
       std::max<int32_t>(static_cast<int32_t>(total_tokens), options.pad_tokens_to);
   batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
                 static_cast<int32_t>(total_tokens), padded_tokens, demand.width);
+  // (Geometric growth, as push_back's: an exact reserve would reallocate at every new block.)
   size_t copies = 0;
   for (const Plan& p : plans_) {
     copies += p.cow ? 1 : 0;
-    p.seq->blocks.reserve(p.seq->blocks.size() + p.hit_blocks + p.new_blocks + 1);
+    std::vector<int32_t>& blocks = p.seq->blocks;  // a fresh sequence's is empty
+    const size_t needed = blocks.size() + static_cast<size_t>(p.hit_blocks + p.new_blocks);
+    if (needed > blocks.capacity()) blocks.reserve(std::max(needed, 2 * blocks.capacity()));
   }
   batch.copies_.reserve(copies);
 
