@@ -65,7 +65,8 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
   if (a.query_start_loc[0] != 0) {
     throw InvalidArgument(where, "query_start_loc[0]", a.query_start_loc[0], "0");
   }
-  const int64_t max_len = int64_t{a.max_blocks_per_seq} * shape.block_size;
+  // Every query start first, so that a bad one is named as such rather than as the seq_lens
+  // entry it makes look wrong.
   for (int b = 0; b < a.num_seqs; ++b) {
     const int32_t begin = a.query_start_loc[b], end = a.query_start_loc[b + 1];
     if (end < begin || end > a.num_tokens) {
@@ -73,6 +74,10 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
           where, fmt::format("query_start_loc[{}]", b + 1), end,
           fmt::format("{} (query_start_loc[{}]) to num_tokens = {}", begin, b, a.num_tokens));
     }
+  }
+  const int64_t max_len = int64_t{a.max_blocks_per_seq} * shape.block_size;
+  for (int b = 0; b < a.num_seqs; ++b) {
+    const int32_t begin = a.query_start_loc[b], end = a.query_start_loc[b + 1];
     const int32_t q_len = end - begin;
     const int32_t len = a.seq_lens[b];
     if (len < q_len || len > max_len) {

@@ -4,8 +4,8 @@
 // attention/attention_cpu.h) and the CUDA kernels (CudaAttention, attention/attention_cuda.h);
 // only where the pointers point differs (host or device).
 //
-// Semantics (TURBOQUANT.md, "Attention for several new tokens"): sequence b has
-// q_len = query_start_loc[b + 1] − query_start_loc[b] new tokens at the end of its context of
+// Semantics (defined here; TURBOQUANT.md's "Decode attention" is the one-token case): sequence b
+// has q_len = query_start_loc[b + 1] − query_start_loc[b] new tokens at the end of its context of
 // L = seq_lens[b] tokens, already stored in the cache (the store runs first, so a token's K/V is
 // read back from the cache like every other token's, and a sequence's outputs do not depend on
 // whether its prefix came from the prefix cache). New token i (0 ≤ i < q_len) sits at position

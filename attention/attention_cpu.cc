@@ -1,5 +1,7 @@
 #include "attention/attention_cpu.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -8,6 +10,7 @@
 
 #include "quant/numerics.h"
 #include "quant/packing.h"
+#include "runtime/error.h"
 
 namespace tqkv {
 namespace {
@@ -170,6 +173,13 @@ void AttentionCpu(const Quantizer& quantizer, const AttentionArgs& args) {
 }
 
 void AttentionCpu(const Bf16BlockFormat& format, const AttentionArgs& args) {
+  // A format not made by MakeBf16BlockFormat is checked as it would have been.
+  const Bf16BlockFormat checked =
+      MakeBf16BlockFormat(format.head_dim, format.num_kv_heads, format.block_size, format.dtype);
+  if (checked.block_bytes != format.block_bytes) {
+    throw InvalidArgument(kWhere, "format.block_bytes", format.block_bytes,
+                          fmt::format("{} (MakeBf16BlockFormat)", checked.block_bytes));
+  }
   const AttentionShape shape{format.head_dim, format.num_kv_heads, format.block_size};
   ValidateAttentionShapes(kWhere, shape, args);
   ValidateAttentionArrays(kWhere, shape, args);

@@ -235,6 +235,28 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
   a = good;
   a.scale = -1.0f;
   expect_throw(a, "scale = -1");
+  // A start that decreases after a valid one is named, not the length it makes look wrong.
+  AttentionScenario three = BuildAttention(q, {30, 20, 12}, {5, 2, 3}, 4, 12);
+  std::vector<int32_t> loc3 = three.query_start_loc;  // {0, 5, 7, 10}
+  loc3[2] = 1;
+  AttentionArgs b = testing::HostArgs(three, three.base.cache);
+  b.query_start_loc = loc3.data();
+  std::vector<float> out3(static_cast<size_t>(three.num_tokens) * 4 * 64),
+      lse3(three.num_tokens * 4);
+  b.output = out3.data();
+  b.lse = lse3.data();
+  EXPECT_THAT([&] { AttentionCpu(q, b); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("query_start_loc[2] = 1")));
+  // A plain-cache format not made by MakeBf16BlockFormat (no KV heads; F32 elements).
+  a = good;
+  a.output = out.data();
+  a.lse = lse.data();
+  EXPECT_THAT([&] { AttentionCpu(Bf16BlockFormat{}, a); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("head_dim")));
+  Bf16BlockFormat f32 = MakeBf16BlockFormat(64, 2, 16, DType::kBF16);
+  f32.dtype = DType::kF32;
+  EXPECT_THAT([&] { AttentionCpu(f32, a); }, ::testing::ThrowsMessage<Error>(HasSubstr("F32")));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
 }
 
 }  // namespace

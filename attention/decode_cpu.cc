@@ -16,8 +16,9 @@ namespace {
 
 constexpr const char* kWhere = "DecodeCpu";
 
-void Validate(const BlockFormat& f, int64_t num_blocks, const DecodeInputs& in,
+void Validate(const BlockFormat& f, ConstCacheRef cache, const DecodeInputs& in,
               const DecodeOutputs& out) {
+  const int64_t num_blocks = cache.num_blocks;
   if (in.num_seqs < 0) throw InvalidArgument(kWhere, "num_seqs", in.num_seqs, ">= 0");
   if (in.num_q_heads < 1 || in.num_q_heads % f.num_kv_heads != 0) {
     throw InvalidArgument(kWhere, "num_q_heads", in.num_q_heads,
@@ -36,9 +37,9 @@ void Validate(const BlockFormat& f, int64_t num_blocks, const DecodeInputs& in,
   }
   if (in.num_seqs == 0) return;
   if (in.query == nullptr || in.block_tables == nullptr || in.seq_lens == nullptr ||
-      out.output == nullptr || out.lse == nullptr) {
-    throw Error(
-        fmt::format("{}: query, block_tables, seq_lens, output and lse must not be null", kWhere));
+      out.output == nullptr || out.lse == nullptr || cache.data == nullptr) {
+    throw Error(fmt::format(
+        "{}: query, block_tables, seq_lens, output, lse and cache.data must not be null", kWhere));
   }
   const int64_t max_len = int64_t{in.max_blocks_per_seq} * f.block_size;
   for (int b = 0; b < in.num_seqs; ++b) {
@@ -64,7 +65,7 @@ void Validate(const BlockFormat& f, int64_t num_blocks, const DecodeInputs& in,
 void DecodeCpu(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& in,
                DecodeOutputs out) {
   const BlockFormat& f = quantizer.format();
-  Validate(f, cache.num_blocks, in, out);
+  Validate(f, cache, in, out);
   const int d = f.head_dim;
   const int group = in.num_q_heads / f.num_kv_heads;
   const double scale = in.scale ? *in.scale : 1.0 / std::sqrt(static_cast<double>(d));

@@ -161,6 +161,13 @@ TEST(DecodeCpuTest, InvalidInputsAreErrorsNamingTheArgument) {
   in = Inputs(s);
   in.block_tables = tables.data();
   EXPECT_EQ(message(in), "");
+  // A null cache is an error, not a crash.
+  std::vector<float> out(s.queries.size()), lse(8);
+  EXPECT_THAT(
+      [&] {
+        DecodeCpu(q, {nullptr, s.num_blocks}, Inputs(s), {out.data(), lse.data()});
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("cache.data must not be null")));
 }
 
 // What compression costs: cosine similarity of the decode output to fp64 attention over the
