@@ -457,7 +457,9 @@ void KVCacheManager::TakePrefixHits() {
     Sequence& s = *p.seq;
     if (!p.fresh) continue;
     const int32_t first_kept = FirstKeptBlock(s, p.start);
-    if (options_.enable_prefix_caching) {
+    // Counted once, at the schedule that ends the sequence's fresh state (gives it a table): a
+    // schedule of no tokens and no hit leaves it fresh, and its next one counts it.
+    if (options_.enable_prefix_caching && p.table_len > 0) {
       prefix_query_tokens_ += static_cast<int64_t>(s.tokens.size());
       prefix_hit_tokens_ += p.start;
     }

@@ -843,6 +843,13 @@ TEST(ManagerTest, StatsAddUp) {
   EXPECT_EQ(st.schedule_rejections, 0);
   EXPECT_EQ(st.prefix_query_tokens, 9);
   EXPECT_EQ(st.prefix_hit_tokens, 0);
+  // A fresh sequence scheduled with no tokens (and no hit) stays fresh; its prompt is counted
+  // once, when a schedule gives it a table.
+  const SeqId e = m.AddSequence(Range(100, 5));
+  Step(m, b, e, 0);
+  Step(m, b, e, 0);
+  Step(m, b, e, 5);
+  EXPECT_EQ(m.Stats().prefix_query_tokens, 9 + 5);
 }
 
 // A Schedule that throws after its checks (a batch buffer too large to allocate: a huge padding)
