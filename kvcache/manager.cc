@@ -388,6 +388,7 @@ KVCacheManager::BlockDemand KVCacheManager::PlanBlocks(std::span<const StepReque
   const int32_t usable = pool_.num_usable();
   BlockDemand demand;
   demand.width = std::max<int32_t>(options.block_table_width, 1);
+  cow_writers_.clear();
   for (size_t i = 0; i < requests.size(); ++i) {
     Plan& p = plans_[i];
     const Sequence& s = *p.seq;
@@ -419,12 +420,38 @@ KVCacheManager::BlockDemand KVCacheManager::PlanBlocks(std::span<const StepReque
       const bool shared = pool_.block(b).ref_count > 1 || block_mark_[b] == epoch_;
       p.cow = shared;
       p.unpublish = !shared && pool_.block(b).hashed;
+      if (shared) cow_writers_.emplace_back(b, static_cast<int32_t>(i));
     }
     demand.needed += p.new_blocks + (p.cow ? 1 : 0);
     if (p.table_len - p.release_to > usable) demand.never_fits = true;
     demand.width = std::max(demand.width, p.table_len);
   }
+  demand.needed -= KeepLastWriters();
   return demand;
+}
+
+// When every holder of a shared partial block writes into it in this batch (forks decoding side
+// by side), the writers before the last copy it away, and the last finds it its own: one copy
+// fewer than writers. Returns the copies saved.
+int32_t KVCacheManager::KeepLastWriters() {
+  if (cow_writers_.size() < 2) return 0;
+  std::sort(cow_writers_.begin(), cow_writers_.end());
+  int32_t saved = 0;
+  for (size_t first = 0; first < cow_writers_.size();) {
+    const int32_t b = cow_writers_[first].first;
+    size_t last = first;
+    while (last + 1 < cow_writers_.size() && cow_writers_[last + 1].first == b) ++last;
+    const BlockMeta& block = pool_.block(b);
+    // A prefix hit of this batch is one more holder, and it does not write.
+    if (static_cast<size_t>(block.ref_count) == last - first + 1 && block_mark_[b] != epoch_) {
+      Plan& keeper = plans_[static_cast<size_t>(cow_writers_[last].second)];
+      keeper.cow = false;
+      keeper.unpublish = block.hashed;
+      ++saved;
+    }
+    first = last + 1;
+  }
+  return saved;
 }
 
 void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t available,
@@ -510,7 +537,8 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t w
     batch.prefix_hit_tokens_[i] = p.fresh ? static_cast<int32_t>(p.start) : 0;
     if (p.cow || p.unpublish) {
       int32_t& entry = s.blocks[static_cast<size_t>(BlockOf(p.start))];
-      // Sharers earlier in this batch may have copied away already: then it is ours alone.
+      // KeepLastWriters planned for sharers that copy away earlier in this batch; this is a
+      // guard, not a path the plan leaves open.
       if (p.cow && pool_.block(entry).ref_count == 1) {
         p.cow = false;
         p.unpublish = pool_.block(entry).hashed;

@@ -260,6 +260,7 @@ class KVCacheManager {
   // Phase 2b: each request's start, table length, new blocks, window release and copy-on-write
   // (throws for positions past 2^31 - 1).
   BlockDemand PlanBlocks(std::span<const StepRequest> requests, const ScheduleOptions& options);
+  int32_t KeepLastWriters();  // part of 2b
   // Not admitted: counts the rejection and says which requests, admitted in order, fell short.
   void Reject(std::span<const StepRequest> requests, int64_t available, ScheduleResult& result);
   // Phase 3: takes the prefix hits, releases blocks before the sliding windows, then copies and
@@ -280,6 +281,7 @@ class KVCacheManager {
   // Schedule scratch.
   std::vector<Plan> plans_;
   std::vector<int32_t> hit_blocks_;
+  std::vector<std::pair<int32_t, int32_t>> cow_writers_;  // (shared block, request index)
   std::vector<uint32_t> block_mark_;  // [num_blocks] == epoch_: a prefix hit of this batch
   uint32_t epoch_ = 0;
 

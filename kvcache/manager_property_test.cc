@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -154,6 +155,7 @@ class Harness {
     const KVCacheStats before_stats = m_.Stats();
     int64_t growth = 0, cow_bound = 0, cow_exact = 0, hits = 0, releases = 0;
     bool never_fits = false;
+    std::map<int32_t, int64_t> tail_writers;
     for (size_t j = 0; j < picked.size(); ++j) {
       const ModelSeq& s = live_[picked[j]];
       const StepRequest& r = reqs[j];
@@ -168,9 +170,13 @@ class Harness {
       if (after - released_after > m_.pool().num_usable()) never_fits = true;
       if (r.num_new_tokens + r.num_lookahead > 0 && start % bs_ != 0) {
         ++cow_bound;
-        const int32_t tail = m_.BlockTable(s.id)[static_cast<size_t>(start / bs_)];
-        if (CountReferences(tail) > 1) ++cow_exact;
+        ++tail_writers[m_.BlockTable(s.id)[static_cast<size_t>(start / bs_)]];
       }
+    }
+    // Each writer of a shared tail copies it, except the last when every holder writes.
+    for (const auto& [tail, writers] : tail_writers) {
+      const int64_t holders = CountReferences(tail);
+      if (holders > 1) cow_exact += writers == holders ? writers - 1 : writers;
     }
     const std::string before = m_.DebugString();
     const int32_t tokens_before = batch_.num_tokens();

@@ -592,9 +592,81 @@ TEST(ManagerTest, TwoSharersWritingInOneBatchCopyOnceBetweenThem) {
   const StepRequest reqs[] = {{parent, 1, 0}, {child, 1, 0}};
   const ScheduleResult r = m.Schedule(reqs, b);
   ASSERT_TRUE(r.admitted);
-  EXPECT_EQ(r.blocks_needed, 2);  // counted for both, but the second writer owns it by then
+  EXPECT_EQ(r.blocks_needed, 1);  // the first copies away, the second owns it by then
   ASSERT_EQ(b.copies().size(), 1u);
   EXPECT_EQ(m.Stats().blocks_in_use, 3);
+  m.CheckInvariants();
+}
+
+// Parallel sampling: four forks decode side by side from one partial block. Three copy it away
+// and the last writes in place, so the batch fits a pool with three free blocks.
+TEST(ManagerTest, AllSharersWritingInOneBatchNeedOneCopyFewerThanWriters) {
+  KVCacheManager m(Options(6));  // 5 usable blocks
+  const SeqId parent = m.AddSequence(Range(0, 6));
+  StepBatch b;
+  Step(m, b, parent, 6);  // blocks 1 (full), 2 (2 of 4)
+  m.Commit(parent, std::vector<int32_t>{6});
+  std::vector<StepRequest> reqs = {{parent, 1, 0}};
+  for (int i = 0; i < 3; ++i) reqs.push_back({m.Fork(parent), 1, 0});
+  ASSERT_EQ(m.pool().block(2).ref_count, 4);
+  const ScheduleResult r = m.Schedule(reqs, b);
+  ASSERT_TRUE(r.admitted) << "missing " << r.blocks_missing;
+  EXPECT_EQ(r.blocks_needed, 3);
+  ASSERT_EQ(b.copies().size(), 3u);
+  for (const BlockCopy& c : b.copies()) EXPECT_EQ(c.src, 2);
+  EXPECT_EQ(m.BlockTable(reqs[3].seq)[1], 2);  // the last writer keeps it
+  EXPECT_EQ(m.pool().block(2).ref_count, 1);
+  EXPECT_EQ(m.Stats().blocks_in_use, 5);
+  EXPECT_EQ(m.Stats().cow_copies, 3);
+  m.CheckInvariants();
+}
+
+// A holder outside the batch keeps the block: every writer copies.
+TEST(ManagerTest, SharersWritingBesideAnIdleHolderEachCopy) {
+  KVCacheManager m(Options(6));  // 5 usable: 2 in use, 3 free
+  const SeqId parent = m.AddSequence(Range(0, 6));
+  StepBatch b;
+  Step(m, b, parent, 6);
+  m.Commit(parent, std::vector<int32_t>{6});
+  std::vector<StepRequest> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back({m.Fork(parent), 1, 0});
+  const std::string before = m.DebugString();
+  const ScheduleResult r = m.Schedule(reqs, b);
+  EXPECT_FALSE(r.admitted);
+  EXPECT_EQ(r.blocks_needed, 4);
+  EXPECT_EQ(r.blocks_missing, 1);
+  EXPECT_EQ(m.DebugString(), before);
+  reqs.pop_back();
+  ASSERT_TRUE(m.Schedule(reqs, b).admitted);
+  EXPECT_EQ(b.copies().size(), 3u);
+  EXPECT_EQ(m.BlockTable(parent)[1], 2);
+  EXPECT_EQ(m.pool().block(2).ref_count, 2);  // the parent and the fork that did not write
+  m.CheckInvariants();
+}
+
+// Every holder of a published block rewrites it while a new sequence in the same batch takes it
+// as a prefix hit: that sequence is one more holder, so both writers copy.
+TEST(ManagerTest, SharersRewritingABlockThatAHitInTheSameBatchTakesBothCopy) {
+  KVCacheManager m(Options(16));
+  const SeqId a = m.AddSequence(Range(0, 8));
+  StepBatch b;
+  Step(m, b, a, 8);
+  m.Commit(a, std::vector<int32_t>{8});
+  const SeqId f = m.Fork(a);
+  m.Rewind(a, 2);  // positions 6, 7 of (published) block 1 will be rewritten
+  m.Rewind(f, 2);
+  const int32_t block1 = m.BlockTable(a)[1];
+  ASSERT_EQ(m.pool().block(block1).ref_count, 2);
+  const SeqId c = m.AddSequence(Range(0, 9));
+  ASSERT_EQ(m.Lookup(c).num_blocks, 2);
+  const std::vector<StepRequest> reqs = {{a, 2, 0}, {f, 2, 0}, {c, 1, 0}};
+  const ScheduleResult r = m.Schedule(reqs, b);
+  ASSERT_TRUE(r.admitted);
+  ASSERT_EQ(b.copies().size(), 2u);
+  EXPECT_NE(m.BlockTable(a)[1], block1);
+  EXPECT_NE(m.BlockTable(f)[1], block1);
+  EXPECT_EQ(m.BlockTable(c)[1], block1);
+  EXPECT_TRUE(m.pool().block(block1).hashed);
   m.CheckInvariants();
 }
 
