@@ -66,6 +66,40 @@ assert worst < 1e-5, worst
 PY
 check "query_start_loc: each sequence's last row equals its decode" test $? -eq 0
 
+# --sliding-window 20: the rows at positions < 20 (sequence 0, and sequence 1 at 12..16) read
+# their whole context and equal the rows without a window; the rows of sequence 2 (positions
+# 28..39) read only (p - 20, p] and differ. Decode with the window (no query_start_loc) equals
+# each sequence's last row.
+$TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window 20 \
+  --in "$tmp/v.safetensors" --out "$tmp/wout.safetensors" &&
+$TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window 20 \
+  --in "$tmp/q.safetensors" --out "$tmp/wdec.safetensors"
+check "--sliding-window: decode ran" test $? -eq 0
+python3 - "$tmp/vout.safetensors" "$tmp/wout.safetensors" "$tmp/wdec.safetensors" <<'PY'
+import json, struct, sys
+def read(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    a, b = header["output"]["data_offsets"]
+    data = raw[8 + n + a:8 + n + b]
+    return header["output"]["shape"], struct.unpack(f"<{len(data) // 4}f", data)
+(tq, hq, d), full = read(sys.argv[1])
+_, win = read(sys.argv[2])
+_, dec = read(sys.argv[3])
+row = hq * d
+def diff(x, i, y, j):
+    return max(abs(x[i * row + k] - y[j * row + k]) for k in range(row))
+for r in range(6):  # positions 0 and 12..16
+    assert diff(full, r, win, r) == 0.0, r
+for r in range(6, 18):  # positions 28..39
+    assert diff(full, r, win, r) > 1e-3, r
+for b, r in enumerate([0, 5, 17]):
+    assert diff(win, r, dec, b) < 1e-5, (b, diff(win, r, dec, b))
+PY
+check "--sliding-window: rows inside the window unchanged, rows past it differ, decode matches" \
+  test $? -eq 0
+
 # --cache-in updates a cache in place: storing the same tokens again changes nothing.
 $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 \
   --in "$tmp/in.safetensors" --out "$tmp/c1.safetensors"
@@ -91,6 +125,8 @@ expect_error "missing tensor" "no tensor named 'key'" \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "bad block size" 'block_size = 24' \
   $TQKV store --preset turboquant_4bit_nc --block-size 24 --num-blocks 10 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+expect_error "negative --sliding-window" 'sliding-window' \
+  $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window -3 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "unknown --device" 'cpu, cuda' \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device tpu --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 if ! $TQKV info | grep -q '^CUDA devices: [1-9]'; then

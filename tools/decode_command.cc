@@ -3,7 +3,10 @@
 // or CUDA.
 #include <fmt/format.h>
 
+#include <limits>
+#include <numeric>
 #include <optional>
+#include <span>
 
 #include "attention/attention_cpu.h"
 #include "attention/attention_cuda.h"
@@ -23,6 +26,7 @@ struct DecodeFlags {
   QuantizerFlags quant;
   std::string cache, in, out;
   std::optional<float> scale;
+  int32_t sliding_window = 0;
   std::string device = "cpu";
 };
 
@@ -62,9 +66,10 @@ void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query
   d_lse.CopyToHost(lse);
 }
 
-// Several new tokens per sequence (query_start_loc): AttentionCpu, or CudaAttention after the
-// same checks on the host; output F32 [T, Hq, D], lse F32 [T, Hq].
-void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeFlags& flags,
+// Several new tokens per sequence (query_start_loc), or one with a sliding window: AttentionCpu,
+// or CudaAttention after the same checks on the host; output F32 [T, Hq, D], lse F32 [T, Hq].
+void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
+                  std::span<const int32_t> query_start_loc, const DecodeFlags& flags,
                   std::vector<float>& output, std::vector<float>& lse) {
   const Tensor& cache = *t.cache;
   AttentionArgs a;
@@ -73,12 +78,13 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeF
   a.num_seqs = t.batch;
   a.num_tokens = t.num_tokens;
   a.num_q_heads = t.num_q_heads;
-  a.query_start_loc = t.query_start_loc->values<int32_t>().data();
+  a.query_start_loc = query_start_loc.data();
   a.seq_lens = t.seq_lens->values<int32_t>().data();
   a.block_tables = t.block_tables->values<int32_t>().data();
   a.max_blocks_per_seq = t.max_blocks_per_seq;
   a.cache = {cache.data.data(), cache.shape[0]};
   a.scale = flags.scale;
+  a.sliding_window = flags.sliding_window;
   a.output = output.data();
   a.lse = lse.data();
   if (flags.device != "cuda") {
@@ -101,7 +107,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t, const DecodeF
   d_tables.CopyFromHost(t.block_tables->values<int32_t>());
   DeviceBuffer<int32_t> d_lens(t.batch), d_loc(t.batch + 1);
   d_lens.CopyFromHost(t.seq_lens->values<int32_t>());
-  d_loc.CopyFromHost(t.query_start_loc->values<int32_t>());
+  d_loc.CopyFromHost(query_start_loc);
   const CudaAttention attention(q);
   const AttentionPlan plan = attention.Plan(t.batch, std::max(1, t.num_tokens), t.num_q_heads,
                                             std::max(1, t.max_blocks_per_seq),
@@ -132,11 +138,22 @@ void RunDecode(const DecodeFlags& flags) {
   const Tensor& query = *tensors.query;
   const int64_t batch = tensors.batch;
   const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
-  if (tensors.query_start_loc != nullptr) {
+  if (tensors.query_start_loc != nullptr || flags.sliding_window > 0) {
+    // Decode with a window runs as attention of one new token per sequence (the decode kernels
+    // read whole contexts).
+    std::vector<int32_t> one_each;
+    std::span<const int32_t> loc;
+    if (tensors.query_start_loc != nullptr) {
+      loc = tensors.query_start_loc->values<int32_t>();
+    } else {
+      one_each.resize(static_cast<size_t>(batch) + 1);
+      std::iota(one_each.begin(), one_each.end(), 0);
+      loc = one_each;
+    }
     const int64_t rows = int64_t{tensors.num_tokens} * tensors.num_q_heads;
     std::vector<float> output(static_cast<size_t>(rows * tensors.head_dim)),
         lse(static_cast<size_t>(rows));
-    RunAttention(q, tensors, flags, output, lse);
+    RunAttention(q, tensors, loc, flags, output, lse);
     SafetensorsFile out;
     out.source_name = flags.out;
     out.tensors.emplace("output", Tensor::FromValues<float>(DType::kF32, query.shape, output));
@@ -187,6 +204,10 @@ void AddDecodeCommand(CLI::App& app) {
                   "safetensors to write: output F32 [B or T, Hq, D], lse F32 [B or T, Hq]")
       ->required();
   cmd->add_option("--scale", flags->scale, "softmax scale (default 1/sqrt(D))");
+  cmd->add_option("--sliding-window", flags->sliding_window,
+                  "a query at position p reads positions (p - window, p]; 0: whole context "
+                  "(KVCacheManagerOptions::sliding_window)")
+      ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
   cmd->add_option("--device", flags->device, "cpu (reference, default) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->callback([flags] { RunDecode(*flags); });

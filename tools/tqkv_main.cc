@@ -22,6 +22,10 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] {
     if (!log_level.empty()) tqkv::SetLogLevel(tqkv::ParseLogLevel(log_level, "--log-level"));
   });
+  // Flag errors, like every other error, are one line.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return fmt::format("tqkv: error: {} (see --help)\n", e.what());
+  });
   tqkv::cli::AddInfoCommand(app);
   tqkv::cli::AddStoreCommand(app);
   tqkv::cli::AddDecodeCommand(app);
