@@ -20,6 +20,8 @@ struct BasicCacheRef {
   }
 };
 using CacheRef = BasicCacheRef<uint8_t>;
+// The most blocks a cache may have: the kernels address a block by a 32-bit id.
+inline constexpr int64_t kMaxCacheBlocks = int64_t{0xffffffff};
 using ConstCacheRef = BasicCacheRef<const uint8_t>;
 
 }  // namespace tqkv

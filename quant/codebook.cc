@@ -76,26 +76,47 @@ Codebook LloydMaxGaussian(int head_dim, int bits) {
   return book;
 }
 
-Codebook CodebookFromCentroids(std::span<const float> centroids, int bits) {
-  if (bits < 2 || bits > 4) {
-    throw InvalidArgument("CodebookFromCentroids", "bits", bits, "2, 3, 4");
-  }
+namespace {
+
+void CheckCentroids(std::span<const float> centroids, int bits, const char* where) {
+  if (bits < 2 || bits > 4) throw InvalidArgument(where, "bits", bits, "2, 3, 4");
   const size_t n = size_t{1} << bits;
   if (centroids.size() != n) {
-    throw InvalidArgument("CodebookFromCentroids", "centroids.size()", centroids.size(),
+    throw InvalidArgument(where, "centroids.size()", centroids.size(),
                           fmt::format("{} (2^{} for {}-bit keys)", n, bits, bits));
   }
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(centroids[i]) || (i > 0 && !(centroids[i] > centroids[i - 1]))) {
-      throw InvalidArgument("CodebookFromCentroids", fmt::format("centroids[{}]", i), centroids[i],
+      throw InvalidArgument(where, fmt::format("centroids[{}]", i), centroids[i],
                             "finite and strictly increasing");
     }
   }
+}
+
+}  // namespace
+
+Codebook CodebookFromCentroids(std::span<const float> centroids, int bits) {
+  CheckCentroids(centroids, bits, "CodebookFromCentroids");
   Codebook book;
   book.bits = bits;
   book.centroids.assign(centroids.begin(), centroids.end());
   book.midpoints = Midpoints(book.centroids);
   return book;
+}
+
+void ValidateCodebook(const Codebook& codebook, int bits, const char* where) {
+  if (codebook.bits != bits) {
+    throw InvalidArgument(where, "codebook.bits", codebook.bits, fmt::format("{}", bits));
+  }
+  CheckCentroids(codebook.centroids, bits, where);
+  // Bitwise: the CPU and CUDA stores bucketize against these exact fp32 values.
+  const std::vector<float> midpoints = Midpoints(codebook.centroids);
+  if (codebook.midpoints.size() != midpoints.size() ||
+      !std::equal(midpoints.begin(), midpoints.end(), codebook.midpoints.begin())) {
+    throw InvalidArgument(
+        where, "codebook.midpoints.size()", codebook.midpoints.size(),
+        fmt::format("{} values (c[j] + c[j+1]) / 2 in fp32 of its centroids", midpoints.size()));
+  }
 }
 
 }  // namespace tqkv

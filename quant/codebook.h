@@ -26,4 +26,9 @@ Codebook LloydMaxGaussian(int head_dim, int bits);
 // strictly increasing values. Midpoints are computed in fp32 as for the built-in tables.
 Codebook CodebookFromCentroids(std::span<const float> centroids, int bits);
 
+// Checks a Codebook passed in by a caller, who may have filled its fields by hand: `bits`, 2^bits
+// finite, strictly increasing centroids and the midpoints computed from them as above. Throws
+// tqkv::Error naming the field, prefixed with `where`.
+void ValidateCodebook(const Codebook& codebook, int bits, const char* where);
+
 }  // namespace tqkv

@@ -45,16 +45,9 @@ Quantizer::Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int b
     rotation_ = Rotation{};  // FP8 keys are stored unrotated; the id 0 marks "no rotation"
     return;
   }
-  if (rotation_.head_dim != head_dim ||
-      rotation_.matrix.size() != static_cast<size_t>(head_dim) * head_dim) {
-    throw InvalidArgument("Quantizer", "rotation.head_dim", rotation_.head_dim,
-                          fmt::format("{} (the head_dim)", head_dim));
-  }
+  ValidateRotation(rotation_, head_dim, "Quantizer");
   if (codebook) {
-    if (codebook->bits != preset.key_bits || codebook->size() != (1 << preset.key_bits)) {
-      throw InvalidArgument("Quantizer", "codebook.bits", codebook->bits,
-                            fmt::format("{} (key bits of {})", preset.key_bits, preset.name));
-    }
+    ValidateCodebook(*codebook, preset.key_bits, "Quantizer");
     codebook_ = std::move(*codebook);
   } else {
     codebook_ = LloydMaxGaussian(head_dim, preset.key_bits);
@@ -153,7 +146,10 @@ void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const cha
   if (in.slot_dtype != DType::kI32 && in.slot_dtype != DType::kI64) {
     throw InvalidArgument(where, "slot_mapping dtype", DTypeName(in.slot_dtype), "I32, I64");
   }
-  if (cache.num_blocks < 0) throw InvalidArgument(where, "num_blocks", cache.num_blocks, ">= 0");
+  if (cache.num_blocks < 0 || cache.num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument(where, "num_blocks", cache.num_blocks,
+                          fmt::format("0 to {} (32-bit block ids)", kMaxCacheBlocks));
+  }
   if (in.num_tokens > 0 &&
       (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
        (cache.data == nullptr && cache.num_blocks > 0))) {
@@ -206,6 +202,10 @@ void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
 DequantizedSlot Quantizer::Dequantize(const uint8_t* cache, int64_t num_blocks, int64_t slot,
                                       int head) const {
   const BlockFormat& f = format_;
+  if (num_blocks < 0 || num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument("Quantizer::Dequantize", "num_blocks", num_blocks,
+                          fmt::format("0 to {}", kMaxCacheBlocks));
+  }
   if (slot < 0 || slot >= num_blocks * f.block_size) {
     throw InvalidArgument("Quantizer::Dequantize", "slot", slot,
                           fmt::format("0 to {}", num_blocks * f.block_size - 1));

@@ -421,5 +421,83 @@ TEST(QuantizerTest, RejectsMismatchedParts) {
   EXPECT_THROW(q.Dequantize(cache.data(), 1, 0, 1), Error);
 }
 
+// A Rotation or Codebook filled or changed by hand: the CUDA store would apply the Hadamard its
+// kind names instead of the matrix, or read past the centroid table; each is refused by name.
+TEST(QuantizerTest, RejectsHandMadeRotationsAndCodebooks) {
+  const Preset& p = PresetByName("turboquant_4bit_nc");
+  auto expect_error = [&](const Rotation& r, const std::optional<Codebook>& book,
+                          const std::string& piece) {
+    try {
+      Quantizer(p, 64, 1, 16, r, book);
+      ADD_FAILURE() << "no throw for " << piece;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), AllOf(HasSubstr("Quantizer"), HasSubstr(piece)));
+    }
+  };
+  std::vector<float> identity(64 * 64, 0.0f);
+  for (int i = 0; i < 64; ++i) identity[i * 64 + i] = 1.0f;
+  Rotation custom = RotationFromMatrix(identity, 64);
+  Quantizer(p, 64, 1, 16, custom);  // as built: fine
+
+  Rotation wrong_kind = custom;  // an identity that claims to be a Hadamard
+  wrong_kind.kind = RotationKind::kHadamard;
+  expect_error(wrong_kind, std::nullopt, "rotation.kind = hadamard");
+
+  Rotation unset;  // kind left at its default, matrix and id filled by hand
+  unset.head_dim = 64;
+  unset.matrix = identity;
+  expect_error(unset, std::nullopt, "rotation.id = 0");
+
+  Rotation changed = custom;  // the matrix changed after it was checked
+  changed.matrix[5] = 0.5f;
+  expect_error(changed, std::nullopt, "rotation.id");
+
+  Rotation with_nan = custom;
+  with_nan.matrix[70] = std::nanf("");
+  expect_error(with_nan, std::nullopt, "rotation.matrix[70]");
+
+  Rotation long_signs = MakeRotation(RotationKind::kHadamardSigns, 64, 3);
+  long_signs.signs.resize(300, 1.0f);
+  expect_error(long_signs, std::nullopt, "rotation.signs.size() = 300");
+
+  Rotation flipped = MakeRotation(RotationKind::kHadamardSigns, 64, 3);
+  flipped.signs[7] = -flipped.signs[7];  // no longer the signs of its matrix
+  expect_error(flipped, std::nullopt, "rotation.kind = hadamard_signs");
+
+  const Rotation h = MakeRotation(RotationKind::kHadamard, 64, 0);
+  Codebook extra = LloydMaxGaussian(64, 4);
+  extra.midpoints.push_back(extra.midpoints.back());  // 16 midpoints: bucket 16 of 16 centroids
+  expect_error(h, extra, "codebook.midpoints.size() = 16");
+  Codebook moved = LloydMaxGaussian(64, 4);
+  moved.midpoints[3] += 0.01f;
+  expect_error(h, moved, "codebook.midpoints");
+  Codebook unsorted = LloydMaxGaussian(64, 4);
+  std::swap(unsorted.centroids[2], unsorted.centroids[3]);
+  expect_error(h, unsorted, "centroids[3]");
+  Codebook infinite = LloydMaxGaussian(64, 4);
+  infinite.centroids[15] = INFINITY;
+  expect_error(h, infinite, "centroids[15] = inf");
+}
+
+TEST(QuantizerTest, CacheOfMoreBlocksThanBlockIdsCanAddressIsAnError) {
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 64, 1, 16);
+  const std::vector<float> kv(64, 1.0f);
+  const int64_t slot = 0;
+  StoreInputs in;
+  in.key = kv.data();
+  in.value = kv.data();
+  in.slot_mapping = &slot;
+  in.num_tokens = 1;
+  std::vector<uint8_t> cache(q.format().block_bytes);
+  try {
+    q.StoreCpu(in, {cache.data(), (int64_t{1} << 59) + 1});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("num_blocks = 576460752303423489"), HasSubstr("0 to 4294967295")));
+  }
+  EXPECT_THROW(q.Dequantize(cache.data(), int64_t{1} << 59, 0, 0), Error);
+}
+
 }  // namespace
 }  // namespace tqkv

@@ -137,6 +137,53 @@ double OrthogonalityError(std::span<const float> m, int d) {
   return worst;
 }
 
+void ValidateRotation(const Rotation& r, int head_dim, const char* where) {
+  const int d = head_dim;
+  if (r.head_dim != d || r.matrix.size() != static_cast<size_t>(d) * d) {
+    throw InvalidArgument(where, "rotation.head_dim", r.head_dim,
+                          fmt::format("{} (the head_dim), with a [{}, {}] matrix", d, d, d));
+  }
+  for (size_t i = 0; i < r.matrix.size(); ++i) {
+    if (!std::isfinite(r.matrix[i])) {
+      throw InvalidArgument(where, fmt::format("rotation.matrix[{}]", i), r.matrix[i],
+                            "finite values");
+    }
+  }
+  if (r.id != MatrixId(d, r.matrix)) {
+    throw InvalidArgument(
+        where, "rotation.id", r.id,
+        fmt::format("{} (the matrix's; build rotations with MakeRotation or RotationFromMatrix)",
+                    MatrixId(d, r.matrix)));
+  }
+  const bool hadamard = r.kind == RotationKind::kHadamard;
+  const bool with_signs = r.kind == RotationKind::kHadamardSigns;
+  const size_t signs = with_signs ? static_cast<size_t>(d) : 0;
+  if (r.signs.size() != signs) {
+    throw InvalidArgument(where, "rotation.signs.size()", r.signs.size(),
+                          fmt::format("{} for rotation {}", signs, RotationKindName(r.kind)));
+  }
+  if (!hadamard && !with_signs) return;
+  if (!IsPowerOfTwo(d)) {
+    throw InvalidArgument(where, "head_dim", d,
+                          fmt::format("a power of two for rotation {}", RotationKindName(r.kind)));
+  }
+  const double inv_sqrt = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int i = 0; i < d; ++i) {
+    const double s = with_signs ? r.signs[static_cast<size_t>(i)] : 1.0;
+    if (s != 1.0 && s != -1.0) {
+      throw InvalidArgument(where, fmt::format("rotation.signs[{}]", i), s, "1 or -1");
+    }
+    for (int j = 0; j < d; ++j) {
+      if (r.matrix[size_t(i) * d + j] != static_cast<float>(s * HadamardEntry(i, j) * inv_sqrt)) {
+        throw InvalidArgument(
+            where, "rotation.kind", RotationKindName(r.kind),
+            fmt::format("the kind of its matrix (entry [{}, {}] is not that of {})", i, j,
+                        RotationKindName(r.kind)));
+      }
+    }
+  }
+}
+
 Rotation RotationFromMatrix(std::span<const float> matrix, int head_dim) {
   if (head_dim < 1) throw InvalidArgument("RotationFromMatrix", "head_dim", head_dim, ">= 1");
   const size_t n = static_cast<size_t>(head_dim) * head_dim;

@@ -160,13 +160,8 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
         kWhere, "num_tokens", in.num_tokens,
         fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads, f.num_kv_heads));
   }
-  // The kernels address a row as block id (32 bits) x block_bytes + an offset in the block (32
-  // bits).
-  if (cache.num_blocks > std::numeric_limits<uint32_t>::max()) {
-    throw InvalidArgument(
-        kWhere, "num_blocks", cache.num_blocks,
-        fmt::format("0 to {} (32-bit block ids)", std::numeric_limits<uint32_t>::max()));
-  }
+  // The kernels address a row as block id (32 bits, ValidateStoreInputs) x block_bytes + an
+  // offset in the block (32 bits).
   if (f.block_bytes > std::numeric_limits<int32_t>::max()) {
     throw Error(fmt::format("{}: blocks of {} bytes are too large (the store kernels take < 2^31)",
                             kWhere, f.block_bytes));
@@ -315,7 +310,7 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
     double col = 0;
     for (int i = 0; i < f.head_dim; ++i)
       col += double(pit[size_t(i) * f.head_dim + j]) * pit[size_t(i) * f.head_dim + j];
-    if (std::sqrt(col) > 1.2) lut_ = store::BucketLut{};
+    if (!(std::sqrt(col) <= 1.2)) lut_ = store::BucketLut{};  // NaN too
   }
   for (int i = 0; i < store::kMaxCodebookSize; ++i) {
     const double c = i < book.size() ? double(book.centroids[i]) : 0.0;
