@@ -36,6 +36,11 @@ class GgufWriter {
   GgufWriter& U32(const std::string& key, uint32_t value) {
     return Str(key).Put<uint32_t>(4).Put<uint32_t>(value);
   }
+  GgufWriter& Ints(const std::string& key, const std::vector<int32_t>& values) {
+    Str(key).Put<uint32_t>(9).Put<uint32_t>(5).Put<uint64_t>(values.size());
+    for (int32_t v : values) Put<int32_t>(v);
+    return *this;
+  }
   GgufWriter& Strings(const std::string& key, const std::vector<std::string>& values) {
     Str(key).Put<uint32_t>(9).Put<uint32_t>(8).Put<uint64_t>(values.size());
     for (const std::string& v : values) Str(v);

@@ -3,11 +3,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "model/gguf.h"
@@ -100,6 +104,67 @@ TEST(TokenizerTest, MergesByRank) {
   EXPECT_EQ(t.Decode(t.Encode("ab c")), "ab c");
   EXPECT_THAT([&] { t.Encode("d"); },
               ::testing::ThrowsMessage<Error>(HasSubstr("no token for byte 0x64")));
+}
+
+// The encoder merges through a heap; this is the rule it must equal, written the plain way: merge
+// the adjacent pair of lowest rank, leftmost first, rescanning every pair after each merge. Run on
+// text whose pieces repeat letters and pairs (equal ranks at many positions), and on one piece of
+// 20k letters, which the rescan took minutes for.
+TEST(TokenizerTest, HeapMergesEqualTheRescanRule) {
+  const Tokenizer* t = SmolLm2();
+  if (t == nullptr) GTEST_SKIP() << "TQKV_SMOLLM2_GGUF not set";
+  const GgufFile file = GgufFile::Open(std::getenv("TQKV_SMOLLM2_GGUF"));
+  std::unordered_map<std::string, int32_t> rank;
+  const std::vector<std::string> merges = file.GetStrings("tokenizer.ggml.merges");
+  for (size_t i = 0; i < merges.size(); ++i) rank.emplace(merges[i], static_cast<int32_t>(i));
+  auto rescan = [&](const std::string& piece) {  // piece: letters, no byte mapping needed
+    std::vector<std::string> sym;
+    for (char c : piece) sym.emplace_back(1, c);
+    while (sym.size() > 1) {
+      int32_t best = INT32_MAX;
+      size_t at = 0;
+      for (size_t k = 0; k + 1 < sym.size(); ++k) {
+        const auto it = rank.find(sym[k] + " " + sym[k + 1]);
+        if (it != rank.end() && it->second < best) best = it->second, at = k;
+      }
+      if (best == INT32_MAX) break;
+      sym[at] += sym[at + 1];
+      sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+    }
+    std::vector<int32_t> ids;
+    for (const std::string& x : sym) ids.push_back(t->Find(x));
+    return ids;
+  };
+  std::mt19937 rng(7);
+  const std::string alphabet = "aabbnnsseeetrrl";
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string piece(1 + rng() % 40, 'a');
+    for (char& c : piece) c = alphabet[rng() % alphabet.size()];
+    if (trial % 3 == 0) piece = std::string(1 + rng() % 30, "aens"[trial % 4]);  // one letter
+    SCOPED_TRACE(piece);
+    const std::vector<int32_t> want = rescan(piece);
+    ASSERT_EQ(std::count(want.begin(), want.end(), -1), 0);  // every symbol is in the vocabulary
+    EXPECT_EQ(t->Encode(piece), want);
+  }
+  std::string long_piece;
+  for (int i = 0; i < 20000; ++i) long_piece += "ab"[(i * 7 / 3) % 2];
+  const std::vector<int32_t> ids = t->Encode(long_piece);
+  EXPECT_LT(ids.size(), long_piece.size() * 3 / 4);  // "aab" merges to "aa" + "b"
+  EXPECT_EQ(t->Decode(ids), long_piece);
+  EXPECT_EQ(t->Encode(long_piece.substr(0, 1500)), rescan(long_piece.substr(0, 1500)));
+}
+
+// A control token that is the empty string matched at every position: Encode never returned.
+TEST(TokenizerTest, EmptyControlTokenIsNeverMatched) {
+  GgufWriter w;
+  w.Header(0, 5);
+  w.String("tokenizer.ggml.model", "gpt2");
+  w.String("tokenizer.ggml.pre", "gpt2");
+  w.Strings("tokenizer.ggml.tokens", {"a", "b", "ab", "", "<s>"});
+  w.Strings("tokenizer.ggml.merges", {"a b"});
+  w.Ints("tokenizer.ggml.token_type", {1, 1, 1, 3, 3});
+  const Tokenizer t = Tokenizer::FromGguf(GgufFile::Parse(w.bytes, "empty control"));
+  EXPECT_THAT(t.Encode("ab<s>b", /*parse_special=*/true), ElementsAre(2, 4, 1));
 }
 
 TEST(TokenizerTest, RejectsOtherModels) {

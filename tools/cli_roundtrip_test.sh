@@ -127,6 +127,19 @@ expect_error "bad block size" 'block_size = 24' \
   $TQKV store --preset turboquant_4bit_nc --block-size 24 --num-blocks 10 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "negative --sliding-window" 'sliding-window' \
   $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window -3 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+# A cache file records the format and rotation it was stored with; other flags are an error.
+$TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --rotation haar --seed 5 \
+  --in "$tmp/in.safetensors" --out "$tmp/haar.safetensors"
+expect_error "decode with another rotation" 'written with rotation haar' \
+  $TQKV decode --preset turboquant_4bit_nc --cache "$tmp/haar.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+expect_error "decode with another seed" 'rotation_id' \
+  $TQKV decode --preset turboquant_4bit_nc --rotation haar --seed 6 --cache "$tmp/haar.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+expect_error "decode with another block size" 'block_size 16.*--block-size' \
+  $TQKV decode --preset turboquant_4bit_nc --block-size 32 --rotation haar --seed 5 --cache "$tmp/haar.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+expect_error "store --cache-in with another preset" 'preset turboquant_4bit_nc' \
+  $TQKV store --preset turboquant_3bit_nc --block-size 16 --num-blocks 10 --cache-in "$tmp/haar.safetensors" --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+expect_error "store --num-blocks past int32 ids" '1 to 2147483648' \
+  $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 2147483649 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "unknown --device" 'cpu, cuda' \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device tpu --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 if ! $TQKV info | grep -q '^CUDA devices: [1-9]'; then

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "runtime/error.h"
 
@@ -80,10 +81,44 @@ StoreInputs MakeStoreInputs(const StoreInputTensors& t) {
 }
 
 void CheckNumBlocks(int64_t num_blocks, const BlockFormat& f) {
-  const int64_t max_blocks = std::numeric_limits<int64_t>::max() / f.block_bytes;
-  if (num_blocks < 1 || num_blocks > max_blocks) {
-    throw InvalidArgument("tqkv store", "--num-blocks", num_blocks,
-                          fmt::format("1 to {} (blocks of {} bytes)", max_blocks, f.block_bytes));
+  constexpr int64_t kMaxBlocks = int64_t{std::numeric_limits<int32_t>::max()} + 1;
+  if (num_blocks < 1 || num_blocks > kMaxBlocks) {
+    throw InvalidArgument(
+        "tqkv store", "--num-blocks", num_blocks,
+        fmt::format("1 to {} (int32 block ids; blocks of {} bytes)", kMaxBlocks, f.block_bytes));
+  }
+}
+
+std::map<std::string, std::string, std::less<>> CacheMetadata(const Quantizer& q) {
+  const BlockFormat& f = q.format();
+  return {{"preset", std::string(q.preset().name)},
+          {"head_dim", std::to_string(f.head_dim)},
+          {"num_kv_heads", std::to_string(f.num_kv_heads)},
+          {"block_size", std::to_string(f.block_size)},
+          {"rotation", std::string(RotationKindName(q.rotation().kind))},
+          {"rotation_id", fmt::format("{:016x}", q.rotation().id)}};
+}
+
+void CheckCacheMetadata(const SafetensorsFile& cache_file, const Quantizer& q) {
+  const auto ours = CacheMetadata(q);
+  // In this order, so that the first difference reported is the one to fix.
+  constexpr std::pair<const char*, const char*> kEntries[] = {
+      {"preset", "--preset"},
+      {"block_size", "--block-size"},
+      {"head_dim", "the query's or key's head_dim"},
+      {"num_kv_heads", "the KV heads of the key, or the cache's block_bytes"},
+      {"rotation", "--rotation, or a 'rotation' tensor"},
+      {"rotation_id", "--rotation and --seed, or the 'rotation' tensor"}};
+  for (const auto& [entry, source] : kEntries) {
+    const auto it = cache_file.metadata.find(entry);
+    if (it == cache_file.metadata.end()) continue;
+    const std::string& want = ours.find(entry)->second;
+    if (it->second != want) {
+      throw Error(fmt::format(
+          "{}: the cache was written with {} {}, and this run has {} {} (from {}); run with the "
+          "flags it was stored with",
+          cache_file.source_name, entry, it->second, entry, want, source));
+    }
   }
 }
 

@@ -1,13 +1,13 @@
 // Helpers shared by the tqkv subcommands that read and write safetensors files.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "attention/decode_cpu.h"
 #include "quant/quantizer.h"
@@ -54,8 +54,17 @@ StoreInputTensors RequireStoreInputs(const SafetensorsFile& in);
 // The StoreInputs (host pointers into the tensors) of checked store inputs.
 StoreInputs MakeStoreInputs(const StoreInputTensors& tensors);
 
-// `tqkv store --num-blocks`: from 1 to the most whose cache size in bytes fits in int64.
+// `tqkv store --num-blocks`: from 1 to 2^31 (block tables hold int32 ids).
 void CheckNumBlocks(int64_t num_blocks, const BlockFormat& format);
+
+// What `tqkv store` records in a cache file's metadata: preset, head_dim, num_kv_heads,
+// block_size, rotation and rotation_id.
+std::map<std::string, std::string, std::less<>> CacheMetadata(const Quantizer& q);
+
+// A cache file written by `tqkv store` must be read (decode, store --cache-in) with the format and
+// rotation it was written with: throws naming the file, the entry, both values and the flag that
+// sets it. Entries the file does not have (a cache written elsewhere) are not checked.
+void CheckCacheMetadata(const SafetensorsFile& cache_file, const Quantizer& q);
 
 // `tqkv store --cache-in`: checks that `prev` has 'cache' U8 [num_blocks, block_bytes of `format`]
 // and moves it out.

@@ -138,6 +138,7 @@ void RunDecode(const DecodeFlags& flags) {
   const Tensor& query = *tensors.query;
   const int64_t batch = tensors.batch;
   const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
+  CheckCacheMetadata(cache_file, q);
   if (tensors.query_start_loc != nullptr || flags.sliding_window > 0) {
     // Decode with a window runs as attention of one new token per sequence (the decode kernels
     // read whole contexts).

@@ -112,6 +112,7 @@ void RunStore(const StoreFlags& flags) {
   Tensor cache;
   if (!flags.cache_in.empty()) {
     SafetensorsFile prev = ReadSafetensors(flags.cache_in);
+    CheckCacheMetadata(prev, q);
     cache = TakeStoreCache(prev, flags.num_blocks, f);
   } else {
     cache.dtype = DType::kU8;
@@ -127,12 +128,7 @@ void RunStore(const StoreFlags& flags) {
     throw InvalidArgument("tqkv store", "--device", flags.device, "cpu, cuda");
   }
   out.tensors.emplace("cache", std::move(cache));
-  out.metadata = {{"preset", std::string(q.preset().name)},
-                  {"head_dim", std::to_string(f.head_dim)},
-                  {"num_kv_heads", std::to_string(f.num_kv_heads)},
-                  {"block_size", std::to_string(f.block_size)},
-                  {"rotation", std::string(RotationKindName(q.rotation().kind))},
-                  {"rotation_id", fmt::format("{:016x}", q.rotation().id)}};
+  out.metadata = CacheMetadata(q);
   WriteSafetensors(flags.out, out);
 }
 

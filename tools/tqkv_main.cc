@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -36,6 +37,9 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tqkv: error: out of host memory (an allocation failed)\n");
+    return 1;
   } catch (const std::exception& e) {
     // One clear line, non-zero exit.
     std::fprintf(stderr, "tqkv: error: %s\n", e.what());
