@@ -4,6 +4,7 @@
 
 #include <bit>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 
@@ -336,6 +337,11 @@ void DequantizeRow(uint32_t type, const uint8_t* src, int64_t count, float* dst)
 }
 
 GgufFile GgufFile::Open(const std::string& path) {
+  // A directory "opens" and reports a size of 2^63 - 1 on some file systems.
+  std::error_code error;
+  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error)) {
+    throw Error(fmt::format("GGUF file {}: not a regular file", path));
+  }
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw Error(fmt::format("GGUF file {}: cannot open", path));
   const std::streamsize size = in.tellg();

@@ -197,6 +197,14 @@ TEST(GgufTest, CorruptHeadersNameTheProblem) {
   expect_error(align_at, {24, 0, 0, 0}, "not a power of two");
 }
 
+TEST(GgufTest, OpeningADirectoryIsAnError) {
+  const std::string dir = ::testing::TempDir();
+  EXPECT_THAT([&] { GgufFile::Open(dir); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("not a regular file")));
+  EXPECT_THAT([&] { GgufFile::Open(dir + "/no such file.gguf"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("cannot open")));
+}
+
 TEST(GgufTest, TensorEntriesAreChecked) {
   // A file with one tensor whose fields are set per case.
   auto file = [](uint32_t n_dims, uint64_t dim0, uint32_t type, uint64_t offset,

@@ -171,6 +171,7 @@ void RunEval(const EvalFlags& flags) {
   if (!flags.json.empty()) {
     std::ofstream out(flags.json);
     out << report.dump(1) << "\n";
+    out.close();  // flushes: a full disk shows here
     if (!out) throw Error(fmt::format("tqkv eval: cannot write {}", flags.json));
   }
 }

@@ -8,6 +8,7 @@
 #include "quant/block_format.h"
 #include "quant/preset.h"
 #include "runtime/device.h"
+#include "runtime/error.h"
 #include "runtime/version.h"
 #include "tools/commands.h"
 
@@ -71,6 +72,10 @@ void AddInfoCommand(CLI::App& app) {
   cmd->add_option("--block-size", flags->block_size, "tokens per block")->capture_default_str();
   cmd->callback([flags] {
     std::string capacity;  // computed first: a bad flag is one error line, nothing else
+    // Unset is 0; NaN fails the comparison; 2^33 GiB is 2^63 bytes.
+    if (!(flags->memory_gib >= 0 && flags->memory_gib < 0x1p33)) {
+      throw InvalidArgument("tqkv info", "--memory", flags->memory_gib, "0 (unset) to 2^33 GiB");
+    }
     if (flags->memory_gib > 0) {
       capacity = FormatCapacityTable(ComputeCapacity(
           static_cast<int64_t>(flags->memory_gib * double(int64_t{1} << 30)), flags->preset,

@@ -10,6 +10,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -30,6 +31,9 @@
 
 namespace tqkv::sim {
 namespace {
+
+// The manager's and the cache's block ids are int32.
+constexpr int64_t kMaxSimBlocks = std::numeric_limits<int32_t>::max();
 
 using Clock = std::chrono::steady_clock;
 
@@ -218,8 +222,13 @@ void Validate(const SimConfig& c) {
     bad("--fork-fraction", c.fork_fraction, "0 to 1");
   }
   if (c.device != "cpu" && c.device != "cuda") bad("--device", c.device, "cpu, cuda");
-  if (c.num_blocks < 0) bad("--num-blocks", c.num_blocks, ">= 2 (0: automatic)");
-  if (c.kv_memory_gib < 0) bad("--kv-memory", c.kv_memory_gib, "> 0 GiB");
+  if (c.num_blocks < 0 || c.num_blocks > kMaxSimBlocks) {
+    bad("--num-blocks", c.num_blocks, fmt::format("2 to {} (0: automatic)", kMaxSimBlocks));
+  }
+  // 2^33 GiB is 2^63 bytes; NaN fails the comparison.
+  if (!(c.kv_memory_gib >= 0 && c.kv_memory_gib < 0x1p33)) {
+    bad("--kv-memory", c.kv_memory_gib, "0 (unset) to 2^33 GiB");
+  }
 }
 
 }  // namespace
@@ -245,6 +254,11 @@ SimReport RunSim(const SimConfig& c) {
     num_blocks = ComputeCapacity(static_cast<int64_t>(c.kv_memory_gib * (1ull << 30)), c.preset,
                                  c.layers, c.kv_heads, c.head_dim, c.block_size)
                      .format.num_blocks;
+    if (num_blocks > kMaxSimBlocks) {
+      throw Error(fmt::format(
+          "tqkv sim: --kv-memory {} GiB holds {} blocks; allowed: at most {} (int32 block ids)",
+          c.kv_memory_gib, num_blocks, kMaxSimBlocks));
+    }
   } else if (num_blocks == 0) {
     // Room for about 45 % of the running set's peak demand: enough pressure to preempt.
     num_blocks = 1 + std::max<int64_t>(2 * blocks_per_branch,

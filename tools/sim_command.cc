@@ -64,8 +64,9 @@ void AddSimCommand(CLI::App& app) {
     fmt::print("{}", sim::FormatReport(*config, report));
     if (!json->empty()) {
       std::ofstream out(*json);
-      if (!out) throw Error(fmt::format("tqkv sim: cannot write --json {}", *json));
       out << sim::ReportJson(*config, report);
+      out.close();  // flushes: a full disk shows here
+      if (!out) throw Error(fmt::format("tqkv sim: cannot write --json {}", *json));
     }
   });
 }

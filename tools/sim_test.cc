@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "runtime/error.h"
 
 namespace tqkv::sim {
@@ -194,6 +196,21 @@ TEST(SimTest, InvalidFlagsNameTheFlag) {
   EXPECT_THAT(message(c), HasSubstr("--spec-tokens = 65"));
   c.spec_tokens = -1;
   EXPECT_THAT(message(c), HasSubstr("--spec-tokens = -1"));
+  // Block ids are int32: more blocks were cut to 32 bits (2^32 + 4 ran with 4 blocks).
+  c = Small();
+  c.num_blocks = (int64_t{1} << 32) + 4;
+  EXPECT_THAT(message(c), HasSubstr("--num-blocks = 4294967300"));
+  c = Small();
+  c.kv_memory_gib = std::nan("");
+  EXPECT_THAT(message(c), HasSubstr("--kv-memory = nan"));
+  c.kv_memory_gib = 1e12;
+  EXPECT_THAT(message(c), HasSubstr("--kv-memory = 1000000000000"));
+  c.kv_memory_gib = 100000;
+  c.layers = 1;
+  c.kv_heads = 1;
+  c.q_heads = 1;
+  c.head_dim = 64;
+  EXPECT_THAT(message(c), HasSubstr("(int32 block ids)"));
 }
 
 }  // namespace

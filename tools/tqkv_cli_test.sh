@@ -28,6 +28,12 @@ out=$($TQKV info --memory 40 --preset nope 2>&1); rc=$?
 check "info --memory with a bad preset exits non-zero" test $rc -ne 0
 check "... with one line naming it" test "$(wc -l <<<"$out")" -eq 1
 
+for bad in nan -1 inf 1e10; do
+  out=$($TQKV info --memory $bad 2>&1); rc=$?
+  check "info --memory $bad: one line naming it, non-zero exit" \
+    test $rc -ne 0 -a "$(wc -l <<<"$out")" -eq 1 -a -n "$(grep -- '--memory' <<<"$out")"
+done
+
 # tqkv sim: invalid flags give one clear line and a non-zero exit.
 sim_error() {  # sim_error DESCRIPTION PATTERN ARGS...
   local what=$1 pattern=$2; shift 2
