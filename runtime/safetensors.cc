@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -474,9 +475,22 @@ SafetensorsFile ReadSafetensors(const std::string& path) {
   return ParseSafetensors(bytes, path);
 }
 
-void WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
+void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) {
   // Serialize first: an invalid tensor is reported before anything touches the filesystem.
-  const std::vector<uint8_t> bytes = Serialize(file, fmt::format("WriteSafetensors({})", path));
+  const std::vector<uint8_t> bytes = Serialize(file, fmt::format("WriteSafetensors({})", path_arg));
+
+  // The rename below replaces the directory entry: through a symbolic link, write its target
+  // (not the link), and never replace something that is not a regular file (a device node).
+  std::error_code error_code;
+  const std::string path = std::filesystem::weakly_canonical(path_arg, error_code).string();
+  if (error_code) {
+    throw Error(
+        fmt::format("WriteSafetensors: cannot resolve {}: {}", path_arg, error_code.message()));
+  }
+  if (std::filesystem::exists(path, error_code) &&
+      !std::filesystem::is_regular_file(path, error_code)) {
+    throw Error(fmt::format("WriteSafetensors: {} exists and is not a regular file", path_arg));
+  }
 
   // The temporary lives in the target's directory so that rename() is atomic (same filesystem).
   std::string tmp_path = path + ".tmp.XXXXXX";

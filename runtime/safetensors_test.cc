@@ -721,20 +721,34 @@ TEST(SafetensorsWriteTest, UnwritablePathThrowsAndLeavesNoFile) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
-TEST(SafetensorsWriteTest, FailedRenameLeavesNoTemporaryBehind) {
-  // The target is an existing non-empty directory: the temporary file is created and fully
-  // written, then rename() fails; the temporary must be removed.
-  const std::string dir = TempPath("rename_fails");
+TEST(SafetensorsWriteTest, ATargetThatIsNotARegularFileIsNotReplaced) {
+  const std::string dir = TempPath("not_regular");
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir + "/target.safetensors/inner");
-  try {
-    WriteSafetensors(dir + "/target.safetensors", EveryDTypeFile());
-    FAIL() << "no throw";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("cannot rename the temporary file to"));
+  for (const std::string target : {dir + "/target.safetensors", std::string("/dev/null")}) {
+    try {
+      WriteSafetensors(target, EveryDTypeFile());
+      ADD_FAILURE() << "no throw for " << target;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), AllOf(HasSubstr(target), HasSubstr("is not a regular file")));
+    }
   }
   EXPECT_TRUE(DirectoryHasOnly(dir, {"target.safetensors"}));
   EXPECT_TRUE(std::filesystem::is_directory(dir + "/target.safetensors"));
+  EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
+}
+
+TEST(SafetensorsWriteTest, WritingThroughASymbolicLinkWritesItsTarget) {
+  const std::string dir = TempPath("symlink");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/data");
+  WriteSafetensors(dir + "/data/real.safetensors", SafetensorsFile{});
+  std::filesystem::create_symlink("data/real.safetensors", dir + "/link.safetensors");
+  WriteSafetensors(dir + "/link.safetensors", EveryDTypeFile());
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link.safetensors"));
+  EXPECT_EQ(ReadSafetensors(dir + "/data/real.safetensors").tensors.size(),
+            EveryDTypeFile().tensors.size());
+  EXPECT_TRUE(DirectoryHasOnly(dir + "/data", {"real.safetensors"}));
 }
 
 TEST(SafetensorsWriteTest, ReadOnlyDirectoryThrowsAndLeavesNoFile) {
