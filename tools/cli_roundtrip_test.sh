@@ -148,8 +148,10 @@ if ! $TQKV info | grep -q '^CUDA devices: [1-9]'; then
   expect_error "--device cuda without a device" 'CUDA' \
     $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device cuda --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 fi
-expect_error "bad --rotation-path" 'auto, fwht, mma, gemm' \
+expect_error "bad --rotation-path" '--rotation-path: tensor not in {auto,fwht,mma,gemm}' \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --device cuda --rotation-path tensor --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+expect_error "bad --gemm-precision, on the CPU too" '--gemm-precision: fp16 not in' \
+  $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --gemm-precision fp16 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "missing input file" 'nope.safetensors' \
   $TQKV decode --preset turboquant_4bit_nc --cache "$tmp/nope.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "cache of another preset" 'not a multiple' \

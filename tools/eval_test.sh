@@ -19,6 +19,11 @@ gen=${TEST_TMPDIR:-/tmp}/generate.txt
 grep -q "Paris" "$gen" || { echo "FAIL: no Paris"; exit 1; }
 grep -Eq "[1-9][0-9]* from the prefix cache\)" "$gen" || { echo "FAIL: no prefix hits"; exit 1; }
 grep -Eq " [1-9][0-9]* preemptions" "$gen" || { echo "FAIL: no preemption"; exit 1; }
+# A pool that cannot hold a request fails the run, naming the flag.
+if err=$("$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --max-tokens 4 --num-blocks 2 2>&1 >/dev/null); then
+  echo "FAIL: generate with a 2-block pool exited 0"; exit 1
+fi
+grep -q "3 of 3 requests failed.*--num-blocks (2)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
 out=${TEST_TMPDIR:-/tmp}/eval.json
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
   --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"

@@ -126,6 +126,18 @@ void RunGenerate(const GenerateFlags& flags) {
                s.draft_tokens, s.accepted_drafts,
                s.draft_tokens > 0 ? 100.0 * s.accepted_drafts / s.draft_tokens : 0.0);
   }
+  // A request that failed (its prompt and tokens need more blocks than the pool) fails the run.
+  int failed = 0;
+  std::string first;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const std::string& error = server.completion(static_cast<int>(i)).error;
+    if (error.empty()) continue;
+    if (failed++ == 0) first = fmt::format("request {}: {}", i, error);
+  }
+  if (failed > 0) {
+    throw Error(fmt::format("tqkv generate: {} of {} requests failed ({}); raise --num-blocks ({})",
+                            failed, requests.size(), first, policy.num_blocks));
+  }
 }
 
 }  // namespace

@@ -153,11 +153,13 @@ void AddStoreCommand(CLI::App& app) {
   cmd->add_option("--rotation-path", flags->rotation_path,
                   "--device cuda: auto (default: in-kernel FWHT for Hadamard rotations, "
                   "otherwise tensor cores in the store kernel at head_dim 64/128 and cuBLAS at "
-                  "256), fwht, mma, gemm");
+                  "256), fwht, mma, gemm")
+      ->check(CLI::IsMember({"auto", "fwht", "mma", "gemm"}));
   cmd->add_option("--gemm-precision", flags->gemm_precision,
                   "--device cuda, GEMM path: fp32 (default: fp32-accurate; bf16 keys as a 3-part "
                   "bf16 tensor-core GEMM), sgemm (fp32 SGEMM for every dtype), tf32, bf16 (more "
-                  "index flips)");
+                  "index flips)")
+      ->check(CLI::IsMember({"fp32", "sgemm", "tf32", "bf16"}));
   cmd->callback([flags] { RunStore(*flags); });
 }
 
