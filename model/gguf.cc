@@ -206,8 +206,23 @@ GgufValue ReadValue(Reader& r, uint32_t raw_type, const std::string& key, uint32
         r.Fail(fmt::format("metadata '{}': array of {} elements does not fit in the file", key,
                            count));
       }
-      v.array.reserve(count);
-      for (uint64_t k = 0; k < count; ++k) v.array.push_back(ReadValue(r, elem, key, depth + 1));
+      for (uint64_t k = 0; k < count; ++k) {
+        GgufValue e = ReadValue(r, elem, key, depth + 1);
+        switch (v.array_type) {
+          case GgufType::kF32:
+          case GgufType::kF64:
+            v.floats.push_back(e.f);
+            break;
+          case GgufType::kString:
+            v.strings.push_back(std::move(e.s));
+            break;
+          case GgufType::kArray:
+            v.arrays.push_back(std::move(e));
+            break;
+          default:  // integers and bools
+            v.ints.push_back(e.i);
+        }
+      }
       break;
     }
   }
@@ -479,10 +494,7 @@ std::vector<std::string> GgufFile::GetStrings(std::string_view key) const {
   if (v.type != GgufType::kArray || v.array_type != GgufType::kString) {
     WrongType(*this, key, "an array of strings");
   }
-  std::vector<std::string> out;
-  out.reserve(v.array.size());
-  for (const GgufValue& e : v.array) out.push_back(e.s);
-  return out;
+  return v.strings;
 }
 
 std::vector<int64_t> GgufFile::GetInts(std::string_view key) const {
@@ -490,10 +502,7 @@ std::vector<int64_t> GgufFile::GetInts(std::string_view key) const {
   if (v.type != GgufType::kArray || !IsInteger(v.array_type)) {
     WrongType(*this, key, "an array of integers");
   }
-  std::vector<int64_t> out;
-  out.reserve(v.array.size());
-  for (const GgufValue& e : v.array) out.push_back(e.i);
-  return out;
+  return v.ints;
 }
 
 std::vector<double> GgufFile::GetFloats(std::string_view key) const {
@@ -502,10 +511,7 @@ std::vector<double> GgufFile::GetFloats(std::string_view key) const {
       (v.array_type != GgufType::kF32 && v.array_type != GgufType::kF64)) {
     WrongType(*this, key, "an array of floats");
   }
-  std::vector<double> out;
-  out.reserve(v.array.size());
-  for (const GgufValue& e : v.array) out.push_back(e.f);
-  return out;
+  return v.floats;
 }
 
 bool GgufFile::HasTensor(std::string_view name) const {

@@ -50,8 +50,13 @@ struct GgufValue {
   uint64_t u = 0;
   double f = 0.0;
   std::string s;
-  GgufType array_type = GgufType::kU8;  // arrays: the elements' type
-  std::vector<GgufValue> array;
+  // Arrays: the elements' type, and the elements packed by kind (a GgufValue per element took
+  // ~100 bytes for each byte of a U8 array in the file).
+  GgufType array_type = GgufType::kU8;
+  std::vector<int64_t> ints;         // integers (as `i` above) and bools
+  std::vector<double> floats;        // F32, F64
+  std::vector<std::string> strings;  // strings
+  std::vector<GgufValue> arrays;     // arrays of arrays
 };
 
 struct GgufTensor {
