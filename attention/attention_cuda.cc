@@ -207,12 +207,28 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "num_q_heads", num_q_heads,
                           fmt::format("a positive multiple of num_kv_heads = {}", hk));
   }
-  if (max_blocks_per_seq < 1) {
-    throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
+  // Positions and seq_lens are int32.
+  if (max_blocks_per_seq < 1 ||
+      int64_t{max_blocks_per_seq} * block_size() > std::numeric_limits<int32_t>::max()) {
+    throw InvalidArgument(
+        kWhere, "max_blocks_per_seq", max_blocks_per_seq,
+        fmt::format("1 to {} (int32 positions at block size {})",
+                    std::numeric_limits<int32_t>::max() / block_size(), block_size()));
   }
   if (max_q_len < 1 || max_q_len > num_tokens) {
     throw InvalidArgument(kWhere, "max_q_len", max_q_len,
                           fmt::format("1 to num_tokens = {}", num_tokens));
+  }
+  if (int64_t{num_tokens} > int64_t{num_seqs} * max_q_len) {
+    throw InvalidArgument(
+        kWhere, "num_tokens", num_tokens,
+        fmt::format("at most num_seqs · max_q_len = {}", int64_t{num_seqs} * max_q_len));
+  }
+  if (int64_t{num_tokens} * num_q_heads > std::numeric_limits<int32_t>::max()) {
+    throw InvalidArgument(
+        kWhere, "num_tokens", num_tokens,
+        fmt::format("at most {} with {} query heads (int32 rows)",
+                    std::numeric_limits<int32_t>::max() / num_q_heads, num_q_heads));
   }
   if (options.tokens_per_split < 0 || options.tokens_per_split % 64 != 0) {
     throw InvalidArgument(kWhere, "options.tokens_per_split", options.tokens_per_split,
@@ -227,11 +243,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.max_q_len = max_q_len;
   // One new token per sequence: max_q_len 1, or the caller says every sequence has one.
   const bool all_one = max_q_len == 1 || options.leading_decode_seqs == num_seqs;
-  plan.decode = options.decode_kernels && all_one && num_tokens == num_seqs && group <= 16;
-  int64_t decode_bytes = 0;
+  // Longer contexts than the decode kernels read run on the chunk kernels alone.
+  const bool decode_kernels =
+      options.decode_kernels &&
+      int64_t{max_blocks_per_seq} * block_size() <= CudaDecoder::kMaxContextTokens;
+  plan.decode = decode_kernels && all_one && num_tokens == num_seqs && group <= 16;
   if (plan.decode) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
-    decode_bytes = plan.decode_plan.workspace_bytes;
   }
   // The chunk kernel (also a one-token plan's, for a sliding window).
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
@@ -252,10 +270,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // sequence lacks (a mixed call's decode rows beside one long chunk).
   const int64_t slots = RowTileSlots(num_tokens, num_seqs, group, cta_rows);
   if (slots * kMaxSplits * hk > std::numeric_limits<int32_t>::max()) {
+    // The inverse of the check: the most tokens whose slots stay within it.
+    const int64_t max_slots = std::numeric_limits<int32_t>::max() / (kMaxSplits * hk);
     throw InvalidArgument(
         kWhere, "num_tokens", num_tokens,
-        fmt::format("at most {} with {} query heads per KV head",
-                    std::numeric_limits<int32_t>::max() / kMaxSplits / hk / group, group));
+        fmt::format("at most {} for {} sequences with {} query heads per KV "
+                    "head and {} rows per CTA",
+                    std::max<int64_t>(0, (max_slots - num_seqs) * cta_rows / group), num_seqs,
+                    group, cta_rows));
   }
   plan.row_tiles = static_cast<int>(slots);
   // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
@@ -288,7 +310,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
       max_len <= 2 * int64_t{max_q_len} && ctas <= 4 * 2 * int64_t{std::max(1, s.sm_count)};
   // Some sequences may have one new token (fewer tokens than every sequence at max_q_len): those
   // run on the decode kernels.
-  plan.decode_rows = options.decode_kernels && !plan.decode && max_q_len > 1 && num_seqs > 1 &&
+  plan.decode_rows = decode_kernels && !plan.decode && max_q_len > 1 && num_seqs > 1 &&
                      int64_t{num_tokens} < int64_t{num_seqs} * max_q_len && group <= 16;
   if (plan.decode_rows) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
@@ -297,11 +319,12 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len, ">= 0");
   }
   if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
+      options.leading_decode_seqs > num_tokens ||
       (options.leading_decode_seqs == num_seqs && num_tokens != num_seqs)) {
     throw InvalidArgument(kWhere, "options.leading_decode_seqs", options.leading_decode_seqs,
-                          fmt::format("0 to num_seqs = {} (num_seqs only where num_tokens = "
-                                      "num_seqs = {})",
-                                      num_seqs, num_tokens));
+                          fmt::format("0 to min(num_seqs, num_tokens) = {} (num_seqs only where "
+                                      "num_tokens = num_seqs = {})",
+                                      std::min(num_seqs, num_tokens), num_tokens));
   }
   if (options.verify_max_group < 1 || options.verify_max_group > 32) {
     throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
@@ -322,19 +345,16 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
   const int max_columns = std::min(options.verify_max_group, s.decoder.MaxGroup(decode));
-  plan.verify_rows = options.decode_kernels && !plan.decode && max_q_len > 1 &&
-                     options.verify_max_q_len > 0 &&
-                     (max_q_len <= options.verify_max_q_len ||
-                      int64_t{max_q_len} * group <= max_columns) &&
-                     group <= 16;
+  plan.verify_rows =
+      decode_kernels && !plan.decode && max_q_len > 1 && options.verify_max_q_len > 0 &&
+      (max_q_len <= options.verify_max_q_len || int64_t{max_q_len} * group <= max_columns) &&
+      group <= 16;
   if (plan.verify_rows) {
     plan.decode_rows = false;
     plan.verify_pass_rows = std::min(max_q_len, std::max(1, max_columns / group));
     plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
     plan.decode_plan =
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
-    decode_bytes =
-        VerifyLayout(plan, !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht, d).Total();
   }
   // The caller's leading one-token sequences: on the decode kernels where they lie.
   if (plan.decode_rows && options.leading_decode_seqs > 0) {
@@ -360,9 +380,21 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // The chunk right after the leading rows' decode (no query prep between them) starts on the SMs
   // that decode leaves; it reads nothing the decode writes.
   if (plan.leading_decodes > 0) plan.decode_plan.overlap_next = !chunk_query_prep;
-  const Sections w = WorkspaceSections(chunk_query_prep, plan, d, hk);
-  plan.workspace_bytes = std::max(decode_bytes, w.Total());
+  plan.workspace_bytes = WorkspaceBytes(plan);
   return plan;
+}
+
+int64_t CudaAttention::WorkspaceBytes(const AttentionPlan& plan) const {
+  const State& s = *state_;
+  const int d = head_dim();
+  const bool chunk_query_prep = !s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates;
+  int64_t bytes = WorkspaceSections(chunk_query_prep, plan, d, num_kv_heads()).Total();
+  if (plan.decode) bytes = std::max(bytes, plan.decode_plan.workspace_bytes);
+  if (plan.verify_rows) {
+    const bool dense = !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht;
+    bytes = std::max(bytes, VerifyLayout(plan, dense, d).Total());
+  }
+  return bytes;
 }
 
 void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
@@ -381,12 +413,16 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                     kWhere, a.num_seqs, a.num_tokens, a.num_q_heads, a.max_blocks_per_seq,
                     plan.num_seqs, plan.num_tokens, plan.num_q_heads, plan.max_blocks_per_seq));
   }
-  if (plan.workspace_bytes > 0 &&
-      (a.workspace == nullptr || a.workspace_bytes < plan.workspace_bytes)) {
+  const int64_t workspace_bytes = std::max(plan.workspace_bytes, WorkspaceBytes(plan));
+  if (workspace_bytes > 0 && (a.workspace == nullptr || a.workspace_bytes < workspace_bytes)) {
     throw InvalidArgument(kWhere, "workspace_bytes", a.workspace == nullptr ? 0 : a.workspace_bytes,
                           fmt::format(">= {} (AttentionPlan::workspace_bytes) with a non-null "
                                       "workspace",
-                                      plan.workspace_bytes));
+                                      workspace_bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0) {  // float4 partial outputs
+    throw InvalidArgument(kWhere, "workspace", fmt::format("{}", a.workspace),
+                          "a 16-byte aligned device pointer");
   }
   if (a.cache.num_blocks < 1) {
     throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks, ">= 1");

@@ -178,6 +178,8 @@ class CudaAttention {
   // the call's one-token rows on the decode kernels.
   void RunVerify(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
   void RunChunk(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
+  // The workspace a plan needs on this instance (Plan's workspace_bytes; Run checks it again).
+  int64_t WorkspaceBytes(const AttentionPlan& plan) const;
 
   struct State;
   std::unique_ptr<State> state_;

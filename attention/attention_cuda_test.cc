@@ -1216,6 +1216,23 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, all_lead); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("leading_decode_seqs = 2")));
   EXPECT_TRUE(attn.Plan(2, 2, 32, 4, 2, all_lead).decode);
+  // More tokens than num_seqs · max_q_len, leading one-token sequences past the tokens, and
+  // positions past int32 are refused at Plan.
+  EXPECT_THAT([&] { attn.Plan(10, 100, 32, 4, 2); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_tokens = 100")));
+  AttentionOptions past_tokens;
+  past_tokens.leading_decode_seqs = 100;
+  EXPECT_THAT([&] { attn.Plan(101, 2, 32, 4, 2, past_tokens); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("leading_decode_seqs = 100")));
+  EXPECT_THAT(
+      [&] { attn.Plan(2, 2, 32, (1 << 27), 1); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("max_blocks_per_seq = 134217728")));
+  // Past the decode kernels' longest context, one-token and verify calls run on the chunk kernel.
+  const int past = static_cast<int>(CudaDecoder::kMaxContextTokens / 16) + 1;
+  EXPECT_TRUE(attn.Plan(2, 2, 32, past - 1, 1).decode);
+  EXPECT_FALSE(attn.Plan(2, 2, 32, past, 1).decode);
+  EXPECT_TRUE(attn.Plan(2, 8, 32, past - 1, 4).verify_rows);
+  EXPECT_FALSE(attn.Plan(2, 8, 32, past, 4).verify_rows);
   AttentionOptions precision;
   precision.verify_precision = static_cast<ChunkPrecision>(7);
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, precision); },

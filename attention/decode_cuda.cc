@@ -200,6 +200,7 @@ namespace {
 // Split limits (ChooseSplitLayout says why): at most this many splits per sequence, and
 // tokens per split.
 constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;  // decode_launch.h's too
+static_assert(kMaxSplits * kMaxSplitTokens == CudaDecoder::kMaxContextTokens);
 #if TQKV_HAVE_CUDA
 static_assert(kMaxSplitTokens == decode_detail::kMaxSplitTokens);
 #endif
@@ -367,8 +368,11 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
                           fmt::format("a multiple of num_kv_heads = {} with a group of at most {}",
                                       hk, max_group));
   }
-  if (max_blocks_per_seq < 1) {
-    throw InvalidArgument(kWhere, "max_blocks_per_seq", max_blocks_per_seq, ">= 1");
+  if (max_blocks_per_seq < 1 || int64_t{max_blocks_per_seq} * block_size() > kMaxContextTokens) {
+    throw InvalidArgument(
+        kWhere, "max_blocks_per_seq", max_blocks_per_seq,
+        fmt::format("1 to {} ({} tokens at block size {})", kMaxContextTokens / block_size(),
+                    kMaxContextTokens, block_size()));
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   const int tokens_per_split = options.tokens_per_split;
@@ -406,12 +410,16 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   const decode_detail::MaybeSplitVariant variant = Variant(num_q_heads / hk, plan);
   TQKV_CHECK(variant.ok);  // the layouts come from this cache's occupancy
   plan.variant = variant.variant;
-  const int64_t rows = int64_t{num_seqs} * num_q_heads;
-  // [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs.
-  const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
-  plan.workspace_bytes = q_bytes + AlignUp(rows * plan.max_splits * head_dim() * 4) +
-                         AlignUp(rows * plan.max_splits * 4);
+  plan.workspace_bytes = WorkspaceBytes(plan);
   return plan;
+}
+
+// [q·Πᵀ for a dense Πᵀ,] partial outputs, partial LSEs: Run carves the same sections.
+int64_t CudaDecoder::WorkspaceBytes(const DecodePlan& plan) const {
+  const int64_t rows = int64_t{plan.num_seqs} * plan.num_q_heads;
+  const int64_t q_bytes = QueryPrepBytes(state_->rotate_query && !state_->fwht, rows, head_dim());
+  return q_bytes + AlignUp(rows * plan.max_splits * head_dim() * 4) +
+         AlignUp(rows * plan.max_splits * 4);
 }
 
 void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
@@ -423,8 +431,19 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                              StreamHandle stream) const {
   constexpr const char* kWhere = "CudaDecoder::Run";
   const State& s = *state_;
-  if (plan.num_seqs < 1 || plan.tokens_per_split < 64 || plan.max_splits < 1) {
-    throw Error(fmt::format("{}: the plan was not made by CudaDecoder::Plan", kWhere));
+  // A plan carries its shape; one made by another decoder of a different cache shape, or edited,
+  // must not index the tables below or size a launch past the workspace.
+  const int group = plan.num_q_heads / num_kv_heads();
+  DecodeOptions plan_options;
+  plan_options.staged = plan.staged;
+  plan_options.half = plan.half;
+  const int64_t plan_len = int64_t{plan.max_blocks_per_seq} * block_size();
+  if (plan.num_seqs < 1 || plan.num_seqs > 65535 || plan.tokens_per_split < 64 ||
+      plan.tokens_per_split > kMaxSplitTokens || plan.max_splits < 1 ||
+      plan.max_splits > kMaxSplits || plan.max_blocks_per_seq < 1 ||
+      plan_len > int64_t{plan.max_splits} * plan.tokens_per_split ||
+      plan.num_q_heads % num_kv_heads() != 0 || group < 1 || group > MaxGroup(plan_options)) {
+    throw Error(fmt::format("{}: the plan was not made by this decoder's Plan", kWhere));
   }
   if (a.query_dtype != DType::kF32 && a.query_dtype != DType::kF16 &&
       a.query_dtype != DType::kBF16) {
@@ -441,9 +460,14 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                     "must be device pointers, not null",
                     kWhere));
   }
-  if (a.workspace_bytes < plan.workspace_bytes) {
+  const int64_t workspace_bytes = std::max(plan.workspace_bytes, WorkspaceBytes(plan));
+  if (a.workspace_bytes < workspace_bytes) {
     throw InvalidArgument(kWhere, "workspace_bytes", a.workspace_bytes,
-                          fmt::format(">= {} (DecodePlan::workspace_bytes)", plan.workspace_bytes));
+                          fmt::format(">= {} (DecodePlan::workspace_bytes)", workspace_bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0) {  // float4 partial outputs
+    throw InvalidArgument(kWhere, "workspace", fmt::format("{}", a.workspace),
+                          "a 16-byte aligned device pointer");
   }
   if (a.cache.num_blocks < 1) {
     throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks, ">= 1");

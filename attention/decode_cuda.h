@@ -187,13 +187,19 @@ class CudaDecoder {
   // passes of up to 32 columns), else 16.
   int MaxGroup(const DecodeOptions& options = {}) const;
 
+  // The longest context the decode kernels read: 256 splits of at most 8,192 tokens (a split's
+  // block ids are staged in shared memory, and its softmax sums stay within their accuracy).
+  static constexpr int64_t kMaxContextTokens = int64_t{256} * 8192;
+
   // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
-  // multiple of num_kv_heads with a group of at most MaxGroup(options); num_seqs 1..65535) and for
-  // options out of range (DecodeOptions::tokens_per_split).
+  // multiple of num_kv_heads with a group of at most MaxGroup(options); num_seqs 1..65535;
+  // max_blocks_per_seq · block_size at most kMaxContextTokens) and for options out of range
+  // (DecodeOptions::tokens_per_split).
   DecodePlan Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
                   const DecodeOptions& options = {}) const;
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
+  // The workspace must be 16-byte aligned (a device allocation is).
   // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·
   // block_size and block ids < num_blocks (as the CPU reference checks).
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
@@ -210,6 +216,8 @@ class CudaDecoder {
   SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half, bool shared_o) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).
   decode_detail::MaybeSplitVariant Variant(int group, const DecodePlan& plan) const;
+  // The workspace a plan's shape needs on this decoder.
+  int64_t WorkspaceBytes(const DecodePlan& plan) const;
 
   struct State;
   std::unique_ptr<State> state_;

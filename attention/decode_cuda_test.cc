@@ -851,7 +851,22 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   EXPECT_THROW(decoder.Plan(4, 32, 131072 / 16, {.tokens_per_split = 64}),
                Error);  // 2,048 splits > 256
   EXPECT_EQ(decoder.Plan(4, 32, 131072 / 16, {.tokens_per_split = 512}).max_splits, 256);
+  // Past 256 splits of 8,192 tokens a split's block ids overflowed their shared-memory array.
+  EXPECT_LE(decoder.Plan(4, 32, CudaDecoder::kMaxContextTokens / 16).tokens_per_split, 8192);
+  EXPECT_THAT([&] { decoder.Plan(4, 32, CudaDecoder::kMaxContextTokens / 16 + 1); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr("max_blocks_per_seq = 131073"),
+                  ::testing::HasSubstr("1 to 131072 (2097152 tokens at block size 16)"))));
   const DecodePlan plan = decoder.Plan(4, 32, 10);
+  // A plan of another decoder's shape is refused before it indexes anything of this one's: 128
+  // query heads over 8 KV heads are a group of 128 on 1 KV head (its occupancy tables end at 32).
+  const CudaDecoder one_head(Quantizer::Create("turboquant_4bit_nc", 128, 1, 16));
+  try {
+    one_head.Run(decoder.Plan(4, 128, 10), CudaDecodeArgs{}, nullptr);
+    ADD_FAILURE() << "a plan of group 16 on 8 KV heads was accepted on 1 KV head";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("not made by this decoder"));
+  }
   CudaDecodeArgs a;
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
   DeviceBuffer<uint8_t> small(16);
@@ -867,6 +882,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace_bytes = 16"));
+  }
+  DeviceBuffer<uint8_t> big(plan.workspace_bytes + 256);
+  a.workspace = big.data() + 4;  // partial outputs are float4
+  a.workspace_bytes = plan.workspace_bytes;
+  try {
+    decoder.Run(plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("a 16-byte aligned device pointer"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace ="));
   }
   // An uncompressed format of another element type than bf16 / fp16 is refused.
   Bf16BlockFormat f32 = MakeBf16BlockFormat(128, 8, 16);

@@ -33,10 +33,16 @@ bool Narrow(int64_t batch, int64_t context, const SplitKernelOccupancy& o, int64
 
 TEST(DecodePlanTest, EveryChoiceKeepsTheLimits) {
   std::mt19937 rng(std::random_device{}());
-  std::uniform_int_distribution<int64_t> len(1, 131072), seqs(1, 1024);
+  // Short contexts often, and up to the longest the decode kernels read (past 2,097,152 tokens
+  // splits grew past 8,192 and their block ids past the shared-memory array).
+  std::uniform_int_distribution<int64_t> len(1, 131072), seqs(1, 1024),
+      long_len(131072, CudaDecoder::kMaxContextTokens);
   std::uniform_int_distribution<int> sms(1, 200), resident(1, 4);
   for (int trial = 0; trial < 2000; ++trial) {
-    const int64_t max_len = len(rng), seq_heads = seqs(rng) * kKvHeads;
+    const int64_t max_len = trial == 0       ? CudaDecoder::kMaxContextTokens
+                            : trial % 2 == 0 ? long_len(rng)
+                                             : len(rng);
+    const int64_t seq_heads = seqs(rng) * kKvHeads;
     const SplitKernelOccupancy o{resident(rng),
                                  trial % 2 == 0,
                                  trial % 3 == 0,
