@@ -111,6 +111,7 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
   }
   const ScheduleResult r = m.Schedule(requests, batch_, options);
   if (r.admitted) {
+    step_pending_ = true;
     if (compressed_) compressed_->ApplyCopies(batch_.copies(), copy_stream_);
     if (bf16_) bf16_->ApplyCopies(batch_.copies(), copy_stream_);
   }
@@ -120,6 +121,11 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
 void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
                        std::span<const int32_t> logit_rows) {
   const int step = static_cast<int>(tokens.size());
+  // A step is computed once: again after its Commit it would overwrite committed K/V.
+  if (!step_pending_) {
+    throw Error(
+        fmt::format("{}: no scheduled step to compute (each Schedule is computed once)", where));
+  }
   if (!manager_ || step != batch_.num_tokens() || step == 0) {
     throw InvalidArgument(where, "tokens.size()", step,
                           fmt::format("the scheduled step's {} tokens",
@@ -142,6 +148,7 @@ void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
     const int32_t q0 = batch_.query_start_loc()[i], q1 = batch_.query_start_loc()[i + 1];
     for (int32_t t = q0; t < q1; ++t) positions_[t] = batch_.seq_lens()[i] - (q1 - t);
   }
+  step_pending_ = false;
 }
 
 CpuEngine::CpuEngine(const LlamaModel& model, KvPolicy policy)
@@ -348,9 +355,21 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   if (n < 1) return {};
   const int32_t blocks_needed =
       static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
+  for (int i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
+      throw InvalidArgument("CpuEngine::Forward", fmt::format("tokens[{}]", i), tokens[i],
+                            fmt::format("0 to {}", c.vocab - 1));
+    }
+  }
   Prepare(blocks_needed, "CpuEngine::Forward", n);
   KVCacheManager& m = *manager_;
   const SeqId seq = m.AddSequence(tokens);
+  // Freed on every exit: a throw below left it live, holding blocks the next call then missed.
+  struct FreeOnExit {
+    KVCacheManager& m;
+    SeqId seq;
+    ~FreeOnExit() { m.Free(seq); }
+  } free_on_exit{m, seq};
   const int d = c.head_dim, hk = c.num_kv_heads;
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
   ExactState exact_state;
@@ -388,7 +407,6 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     done = first + step;
     m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
   }
-  m.Free(seq);
   return logits;
 }
 

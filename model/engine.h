@@ -107,6 +107,7 @@ class Engine {
   // of a growing context keep one shape (CudaEngine's CUDA graphs).
   int32_t width_multiple_ = 1;
   StepBatch batch_;
+  bool step_pending_ = false;       // batch_ was scheduled and not yet computed
   std::vector<int32_t> positions_;  // the step's rows
 };
 

@@ -393,6 +393,38 @@ TEST(EngineTest, ServerRejectsBadInput) {
   EXPECT_THAT(message(Req({1, 49152}, 4)), ::testing::HasSubstr("49152"));
   EXPECT_THAT(message(Req({1, 2}, 0)), ::testing::HasSubstr("max_new_tokens"));
   EXPECT_THAT(message(Req({1, 2}, 4, {-1.0f, 0})), ::testing::HasSubstr("temperature"));
+  // SmolLM2's context_length is 8,192: a request past it is refused, as vLLM refuses one past
+  // max_model_len.
+  EXPECT_THAT(message(Req({1, 2}, 8191)),
+              ::testing::HasSubstr("prompt.size() + max_new_tokens = 8193"));
+  EXPECT_TRUE(server.idle());
+  // A step is computed once (again after its Commit it overwrote committed K/V).
+  const SeqId seq = engine.manager().AddSequence(std::vector<int32_t>{1, 2, 3});
+  const StepRequest step{seq, 3, 0};
+  ASSERT_TRUE(engine.Schedule(std::span<const StepRequest>(&step, 1)).admitted);
+  const std::vector<int32_t> tokens = {1, 2, 3}, rows = {2};
+  std::vector<int32_t> next(1);
+  engine.Compute(tokens, rows, nullptr, next.data());
+  engine.manager().Commit(seq, next);
+  EXPECT_THAT([&] { engine.Compute(tokens, rows, nullptr, next.data()); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step")));
+  engine.manager().Free(seq);
+  // A Forward that throws frees its sequence: it stayed live, holding the pool's 15 blocks, and
+  // the next call failed with "blocks missing".
+  EXPECT_THAT(
+      [&] {
+        engine.Forward(std::vector<int32_t>{5, 49152, 7}, 2);
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("tokens[1] = 49152")));
+  std::vector<int32_t> prompt(15 * 16);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i + 1);
+  EXPECT_EQ(engine.Forward(prompt, 64).size(), prompt.size() * 49152);
+  LayerErrors errors;
+  EXPECT_THAT([&] { engine.Forward(prompt, 64, &errors); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("from the prefix cache")));
+  EXPECT_EQ(engine.manager().Stats().num_sequences, 0);
+  for (int32_t& t : prompt) t += 1000;
+  EXPECT_EQ(engine.Forward(prompt, 64).size(), prompt.size() * 49152);
   EXPECT_TRUE(server.idle());
   EXPECT_FALSE(server.Step());
   EXPECT_EQ(server.Submit(Req({1, 2}, 2)), 0);  // ids start at 0: nothing was queued before

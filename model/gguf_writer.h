@@ -33,6 +33,9 @@ class GgufWriter {
   GgufWriter& String(const std::string& key, const std::string& value) {
     return Str(key).Put<uint32_t>(8).Str(value);
   }
+  GgufWriter& F32(const std::string& key, float value) {
+    return Str(key).Put<uint32_t>(6).Put<float>(value);
+  }
   GgufWriter& U32(const std::string& key, uint32_t value) {
     return Str(key).Put<uint32_t>(4).Put<uint32_t>(value);
   }

@@ -93,8 +93,43 @@ LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
   c.head_dim = c.hidden / c.num_heads;
   if (c.head_dim % 2 != 0) throw InvalidArgument(kWhere, "head_dim", c.head_dim, "even");
   c.rms_eps = static_cast<float>(f.GetFloat("llama.attention.layer_norm_rms_epsilon"));
+  if (!(std::isfinite(c.rms_eps) && c.rms_eps > 0.0f)) {
+    throw InvalidArgument(kWhere, "llama.attention.layer_norm_rms_epsilon", c.rms_eps,
+                          "finite and > 0");
+  }
   if (f.Find("llama.rope.freq_base") != nullptr) {
     c.rope_base = static_cast<float>(f.GetFloat("llama.rope.freq_base"));
+  }
+  if (!(std::isfinite(c.rope_base) && c.rope_base > 0.0f)) {
+    throw InvalidArgument(kWhere, "llama.rope.freq_base", c.rope_base, "finite and > 0");
+  }
+  // What this forward pass does not implement is refused, not ignored: RoPE over part of the
+  // head, RoPE scaling (linear, YaRN, Llama 3.1's rope_freqs), heads of another size than
+  // hidden / heads.
+  for (const char* key : {"llama.rope.dimension_count", "llama.attention.key_length",
+                          "llama.attention.value_length"}) {
+    if (f.Find(key) != nullptr && f.GetInt(key) != c.head_dim) {
+      throw InvalidArgument(
+          kWhere, key, f.GetInt(key),
+          fmt::format("{} (hidden / heads; other sizes are not implemented)", c.head_dim));
+    }
+  }
+  if (f.Find("llama.rope.scaling.type") != nullptr &&
+      f.GetString("llama.rope.scaling.type") != "none") {
+    throw InvalidArgument(kWhere, "llama.rope.scaling.type", f.GetString("llama.rope.scaling.type"),
+                          "none (RoPE scaling is not implemented)");
+  }
+  if (f.Find("llama.rope.scaling.factor") != nullptr &&
+      f.GetFloat("llama.rope.scaling.factor") != 1.0) {
+    throw InvalidArgument(kWhere, "llama.rope.scaling.factor",
+                          f.GetFloat("llama.rope.scaling.factor"),
+                          "1 (RoPE scaling is not implemented)");
+  }
+  if (f.HasTensor("rope_freqs.weight")) {
+    throw Error(
+        fmt::format("{}: tensor rope_freqs.weight (per-frequency RoPE scaling, as in Llama "
+                    "3.1) is not implemented",
+                    kWhere));
   }
   const GgufTensor& emb = f.Tensor("token_embd.weight");
   if (emb.dims.size() != 2 || emb.dims[0] != c.hidden) {
@@ -126,13 +161,15 @@ LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
 LlamaModel LlamaModel::RandomInit(const LlamaConfig& config, uint64_t seed) {
   const LlamaConfig& c = config;
   if (c.num_layers < 1 || c.hidden < 1 || c.ffn < 1 || c.num_heads < 1 || c.num_kv_heads < 1 ||
-      c.vocab < 1 || c.hidden % c.num_heads != 0 || c.num_heads % c.num_kv_heads != 0 ||
-      c.head_dim != c.hidden / c.num_heads || c.head_dim % 2 != 0) {
+      c.vocab < 1 || c.context < 1 || c.hidden % c.num_heads != 0 ||
+      c.num_heads % c.num_kv_heads != 0 || c.head_dim != c.hidden / c.num_heads ||
+      c.head_dim % 2 != 0) {
     throw Error(fmt::format(
         "LlamaModel::RandomInit: layers {}, hidden {}, ffn {}, heads {} / {}, head_dim {}, vocab "
-        "{}: need positive sizes, heads dividing hidden into an even head_dim, KV heads dividing "
-        "heads",
-        c.num_layers, c.hidden, c.ffn, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab));
+        "{}, context {}: need positive sizes, heads dividing hidden into an even head_dim, KV "
+        "heads dividing heads",
+        c.num_layers, c.hidden, c.ffn, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab,
+        c.context));
   }
   LlamaModel m;
   m.c_ = c;

@@ -7,11 +7,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
-#include <tuple>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "model/gguf.h"
+#include "model/gguf_writer.h"
 #include "model/tokenizer.h"
 #include "runtime/error.h"
 
@@ -82,6 +85,100 @@ TEST(LlamaTest, MatchesLlamaCpp) {
   EXPECT_LT(max_diff, 2.0);
 }
 
+// A one-layer model of F32 weights (hidden 8, 2 heads of 4, 1 KV head, ffn 8, vocab 5) with the
+// metadata `extra` writes (`extra_keys` entries), with `rope_freqs` that tensor too.
+std::vector<uint8_t> TinyLlamaGguf(int extra_keys, const std::function<void(GgufWriter&)>& extra,
+                                   bool rope_freqs = false, float eps = 1e-5f,
+                                   float freq_base = 10000.0f) {
+  constexpr int kHidden = 8, kKv = 4, kFfn = 8, kVocab = 5;
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> tensors = {
+      {"token_embd.weight", {kHidden, kVocab}},
+      {"output_norm.weight", {kHidden}},
+      {"blk.0.attn_norm.weight", {kHidden}},
+      {"blk.0.attn_q.weight", {kHidden, kHidden}},
+      {"blk.0.attn_k.weight", {kHidden, kKv}},
+      {"blk.0.attn_v.weight", {kHidden, kKv}},
+      {"blk.0.attn_output.weight", {kHidden, kHidden}},
+      {"blk.0.ffn_norm.weight", {kHidden}},
+      {"blk.0.ffn_gate.weight", {kHidden, kFfn}},
+      {"blk.0.ffn_up.weight", {kHidden, kFfn}},
+      {"blk.0.ffn_down.weight", {kFfn, kHidden}}};
+  if (rope_freqs) tensors.push_back({"rope_freqs.weight", {2}});
+  GgufWriter w;
+  w.Header(tensors.size(), 9 + extra_keys);
+  w.String("general.architecture", "llama");
+  w.U32("llama.block_count", 1);
+  w.U32("llama.embedding_length", kHidden);
+  w.U32("llama.feed_forward_length", kFfn);
+  w.U32("llama.attention.head_count", 2);
+  w.U32("llama.attention.head_count_kv", 1);
+  w.U32("llama.context_length", 64);
+  w.F32("llama.attention.layer_norm_rms_epsilon", eps);
+  w.F32("llama.rope.freq_base", freq_base);
+  extra(w);
+  uint64_t offset = 0;
+  for (const auto& [name, dims] : tensors) {
+    w.Str(name).Put<uint32_t>(static_cast<uint32_t>(dims.size()));
+    uint64_t n = 1;
+    for (uint64_t d : dims) w.Put<uint64_t>(d), n *= d;
+    w.Put<uint32_t>(0).Put<uint64_t>(offset);  // F32
+    offset += (n * 4 + 31) / 32 * 32;
+  }
+  w.Align(32);
+  for (const auto& [name, dims] : tensors) {
+    uint64_t n = 1;
+    for (uint64_t d : dims) n *= d;
+    for (uint64_t i = 0; i < n; ++i) w.Put<float>(0.01f * static_cast<float>(i % 7));
+    w.Align(32);
+  }
+  return w.bytes;
+}
+
+// Metadata the forward pass does not implement, or values it cannot run with, are refused by
+// name (RoPE scaling and a partial RoPE were ignored; freq_base 0 or eps -1 gave NaN logits).
+TEST(LlamaTest, RefusesMetadataItDoesNotImplement) {
+  const LlamaModel tiny =
+      LlamaModel::FromGguf(GgufFile::Parse(TinyLlamaGguf(0, [](GgufWriter&) {}), "tiny"));
+  EXPECT_EQ(tiny.config().head_dim, 4);
+  auto message = [](int keys, const std::function<void(GgufWriter&)>& extra,
+                    bool rope_freqs = false) {
+    try {
+      LlamaModel::FromGguf(GgufFile::Parse(TinyLlamaGguf(keys, extra, rope_freqs), "tiny"));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  using ::testing::HasSubstr;
+  EXPECT_THAT(message(1, [](GgufWriter& w) { w.String("llama.rope.scaling.type", "linear"); }),
+              HasSubstr("llama.rope.scaling.type = linear"));
+  EXPECT_EQ(message(1, [](GgufWriter& w) { w.String("llama.rope.scaling.type", "none"); }),
+            "no error");
+  EXPECT_THAT(message(1, [](GgufWriter& w) { w.F32("llama.rope.scaling.factor", 4.0f); }),
+              HasSubstr("llama.rope.scaling.factor = 4"));
+  EXPECT_THAT(message(1, [](GgufWriter& w) { w.U32("llama.rope.dimension_count", 2); }),
+              HasSubstr("llama.rope.dimension_count = 2"));
+  EXPECT_EQ(message(1, [](GgufWriter& w) { w.U32("llama.rope.dimension_count", 4); }), "no error");
+  EXPECT_THAT(message(1, [](GgufWriter& w) { w.U32("llama.attention.key_length", 8); }),
+              HasSubstr("llama.attention.key_length = 8"));
+  EXPECT_THAT(message(
+                  0, [](GgufWriter&) {}, /*rope_freqs=*/true),
+              HasSubstr("rope_freqs.weight"));
+  auto numbers = [](float eps, float base) {
+    try {
+      LlamaModel::FromGguf(GgufFile::Parse(TinyLlamaGguf(
+                                               0, [](GgufWriter&) {}, false, eps, base),
+                                           "tiny"));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(numbers(-1.0f, 10000.0f), HasSubstr("layer_norm_rms_epsilon = -1"));
+  EXPECT_THAT(numbers(1e-5f, 0.0f), HasSubstr("llama.rope.freq_base = 0"));
+  EXPECT_THAT(numbers(1e-5f, std::nanf("")), HasSubstr("llama.rope.freq_base = nan"));
+}
+
 // Random weights of a given shape: deterministic by seed, shaped as FromGguf's, refused for
 // shapes FromGguf refuses; the CPU forward pass runs on them.
 TEST(LlamaTest, RandomInit) {
@@ -93,6 +190,7 @@ TEST(LlamaTest, RandomInit) {
   c.num_kv_heads = 2;
   c.head_dim = 32;
   c.vocab = 300;
+  c.context = 64;
   const LlamaModel a = LlamaModel::RandomInit(c, 5), b = LlamaModel::RandomInit(c, 5);
   EXPECT_EQ(a.layer(1).wk, b.layer(1).wk);
   EXPECT_NE(a.layer(1).wk, LlamaModel::RandomInit(c, 6).layer(1).wk);
@@ -107,6 +205,9 @@ TEST(LlamaTest, RandomInit) {
   EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
   bad = c;
   bad.head_dim = 31;
+  EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
+  bad = c;
+  bad.context = 0;
   EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
 }
 

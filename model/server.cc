@@ -77,6 +77,16 @@ int Server::Submit(Request request) {
   if (request.max_new_tokens < 1) {
     throw InvalidArgument("Server::Submit", "max_new_tokens", request.max_new_tokens, ">= 1");
   }
+  // As vLLM refuses a request past max_model_len: positions past the trained context are not
+  // served.
+  const int context = engine_.model().config().context;
+  if (int64_t{request.max_new_tokens} + static_cast<int64_t>(request.prompt.size()) > context) {
+    throw InvalidArgument(
+        "Server::Submit", "prompt.size() + max_new_tokens",
+        int64_t{request.max_new_tokens} + static_cast<int64_t>(request.prompt.size()),
+        fmt::format("at most the model's context_length = {} ({} prompt tokens)", context,
+                    request.prompt.size()));
+  }
   if (!(request.sampling.temperature >= 0.0f) || std::isinf(request.sampling.temperature)) {
     throw InvalidArgument("Server::Submit", "sampling.temperature", request.sampling.temperature,
                           "finite and >= 0");
@@ -194,8 +204,8 @@ bool Server::Step() {
     for (const ScheduleRejection& rej : result.rejected) {
       if (!rej.never_fits) continue;
       Live& r = running_[live[rej.request_index]];
-      Finish(r, fmt::format("needs {} blocks, more than the pool's {}", rej.blocks_needed,
-                            m.Stats().num_blocks));
+      Finish(r, fmt::format("needs {} blocks, more than the pool's {}",
+                            rej.blocks_missing + m.Stats().num_blocks, m.Stats().num_blocks));
       dropped = true;
     }
     if (dropped) {

@@ -112,6 +112,9 @@ void RunEval(const EvalFlags& flags) {
     const bool is_bf16 = preset == "bf16";
     model::LayerErrors errors;
     for (int w = 0; w < windows; ++w) {
+      // Windows are scored apart: a window that repeats an earlier one's tokens would take them
+      // from the prefix cache, and Forward leaves such rows NaN.
+      if (w > 0) engine.manager().ClearPrefixCache();
       const Scores s =
           Score(engine.Forward(window_ids(w), flags.chunk, flags.diagnose ? &errors : nullptr),
                 window_ids(w), vocab);

@@ -47,3 +47,16 @@ check(bf16["kv_bytes_per_token"] == 23040, "bf16 KV bytes per token")
 check(runs[("turboquant_4bit_nc", 0)]["kv_bytes_per_token"] == 6300, "4bit_nc KV bytes")
 print("ok")
 PY
+# Windows that repeat each other's tokens are scored apart (they took the earlier window's K/V
+# from the prefix cache, whose rows Forward leaves NaN: perplexity nan).
+rep=${TEST_TMPDIR:-/tmp}/repeat.txt
+python3 -c "print(' the' * 400)" > "$rep"
+"$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --text "$rep" --tokens 64 --window 32 --chunk 32 \
+  --presets turboquant_4bit_nc --boundary-layers 0 --json "$out.repeat" >/dev/null || exit 1
+python3 - "$out.repeat" <<'PY'
+import json, math, sys
+for run in json.load(open(sys.argv[1]))["runs"]:
+    if run["ppl"] is None or not math.isfinite(run["ppl"]):
+        sys.exit(f"FAIL: repeated windows: perplexity {run['ppl']}")
+print("ok repeated windows")
+PY
