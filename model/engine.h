@@ -67,8 +67,10 @@ class Engine {
   // attended through the cache. For the rows in `logit_rows`: their logits into `logits`
   // [logit_rows.size(), vocab] and their argmax into `argmax` [logit_rows.size()] (host memory;
   // either may be null). A row's result depends only on its sequence's tokens and cache, not on
-  // the other rows of the batch. Throws tqkv::Error for a token count other than the step's, a
-  // token outside the vocabulary or a row outside the step.
+  // the other rows of the batch: bit for bit on the CPU; on CUDA up to the rounding of the GEMM
+  // algorithm cuBLAS picks for the batch's row count. Each Schedule is computed once. Throws
+  // tqkv::Error for a step not scheduled (or computed already), a token count other than the
+  // step's, a token outside the vocabulary or a row outside the step.
   virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                        float* logits, int32_t* argmax) = 0;
 
