@@ -34,6 +34,8 @@ class Tokenizer {
   const std::string& token(int32_t id) const;  // the vocabulary entry (byte-mapped characters)
   // The id of a vocabulary entry, or -1.
   int32_t Find(std::string_view token) const;
+  // Whether `id` (a valid id) is a control token, which Decode gives as its text.
+  bool IsControl(int32_t id) const { return special_.at(static_cast<size_t>(id)); }
 
   // Pre-tokenization alone (pieces of `text`, before the byte map and BPE). Exposed for tests.
   std::vector<std::string_view> PreTokenize(std::string_view text) const;

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of the fuzzers in tools/fuzz/ (standard library only; deterministic).
 
-  python3 tools/fuzz/make_corpus.py   # rewrites tools/fuzz/corpus/{safetensors,cli_inputs}/
+  python3 tools/fuzz/make_corpus.py   # rewrites tools/fuzz/corpus/{safetensors,cli_inputs,gguf}/
 
 safetensors/: valid files (every dtype, metadata, a scalar, empty tensors) and a few invalid ones.
 cli_inputs/: an 8-byte flag prefix (see cli_inputs_fuzzer.cc) then the --in file of a small
 `tqkv store` or `tqkv decode` (D 64, Hk 1, block 16).
+gguf/: GGUF files: GPT-2 tokenizers (every byte, merges, control tokens; one with an empty
+control token), a one-layer Llama of F32 weights (also with RoPE scaling, and with a Q8_0 output
+of the wrong shape), and a truncated file.
 """
 import json
 import math
@@ -142,9 +145,100 @@ def cli_seeds(rng):
     return seeds
 
 
+def gguf(metadata, tensors=(), alignment=32):
+    """metadata: (key, type, value) with type 4 u32, 6 f32, 7 bool, 8 string, or ("array", elem
+    type, values); tensors: (name, dims, ggml type, raw bytes)."""
+    def string(x):
+        b = x.encode() if isinstance(x, str) else x
+        return struct.pack("<Q", len(b)) + b
+
+    def scalar(t, v):
+        return {4: lambda: struct.pack("<I", v), 5: lambda: struct.pack("<i", v),
+                6: lambda: struct.pack("<f", v), 7: lambda: struct.pack("<B", v),
+                8: lambda: string(v)}[t]()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    for key, t, v in metadata:
+        out += string(key)
+        if isinstance(t, tuple):
+            out += struct.pack("<IIQ", 9, t[1], len(v)) + b"".join(scalar(t[1], x) for x in v)
+        else:
+            out += struct.pack("<I", t) + scalar(t, v)
+    offset, blobs = 0, b""
+    for name, dims, ggml_type, data in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", ggml_type, offset)
+        pad = -len(data) % alignment
+        blobs += data + b"\0" * pad
+        offset += len(data) + pad
+    out += b"\0" * (-len(out) % alignment)
+    return out + blobs
+
+
+def gpt2_byte_chars():
+    """GPT-2's byte -> character map (printable bytes stand for themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
+
+
+def gguf_seeds(rng):
+    arr = lambda t: ("array", t)
+    byte_chars = gpt2_byte_chars()
+    vocab = [byte_chars[b] for b in range(256)]
+    merges = ["H e", "l l", "He ll", "o \u0120", "\u0120 w", "1 2"]
+    vocab += [m.replace(" ", "") for m in merges] + ["<|im_start|>", "<|endoftext|>"]
+    types = [1] * (len(vocab) - 2) + [3, 3]
+    tokenizer = [
+        ("tokenizer.ggml.model", 8, "gpt2"), ("tokenizer.ggml.pre", 8, "smollm"),
+        ("tokenizer.ggml.tokens", ("array", 8), vocab), ("tokenizer.ggml.merges", ("array", 8), merges),
+        ("tokenizer.ggml.token_type", ("array", 5), types),
+        ("tokenizer.ggml.bos_token_id", 4, len(vocab) - 1), ("tokenizer.ggml.eos_token_id", 4, len(vocab) - 1),
+    ]
+    seeds = {"tokenizer_smollm": gguf(tokenizer)}
+    seeds["tokenizer_empty_control"] = gguf([
+        ("tokenizer.ggml.model", 8, "gpt2"), ("tokenizer.ggml.pre", 8, "gpt2"),
+        ("tokenizer.ggml.tokens", ("array", 8), ["a", "b", "ab", "", "<s>"]),
+        ("tokenizer.ggml.merges", ("array", 8), ["a b"]),
+        ("tokenizer.ggml.token_type", ("array", 5), [1, 1, 1, 3, 3]),
+    ])
+    hidden, kv, ffn, vocab_size = 8, 4, 8, 5
+    shapes = [("token_embd.weight", [hidden, vocab_size]), ("output_norm.weight", [hidden]),
+              ("blk.0.attn_norm.weight", [hidden]), ("blk.0.attn_q.weight", [hidden, hidden]),
+              ("blk.0.attn_k.weight", [hidden, kv]), ("blk.0.attn_v.weight", [hidden, kv]),
+              ("blk.0.attn_output.weight", [hidden, hidden]), ("blk.0.ffn_norm.weight", [hidden]),
+              ("blk.0.ffn_gate.weight", [hidden, ffn]), ("blk.0.ffn_up.weight", [hidden, ffn]),
+              ("blk.0.ffn_down.weight", [ffn, hidden])]
+    meta = [("general.architecture", 8, "llama"), ("llama.block_count", 4, 1),
+            ("llama.embedding_length", 4, hidden), ("llama.feed_forward_length", 4, ffn),
+            ("llama.attention.head_count", 4, 2), ("llama.attention.head_count_kv", 4, 1),
+            ("llama.context_length", 4, 64), ("llama.attention.layer_norm_rms_epsilon", 6, 1e-5),
+            ("llama.rope.freq_base", 6, 10000.0), ("llama.rope.dimension_count", 4, 4)]
+
+    def weights():
+        return [(name, dims, 0, f32([rng.gauss(0, 0.1) for _ in range(math.prod(dims))]))
+                for name, dims in shapes]
+
+    seeds["llama_f32"] = gguf(meta, weights())
+    # An output projection of Q8_0 blocks (an fp16 scale, 32 int8s), shaped [32, 5] where the
+    # model needs [8, 5]: the shape check's path, and Q8_0 for the fuzzer to mutate.
+    q8 = struct.pack("<e", 0.01) + bytes(rng.randrange(256) for _ in range(32))
+    seeds["llama_q8_output"] = gguf(meta, weights() + [("output.weight", [32, 5], 8, q8 * 5)])
+    seeds["llama_rope_scaled"] = gguf(meta + [("llama.rope.scaling.type", 8, "linear")], weights())
+    seeds["truncated"] = seeds["llama_f32"][: len(seeds["llama_f32"]) // 2]
+    return seeds
+
+
 def main():
     rng = random.Random(34)
-    for target, seeds in (("safetensors", safetensors_seeds(rng)), ("cli_inputs", cli_seeds(rng))):
+    for target, seeds in (("safetensors", safetensors_seeds(rng)), ("cli_inputs", cli_seeds(rng)),
+                          ("gguf", gguf_seeds(rng))):
         out = os.path.join(HERE, "corpus", target)
         os.makedirs(out, exist_ok=True)
         for old in os.listdir(out):

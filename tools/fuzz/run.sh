@@ -3,7 +3,7 @@
 # under AddressSanitizer + UndefinedBehaviorSanitizer, then runs each over its seed corpus
 # (tools/fuzz/corpus/<target>/, never modified) for a bounded time, all fuzzers at once.
 #
-#   tools/fuzz/run.sh [SECONDS_PER_FUZZER (default 30)] [TARGET...]   # targets: safetensors cli_inputs
+#   tools/fuzz/run.sh [SECONDS_PER_FUZZER (default 30)] [TARGET...]   # safetensors cli_inputs gguf
 #
 # Prints one line per fuzzer, "PASS  fuzz:<target> (...)" or "FAIL  fuzz:<target> (...)"; a
 # failing input is kept under the printed work directory (crashes/<target>/). Exits non-zero if
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 seconds=${1:-30}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors cli_inputs)
+((${#targets[@]})) || targets=(safetensors cli_inputs gguf)
 
 CXX=${CXX_FUZZ:-clang++}
 work=$(mktemp -d "${TMPDIR:-/tmp}/tqkv-fuzz.XXXXXX")
@@ -30,6 +30,7 @@ declare -A srcs=(
   [safetensors]="${runtime_srcs[*]}"
   [cli_inputs]="${runtime_srcs[*]} tools/cli_util.cc quant/block_format.cc quant/preset.cc
                 quant/codebook.cc quant/quantizer.cc quant/rotation.cc attention/decode_cpu.cc"
+  [gguf]="${runtime_srcs[*]} model/gguf.cc model/tokenizer.cc model/llama.cc"
 )
 
 # Compile every library source once (coverage-instrumented, no fuzzer main), in parallel.
@@ -57,10 +58,12 @@ for t in "${targets[@]}"; do
     continue
   fi
   mkdir -p "$work/corpus/$t" "$work/crashes/$t"
+  dict=tools/fuzz/safetensors.dict
+  [ -f "tools/fuzz/$t.dict" ] && dict=tools/fuzz/$t.dict
   # New inputs go to the first directory (the work copy); the checked-in seeds are only read.
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     "$work/${t}_fuzzer" -max_total_time="$seconds" -max_len=8192 -timeout=20 -rss_limit_mb=2048 \
-    -print_final_stats=1 -dict=tools/fuzz/safetensors.dict -artifact_prefix="$work/crashes/$t/" \
+    -print_final_stats=1 -dict="$dict" -artifact_prefix="$work/crashes/$t/" \
     "$work/corpus/$t" "tools/fuzz/corpus/$t" >"$work/$t.log" 2>&1 &
   pids+=("$t:$!")
 done
