@@ -258,6 +258,27 @@ int64_t Tensor::num_elements() const {
   return count;
 }
 
+namespace {
+
+// A name from a file as it goes into a message: at most 64 bytes, control bytes escaped (a
+// crafted name must not fill a terminal or move its cursor).
+std::string ShownName(std::string_view name) {
+  constexpr size_t kMaxShown = 64;
+  std::string out;
+  for (size_t i = 0; i < name.size() && i < kMaxShown; ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c < 0x20 || c == 0x7f) {
+      out += fmt::format("\\x{:02x}", c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (name.size() > kMaxShown) out += fmt::format("... ({} bytes)", name.size());
+  return out;
+}
+
+}  // namespace
+
 const Tensor& SafetensorsFile::at(std::string_view name) const {
   const auto it = tensors.find(name);
   if (it != tensors.end()) return it->second;
@@ -269,11 +290,12 @@ const Tensor& SafetensorsFile::at(std::string_view name) const {
       break;
     }
     if (listed > 0) present += ", ";
-    present += present_name;
+    present += ShownName(present_name);
     ++listed;
   }
   if (tensors.empty()) present = "(none)";
-  throw Error(fmt::format("{}: no tensor named '{}'; present: {}", source_name, name, present));
+  throw Error(
+      fmt::format("{}: no tensor named '{}'; present: {}", source_name, ShownName(name), present));
 }
 
 const Tensor& SafetensorsFile::Require(std::string_view name, DType dtype, int64_t rank) const {

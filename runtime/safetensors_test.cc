@@ -321,6 +321,27 @@ TEST(SafetensorsLookupTest, MissingTensorListsThePresentOnes) {
   EXPECT_THROW(file.Require("weights", DType::kF32, 1), Error);
 }
 
+// A crafted name (long, with terminal escapes) is shortened and escaped in the message: a 200 KB
+// name with ESC[2J made a 200 KB error that cleared the screen.
+TEST(SafetensorsLookupTest, NamesInMessagesAreShortenedAndEscaped) {
+  SafetensorsFile file;
+  file.source_name = "crafted";
+  const std::string long_name = "\x1b[2J" + std::string(200000, 'a');
+  file.tensors[long_name] = Tensor{DType::kU8, {1}, std::vector<uint8_t>(1)};
+  try {
+    file.at("\x07" "bell");
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_LT(what.size(), 300u);
+    EXPECT_EQ(what.find('\x1b'), std::string::npos);
+    EXPECT_EQ(what.find('\x07'), std::string::npos);
+    EXPECT_THAT(what, HasSubstr("'\\x07bell'"));
+    EXPECT_THAT(what, HasSubstr("\\x1b[2Jaaa"));
+    EXPECT_THAT(what, HasSubstr("... (200004 bytes)"));
+  }
+}
+
 TEST(SafetensorsLookupTest, RequireChecksDTypeAndRank) {
   const SafetensorsFile file = ParseSafetensors(SerializeSafetensors(EveryDTypeFile()), kSource);
   EXPECT_EQ(&file.Require("f32", DType::kF32, 2), &file.at("f32"));

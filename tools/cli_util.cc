@@ -236,7 +236,8 @@ void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_req
   cmd.add_option("--rotation", flags.rotation,
                  "hadamard (default), hadamard_signs, haar; a 'rotation' tensor in the input "
                  "file overrides it");
-  cmd.add_option("--seed", flags.seed, "seed of hadamard_signs / haar (default 0)");
+  cmd.add_option("--seed", flags.seed, "seed of hadamard_signs / haar (default 0)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 std::string ResolveModelPath(const std::string& path, std::string_view where) {
