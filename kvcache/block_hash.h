@@ -4,8 +4,11 @@
 // is the chain root: XXH3-128 of the cache-format tag (preset, head_dim, block size, rotation id)
 // and the sequence's extra key (cache salt, adapter id). The root enters every block's hash through
 // the chain, so two formats or two tenants never share a block, and equal hashes mean equal token
-// prefixes (up to a 2^-128 collision). The functions are public so that a router can compute the
-// same hashes from token ids and match them against the manager's events.
+// prefixes (up to an accidental collision, about n^2 / 2^129 for n cached blocks: a hit never
+// compares tokens). XXH3 is not a cryptographic hash and its secret is public: where tenants are
+// adversarial (one could craft a prompt whose blocks collide with another's), give each tenant
+// its own extra key that the others cannot guess. The functions are public so that a router can
+// compute the same hashes from token ids and match them against the manager's events.
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <limits>
 #include <utility>
@@ -115,7 +116,15 @@ void BlockPool::DropHash(int32_t id) {
   b.hash = BlockHash{};
 }
 
+void BlockPool::ReserveEvents(int64_t n) {
+  if (!record_events_) return;
+  const size_t needed = events_.size() + static_cast<size_t>(n);
+  // Geometric, as push_back's: events accumulate until TakeEvents.
+  if (needed > events_.capacity()) events_.reserve(std::max(needed, 2 * events_.capacity()));
+}
+
 int32_t BlockPool::Allocate(int priority) {
+  TQKV_CHECK(priority >= 0 && priority <= kMaxPriority);
   int32_t id = lists_[kFreeList].head;
   if (id >= 0) {
     Unlink(kFreeList, id);
@@ -137,6 +146,7 @@ int32_t BlockPool::Allocate(int priority) {
 }
 
 void BlockPool::Acquire(int32_t id, int priority) {
+  TQKV_CHECK(priority >= 0 && priority <= kMaxPriority);
   BlockMeta& b = blocks_[id];
   if (b.state == BlockState::kEvictable) {
     const int level = b.priority;

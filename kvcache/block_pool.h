@@ -103,6 +103,9 @@ class BlockPool {
   // Events since the last call (empty unless constructed with record_events).
   std::vector<KVEvent> TakeEvents();
   bool record_events() const { return record_events_; }
+  // Room for n more events (when recording), so that the state changes that emit them cannot
+  // fail halfway on an allocation.
+  void ReserveEvents(int64_t n);
 
   // Empty when the lists, states, counts and hash table agree; else the first disagreement.
   // `ref_counts[id]`, if not empty, is the expected ref count of every block (from the tables).

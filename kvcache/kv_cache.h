@@ -44,7 +44,8 @@ class KVCache {
   int64_t BlockOffset(int32_t block) const { return int64_t{block} * format_.block_bytes; }
 
   // Copies one whole block between host memory and the cache (bytes.size() == block_bytes()), for
-  // tests, debugging and swapping. Synchronous on kCuda.
+  // tests, debugging and swapping. Synchronous on kCuda, on the legacy default stream: work the
+  // caller queued on non-blocking streams (tqkv's Stream) must be synchronized first.
   void ReadBlock(int layer, int32_t block, std::span<uint8_t> bytes) const;
   void WriteBlock(int layer, int32_t block, std::span<const uint8_t> bytes);
 

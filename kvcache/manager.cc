@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <limits>
 
@@ -42,10 +43,16 @@ FormatTag WithBlockSize(FormatTag tag, int32_t block_size) {
   return tag;
 }
 
+uint64_t NextInstanceId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 KVCacheManager::KVCacheManager(const KVCacheManagerOptions& options)
     : options_(Validated(options)),
+      instance_id_(NextInstanceId()),
       block_size_(options.block_size),
       shift_(std::has_single_bit(static_cast<uint32_t>(options.block_size))
                  ? std::countr_zero(static_cast<uint32_t>(options.block_size))
@@ -252,12 +259,12 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   const int64_t pinned = PlanPrefixHits();                           // phase 2a
   const BlockDemand demand = PlanBlocks(requests, options);          // phase 2b
 
-  ++schedule_calls_;
   const int64_t available = int64_t{pool_.num_available()} - pinned + demand.reclaimable;
   ScheduleResult result;
   result.blocks_needed = demand.needed;
   result.blocks_available = available;
   if (demand.needed > available || demand.never_fits) {
+    ++schedule_calls_;
     Reject(requests, available, result);
     return result;
   }
@@ -280,6 +287,10 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
     if (needed > blocks.capacity()) blocks.reserve(std::max(needed, 2 * blocks.capacity()));
   }
   batch.copies_.reserve(copies);
+  // Events of phase 3: a BlockRemoved per eviction (at most one per allocation) and per
+  // unpublished block (at most one per request).
+  pool_.ReserveEvents(demand.needed + static_cast<int64_t>(requests.size()));
+  ++schedule_calls_;
 
   // Phase 3: hits, then window releases (so their blocks serve this batch), then copies and
   // allocations, then the batch.
@@ -573,8 +584,8 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t w
     int32_t* row = tables + i * static_cast<size_t>(width);
     StepBatch::RowState& written = batch.rows_[i];
     const int32_t length = static_cast<int32_t>(s.blocks.size());
-    if (written.owner == this && written.seq == r.seq && written.table_epoch == s.table_epoch &&
-        written.length <= length) {
+    if (written.owner == instance_id_ && written.seq == r.seq &&
+        written.table_epoch == s.table_epoch && written.length <= length) {
       // Same sequence, table only appended to: the row holds the old entries and nulls after.
       // std::copy, not memcpy: a sequence may have no blocks yet, and memcpy from the null
       // data() of an empty vector is undefined even for 0 bytes.
@@ -583,7 +594,7 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t w
       std::copy(s.blocks.begin(), s.blocks.end(), row);
       std::fill(row + length, row + width, kNullBlock);
     }
-    written = StepBatch::RowState{this, r.seq, s.table_epoch, length};
+    written = StepBatch::RowState{instance_id_, r.seq, s.table_epoch, length};
     seq_lens[i] = static_cast<int32_t>(end);
     query_start[i + 1] = static_cast<int32_t>(t);
     s.num_scheduled = end;
@@ -591,10 +602,10 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t w
   std::fill(slots + t, slots + padded_tokens, int64_t{-1});
   for (int32_t i = static_cast<int32_t>(requests.size()); i < padded_requests; ++i) {
     StepBatch::RowState& written = batch.rows_[static_cast<size_t>(i)];
-    if (written.owner != this || written.seq != StepBatch::kPaddingRow) {
+    if (written.owner != instance_id_ || written.seq != StepBatch::kPaddingRow) {
       std::fill(tables + static_cast<size_t>(i) * width,
                 tables + static_cast<size_t>(i + 1) * width, kNullBlock);
-      written = StepBatch::RowState{this, StepBatch::kPaddingRow, 0, 0};
+      written = StepBatch::RowState{instance_id_, StepBatch::kPaddingRow, 0, 0};
     }
     seq_lens[i] = 0;
     query_start[i + 1] = static_cast<int32_t>(t);

@@ -270,6 +270,7 @@ class KVCacheManager {
   void WriteBatch(std::span<const StepRequest> requests, int32_t width, StepBatch& batch);
 
   KVCacheManagerOptions options_;
+  const uint64_t instance_id_;  // never 0, never reused in the process (StepBatch rows)
   int32_t block_size_;
   int shift_;  // log2(block_size_), or -1 when it is not a power of two
   BlockPool pool_;

@@ -4,8 +4,12 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "runtime/error.h"
@@ -948,6 +952,72 @@ TEST(ManagerTest, ScheduleThatCannotAllocateItsBatchChangesNothing) {
   Step(m, b, s, 1);
   EXPECT_EQ(b.seq_lens()[0], 9);  // the cached 8 positions taken, then the new one
   EXPECT_EQ(m.GetSequenceInfo(s).num_cached_blocks, 2);
+}
+
+// The address space below the current use plus `headroom` bytes while alive, so that a large
+// allocation fails (as it would on a full machine) instead of being overcommitted.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(int64_t headroom) {
+    getrlimit(RLIMIT_AS, &old_);
+    std::ifstream statm("/proc/self/statm");
+    int64_t pages = 0;
+    statm >> pages;
+    rlimit lim = old_;
+    lim.rlim_cur = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE) + headroom);
+    setrlimit(RLIMIT_AS, &lim);
+  }
+  ~AddressSpaceLimit() { setrlimit(RLIMIT_AS, &old_); }
+
+ private:
+  rlimit old_{};
+};
+
+// A Schedule whose batch cannot be allocated leaves the batch's shape as it was: it set the new
+// width first, and the next step of that width kept the rows at the old width's stride.
+TEST(ManagerTest, BatchThatCannotBeReshapedKeepsItsShape) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit allows";
+#endif
+  KVCacheManager m(Options(16));
+  StepBatch b;
+  const SeqId a = m.AddSequence(Range(0, 4)), c = m.AddSequence(Range(100, 4));
+  const StepRequest first[] = {{a, 4, 0}, {c, 4, 0}};
+  ASSERT_TRUE(m.Schedule(first, b).admitted);
+  ASSERT_EQ(b.block_table_width(), 1);
+  m.Commit(a, std::vector<int32_t>{1});
+  m.Commit(c, std::vector<int32_t>{2});
+  const StepRequest next[] = {{a, 1, 0}, {c, 1, 0}};
+  const int64_t total_bytes = b.layout().total_bytes;
+  {
+    const AddressSpaceLimit limit(int64_t{256} << 20);
+    // 2^27 padded tokens: 1 GiB of slots.
+    EXPECT_ANY_THROW(m.Schedule(next, b, {.pad_tokens_to = 1 << 27, .block_table_width = 2}));
+  }
+  EXPECT_EQ(b.block_table_width(), 1);
+  EXPECT_EQ(b.layout().total_bytes, total_bytes);
+  ASSERT_TRUE(m.Schedule(next, b, {.block_table_width = 2}).admitted);
+  EXPECT_EQ(Row(b, 0), Vec(m.BlockTable(a)));
+  EXPECT_EQ(Row(b, 1), Vec(m.BlockTable(c)));
+}
+
+// A batch written by a manager that was destroyed, then filled by a new manager built in the
+// same place (whose sequence ids and table epochs start over): every row is rewritten.
+TEST(ManagerTest, BatchRowsOfADestroyedManagerAreNotReused) {
+  std::optional<KVCacheManager> m;
+  m.emplace(Options(16));
+  StepBatch x, y;
+  const SeqId old = m->AddSequence(Range(0, 4));
+  Step(*m, x, old, 4);
+  ASSERT_EQ(Row(x, 0), std::vector<int32_t>{1});
+  m.reset();
+  m.emplace(Options(16));
+  const SeqId s0 = m->AddSequence(Range(50, 4)), s1 = m->AddSequence(Range(60, 4));
+  ASSERT_EQ(s0, old);  // the same id, in a manager at the same address
+  Step(*m, y, s1, 4);  // takes block 1
+  Step(*m, x, s0, 4);
+  EXPECT_EQ(Row(x, 0), Vec(m->BlockTable(s0)));
+  EXPECT_NE(Row(x, 0), std::vector<int32_t>{1});
 }
 
 // Steady-state decode: the batch's buffers keep their addresses and capacity (a counting

@@ -124,7 +124,9 @@ class StepBatch {
   }
   // What a block-table row holds from an earlier step.
   struct RowState {
-    const void* owner = nullptr;  // the manager that wrote it
+    // The manager that wrote it (KVCacheManager's instance id: a manager built where a destroyed
+    // one lived has another, though its sequence ids and epochs start over).
+    uint64_t owner = 0;
     SeqId seq = kUnknownRow;
     uint32_t table_epoch = 0;  // the sequence's table epoch when written
     int32_t length = 0;        // entries written; the rest of the row is null
