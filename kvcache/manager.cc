@@ -431,7 +431,10 @@ KVCacheManager::BlockDemand KVCacheManager::PlanBlocks(std::span<const StepReque
       const bool shared = pool_.block(b).ref_count > 1 || block_mark_[b] == epoch_;
       p.cow = shared;
       p.unpublish = !shared && pool_.block(b).hashed;
-      if (shared) cow_writers_.emplace_back(b, static_cast<int32_t>(i));
+      if (shared) {
+        p.shared_block = b;
+        cow_writers_.emplace_back(b, static_cast<int32_t>(i));
+      }
     }
     demand.needed += p.new_blocks + (p.cow ? 1 : 0);
     if (p.table_len - p.release_to > usable) demand.never_fits = true;
@@ -457,6 +460,7 @@ int32_t KVCacheManager::KeepLastWriters() {
     if (static_cast<size_t>(block.ref_count) == last - first + 1 && block_mark_[b] != epoch_) {
       Plan& keeper = plans_[static_cast<size_t>(cow_writers_[last].second)];
       keeper.cow = false;
+      keeper.keeper = true;
       keeper.unpublish = block.hashed;
       ++saved;
     }
@@ -471,12 +475,18 @@ void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t avail
   const int32_t usable = pool_.num_usable();
   result.blocks_missing = std::max<int64_t>(0, result.blocks_needed - available);
   int64_t remaining = available;
+  std::vector<int32_t> copied_blocks_rejected;  // shared blocks of writers that did not fit
   for (size_t i = 0; i < requests.size(); ++i) {
     const Plan& p = plans_[i];
     ScheduleRejection rej;
     rej.request_index = static_cast<int32_t>(i);
     rej.seq = requests[i].seq;
-    rej.blocks_needed = p.new_blocks + (p.cow ? 1 : 0);
+    // A keeper copies after all when a co-writer before it is not admitted (it still holds it).
+    const bool copies =
+        p.cow ||
+        (p.keeper && std::find(copied_blocks_rejected.begin(), copied_blocks_rejected.end(),
+                               p.shared_block) != copied_blocks_rejected.end());
+    rej.blocks_needed = p.new_blocks + (copies ? 1 : 0);
     if (p.table_len - p.release_to > usable) {
       rej.never_fits = true;
       rej.blocks_missing = p.table_len - p.release_to - usable;
@@ -486,6 +496,7 @@ void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t avail
     } else {
       rej.blocks_missing = rej.blocks_needed - remaining;
     }
+    if (p.cow) copied_blocks_rejected.push_back(p.shared_block);
     result.rejected.push_back(rej);
   }
 }
@@ -548,8 +559,8 @@ void KVCacheManager::WriteBatch(std::span<const StepRequest> requests, int32_t w
     batch.prefix_hit_tokens_[i] = p.fresh ? static_cast<int32_t>(p.start) : 0;
     if (p.cow || p.unpublish) {
       int32_t& entry = s.blocks[static_cast<size_t>(BlockOf(p.start))];
-      // KeepLastWriters planned for sharers that copy away earlier in this batch; this is a
-      // guard, not a path the plan leaves open.
+      // A planned copy can turn out unneeded: a co-holder's sliding window released the block
+      // earlier in this phase (KeepLastWriters planned only for co-writers).
       if (p.cow && pool_.block(entry).ref_count == 1) {
         p.cow = false;
         p.unpublish = pool_.block(entry).hashed;

@@ -625,6 +625,25 @@ TEST(ManagerTest, AllSharersWritingInOneBatchNeedOneCopyFewerThanWriters) {
   m.CheckInvariants();
 }
 
+// Four forks share a partial block and two blocks are free: the last writer would keep the block
+// only if the writers before it were admitted, so where one of them is not, it copies too.
+TEST(ManagerTest, RejectionCountsTheLastWritersCopyWhenAnEarlierWriterDoesNotFit) {
+  KVCacheManager m(Options(5));  // 4 usable: 2 in use, 2 free
+  const SeqId parent = m.AddSequence(Range(0, 6));
+  StepBatch b;
+  Step(m, b, parent, 6);
+  m.Commit(parent, std::vector<int32_t>{6});
+  std::vector<StepRequest> reqs = {{parent, 1, 0}};
+  for (int i = 0; i < 3; ++i) reqs.push_back({m.Fork(parent), 1, 0});
+  const ScheduleResult r = m.Schedule(reqs, b);
+  ASSERT_FALSE(r.admitted);
+  EXPECT_EQ(r.blocks_needed, 3);
+  ASSERT_EQ(r.rejected.size(), 2u);
+  EXPECT_EQ(r.rejected[0].request_index, 2);
+  EXPECT_EQ(r.rejected[1].request_index, 3);  // it still shares the block with request 2
+  EXPECT_EQ(r.rejected[1].blocks_needed, 1);
+}
+
 // A holder outside the batch keeps the block: every writer copies.
 TEST(ManagerTest, SharersWritingBesideAnIdleHolderEachCopy) {
   KVCacheManager m(Options(6));  // 5 usable: 2 in use, 3 free

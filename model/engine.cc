@@ -364,12 +364,17 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   Prepare(blocks_needed, "CpuEngine::Forward", n);
   KVCacheManager& m = *manager_;
   const SeqId seq = m.AddSequence(tokens);
-  // Freed on every exit: a throw below left it live, holding blocks the next call then missed.
+  // Freed on every exit, and no step left to compute: a throw below left it live, holding blocks
+  // the next call then missed.
   struct FreeOnExit {
     KVCacheManager& m;
     SeqId seq;
-    ~FreeOnExit() { m.Free(seq); }
-  } free_on_exit{m, seq};
+    bool& step_pending;
+    ~FreeOnExit() {
+      m.Free(seq);
+      step_pending = false;
+    }
+  } free_on_exit{m, seq, step_pending_};
   const int d = c.head_dim, hk = c.num_kv_heads;
   std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
   ExactState exact_state;

@@ -409,8 +409,9 @@ TEST(EngineTest, ServerRejectsBadInput) {
   EXPECT_THAT([&] { engine.Compute(tokens, rows, nullptr, next.data()); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step")));
   engine.manager().Free(seq);
-  // A Forward that throws frees its sequence: it stayed live, holding the pool's 15 blocks, and
-  // the next call failed with "blocks missing".
+  // A token outside the vocabulary is refused before anything changes; a Forward that throws
+  // later (layer errors over a prefix hit) frees its sequence: it stayed live, holding the pool's
+  // 15 blocks, and the next call failed with "blocks missing".
   EXPECT_THAT(
       [&] {
         engine.Forward(std::vector<int32_t>{5, 49152, 7}, 2);

@@ -206,6 +206,20 @@ GgufValue ReadValue(Reader& r, uint32_t raw_type, const std::string& key, uint32
         r.Fail(fmt::format("metadata '{}': array of {} elements does not fit in the file", key,
                            count));
       }
+      switch (v.array_type) {  // the fits-in-file check above bounds count
+        case GgufType::kF32:
+        case GgufType::kF64:
+          v.floats.reserve(count);
+          break;
+        case GgufType::kString:
+          v.strings.reserve(count);
+          break;
+        case GgufType::kArray:
+          v.arrays.reserve(count);
+          break;
+        default:
+          v.ints.reserve(count);
+      }
       for (uint64_t k = 0; k < count; ++k) {
         GgufValue e = ReadValue(r, elem, key, depth + 1);
         switch (v.array_type) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <string_view>
 
 #include "runtime/error.h"
 
@@ -78,16 +79,18 @@ Codebook LloydMaxGaussian(int head_dim, int bits) {
 
 namespace {
 
-void CheckCentroids(std::span<const float> centroids, int bits, const char* where) {
+// `name`: how the caller calls the centroids ("centroids", "codebook.centroids").
+void CheckCentroids(std::span<const float> centroids, int bits, const char* where,
+                    std::string_view name) {
   if (bits < 2 || bits > 4) throw InvalidArgument(where, "bits", bits, "2, 3, 4");
   const size_t n = size_t{1} << bits;
   if (centroids.size() != n) {
-    throw InvalidArgument(where, "centroids.size()", centroids.size(),
+    throw InvalidArgument(where, fmt::format("{}.size()", name), centroids.size(),
                           fmt::format("{} (2^{} for {}-bit keys)", n, bits, bits));
   }
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(centroids[i]) || (i > 0 && !(centroids[i] > centroids[i - 1]))) {
-      throw InvalidArgument(where, fmt::format("centroids[{}]", i), centroids[i],
+      throw InvalidArgument(where, fmt::format("{}[{}]", name, i), centroids[i],
                             "finite and strictly increasing");
     }
   }
@@ -96,7 +99,7 @@ void CheckCentroids(std::span<const float> centroids, int bits, const char* wher
 }  // namespace
 
 Codebook CodebookFromCentroids(std::span<const float> centroids, int bits) {
-  CheckCentroids(centroids, bits, "CodebookFromCentroids");
+  CheckCentroids(centroids, bits, "CodebookFromCentroids", "centroids");
   Codebook book;
   book.bits = bits;
   book.centroids.assign(centroids.begin(), centroids.end());
@@ -108,14 +111,19 @@ void ValidateCodebook(const Codebook& codebook, int bits, const char* where) {
   if (codebook.bits != bits) {
     throw InvalidArgument(where, "codebook.bits", codebook.bits, fmt::format("{}", bits));
   }
-  CheckCentroids(codebook.centroids, bits, where);
+  CheckCentroids(codebook.centroids, bits, where, "codebook.centroids");
   // Bitwise: the CPU and CUDA stores bucketize against these exact fp32 values.
   const std::vector<float> midpoints = Midpoints(codebook.centroids);
-  if (codebook.midpoints.size() != midpoints.size() ||
-      !std::equal(midpoints.begin(), midpoints.end(), codebook.midpoints.begin())) {
-    throw InvalidArgument(
-        where, "codebook.midpoints.size()", codebook.midpoints.size(),
-        fmt::format("{} values (c[j] + c[j+1]) / 2 in fp32 of its centroids", midpoints.size()));
+  if (codebook.midpoints.size() != midpoints.size()) {
+    throw InvalidArgument(where, "codebook.midpoints.size()", codebook.midpoints.size(),
+                          fmt::format("{} (2^{} - 1)", midpoints.size(), bits));
+  }
+  for (size_t j = 0; j < midpoints.size(); ++j) {
+    if (codebook.midpoints[j] != midpoints[j]) {
+      throw InvalidArgument(
+          where, fmt::format("codebook.midpoints[{}]", j), codebook.midpoints[j],
+          fmt::format("{} ((c[{}] + c[{}]) / 2 in fp32)", midpoints[j], j, j + 1));
+    }
   }
 }
 

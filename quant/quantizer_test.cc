@@ -470,13 +470,13 @@ TEST(QuantizerTest, RejectsHandMadeRotationsAndCodebooks) {
   expect_error(h, extra, "codebook.midpoints.size() = 16");
   Codebook moved = LloydMaxGaussian(64, 4);
   moved.midpoints[3] += 0.01f;
-  expect_error(h, moved, "codebook.midpoints");
+  expect_error(h, moved, "codebook.midpoints[3]");
   Codebook unsorted = LloydMaxGaussian(64, 4);
   std::swap(unsorted.centroids[2], unsorted.centroids[3]);
-  expect_error(h, unsorted, "centroids[3]");
+  expect_error(h, unsorted, "codebook.centroids[3]");
   Codebook infinite = LloydMaxGaussian(64, 4);
   infinite.centroids[15] = INFINITY;
-  expect_error(h, infinite, "centroids[15] = inf");
+  expect_error(h, infinite, "codebook.centroids[15] = inf");
 }
 
 TEST(QuantizerTest, CacheOfMoreBlocksThanBlockIdsCanAddressIsAnError) {

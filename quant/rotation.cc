@@ -14,7 +14,7 @@ namespace {
 
 bool IsPowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
-uint64_t MatrixId(int head_dim, const std::vector<float>& matrix) {
+uint64_t MatrixId(int head_dim, std::span<const float> matrix) {
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
   XXH3_64bits_update(state, &head_dim, sizeof(head_dim));
@@ -182,6 +182,10 @@ void ValidateRotation(const Rotation& r, int head_dim, const char* where) {
       }
     }
   }
+}
+
+uint64_t RotationMatrixId(int head_dim, std::span<const float> matrix) {
+  return MatrixId(head_dim, matrix);
 }
 
 Rotation RotationFromMatrix(std::span<const float> matrix, int head_dim) {

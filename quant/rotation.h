@@ -44,6 +44,9 @@ struct Rotation {
 // z = sqrt(-2 ln u1) · cos(2π u2), filled row by row.
 Rotation MakeRotation(RotationKind kind, int head_dim, uint64_t seed);
 
+// Rotation::id of a matrix: XXH3-64 of (head_dim, the matrix's bytes).
+uint64_t RotationMatrixId(int head_dim, std::span<const float> matrix);
+
 // A caller-supplied Πᵀ ([head_dim, head_dim] row-major), used unchanged. Must be finite and
 // orthogonal to 1e-3 (max |Πᵀ·Π − I|), else tqkv::Error.
 Rotation RotationFromMatrix(std::span<const float> matrix, int head_dim);

@@ -304,7 +304,8 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   std::copy(lut.entries.begin(), lut.entries.end(), tables->lut);
   lut_ = lut.grid;
   // The table assumes |y| <= kLutRange for finite keys, true for any Πᵀ whose columns have norm
-  // near 1 (RotationFromMatrix checks orthogonality; a Rotation built by hand may not be).
+  // near 1 (RotationFromMatrix checks orthogonality; a caller may fill a Rotation with another
+  // matrix and its id).
   const std::vector<float>& pit = quantizer_.rotation().matrix;
   for (int j = 0; j < f.head_dim && lut_.cells > 0; ++j) {
     double col = 0;

@@ -902,8 +902,9 @@ TEST(StoreCudaTest, CloseMidpointsBucketizeByBinarySearch) {
   }
 }
 
-// The MMA path holds 2^8 · Πᵀ in fp16: a hand-made rotation with larger entries is refused with
-// a message that names the way out (the cuBLAS path), which takes it.
+// The MMA path holds 2^8 · Πᵀ in fp16: a rotation filled by a caller (its id computed as
+// rotation.h defines it; only RotationFromMatrix checks orthogonality) with larger entries is
+// refused with a message that names the way out (the cuBLAS path), which takes it.
 TEST(StoreCudaTest, MmaPathRefusesRotationsBeyondFp16) {
   TQKV_SKIP_WITHOUT_GPU();
   Rotation r;
@@ -911,6 +912,7 @@ TEST(StoreCudaTest, MmaPathRefusesRotationsBeyondFp16) {
   r.head_dim = 128;
   r.matrix.assign(128 * 128, 0.0f);
   for (int i = 0; i < 128; ++i) r.matrix[size_t(i) * 128 + i] = 1000.0f;
+  r.id = RotationMatrixId(128, r.matrix);
   const Quantizer q(PresetByName("turboquant_4bit_nc"), 128, 8, 16, r);
   for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kMma}) {
     StoreOptions o;

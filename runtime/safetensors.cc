@@ -503,8 +503,18 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
 
   // The rename below replaces the directory entry: through a symbolic link, write its target
   // (not the link), and never replace something that is not a regular file (a device node).
+  // (A dangling link resolves to itself in weakly_canonical: follow links by hand first.)
   std::error_code error_code;
-  const std::string path = std::filesystem::weakly_canonical(path_arg, error_code).string();
+  std::filesystem::path target = path_arg;
+  for (int hops = 0; std::filesystem::is_symlink(std::filesystem::symlink_status(target)); ++hops) {
+    if (hops == 40) {
+      throw Error(fmt::format("WriteSafetensors: {}: too many levels of symbolic links", path_arg));
+    }
+    const std::filesystem::path link = std::filesystem::read_symlink(target, error_code);
+    if (error_code) break;
+    target = link.is_absolute() ? link : target.parent_path() / link;
+  }
+  const std::string path = std::filesystem::weakly_canonical(target, error_code).string();
   if (error_code) {
     throw Error(
         fmt::format("WriteSafetensors: cannot resolve {}: {}", path_arg, error_code.message()));

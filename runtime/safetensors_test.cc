@@ -770,6 +770,11 @@ TEST(SafetensorsWriteTest, WritingThroughASymbolicLinkWritesItsTarget) {
   EXPECT_EQ(ReadSafetensors(dir + "/data/real.safetensors").tensors.size(),
             EveryDTypeFile().tensors.size());
   EXPECT_TRUE(DirectoryHasOnly(dir + "/data", {"real.safetensors"}));
+  // A dangling link: its target is created, the link stays.
+  std::filesystem::create_symlink("data/new.safetensors", dir + "/dangling.safetensors");
+  WriteSafetensors(dir + "/dangling.safetensors", EveryDTypeFile());
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/dangling.safetensors"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/data/new.safetensors"));
 }
 
 TEST(SafetensorsWriteTest, ReadOnlyDirectoryThrowsAndLeavesNoFile) {

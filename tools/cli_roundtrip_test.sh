@@ -125,6 +125,19 @@ expect_error "missing tensor" "no tensor named 'key'" \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 expect_error "bad block size" 'block_size = 24' \
   $TQKV store --preset turboquant_4bit_nc --block-size 24 --num-blocks 10 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
+# An empty sequence (seq_lens 0) has no query position for a windowed decode.
+python3 - "$tmp/q.safetensors" "$tmp/q0.safetensors" <<'PY'
+import json, struct, sys
+raw = bytearray(open(sys.argv[1], "rb").read())
+n = struct.unpack("<Q", raw[:8])[0]
+a, _ = json.loads(raw[8:8 + n])["seq_lens"]["data_offsets"]
+raw[8 + n + a:8 + n + a + 4] = struct.pack("<i", 0)
+open(sys.argv[2], "wb").write(raw)
+PY
+$TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --in "$tmp/q0.safetensors" --out "$tmp/q0out.safetensors"
+check "an empty sequence decodes without a window" test $? -eq 0
+expect_error "an empty sequence with --sliding-window" 'seq_lens\[0\] = 0.*--sliding-window' \
+  $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window 8 --in "$tmp/q0.safetensors" --out "$tmp/err.safetensors"
 expect_error "negative --sliding-window" 'sliding-window' \
   $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window -3 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 # A cache file records the format and rotation it was stored with; other flags are an error.

@@ -139,14 +139,30 @@ void RunDecode(const DecodeFlags& flags) {
   const int64_t batch = tensors.batch;
   const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
   CheckCacheMetadata(cache_file, q);
-  if (tensors.query_start_loc != nullptr || flags.sliding_window > 0) {
-    // Decode with a window runs as attention of one new token per sequence (the decode kernels
-    // read whole contexts).
+  // Decode runs as attention of one new token per sequence with a window (the decode kernels
+  // read whole contexts) and, on CUDA, past the longest context the decode kernels read (the
+  // attention kernels take any).
+  const bool beyond_decode =
+      flags.device == "cuda" &&
+      int64_t{tensors.max_blocks_per_seq} * q.format().block_size > CudaDecoder::kMaxContextTokens;
+  if (tensors.query_start_loc != nullptr || flags.sliding_window > 0 || beyond_decode) {
     std::vector<int32_t> one_each;
     std::span<const int32_t> loc;
     if (tensors.query_start_loc != nullptr) {
       loc = tensors.query_start_loc->values<int32_t>();
     } else {
+      const std::span<const int32_t> lens = tensors.seq_lens->values<int32_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        if (lens[static_cast<size_t>(b)] == 0) {
+          throw InvalidArgument(
+              "tqkv decode", fmt::format("seq_lens[{}]", b), 0,
+              fmt::format(">= 1 where decode runs as attention of one new token per sequence "
+                          "({})",
+                          flags.sliding_window > 0 ? "--sliding-window"
+                                                   : "a table past the decode kernels' longest "
+                                                     "context"));
+        }
+      }
       one_each.resize(static_cast<size_t>(batch) + 1);
       std::iota(one_each.begin(), one_each.end(), 0);
       loc = one_each;

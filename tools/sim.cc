@@ -400,7 +400,7 @@ SimReport RunSim(const SimConfig& c) {
       for (const ScheduleRejection& r : result.rejected) {
         if (r.never_fits) {
           throw Error(fmt::format("tqkv sim: a sequence needs {} blocks, more than the pool's {}",
-                                  r.blocks_needed, num_blocks - 1));
+                                  r.blocks_missing + num_blocks - 1, num_blocks - 1));
         }
       }
       // Preempt the lowest-priority sequence: the one admitted last (recomputed later).

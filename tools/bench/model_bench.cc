@@ -144,7 +144,10 @@ int Main(int argc, char** argv) {
   app.add_option("--model", model_path, "GGUF file (default: SmolLM2-135M's shape, random weights)");
   app.add_option("--presets", presets)->capture_default_str();
   app.add_option("--batches", batches)->capture_default_str();
-  app.add_option("--context", context)->capture_default_str();
+  app.add_option("--context", context,
+                 "prompt tokens per sequence; with the decoded tokens at most the model's "
+                 "context_length (SmolLM2: 8,192), as the server refuses longer requests")
+      ->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--step-tokens", step_tokens)->capture_default_str();
   app.add_option("--spec-tokens", spec, "drafts per decoding sequence and step (prompt lookup)")
