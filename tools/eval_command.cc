@@ -61,6 +61,11 @@ void RunEval(const EvalFlags& flags) {
   const model::GgufFile file =
       model::GgufFile::Open(ResolveModelPath(flags.model, "tqkv eval"));
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
+  if (flags.window > llama.config().context) {
+    throw InvalidArgument(
+        "tqkv eval", "--window", flags.window,
+        fmt::format("at most the model's context_length = {}", llama.config().context));
+  }
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
   std::ifstream in(flags.text, std::ios::binary);
   if (!in) throw InvalidArgument("tqkv eval", "--text", flags.text, "a readable text file");
@@ -194,8 +199,10 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--tokens", flags->tokens, "tokens of the text to score")
       ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();
-  cmd->add_option("--window", flags->window, "tokens per sequence (context of each window)")
-      ->check(CLI::Range(2, 8192))
+  cmd->add_option("--window", flags->window,
+                  "tokens per sequence (context of each window; at most the model's "
+                  "context_length)")
+      ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--chunk", flags->chunk, "prefill chunk (tokens per step)")
       ->check(CLI::Range(1, 8192))

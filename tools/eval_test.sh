@@ -47,6 +47,11 @@ check(bf16["kv_bytes_per_token"] == 23040, "bf16 KV bytes per token")
 check(runs[("turboquant_4bit_nc", 0)]["kv_bytes_per_token"] == 6300, "4bit_nc KV bytes")
 print("ok")
 PY
+# Windows past the model's context (SmolLM2: 8,192) are refused by name.
+if err=$("$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 64 --window 8193 2>&1); then
+  echo "FAIL: eval --window 8193 exited 0"; exit 1
+fi
+grep -q -- "--window = 8193.*context_length = 8192" <<<"$err" || { echo "FAIL: $err"; exit 1; }
 # Windows that repeat each other's tokens are scored apart (they took the earlier window's K/V
 # from the prefix cache, whose rows Forward leaves NaN: perplexity nan).
 rep=${TEST_TMPDIR:-/tmp}/repeat.txt
