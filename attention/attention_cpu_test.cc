@@ -7,8 +7,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <random>
+#include <vector>
 
 #include "attention/decode_cpu.h"
+#include "kvcache/manager.h"
+#include "kvcache/step_batch.h"
 #include "quant/numerics.h"
 #include "runtime/error.h"
 #include "tests/attention_scenario.h"
@@ -100,6 +105,127 @@ TEST(AttentionCpuTest, EachNewTokenAttendsLikeADecodeOfItsPrefix) {
       }
     }
   }
+}
+
+// A manager with a sliding window releases blocks as its sequences move on; attention with the
+// same window over its batches must read only blocks the manager keeps. Chunked prefills and
+// decode steps of three sequences run through two managers, one releasing behind a 40-token
+// window and one keeping everything, with the same K/V stored into each manager's own cache.
+// Before every store, each block outside the windowed manager's tables (the null block
+// included) is filled with NaN bytes: a read of a released block would show as NaN. The
+// outputs agree bit for bit.
+TEST(AttentionCpuTest, ManagerDrivenSlidingWindowReadsOnlyKeptBlocks) {
+  constexpr int kD = 64, kHk = 2, kHq = 4, kBlock = 16, kWindow = 40, kBlocks = 64, kChunk = 24;
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", kD, kHk, kBlock);
+  const int64_t block_bytes = q.format().block_bytes;
+  struct Side {
+    std::optional<KVCacheManager> m;
+    std::vector<uint8_t> cache;
+    StepBatch batch;
+    std::vector<SeqId> seqs;
+  } sides[2];
+  for (int w = 0; w < 2; ++w) {
+    KVCacheManagerOptions o;
+    o.num_blocks = kBlocks;
+    o.block_size = kBlock;
+    o.format = FormatTag{"turboquant_4bit_nc", kD, kBlock, q.rotation().id};
+    o.sliding_window = w == 0 ? kWindow : 0;
+    sides[w].m.emplace(o);
+    sides[w].cache.assign(static_cast<size_t>(kBlocks * block_bytes), 0);
+  }
+  const std::vector<int> prompt_lens = {70, 33, 5};
+  std::vector<int> computed(prompt_lens.size(), 0);
+  for (size_t i = 0; i < prompt_lens.size(); ++i) {
+    std::vector<int32_t> prompt(static_cast<size_t>(prompt_lens[i]));
+    for (int t = 0; t < prompt_lens[i]; ++t) prompt[t] = static_cast<int32_t>(100 * i + t);
+    for (Side& side : sides) side.seqs.push_back(side.m->AddSequence(prompt));
+  }
+  // K/V and queries of a (sequence, position): the same on both sides.
+  auto fill = [](std::vector<float>& v, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> n;
+    for (float& x : v) x = n(rng);
+  };
+  int windowed_rows = 0;
+  for (int step = 0; step < 40; ++step) {
+    std::vector<StepRequest> reqs;
+    std::vector<std::pair<int, int>> rows;  // (sequence, position) of each new token
+    for (size_t i = 0; i < prompt_lens.size(); ++i) {
+      const int n =
+          computed[i] < prompt_lens[i] ? std::min(kChunk, prompt_lens[i] - computed[i]) : 1;
+      for (int t = 0; t < n; ++t) rows.emplace_back(static_cast<int>(i), computed[i] + t);
+      reqs.push_back({sides[0].seqs[i], n, 0});
+    }
+    const int tokens = static_cast<int>(rows.size());
+    std::vector<float> key(static_cast<size_t>(tokens) * kHk * kD), value(key.size()),
+        query(static_cast<size_t>(tokens) * kHq * kD);
+    for (int r = 0; r < tokens; ++r) {
+      const uint64_t seed = 1000003ull * rows[r].first + static_cast<uint64_t>(rows[r].second);
+      std::vector<float> k(kHk * kD), v(kHk * kD), qr(kHq * kD);
+      fill(k, seed * 3);
+      fill(v, seed * 3 + 1);
+      fill(qr, seed * 3 + 2);
+      std::copy(k.begin(), k.end(), key.begin() + int64_t{r} * kHk * kD);
+      std::copy(v.begin(), v.end(), value.begin() + int64_t{r} * kHk * kD);
+      std::copy(qr.begin(), qr.end(), query.begin() + int64_t{r} * kHq * kD);
+    }
+    std::vector<float> out[2], lse[2];
+    for (int w = 0; w < 2; ++w) {
+      Side& side = sides[w];
+      for (size_t i = 0; i < reqs.size(); ++i) reqs[i].seq = side.seqs[i];
+      ASSERT_TRUE(side.m->Schedule(reqs, side.batch).admitted) << "step " << step;
+      if (w == 0) {
+        std::vector<bool> kept(kBlocks, false);
+        for (SeqId s : side.seqs) {
+          for (int32_t b : side.m->BlockTable(s)) {
+            if (b != kNullBlock) kept[static_cast<size_t>(b)] = true;
+          }
+        }
+        for (int b = 0; b < kBlocks; ++b) {
+          if (!kept[b])
+            std::fill_n(side.cache.data() + b * block_bytes, block_bytes, uint8_t{0xff});
+        }
+      }
+      StoreInputs in;
+      in.key = key.data();
+      in.value = value.data();
+      in.slot_mapping = side.batch.slot_mapping().data();
+      in.num_tokens = tokens;
+      q.StoreCpu(in, {side.cache.data(), kBlocks});
+      out[w].assign(static_cast<size_t>(tokens) * kHq * kD, NAN);
+      lse[w].assign(static_cast<size_t>(tokens) * kHq, NAN);
+      AttentionArgs a;
+      a.query = query.data();
+      a.num_seqs = static_cast<int>(reqs.size());
+      a.num_tokens = tokens;
+      a.num_q_heads = kHq;
+      a.query_start_loc = side.batch.query_start_loc().data();
+      a.seq_lens = side.batch.seq_lens().data();
+      a.block_tables = side.batch.block_tables().data();
+      a.max_blocks_per_seq = side.batch.block_table_width();
+      a.cache = {side.cache.data(), kBlocks};
+      a.sliding_window = kWindow;
+      a.output = out[w].data();
+      a.lse = lse[w].data();
+      AttentionCpu(q, a);
+    }
+    for (size_t i = 0; i < out[0].size(); ++i) {
+      ASSERT_TRUE(std::isfinite(out[0][i])) << "step " << step << ": a released block was read";
+      ASSERT_EQ(out[0][i], out[1][i]) << "step " << step;
+    }
+    EXPECT_EQ(lse[0], lse[1]) << "step " << step;
+    for (const auto& [i, pos] : rows) windowed_rows += pos >= kWindow;
+    for (size_t i = 0; i < prompt_lens.size(); ++i) {
+      computed[i] += reqs[i].num_new_tokens;
+      const bool sampled = computed[i] >= prompt_lens[i];
+      for (Side& side : sides) {
+        side.m->Commit(side.seqs[i], sampled ? std::vector<int32_t>{7} : std::vector<int32_t>{});
+      }
+    }
+  }
+  EXPECT_GT(windowed_rows, 60);
+  // The windowed manager released blocks behind its sequences; the other kept them all.
+  EXPECT_LT(sides[0].m->Stats().blocks_in_use, sides[1].m->Stats().blocks_in_use);
 }
 
 // With a sliding window W, the query at position p reads (p − W, p]: the decode of that range.
