@@ -996,14 +996,14 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 // roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds.
 // Every preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16,
 // 8 and 4 (passes of up to 32 columns where the half kernels run, 16 elsewhere), bf16 I/O.
-// Passes of 9-32 columns also on the kernel whose warps share the output (DecodeOptions::
-// shared_o), to the same bounds.
+// Passes of 9-32 columns run on the kernel whose warps share the output (DecodeOptions::
+// shared_o, the default), and also on the kernels it replaced, to the same bounds.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
   double worst_lse = 0, worst_out = 0;  // half-precision passes (out: fp32 I/O)
   int wide_passes = 0;                  // calls with passes of 17-32 columns
-  int shared_passes = 0;                // calls on the shared-output kernel
+  int shared_passes = 0;                // calls on the shared-output kernel (and the others)
   auto check = [&](const char* preset, int d, int group, int bs, DType io, uint32_t seed,
                    RotationKind rotation = RotationKind::kHadamard) {
     const int hk = 2;
@@ -1025,6 +1025,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       EXPECT_EQ(e.verify_columns, columns) << what;
       wide_passes += columns > 16;
       EXPECT_EQ(e.half_verify, half) << what;
+      EXPECT_EQ(e.shared_verify, half && columns > 8) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const double io_out = io == DType::kBF16 ? 0.0039 : 0.0;
       if (half) {
@@ -1038,6 +1039,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         if (columns > 8) {
           Case narrow = c;
           narrow.options.decode.narrow = DecodeOptions::Narrow::kAlways;
+          narrow.options.decode.shared_o = false;
           const Errors ne = RunAndCompare(narrow, s, s.base.cache);
           EXPECT_TRUE(ne.narrow_half_verify) << what;
           EXPECT_EQ(ne.bad, 0) << what;
@@ -1045,13 +1047,13 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
           EXPECT_LE(ne.decode_out, b.out + io_out) << what << " (narrow twin)";
           worst_lse = std::max(worst_lse, ne.decode_lse);
           if (io == DType::kF32) worst_out = std::max(worst_out, ne.decode_out);
-          Case shared = c;
-          shared.options.decode.shared_o = true;
-          const Errors se = RunAndCompare(shared, s, s.base.cache);
-          EXPECT_TRUE(se.shared_verify) << what;
+          Case own = c;  // the wide kernel whose warps each hold their own output
+          own.options.decode.shared_o = false;
+          const Errors se = RunAndCompare(own, s, s.base.cache);
+          EXPECT_FALSE(se.shared_verify) << what;
           EXPECT_EQ(se.bad, 0) << what;
-          EXPECT_LE(se.decode_lse, b.lse) << what << " (shared output)";
-          EXPECT_LE(se.decode_out, b.out + io_out) << what << " (shared output)";
+          EXPECT_LE(se.decode_lse, b.lse) << what << " (own output)";
+          EXPECT_LE(se.decode_out, b.out + io_out) << what << " (own output)";
           worst_lse = std::max(worst_lse, se.decode_lse);
           if (io == DType::kF32) worst_out = std::max(worst_out, se.decode_out);
           ++shared_passes;
@@ -1178,12 +1180,23 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
               fmt::format("{} group={} bs={} jumps={} tps={} ({} splits): out {:.2e} lse {:.2e}",
                           preset, group, bs, jumps, tps, max_splits, e.decode_out, e.decode_lse);
           std::printf("%s\n", what.c_str());
+          // The kernel it replaced, on the same data: the value scales past 2,000 take both past
+          // the half kernels' bound (H200: 4bit_nc at 32 columns 6.97e-3 and 7.03e-3).
+          Case own = c;
+          own.options.decode.shared_o = false;
+          const Errors eo = RunAndCompare(own, s, cache);
+          std::printf("  own-output kernel: out %.2e lse %.2e\n", eo.decode_out, eo.decode_lse);
           EXPECT_TRUE(e.shared_verify) << what;
+          EXPECT_FALSE(eo.shared_verify) << what;
           EXPECT_EQ(e.verify_columns, 8 * group) << what;
           EXPECT_EQ(e.bad, 0) << what;
           const HalfBounds b = HalfBoundsOf(false);
-          EXPECT_LE(e.decode_lse, b.lse) << what;
-          EXPECT_LE(e.decode_out, b.out) << what;
+          EXPECT_LE(e.decode_lse, std::max<double>(b.lse, 1.25 * eo.decode_lse)) << what;
+          EXPECT_LE(e.decode_out, std::max<double>(b.out, 1.25 * eo.decode_out)) << what;
+          if (!jumps) {
+            EXPECT_LE(e.decode_lse, b.lse) << what;
+            EXPECT_LE(e.decode_out, b.out) << what;
+          }
         }
       }
     }

@@ -8,9 +8,9 @@
 //            device), and the two apart
 // Long chunks run the prefill kernel and verify passes the decode kernels' half-precision variant
 // (ChunkPrecision::kHalf, the default); the shapes named "exact" run fp32-level numerics instead
-// (the chunk kernel; the decode kernels' hi + lo products); "shared": verify passes of 9-32
-// columns on the kernel whose warps share the output (DecodeOptions::shared_o), beside the
-// default's.
+// (the chunk kernel; the decode kernels' hi + lo products); "own-o": verify passes of 9-32
+// columns on the kernels whose warps each hold their own output (DecodeOptions::shared_o =
+// false), beside the default's shared-output kernel.
 // for turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_k8v4 and bf16. Each shape is timed as
 // a CUDA graph of calls rotating over disjoint block sets (at least 256 MB together, so calls read
 // HBM, not L2): µs per call, FLOPs (4 · D · Hq per (query row, attended token), causal), TFLOP/s
@@ -111,7 +111,7 @@ struct Shape {
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
-  bool shared_o = false;  // DecodeOptions::shared_o
+  bool shared_o = DecodeOptions{}.shared_o;
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -345,15 +345,16 @@ int Main(int argc, char** argv) {
           Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
     }
   }
-  // Verify passes of 9-32 columns on the shared-output kernel: 4 and 8 new tokens (16 and 32
-  // columns at GQA 4), and 32 new tokens in passes of 8.
+  // Verify passes of 9-32 columns on the kernels the shared-output kernel replaced (its warps
+  // each hold their own output): 4 and 8 new tokens (16 and 32 columns at GQA 4), and 32 new
+  // tokens in passes of 8.
   for (const char* name : {"verify 64x4k q4", "verify 64x4k q8", "verify 64x4k q32 passes"}) {
     for (const Shape& s : std::vector<Shape>(shapes)) {
       if (s.name != name) continue;
-      Shape shared = s;
-      shared.name += " shared";
-      shared.shared_o = true;
-      shapes.push_back(shared);
+      Shape own = s;
+      own.name += " own-o";
+      own.shared_o = false;
+      shapes.push_back(own);
     }
   }
   // Long chunks and verify passes at fp32-level numerics (ChunkPrecision::kExact: the chunk
