@@ -431,10 +431,7 @@ KVCacheManager::BlockDemand KVCacheManager::PlanBlocks(std::span<const StepReque
       const bool shared = pool_.block(b).ref_count > 1 || block_mark_[b] == epoch_;
       p.cow = shared;
       p.unpublish = !shared && pool_.block(b).hashed;
-      if (shared) {
-        p.shared_block = b;
-        cow_writers_.emplace_back(b, static_cast<int32_t>(i));
-      }
+      if (shared) cow_writers_.emplace_back(b, static_cast<int32_t>(i));
     }
     demand.needed += p.new_blocks + (p.cow ? 1 : 0);
     if (p.table_len - p.release_to > usable) demand.never_fits = true;
@@ -476,6 +473,10 @@ void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t avail
   result.blocks_missing = std::max<int64_t>(0, result.blocks_needed - available);
   int64_t remaining = available;
   std::vector<int32_t> copied_blocks_rejected;  // shared blocks of writers that did not fit
+  // The shared block a copy-on-write plan writes (nothing has changed yet).
+  auto shared_block = [&](const Plan& p) {
+    return p.seq->blocks[static_cast<size_t>(BlockOf(p.start))];
+  };
   for (size_t i = 0; i < requests.size(); ++i) {
     const Plan& p = plans_[i];
     ScheduleRejection rej;
@@ -485,7 +486,7 @@ void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t avail
     const bool copies =
         p.cow ||
         (p.keeper && std::find(copied_blocks_rejected.begin(), copied_blocks_rejected.end(),
-                               p.shared_block) != copied_blocks_rejected.end());
+                               shared_block(p)) != copied_blocks_rejected.end());
     rej.blocks_needed = p.new_blocks + (copies ? 1 : 0);
     if (p.table_len - p.release_to > usable) {
       rej.never_fits = true;
@@ -496,7 +497,7 @@ void KVCacheManager::Reject(std::span<const StepRequest> requests, int64_t avail
     } else {
       rej.blocks_missing = rej.blocks_needed - remaining;
     }
-    if (p.cow) copied_blocks_rejected.push_back(p.shared_block);
+    if (p.cow) copied_blocks_rejected.push_back(shared_block(p));
     result.rejected.push_back(rej);
   }
 }

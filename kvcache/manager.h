@@ -222,7 +222,6 @@ class KVCacheManager {
     bool cow = false;        // the block at start / block_size is shared: copy it
     bool unpublish = false;  // ... is ours alone but published: drop its hash
     bool keeper = false;     // ... is shared, and ours alone once the other writers copied it
-    int32_t shared_block = -1;  // that block, for a writer of a shared block
   };
 
   // Block index and offset of a position: shifts for a power-of-two block size (the usual case);
