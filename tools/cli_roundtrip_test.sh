@@ -138,6 +138,32 @@ $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --in "
 check "an empty sequence decodes without a window" test $? -eq 0
 expect_error "an empty sequence with --sliding-window" 'seq_lens\[0\] = 0.*--sliding-window' \
   $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window 8 --in "$tmp/q0.safetensors" --out "$tmp/err.safetensors"
+# Empty tensors are named: a cache of no blocks, block tables of no columns.
+python3 - "$tmp/q.safetensors" "$tmp/empty_cache.safetensors" "$tmp/q_w0.safetensors" <<'PY'
+import json, struct, sys
+def write(path, tensors, metadata=None):
+    header, blob = {}, b""
+    if metadata: header["__metadata__"] = metadata
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    text = json.dumps(header).encode(); text += b" " * (-len(text) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(text)) + text + blob)
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+header = json.loads(raw[8:8 + n])
+tensors = {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+           for k, v in header.items() if k != "__metadata__"}
+write(sys.argv[2], {"cache": ("U8", [0, 34816], b"")})
+b = tensors["seq_lens"][1][0]
+tensors["block_tables"] = ("I32", [b, 0], b"")
+tensors["seq_lens"] = ("I32", [b], struct.pack(f"<{b}i", *([0] * b)))
+write(sys.argv[3], tensors)
+PY
+expect_error "a cache of no blocks" "tensor 'cache' has shape \[0, 34816\]; dim 0 (NB" \
+  $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/empty_cache.safetensors" --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+expect_error "block tables of no columns" "tensor 'block_tables' has shape \[3, 0\]" \
+  $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --in "$tmp/q_w0.safetensors" --out "$tmp/err.safetensors"
 expect_error "negative --sliding-window" 'sliding-window' \
   $TQKV decode --preset turboquant_k3v4_nc --cache "$tmp/cache.safetensors" --sliding-window -3 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
 # A cache file records the format and rotation it was stored with; other flags are an error.

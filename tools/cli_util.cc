@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "runtime/error.h"
@@ -160,6 +161,15 @@ DecodeInputTensors RequireDecodeInputs(const SafetensorsFile& cache_file, const 
   t.num_q_heads = DimAsInt(in, "query", query, 1, "Hq, the query heads");
   t.head_dim = DimAsInt(in, "query", query, 2, "D, the head dim");
   t.max_blocks_per_seq = DimAsInt(in, "block_tables", tables, 1, "W, the blocks per sequence");
+  // (Empty, they have no data: the reference would report a null pointer, not which tensor.)
+  for (const auto& [file, name, tensor, dim, what] :
+       {std::tuple{&cache_file, "cache", &cache, 0, "NB, the cache's blocks"},
+        std::tuple{&in, "block_tables", &tables, 1, "W, the blocks per sequence"}}) {
+    if (tensor->shape[dim] < 1) {
+      throw Error(fmt::format("{}: tensor '{}' has shape [{}]; dim {} ({}) must be at least 1",
+                              file->source_name, name, fmt::join(tensor->shape, ", "), dim, what));
+    }
+  }
 
   // The KV head count follows from the cache's block_bytes.
   const Preset& preset = PresetByName(flags.preset);
