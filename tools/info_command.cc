@@ -63,13 +63,20 @@ void AddInfoCommand(CLI::App& app) {
   auto flags = std::make_shared<CapacityFlags>();
   auto* cmd = app.add_subcommand(
       "info", "Version, CUDA devices and preset sizes; with --memory, what fits in that memory");
-  cmd->add_option("--memory", flags->memory_gib, "KV-cache memory in GiB: print blocks and tokens "
-                                                 "that fit, next to bf16");
-  cmd->add_option("--preset", flags->preset, "a preset, bf16 or fp16")->capture_default_str();
-  cmd->add_option("--layers", flags->layers, "layers")->capture_default_str();
-  cmd->add_option("--kv-heads", flags->kv_heads, "KV heads")->capture_default_str();
-  cmd->add_option("--head-dim", flags->head_dim, "head dim")->capture_default_str();
-  cmd->add_option("--block-size", flags->block_size, "tokens per block")->capture_default_str();
+  auto* memory =
+      cmd->add_option("--memory", flags->memory_gib,
+                      "KV-cache memory in GiB: print blocks and tokens that fit, next to "
+                      "bf16");
+  // The shape flags describe the capacity table: without --memory they would be ignored.
+  cmd->add_option("--preset", flags->preset, "a preset, bf16 or fp16")
+      ->capture_default_str()
+      ->needs(memory);
+  cmd->add_option("--layers", flags->layers, "layers")->capture_default_str()->needs(memory);
+  cmd->add_option("--kv-heads", flags->kv_heads, "KV heads")->capture_default_str()->needs(memory);
+  cmd->add_option("--head-dim", flags->head_dim, "head dim")->capture_default_str()->needs(memory);
+  cmd->add_option("--block-size", flags->block_size, "tokens per block")
+      ->capture_default_str()
+      ->needs(memory);
   cmd->callback([flags] {
     std::string capacity;  // computed first: a bad flag is one error line, nothing else
     // Unset is 0; NaN fails the comparison; 2^33 GiB is 2^63 bytes.

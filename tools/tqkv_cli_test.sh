@@ -34,6 +34,10 @@ for bad in nan -1 inf 1e10; do
     test $rc -ne 0 -a "$(wc -l <<<"$out")" -eq 1 -a -n "$(grep -- '--memory' <<<"$out")"
 done
 
+out=$($TQKV info --preset turboquant_4bit_nc 2>&1); rc=$?
+check "info --preset without --memory: one line naming --memory, non-zero exit" \
+  test $rc -ne 0 -a "$(wc -l <<<"$out")" -eq 1 -a -n "$(grep -- '--memory' <<<"$out")"
+
 # tqkv sim: invalid flags give one clear line and a non-zero exit.
 sim_error() {  # sim_error DESCRIPTION PATTERN ARGS...
   local what=$1 pattern=$2; shift 2
