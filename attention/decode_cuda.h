@@ -96,8 +96,9 @@ struct DecodeOptions {
   // warps to one (decode_detail::SplitVariant::shared_o: 32 accumulator registers per thread
   // instead of 128, so two 8-warp CTAs per SM instead of two 4-warp ones;
   // attention/decode_split_shared.cuh), with the same numerics as the other half-precision
-  // kernels. H200, 64 × 4k at GQA 4 against the 4-warp kernels: 4 new tokens 108.9 -> 103.7 µs
-  // (4bit_nc) and 118.8 -> 113.9 (k3v4_nc), 8 new tokens 172.0 -> 164.5 and 186.2 -> 172.3.
+  // kernels. H200, 64 × 4k at GQA 4 against the 4-warp kernels, one run: 4 new tokens
+  // 110.4 -> 104.1 µs (4bit_nc) and 119.5 -> 113.8 (k3v4_nc), 8 new tokens 172.0 -> 165.9 and
+  // 187.2 -> 171.7.
   bool shared_o = true;
 };
 

@@ -352,6 +352,9 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
   const LlamaConfig& c = model_.config();
   const int n = static_cast<int>(tokens.size());
   if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
+  if (step_pending_) {
+    throw Error("CpuEngine::Forward: a scheduled step is not computed yet (Compute it first)");
+  }
   if (n < 1) return {};
   const int32_t blocks_needed =
       static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;

@@ -424,6 +424,9 @@ TEST(EngineTest, ServerRejectsBadInput) {
   EXPECT_THAT([&] { engine.Forward(prompt, 64, &errors); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("from the prefix cache")));
   EXPECT_EQ(engine.manager().Stats().num_sequences, 0);
+  // ... and leaves no step of its freed sequence to compute.
+  EXPECT_THAT([&] { engine.Compute(tokens, rows, nullptr, next.data()); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step")));
   for (int32_t& t : prompt) t += 1000;
   EXPECT_EQ(engine.Forward(prompt, 64).size(), prompt.size() * 49152);
   EXPECT_TRUE(server.idle());

@@ -206,19 +206,21 @@ GgufValue ReadValue(Reader& r, uint32_t raw_type, const std::string& key, uint32
         r.Fail(fmt::format("metadata '{}': array of {} elements does not fit in the file", key,
                            count));
       }
-      switch (v.array_type) {  // the fits-in-file check above bounds count
+      // Reserved up to a bound: an element takes several times the bytes it needs in the file,
+      // and a corrupt count should fail on its first bad element, not on the reservation.
+      const size_t reserve = static_cast<size_t>(std::min<uint64_t>(count, uint64_t{1} << 20));
+      switch (v.array_type) {
         case GgufType::kF32:
         case GgufType::kF64:
-          v.floats.reserve(count);
+          v.floats.reserve(reserve);
           break;
         case GgufType::kString:
-          v.strings.reserve(count);
+          v.strings.reserve(reserve);
           break;
         case GgufType::kArray:
-          v.arrays.reserve(count);
           break;
         default:
-          v.ints.reserve(count);
+          v.ints.reserve(reserve);
       }
       for (uint64_t k = 0; k < count; ++k) {
         GgufValue e = ReadValue(r, elem, key, depth + 1);

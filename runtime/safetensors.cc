@@ -506,7 +506,8 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
   // (A dangling link resolves to itself in weakly_canonical: follow links by hand first.)
   std::error_code error_code;
   std::filesystem::path target = path_arg;
-  for (int hops = 0; std::filesystem::is_symlink(std::filesystem::symlink_status(target)); ++hops) {
+  for (int hops = 0;
+       std::filesystem::is_symlink(std::filesystem::symlink_status(target, error_code)); ++hops) {
     if (hops == 40) {
       throw Error(fmt::format("WriteSafetensors: {}: too many levels of symbolic links", path_arg));
     }
@@ -514,6 +515,7 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
     if (error_code) break;
     target = link.is_absolute() ? link : target.parent_path() / link;
   }
+  // (symlink_status fails for a path that cannot be searched: weakly_canonical reports it.)
   const std::string path = std::filesystem::weakly_canonical(target, error_code).string();
   if (error_code) {
     throw Error(

@@ -66,7 +66,8 @@ void AddInfoCommand(CLI::App& app) {
   auto* memory =
       cmd->add_option("--memory", flags->memory_gib,
                       "KV-cache memory in GiB: print blocks and tokens that fit, next to "
-                      "bf16");
+                      "bf16")
+          ->check(CLI::PositiveNumber);
   // The shape flags describe the capacity table: without --memory they would be ignored.
   cmd->add_option("--preset", flags->preset, "a preset, bf16 or fp16")
       ->capture_default_str()

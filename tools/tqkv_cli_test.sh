@@ -28,7 +28,7 @@ out=$($TQKV info --memory 40 --preset nope 2>&1); rc=$?
 check "info --memory with a bad preset exits non-zero" test $rc -ne 0
 check "... with one line naming it" test "$(wc -l <<<"$out")" -eq 1
 
-for bad in nan -1 inf 1e10; do
+for bad in nan -1 0 inf 1e10; do
   out=$($TQKV info --memory $bad 2>&1); rc=$?
   check "info --memory $bad: one line naming it, non-zero exit" \
     test $rc -ne 0 -a "$(wc -l <<<"$out")" -eq 1 -a -n "$(grep -- '--memory' <<<"$out")"

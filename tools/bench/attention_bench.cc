@@ -397,6 +397,9 @@ int Main(int argc, char** argv) {
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
     s.decode_narrow = decode_narrow;
+    // The shared-output kernel takes precedence over the narrow choice: a narrow comparison runs
+    // on the kernels with their own outputs.
+    if (decode_narrow != DecodeOptions::Narrow::kAuto) s.shared_o = false;
   }
   if (!only_shape.empty()) {  // the shapes whose name contains it (one shape under ncu)
     std::erase_if(shapes,
