@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <numbers>
 
 #include "attention/codebook_fp16.h"
@@ -31,8 +33,11 @@ struct CudaDecoder::State {
   DeviceBuffer<uint32_t> codebook_table;  // decode_detail::CodebookTable (MSE keys)
   int sm_count = 0;
   // By 4 · shared_o + 2 · half + staged (DecodeOptions::shared_o, ::half, ::staged) and GQA
-  // group, filled on first use (0 = not yet asked).
-  int resident_per_sm[8][33] = {};
+  // group, filled on first use (0 = not yet asked) under the mutex: Plan and Run are const and may
+  // run on several threads. An entry's resident count is stored last (release), so a reader that
+  // sees it non-zero (acquire) sees its other two fields.
+  std::mutex occupancy_mutex;
+  std::atomic<int> resident_per_sm[8][33] = {};
   bool staged[8][33] = {};
   int narrow_resident_per_sm[8][33] = {};
   // MSE keys: the codebook table holds α·c as fp16 hi + lo parts (codebook_fp16.h), so scores
@@ -136,31 +141,37 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
                                                  bool shared_o) const {
   using decode_detail::KeyKind;
   const int k = 4 * int{shared_o} + 2 * int{half} + int{staged};
-  int& resident = state_->resident_per_sm[k][group];
+  std::atomic<int>& resident_entry = state_->resident_per_sm[k][group];
+  int resident = resident_entry.load(std::memory_order_acquire);
   if (resident == 0) {
-    int fit = 1, narrow_fit = 0;
-    const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
-    // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the narrow
-    // layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM: their
-    // paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
-    const decode_detail::MaybeSplitVariant wide =
-        decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
-                                          {staged, false, true, false, half, shared_o});
-    // (The shared-output kernel has no narrow layout: where it serves the group, none.)
-    [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
-        wide.variant.shared_o
-            ? decode_detail::MaybeSplitVariant{}
-            : decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
-                                                {staged, true, false, false, half});
-    TQKV_CHECK(wide.ok);
+    const std::lock_guard<std::mutex> lock(state_->occupancy_mutex);
+    resident = resident_entry.load(std::memory_order_relaxed);
+    if (resident == 0) {
+      int fit = 1, narrow_fit = 0;
+      const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
+      // The hi-only and exact twins of 3-bit keys' 8-warp kernel have the same occupancy; the
+      // narrow layout's is counted in 4-warp units: 3-bit keys' 4-warp kernel's CTAs (four per SM:
+      // their paired CTAs hold the same four units), 4-bit keys' paired CTAs times their two units.
+      const decode_detail::MaybeSplitVariant wide =
+          decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
+                                            {staged, false, true, false, half, shared_o});
+      // (The shared-output kernel has no narrow layout: where it serves the group, none.)
+      [[maybe_unused]] const decode_detail::MaybeSplitVariant narrow =
+          wide.variant.shared_o
+              ? decode_detail::MaybeSplitVariant{}
+              : decode_detail::ChooseSplitVariant(state_->key_kind, value_bits, head_dim(), group,
+                                                  {staged, true, false, false, half});
+      TQKV_CHECK(wide.ok);
 #if TQKV_HAVE_CUDA
-    TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
-    if (narrow.ok)
-      TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(narrow.variant, &narrow_fit));
+      TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(wide.variant, &fit));
+      if (narrow.ok)
+        TQKV_CUDA_CHECK(decode_detail::DecodeSplitCtasPerSm(narrow.variant, &narrow_fit));
 #endif
-    state_->staged[k][group] = wide.variant.staged();
-    state_->narrow_resident_per_sm[k][group] = narrow_fit;
-    resident = std::max(fit, 1);
+      state_->staged[k][group] = wide.variant.staged();
+      state_->narrow_resident_per_sm[k][group] = narrow_fit;
+      resident = std::max(fit, 1);
+      resident_entry.store(resident, std::memory_order_release);
+    }
   }
   SplitKernelOccupancy o{resident, state_->staged[k][group], state_->bf16,
                          state_->narrow_resident_per_sm[k][group]};
