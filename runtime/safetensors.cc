@@ -87,7 +87,12 @@ class DuplicateKeyChecker {
  public:
   explicit DuplicateKeyChecker(std::string_view source_name) : source_name_(source_name) {}
 
-  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
+  bool operator()(int depth, Json::parse_event_t event, Json& parsed) {
+    // A valid header nests 3 levels (object, tensor entry, shape); stopping far deeper input at
+    // the first excess level keeps its memory bounded (a 10 MB run of '[' took 540 MB).
+    if (depth > kMaxDepth) {
+      throw Error(fmt::format("{}: header nests deeper than {} levels", source_name_, kMaxDepth));
+    }
     switch (event) {
       case Json::parse_event_t::object_start:
         ++object_depth_;
@@ -116,6 +121,7 @@ class DuplicateKeyChecker {
 
  private:
   static constexpr int kCheckedDepth = 2;
+  static constexpr int kMaxDepth = 8;
   std::string_view source_name_;
   int object_depth_ = 0;
   std::vector<std::set<std::string>> keys_;
