@@ -552,20 +552,27 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     tp.tiles_pass = 1;
     TQKV_CUDA_CHECK(LaunchPrefillAttention(s.key_kind, s.value_bits, d, tp, stream));
   }
+  // Leading rows split over their contexts: the split grid lets the chunk or prefill kernel
+  // launch at its start and their merge comes last, so that the chunk's CTAs fill the split
+  // grid's tail instead of waiting for the merge (k8v4, 63 rows at 4k over three splits beside a
+  // 2,048-token chunk: the chunk started only once every split CTA had ended).
+  const bool defer_merge =
+      lead > 0 && plan.decode_plan.overlap_next && plan.decode_plan.max_splits > 1;
+  const auto lead_launch = defer_merge ? CudaDecoder::Launch::kSplits : CudaDecoder::Launch::kAll;
+  CudaDecodeArgs lead_args;
   if (lead > 0) {
-    CudaDecodeArgs da;
-    da.query = a.query;
-    da.query_dtype = a.query_dtype;
-    da.cache = a.cache;
-    da.block_tables = a.block_tables;
-    da.seq_lens = a.seq_lens;
-    da.scale = a.scale;
-    da.output = a.output;
-    da.output_dtype = a.output_dtype;
-    da.lse = a.lse;
-    da.workspace = ws + w.query + w.partial_out + w.partial_lse;
-    da.workspace_bytes = w.rows_workspace;
-    s.decoder.Run(plan.decode_plan, da, stream);
+    lead_args.query = a.query;
+    lead_args.query_dtype = a.query_dtype;
+    lead_args.cache = a.cache;
+    lead_args.block_tables = a.block_tables;
+    lead_args.seq_lens = a.seq_lens;
+    lead_args.scale = a.scale;
+    lead_args.output = a.output;
+    lead_args.output_dtype = a.output_dtype;
+    lead_args.lse = a.lse;
+    lead_args.workspace = ws + w.query + w.partial_out + w.partial_lse;
+    lead_args.workspace_bytes = w.rows_workspace;
+    s.decoder.RunColumns(plan.decode_plan, lead_args, nullptr, stream, lead_launch);
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
   // after the chunk kernel (the decode kernels have no sliding window).
@@ -683,6 +690,9 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     mp.head_dim = d;
     mp.max_splits = plan.max_splits;
     TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
+  }
+  if (defer_merge) {
+    s.decoder.RunColumns(plan.decode_plan, lead_args, nullptr, stream, CudaDecoder::Launch::kMerge);
   }
   if (decode_rows) TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
 }

@@ -69,6 +69,7 @@ struct Errors {
   int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
+  int decode_splits = 0;                  // the decode plan's max_splits
   bool decode = false;                    // AttentionPlan::decode
   bool prefill_tiles = false;             // AttentionPlan::prefill_tiles
 };
@@ -191,6 +192,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.verify_columns = plan.verify_rows ? plan.decode_plan.num_q_heads / attn.num_kv_heads() : 0;
   e.leading_decodes = plan.leading_decodes;
   e.overlap_next = plan.decode_plan.overlap_next;
+  e.decode_splits = plan.decode_plan.max_splits;
   e.decode = plan.decode;
   e.prefill_tiles = plan.prefill_tiles;
   if (c.keep_out != nullptr) *c.keep_out = o;
@@ -348,7 +350,7 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
 TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
-  int k = 0;
+  int k = 0, deferred_merges = 0;
   for (const char* preset : kPresetNames) {
     for (int d : {64, 128, 256}) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
@@ -827,7 +829,8 @@ TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
 // chunk and prefill kernels' grids start after them. Decode rows to the decode kernels' bounds,
 // the others to the kernel's own (the prefill kernel's half precision, the chunk kernel's exact
 // numerics), with splits (the merge of the rows after the leading ones), a sliding window (every
-// row on the chunk kernel) and a step of one-token sequences only.
+// row on the chunk kernel) and a step of one-token sequences only. The leading rows' contexts are
+// split, so that where the chunk kernel overlaps their decode, their merge runs after it.
 TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{300, 1000, 77, 700, 150, 2000}, {1, 1, 1, 200, 65, 300}};
@@ -845,7 +848,7 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
       ExpectWithin(e, kLseTol, what, DecodeBoundsOf(preset));
     }
   };
-  int k = 0;
+  int k = 0, deferred_merges = 0;
   for (const char* preset : kPresetNames) {
     for (int d : {64, 128, 256}) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
@@ -867,10 +870,12 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
         // a query prep lies between them (a rotated query that the chunk kernel does not rotate).
         const bool rotated = std::string_view(preset) != "turboquant_k8v4";
         EXPECT_EQ(e.overlap_next, !rotated || e.prefill_rotates) << what;
+        deferred_merges += e.overlap_next && e.decode_splits > 1 && c.window == 0 ? 1 : 0;
         check(e, preset, what);
       }
     }
   }
+  EXPECT_GE(deferred_merges, 3);  // the leading rows' merge did come after the chunk kernel
   {  // A dense Πᵀ: the chunk's query prep runs between the decode and the chunk kernel.
     const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16, RotationKind::kHaar, 5);
     const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 8, 995);

@@ -438,8 +438,8 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
 }
 
 void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
-                             const decode_detail::VerifyColumns* verify,
-                             StreamHandle stream) const {
+                             const decode_detail::VerifyColumns* verify, StreamHandle stream,
+                             Launch launch) const {
   constexpr const char* kWhere = "CudaDecoder::Run";
   const State& s = *state_;
   // A plan carries its shape; one made by another decoder of a different cache shape, or edited,
@@ -551,7 +551,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     qp.out = qbuf;
     qp.rows = static_cast<int>(rows);
     qp.head_dim = d;
-    TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
+    if (launch != Launch::kMerge) TQKV_CUDA_CHECK(LaunchQueryPrep(qp, stream));
     sp.query = qbuf;
     sp.query_dtype = DType::kF32;
   } else {
@@ -606,9 +606,12 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
       ctas >= int64_t{s.sm_count} *
                   (plan.narrow ? variants.narrow_resident_per_sm : variants.resident_per_sm);
   const bool overlap_next = plan.overlap_next && plan.dependent_launch && !query_prep;
-  sp.trigger_at_start = overlap_next && plan.max_splits == 1 ? 1 : 0;
-  TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, plan.variant, programmatic, stream));
-  if (plan.max_splits == 1) return;
+  // With the merge left for later, the kernel right after the split grid is the caller's.
+  sp.trigger_at_start = overlap_next && (plan.max_splits == 1 || launch == Launch::kSplits) ? 1 : 0;
+  if (launch != Launch::kMerge) {
+    TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, plan.variant, programmatic, stream));
+  }
+  if (plan.max_splits == 1 || launch == Launch::kSplits) return;
 
   MergeParams mp;
   mp.partial_out = partial_out;
@@ -624,7 +627,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   mp.max_splits = plan.max_splits;
   mp.num_kv_heads = num_kv_heads();
   if (verify != nullptr) mp.verify = *verify;
-  mp.trigger_at_start = overlap_next ? 1 : 0;
+  mp.trigger_at_start = overlap_next && launch == Launch::kAll ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else
   (void)s;

@@ -212,8 +212,13 @@ class CudaDecoder {
   // are the pass's columns (decode_detail::VerifyColumns), args.query, output and lse the call's
   // rows, args.seq_lens the call's; for a dense Πᵀ args.query is already q·Πᵀ in fp32 (the
   // caller's query prep over its rows).
+  // `launch`: kAll both kernels; kSplits the split kernel alone, which then lets the next kernel
+  // launch at its start (DecodePlan::overlap_next; with one split the same as kAll), and kMerge
+  // the merge alone, later in the stream (nothing where the plan has one split).
+  enum class Launch { kAll, kSplits, kMerge };
   void RunColumns(const DecodePlan& plan, const CudaDecodeArgs& args,
-                  const decode_detail::VerifyColumns* verify, StreamHandle stream) const;
+                  const decode_detail::VerifyColumns* verify, StreamHandle stream,
+                  Launch launch = Launch::kAll) const;
   // How the split kernel for a GQA group occupies an SM (cached), staged or not.
   SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half, bool shared_o) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).
