@@ -98,7 +98,8 @@ struct DecodeOptions {
   // attention/decode_split_shared.cuh), with the same numerics as the other half-precision
   // kernels. H200, 64 × 4k at GQA 4 against the 4-warp kernels, one run: 4 new tokens
   // 110.4 -> 104.1 µs (4bit_nc) and 119.5 -> 113.8 (k3v4_nc), 8 new tokens 172.0 -> 165.9 and
-  // 187.2 -> 171.7.
+  // 187.2 -> 171.7; on sm_90a its 17-32-column kernel runs both products as warpgroup MMAs (8 new
+  // tokens 163.0 -> 136.3 and 172.4 -> 145.4).
   bool shared_o = true;
 };
 

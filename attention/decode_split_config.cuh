@@ -9,6 +9,12 @@
 #include "attention/decode_launch.h"
 #include "attention/decode_variant.h"
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TQKV_SHARED_O_WGMMA 1  // Hopper's warpgroup MMAs (SplitKernelConfig::kSharedOWgmma)
+#else
+#define TQKV_SHARED_O_WGMMA 0
+#endif
+
 namespace tqkv::decode_detail {
 
 constexpr int kWarps = 4;   // per CTA, except the staged kernels'
@@ -185,6 +191,12 @@ struct SplitKernelConfig {
   static constexpr int kKSteps = kD / 16;
   static constexpr int kMTiles = kD / 16;
   static constexpr bool kSharedO = V.shared_o;
+  // The shared-output kernel's products as warpgroup MMAs (SharedOSplit), where the target has
+  // them (sm_90a; not the compute_90 PTX that later devices compile), for four N tiles: at two
+  // (9-16 columns) the MMAs' descriptor moves and fences outweigh the MMA instructions they save
+  // (measured slower: H200, 64 × 4k, 4 new tokens at GQA 4, 4bit_nc 103.0 -> 105.4 µs, k3v4_nc
+  // 113.6 -> 122.2).
+  static constexpr bool kSharedOWgmma = kSharedO && TQKV_SHARED_O_WGMMA && kNTiles == 4;
   static constexpr int kLutBytes = [] {
     if constexpr (kPlainStaged) {
       return Bf16StagedLayout<kD>::kBytes;
@@ -231,10 +243,13 @@ struct SplitKernelConfig {
       kStaged && !kPlainStaged && kSW == kStagedWarps && !kPaired && !kSharedO
           ? kMaxSplitTokens / 16 + 1 + (kStages - 1) * kSW
           : 0;
-  // The shared-output kernels: P' of a step's 8 chunks (per chunk and N tile two 8 x 8 fp16
-  // matrices, columns by token slot: SharedOSplit), then each group's column maxima (per column,
-  // one per warp of the group).
+  // The shared-output kernels: P' of a step's 8 chunks (SharedOSplit: per chunk and N tile two
+  // 8 x 8 fp16 matrices, columns by token slot; with warpgroup MMAs per group and column one row
+  // of its 4 chunks' 64 token slots), then each group's column maxima (per column, one per warp
+  // of the group).
   static constexpr int kPOffset = kIdsOffset + (kMaxIds * 4 + 15) / 16 * 16;
+  // The warpgroup MMAs' swizzled operands start on 1,024-byte boundaries of the shared window.
+  static_assert(!kSharedO || (kQueryOffset % 1024 == 0 && kPOffset % 1024 == 0));
   static constexpr int kPBytes = kSharedO ? kStagedWarps * kNTiles * 256 : 0;
   static constexpr int kRedOffset = kPOffset + kPBytes;
   static constexpr int kSmemBytes = kRedOffset + (kSharedO ? kStagedWarps * 8 * kNTiles * 4 : 0);
@@ -262,8 +277,17 @@ struct SplitKernelConfig {
   // of k-steps; rows are 256 bytes apart, so units 4t + j and 4(t + 2) + j share banks. The
   // units of a run are XOR-permuted by f = 2·(t / 2) + head mod 2: an 8-lane phase (g in {2i,
   // 2i + 1}, t = 0..3) then reads 8 distinct 16-byte bank groups.
+  // The shared-output kernel's warpgroup MMAs (kSharedOWgmma) read the rows as the score's B
+  // operand: K-major, 128-byte swizzle (attention/wgmma.cuh), k-steps 0-3 in a first atom of
+  // kQueryHeads rows of 128 bytes and 4-7 in a second, each k-step's 16 elements in the order of
+  // the key fragments' k index (a thread t's key elements d = 32t + 4s .. + 3 of k-step s are
+  // its k = 2t, 2t + 1, 2t + 8, 2t + 9).
   __host__ __device__ static constexpr int QueryAt(int head, int d) {
-    if constexpr (!kQueryInSmem) {
+    if constexpr (kSharedOWgmma) {
+      const int t = d >> 5, s = (d >> 2) & 7, i = d & 3;
+      const int pos = 16 * (s & 3) + 8 * (i >> 1) + 2 * t + (i & 1);  // in the atom's row
+      return (s >> 2) * kQueryHeads * 64 + head * 64 + 8 * ((pos >> 3) ^ (head & 7)) + (pos & 7);
+    } else if constexpr (!kQueryInSmem) {
       return head * kD + d;
     } else {
       const int f = (2 * ((d >> 6) & 1)) ^ (head & 1);

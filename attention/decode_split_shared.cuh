@@ -36,6 +36,16 @@
 // (k-slots 2t + 8, 2t + 9), i.e. d = 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place
 // (CacheTraits::RowsPair's trick), rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile
 // 1 (the bytes shifted down by 8) d = 32u + 4g + 2 and + 3.
+//
+// On sm_90a at four N tiles (17-32 columns; SplitKernelConfig::kSharedOWgmma) both products are
+// warpgroup MMAs of each group (wgmma, A from registers): per step 8 m64n32k16 MMAs for Sᵀ (the
+// 4 warps' chunks as the 64 rows, each warp's key fragments its rows; the query rows as the B
+// operand in shared memory, laid out by SplitKernelConfig::QueryAt) and 8 for Oᵀ (per chunk
+// m-tiles 0 and 1: each warp's rows are its d; P'ᵀ as the B operand, one 128-byte swizzled row
+// of the group's 64 token slots per column), where the m16n8k16 form takes 64 MMAs per warp and
+// step and loads the query and P' fragments itself. The same fp16 operands and fp32
+// accumulators, so the same numerics, in fewer instructions and with the tensor cores' work off
+// the warps' issue slots.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -49,8 +59,13 @@
 #include "attention/decode_launch.h"
 #include "attention/decode_split_config.cuh"
 #include "attention/decode_variant.h"
+#include "attention/wgmma.cuh"
 
 namespace tqkv::decode_detail {
+
+#if TQKV_SHARED_O_WGMMA
+namespace wgmma = attention_detail::wgmma;
+#endif
 
 __device__ __forceinline__ void SharedLdsmX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -118,8 +133,12 @@ struct SharedOSplit {
   static constexpr uint32_t kPitch = Layout::kPitch;
   static constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
   static constexpr uint32_t kValueUnit0 = kKeyBytes / 16;       // the first value unit of a slot
-  // Score chains per N tile: two (k-step parity) where there are two N tiles, else one.
-  static constexpr int kChains = kNT > 2 ? 1 : 2;
+  // Both products as warpgroup MMAs (Config::kSharedOWgmma), else one m16n8k16 MMA per warp,
+  // k-step and N tile.
+  static constexpr bool kWg = Config::kSharedOWgmma;
+  // Score chains per N tile of the m16n8k16 MMAs: two (k-step parity) where there are two N
+  // tiles, else one.
+  static constexpr int kChains = kNT > 2 || kWg ? 1 : 2;
   // The cache copies with the L2 evict-first policy, except 3-bit keys' (as SplitPipelines).
   static constexpr bool kStreamCopies = kKind != KeyKind::kMse3;
   static_assert(V.shared_o && V.half && kD == 128 && V.value_bits == 4 && !V.packed &&
@@ -217,6 +236,12 @@ struct SharedOSplit {
     issue(warp + kW, 1, warp + kW < num_chunks ? first_block_ids[1] : 0);
     CopyAsyncCommit();
     finish_prologue();
+#if TQKV_SHARED_O_WGMMA
+    if constexpr (kWg) {  // the prologue's query rows (plain stores), for the MMAs' reads
+      wgmma::FenceProxyAsync();
+      __syncthreads();
+    }
+#endif
     const uint32_t lane_word = Pinned(f.lane_word);
 
     State st;
@@ -235,6 +260,12 @@ struct SharedOSplit {
       }
     }
 
+    // Warps 0-3 and 4-7 are two groups (warpgroups), each with its own maximum, barrier and
+    // output (their partial outputs are merged at the end): a group waits only for its own four
+    // warps.
+    // (Broadcast from lane 0, so that the compiler knows it is warp-uniform and keeps the MMAs'
+    // descriptors, which derive from it, in uniform registers.)
+    const int group = kWg ? __shfl_sync(0xffffffffu, warp >> 2, 0) : warp >> 2;
     // Read offsets within a stage (StagedLayout's swizzles): keys of tokens 2g, 2g + 1 (+kPitch),
     // metadata of tokens 2g, 2g + 1; the value unit of this warp's quarter of head_dim for the
     // token this lane addresses in an ldmatrix of two chunks (matrix l / 8: chunk (l / 16), even
@@ -252,13 +283,33 @@ struct SharedOSplit {
     const uint32_t read_v =
         Pinned(kPitch * v_token + 16u * ((kValueUnit0 + (warp & 3)) ^ Layout::Swizzle(v_token)));
     const int v_chunk0 = 4 * (warp >> 2) + (lane >> 4);  // + 2 for the second ldmatrix
-    // P' of chunk q, N tiles nt and nt + 1: 4 matrices (tile nt's tokens 2g, then 2g + 1; tile
-    // nt + 1's) at P + 256·(kNT·q + nt), lane l addressing row l mod 8 of matrix l / 8.
+    // P' of a step. With warpgroup MMAs each group's P'ᵀ (Config::kPOffset + 128·kCols·group):
+    // row c (column c; 8-row groups 1,024 bytes apart) holds the 64 token slots of the group's 4
+    // chunks, chunk q in 16-byte units 2q (slots 0-7) and 2q + 1 (8-15), unit u of row c at u ^
+    // (c mod 8): the B operand of P·V, K-major with the 128-byte swizzle. Otherwise chunk q of
+    // the step, N tiles nt and nt + 1 at P + 256·(kNT·q + nt). An stmatrix / ldmatrix x4 of
+    // chunk q and N tiles nt, nt + 1 has lane l address row l mod 8 of matrix l / 8 (tile nt's
+    // slots 0-7, then 8-15; tile nt + 1's).
+    const uint32_t p_group = smem_base + Config::kPOffset + 128u * kCols * group;
     const uint32_t p_lane = Pinned(smem_base + Config::kPOffset + 16u * lane);
+    const uint32_t p_own =
+        kWg ? Pinned(p_group + 1024u * (lane >> 4) + 128u * (lane & 7) +
+                     16u * ((2u * (warp & 3) + ((lane >> 3) & 1u)) ^ (lane & 7u)))
+            : 0u;
     const uint32_t q_run = Pinned(QueryRun(smem_base, g, t));
-    // Warps 0-3 and 4-7 are two groups, each with its own maximum, barrier and output (their
-    // partial outputs are merged at the end): a group waits only for its own four warps.
-    const int group = warp >> 2;
+#if TQKV_SHARED_O_WGMMA
+    // The MMAs' descriptors: the query rows' k-steps (Config::QueryAt) and P'ᵀ's 4 chunks.
+    uint64_t q_desc[kKSteps], p_desc[4];
+    const uint32_t q_low = wgmma::DescriptorLow(smem_base + Config::kQueryOffset);
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      q_desc[ks] = wgmma::DescriptorOf(q_low + (ks >> 2) * (8u * kCols) + 2u * (ks & 3));
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      p_desc[q] = wgmma::DescriptorOf(wgmma::DescriptorLow(p_group) + 2u * q);
+    }
+#endif
     // The group's column maxima: [column][warp of the group].
     float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset) + group * kCols * kGW;
 
@@ -286,32 +337,53 @@ struct SharedOSplit {
       const uint32_t norm = SharedLoad4(meta), vscale = SharedLoad4(meta + 32);
       const uint32_t vzero = SharedLoad4(meta + 64);
 
-      // Scores (half precision: c_hi · q once, one MMA per k-step and N tile).
+      // Scores (half precision: c_hi · q once), Sᵀ[token, column] as m16n8 fragments: one
+      // warpgroup MMA per k-step (its 64 rows the group's 4 chunks, the query rows in shared
+      // memory), or one MMA per k-step and N tile.
       float sp[kChains][kNT][4];
+#if TQKV_SHARED_O_WGMMA
+      if constexpr (kWg) {
+        uint32_t a[kKSteps][4];
+        StaticFor<kKSteps>([&](auto ks_c) {
+          constexpr int ks = decltype(ks_c)::value;
+          Traits::template KeyFragHi<ks>(kg, k8, lane_word, a[ks]);
+        });
+        auto& d = reinterpret_cast<float(&)[kCols / 2]>(sp[0]);
+        wgmma::Fence();
+        StaticFor<kKSteps>([&](auto ks_c) {
+          constexpr int ks = decltype(ks_c)::value;
+          wgmma::MmaRS64xN<kCols, (ks > 0)>(d, a[ks], q_desc[ks]);
+        });
+        wgmma::Commit();
+        wgmma::Wait<0>();
+      } else
+#endif
+      {
 #pragma unroll
-      for (int k = 0; k < kChains; ++k) {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sp[k][nt][e] = 0.0f;
-        }
-      }
-      uint32_t qv[kNT][4];
-      StaticFor<kKSteps>([&](auto ks_c) {
-        constexpr int ks = decltype(ks_c)::value;
-        if constexpr (ks % 2 == 0) {
+        for (int k = 0; k < kChains; ++k) {
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) {
-            SharedLoad16((q_run ^ (16u * (ks / 2))) + 16u * kD * nt, qv[nt]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sp[k][nt][e] = 0.0f;
           }
         }
-        uint32_t a[4];
-        Traits::template KeyFragHi<ks>(kg, k8, lane_word, a);
+        uint32_t qv[kNT][4];
+        StaticFor<kKSteps>([&](auto ks_c) {
+          constexpr int ks = decltype(ks_c)::value;
+          if constexpr (ks % 2 == 0) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          MmaF16(sp[ks % kChains][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
-        }
-      });
+            for (int nt = 0; nt < kNT; ++nt) {
+              SharedLoad16((q_run ^ (16u * (ks / 2))) + 16u * kD * nt, qv[nt]);
+            }
+          }
+          uint32_t a[4];
+          Traits::template KeyFragHi<ks>(kg, k8, lane_word, a);
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            MmaF16(sp[ks % kChains][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
+          }
+        });
+      }
       float vs[2], vz[2], row_scale[2];
       bool valid[2] = {true, true};  // tokens 2g, 2g + 1
       const int t0 = begin + c * kChunk;
@@ -395,7 +467,7 @@ struct SharedOSplit {
       next_block = following;
 
       // P' = p · value scale in fp16, stored as P'ᵀ[column][k-slot] (module comment).
-      const uint32_t p_chunk = p_lane + 256u * kNT * warp;
+      const uint32_t p_chunk = kWg ? p_own : p_lane + 256u * kNT * warp;
 #pragma unroll
       for (int nt = 0; nt < kNT; nt += 2) {
         uint32_t packed[2][2];  // [N tile][token 2g / 2g + 1]
@@ -420,36 +492,68 @@ struct SharedOSplit {
             packed[k][r] = *reinterpret_cast<const uint32_t*>(&x);
           }
         }
-        SharedStsmX4Trans(p_chunk + 256u * nt, packed[0][0], packed[0][1], packed[1][0],
-                          packed[1][1]);
+        SharedStsmX4Trans(p_chunk + (kWg ? 1024u : 256u) * nt, packed[0][0], packed[0][1],
+                          packed[1][0], packed[1][1]);
       }
+#if TQKV_SHARED_O_WGMMA
+      if constexpr (kWg) wgmma::FenceProxyAsync();  // the stores, for the MMAs' reads
+#endif
       GroupSync(group);  // every group warp's P' and chunk of this step
 
-      // Oᵀ[d, column] += Vᵀ[d, token] · P'ᵀ[token, column] over chunks 4·(warp / 4) .. + 3.
+      // Oᵀ[d, column] += Vᵀ[d, token] · P'ᵀ[token, column] over chunks 4·(warp / 4) .. + 3: two
+      // warpgroup MMAs per chunk (m-tiles 0 and 1 of the 4 warps: all of head_dim), or four MMAs
+      // per chunk and pair of N tiles.
+      [[maybe_unused]] uint32_t va[4][2][4];  // [chunk][m-tile], for the warpgroup MMAs
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) {
         uint32_t v[4];  // chunk q, q + 1: even tokens, odd tokens
         SharedLdsmX4Trans(smem_base + Layout::Stage(v_chunk0 + 2 * pair, stage_index) + read_v, v);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const int q = 4 * group + 2 * pair + k;
           const uint32_t ve = v[2 * k], vo = v[2 * k + 1];
           const uint32_t ve8 = ve >> 8, vo8 = vo >> 8;
           const uint32_t a0[4] = {ve & 0x000F000Fu, ve & 0x00F000F0u, vo & 0x000F000Fu,
                                   vo & 0x00F000F0u};
           const uint32_t a1[4] = {ve8 & 0x000F000Fu, ve8 & 0x00F000F0u, vo8 & 0x000F000Fu,
                                   vo8 & 0x00F000F0u};
+          if constexpr (kWg) {
 #pragma unroll
-          for (int nt = 0; nt < kNT; nt += 2) {
-            uint32_t b[4];  // N tile nt: b0, b1; nt + 1: b0, b1
-            SharedLdsmX4(p_lane + 256u * (kNT * q + nt), b);
-            MmaF16(st.acc[0][nt], a0, b[0], b[1]);
-            MmaF16(st.acc[1][nt], a1, b[0], b[1]);
-            MmaF16(st.acc[0][nt + 1], a0, b[2], b[3]);
-            MmaF16(st.acc[1][nt + 1], a1, b[2], b[3]);
+            for (int x = 0; x < 4; ++x) {
+              va[2 * pair + k][0][x] = a0[x];
+              va[2 * pair + k][1][x] = a1[x];
+            }
+          } else {
+            const int q = 4 * group + 2 * pair + k;
+#pragma unroll
+            for (int nt = 0; nt < kNT; nt += 2) {
+              uint32_t b[4];  // N tile nt: b0, b1; nt + 1: b0, b1
+              SharedLdsmX4(p_lane + 256u * (kNT * q + nt), b);
+              MmaF16(st.acc[0][nt], a0, b[0], b[1]);
+              MmaF16(st.acc[1][nt], a1, b[0], b[1]);
+              MmaF16(st.acc[0][nt + 1], a0, b[2], b[3]);
+              MmaF16(st.acc[1][nt + 1], a1, b[2], b[3]);
+            }
           }
         }
       }
+#if TQKV_SHARED_O_WGMMA
+      if constexpr (kWg) {
+        wgmma::Fence();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            wgmma::MmaRS64xN<kCols, true>(reinterpret_cast<float(&)[kCols / 2]>(st.acc[mi]),
+                                          va[q][mi], p_desc[q]);
+          }
+        }
+        wgmma::Commit();
+        // Waited for here: a wait at the next step's scores instead (the MMAs running on into
+        // it) makes ptxas serialize every MMA, as the next chunk's key fragments are computed
+        // while they run.
+        wgmma::Wait<0>();
+      }
+#endif
     };
 
     // Steps whose 8 chunks every column sees whole, then the split's last steps (a partial chunk,

@@ -173,6 +173,61 @@ __device__ __forceinline__ void MmaRS64x64(float (&d)[32], const uint32_t (&a)[4
 #undef TQKV_WGMMA_RS64X64
 }
 
+// D (64 × N, fp32; N = 16 or 32: N / 2 accumulators per thread, 8-column group i in d[4i .. 4i +
+// 3] as an m16n8 fragment) = A · Bᵀ, plus D where kAccumulate: A 64 × 16 fp16 in registers (per
+// warp, the m16n8k16 A fragment of its 16 rows), B N × 16 fp16 from shared memory through a
+// descriptor (K-major, 128-byte swizzle). Without kAccumulate D is only written.
+template <int N, bool kAccumulate>
+__device__ __forceinline__ void MmaRS64xN(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  static_assert(N == 16 || N == 32);
+#define TQKV_WGMMA_A "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+#define TQKV_WGMMA_D8(M) M(d[0]), M(d[1]), M(d[2]), M(d[3]), M(d[4]), M(d[5]), M(d[6]), M(d[7])
+#define TQKV_WGMMA_D16(M) \
+  TQKV_WGMMA_D8(M), M(d[8]), M(d[9]), M(d[10]), M(d[11]), M(d[12]), M(d[13]), M(d[14]), M(d[15])
+#define TQKV_WGMMA_RW(x) "+f"(x)
+#define TQKV_WGMMA_W(x) "=f"(x)
+  if constexpr (N == 16) {
+    if constexpr (kAccumulate) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+          : TQKV_WGMMA_D8(TQKV_WGMMA_RW)
+          : TQKV_WGMMA_A);
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+          : TQKV_WGMMA_D8(TQKV_WGMMA_W)
+          : TQKV_WGMMA_A);
+    }
+  } else {
+    if constexpr (kAccumulate) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+          "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+          : TQKV_WGMMA_D16(TQKV_WGMMA_RW)
+          : TQKV_WGMMA_A);
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+          "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+          : TQKV_WGMMA_D16(TQKV_WGMMA_W)
+          : TQKV_WGMMA_A);
+    }
+  }
+#undef TQKV_WGMMA_A
+#undef TQKV_WGMMA_D8
+#undef TQKV_WGMMA_D16
+#undef TQKV_WGMMA_RW
+#undef TQKV_WGMMA_W
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace tqkv::attention_detail::wgmma
