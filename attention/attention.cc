@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "quant/block_format.h"
 #include "runtime/error.h"
 
 namespace tqkv {
@@ -15,14 +16,15 @@ bool FloatType(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DT
 
 }  // namespace
 
-void ValidateAttentionShapes(std::string_view where, const AttentionShape& shape,
+void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
                              const AttentionArgs& a) {
+  CheckCacheLayout(where, layout, a.cache.layout);
   if (a.num_seqs < 0) throw InvalidArgument(where, "num_seqs", a.num_seqs, ">= 0");
   if (a.num_tokens < 0) throw InvalidArgument(where, "num_tokens", a.num_tokens, ">= 0");
-  if (a.num_q_heads < 1 || a.num_q_heads % shape.num_kv_heads != 0) {
+  if (a.num_q_heads < 1 || a.num_q_heads % layout.num_kv_heads != 0) {
     throw InvalidArgument(
         where, "num_q_heads", a.num_q_heads,
-        fmt::format("a positive multiple of num_kv_heads = {}", shape.num_kv_heads));
+        fmt::format("a positive multiple of num_kv_heads = {}", layout.num_kv_heads));
   }
   if (a.max_blocks_per_seq < 0) {
     throw InvalidArgument(where, "max_blocks_per_seq", a.max_blocks_per_seq, ">= 0");
@@ -59,7 +61,7 @@ void ValidateAttentionShapes(std::string_view where, const AttentionShape& shape
   }
 }
 
-void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape,
+void ValidateAttentionArrays(std::string_view where, const CacheLayout& layout,
                              const AttentionArgs& a) {
   if (a.num_seqs == 0) return;
   if (a.query_start_loc[0] != 0) {
@@ -75,7 +77,7 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
           fmt::format("{} (query_start_loc[{}]) to num_tokens = {}", begin, b, a.num_tokens));
     }
   }
-  const int64_t max_len = int64_t{a.max_blocks_per_seq} * shape.block_size;
+  const int64_t max_len = int64_t{a.max_blocks_per_seq} * layout.block_size;
   for (int b = 0; b < a.num_seqs; ++b) {
     const int32_t begin = a.query_start_loc[b], end = a.query_start_loc[b + 1];
     const int32_t q_len = end - begin;
@@ -83,13 +85,13 @@ void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape
     if (len < q_len || len > max_len) {
       throw InvalidArgument(where, fmt::format("seq_lens[{}]", b), len,
                             fmt::format("the query length {} to {} ({} blocks x {} tokens)", q_len,
-                                        max_len, a.max_blocks_per_seq, shape.block_size));
+                                        max_len, a.max_blocks_per_seq, layout.block_size));
     }
     if (q_len == 0) continue;
     // The first position any of its queries reads.
     int64_t first = 0;
     if (a.sliding_window > 0) first = std::max<int64_t>(0, len - q_len - a.sliding_window + 1);
-    for (int64_t i = first / shape.block_size; i * shape.block_size < len; ++i) {
+    for (int64_t i = first / layout.block_size; i * layout.block_size < len; ++i) {
       const int32_t id = a.block_tables[int64_t{b} * a.max_blocks_per_seq + i];
       if (id < 0 || id >= a.cache.num_blocks) {
         throw InvalidArgument(where, fmt::format("block_tables[{}, {}]", b, i), id,

@@ -48,24 +48,18 @@ struct AttentionArgs {
   int64_t workspace_bytes = 0;
 };
 
-// The cache shape the arguments are checked against.
-struct AttentionShape {
-  int head_dim = 0;
-  int num_kv_heads = 0;
-  int block_size = 0;
-};
-
-// Checks what can be checked without reading the per-sequence arrays: counts, dtypes, the scale,
-// the window and null pointers (the arrays may be device memory). Throws tqkv::Error naming the
-// argument, its value and what is allowed.
-void ValidateAttentionShapes(std::string_view where, const AttentionShape& shape,
+// Checks what can be checked without reading the per-sequence arrays: the cache's layout is
+// `layout` (the one the call was made for: Quantizer::layout(), Bf16BlockFormat::layout()),
+// counts, dtypes, the scale, the window and null pointers (the arrays may be device memory).
+// Throws tqkv::Error naming the argument, its value and what is allowed.
+void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
                              const AttentionArgs& args);
 
 // Checks the per-sequence arrays, which must be host memory: query_start_loc (starts at 0,
 // non-decreasing, ends at num_tokens), seq_lens (q_len to max_blocks_per_seq · block_size) and
 // the block ids of the blocks each sequence's queries read (0 to num_blocks − 1; entries a
 // sliding window has released are not read and not checked).
-void ValidateAttentionArrays(std::string_view where, const AttentionShape& shape,
+void ValidateAttentionArrays(std::string_view where, const CacheLayout& layout,
                              const AttentionArgs& args);
 
 }  // namespace tqkv

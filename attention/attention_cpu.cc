@@ -102,8 +102,8 @@ struct PlainCache {
 // The reference itself: per sequence and KV head, the K/V its queries read are dequantized once,
 // then every (new token, query head of the group) row is a plain fp64 softmax over its range.
 template <typename Cache>
-void Attend(const Cache& cache, const AttentionShape& shape, const AttentionArgs& a) {
-  const int d = shape.head_dim, hk = shape.num_kv_heads;
+void Attend(const Cache& cache, const CacheLayout& layout, const AttentionArgs& a) {
+  const int d = layout.head_dim, hk = layout.num_kv_heads;
   const int group = a.num_q_heads / hk;
   const double scale = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> keys, values, q(d), acc(d), scores;
@@ -121,8 +121,8 @@ void Attend(const Cache& cache, const AttentionShape& shape, const AttentionArgs
       values.resize(static_cast<size_t>(len - first) * d);
       for (int32_t t = first; t < len; ++t) {
         const uint8_t* block =
-            a.cache.data + int64_t{table[t / shape.block_size]} * cache.block_bytes();
-        const int pos = t % shape.block_size;
+            a.cache.data + int64_t{table[t / layout.block_size]} * cache.block_bytes();
+        const int pos = t % layout.block_size;
         cache.Key(block, pos, h, keys.data() + int64_t{t - first} * d);
         cache.Value(block, pos, h, values.data() + int64_t{t - first} * d);
       }
@@ -165,11 +165,10 @@ void Attend(const Cache& cache, const AttentionShape& shape, const AttentionArgs
 }  // namespace
 
 void AttentionCpu(const Quantizer& quantizer, const AttentionArgs& args) {
-  const BlockFormat& f = quantizer.format();
-  const AttentionShape shape{f.head_dim, f.num_kv_heads, f.block_size};
-  ValidateAttentionShapes(kWhere, shape, args);
-  ValidateAttentionArrays(kWhere, shape, args);
-  Attend(TurboQuantCache{quantizer}, shape, args);
+  const CacheLayout layout = quantizer.layout();
+  ValidateAttentionShapes(kWhere, layout, args);
+  ValidateAttentionArrays(kWhere, layout, args);
+  Attend(TurboQuantCache{quantizer}, layout, args);
 }
 
 void AttentionCpu(const Bf16BlockFormat& format, const AttentionArgs& args) {
@@ -180,10 +179,10 @@ void AttentionCpu(const Bf16BlockFormat& format, const AttentionArgs& args) {
     throw InvalidArgument(kWhere, "format.block_bytes", format.block_bytes,
                           fmt::format("{} (MakeBf16BlockFormat)", checked.block_bytes));
   }
-  const AttentionShape shape{format.head_dim, format.num_kv_heads, format.block_size};
-  ValidateAttentionShapes(kWhere, shape, args);
-  ValidateAttentionArrays(kWhere, shape, args);
-  Attend(PlainCache{format}, shape, args);
+  const CacheLayout layout = format.layout();
+  ValidateAttentionShapes(kWhere, layout, args);
+  ValidateAttentionArrays(kWhere, layout, args);
+  Attend(PlainCache{format}, layout, args);
 }
 
 }  // namespace tqkv

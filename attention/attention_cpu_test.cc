@@ -1,5 +1,6 @@
 #include "attention/attention_cpu.h"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -36,7 +37,7 @@ Result RunCpu(const Quantizer& q, const AttentionScenario& s, int32_t window = 0
   Result r;
   r.out.assign(static_cast<size_t>(s.num_tokens) * s.num_q_heads * q.format().head_dim, NAN);
   r.lse.assign(static_cast<size_t>(s.num_tokens) * s.num_q_heads, NAN);
-  AttentionArgs a = testing::HostArgs(s, s.base.cache);
+  AttentionArgs a = testing::HostArgs(s, s.base.cache, q.layout());
   a.sliding_window = window;
   a.output = r.out.data();
   a.lse = r.lse.data();
@@ -60,7 +61,8 @@ Result DecodeOne(const Quantizer& q, const AttentionScenario& s, int b, int row,
   in.max_blocks_per_seq = s.base.max_blocks;
   in.seq_lens = &end;
   in.token_begin = begin;
-  DecodeCpu(q, {s.base.cache.data(), s.base.num_blocks}, in, {r.out.data(), r.lse.data()});
+  DecodeCpu(q, {s.base.cache.data(), s.base.num_blocks, q.layout()}, in,
+            {r.out.data(), r.lse.data()});
   return r;
 }
 
@@ -191,7 +193,7 @@ TEST(AttentionCpuTest, ManagerDrivenSlidingWindowReadsOnlyKeptBlocks) {
       in.value = value.data();
       in.slot_mapping = side.batch.slot_mapping().data();
       in.num_tokens = tokens;
-      q.StoreCpu(in, {side.cache.data(), kBlocks});
+      q.StoreCpu(in, {side.cache.data(), kBlocks, q.layout()});
       out[w].assign(static_cast<size_t>(tokens) * kHq * kD, NAN);
       lse[w].assign(static_cast<size_t>(tokens) * kHq, NAN);
       AttentionArgs a;
@@ -203,7 +205,7 @@ TEST(AttentionCpuTest, ManagerDrivenSlidingWindowReadsOnlyKeptBlocks) {
       a.seq_lens = side.batch.seq_lens().data();
       a.block_tables = side.batch.block_tables().data();
       a.max_blocks_per_seq = side.batch.block_table_width();
-      a.cache = {side.cache.data(), kBlocks};
+      a.cache = {side.cache.data(), kBlocks, q.layout()};
       a.sliding_window = kWindow;
       a.output = out[w].data();
       a.lse = lse[w].data();
@@ -256,7 +258,7 @@ TEST(AttentionCpuTest, PlainCachesMatchAttentionOverTheStoredValues) {
     const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
     const std::vector<uint8_t> cache = testing::StorePlain(s, f);
     std::vector<float> out(static_cast<size_t>(s.num_tokens) * hq * d), lse(s.num_tokens * hq);
-    AttentionArgs a = testing::HostArgs(s, cache);
+    AttentionArgs a = testing::HostArgs(s, cache, f.layout());
     a.output = out.data();
     a.lse = lse.data();
     AttentionCpu(f, a);
@@ -292,7 +294,7 @@ TEST(AttentionCpuTest, HalfPrecisionQueriesAndOutputs) {
   for (DType out_type : {DType::kF16, DType::kBF16}) {
     std::vector<uint16_t> out(f32.out.size());
     std::vector<float> lse(f32.lse.size());
-    AttentionArgs a = testing::HostArgs(s, s.base.cache);
+    AttentionArgs a = testing::HostArgs(s, s.base.cache, q.layout());
     a.query = q16.data();
     a.query_dtype = DType::kBF16;
     a.output = out.data();
@@ -326,7 +328,7 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
     EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == -7.0f; }));
   };
-  const AttentionArgs good = testing::HostArgs(s, s.base.cache);
+  const AttentionArgs good = testing::HostArgs(s, s.base.cache, q.layout());
   AttentionArgs a = good;
   a.num_q_heads = 3;
   expect_throw(a, "num_q_heads = 3; allowed: a positive multiple of num_kv_heads = 2");
@@ -361,11 +363,25 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
   a = good;
   a.scale = -1.0f;
   expect_throw(a, "scale = -1");
+  // A cache of another layout: its blocks would be read at the wrong offsets.
+  const CacheLayout own = q.layout();
+  for (const CacheLayout& other :
+       {CacheLayout{"turboquant_k3v4_nc", own.head_dim, own.num_kv_heads, own.block_size},
+        CacheLayout{own.format, own.head_dim, own.num_kv_heads, 2 * own.block_size},
+        CacheLayout{own.format, own.head_dim, 2 * own.num_kv_heads, own.block_size},
+        MakeBf16BlockFormat(own.head_dim, own.num_kv_heads, own.block_size).layout(),
+        CacheLayout{}}) {
+    a = good;
+    a.cache.layout = other;
+    expect_throw(a, fmt::format("invalid cache.layout = ({}); allowed: the layout this call was "
+                                "made for ({})",
+                                DescribeLayout(other), DescribeLayout(own)));
+  }
   // A start that decreases after a valid one is named, not the length it makes look wrong.
   AttentionScenario three = BuildAttention(q, {30, 20, 12}, {5, 2, 3}, 4, 12);
   std::vector<int32_t> loc3 = three.query_start_loc;  // {0, 5, 7, 10}
   loc3[2] = 1;
-  AttentionArgs b = testing::HostArgs(three, three.base.cache);
+  AttentionArgs b = testing::HostArgs(three, three.base.cache, q.layout());
   b.query_start_loc = loc3.data();
   std::vector<float> out3(static_cast<size_t>(three.num_tokens) * 4 * 64),
       lse3(three.num_tokens * 4);

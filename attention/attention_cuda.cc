@@ -30,7 +30,7 @@ struct CudaAttention::State {
   Bf16BlockFormat plain_format;
   KeyKind key_kind = KeyKind::kMse4;
   int value_bits = 16;
-  AttentionShape shape;
+  CacheLayout layout;                      // what the caches of its calls must be
   DeviceBuffer<float> rotation;            // MSE keys: dense Πᵀ [D, D] for the query prep
   DeviceBuffer<float> rotation_fragments;  // and as the tensor-core query prep's B operands
   bool fwht = false;                       // Πᵀ = diag(signs) · H / √D (hadamard kinds)
@@ -135,7 +135,7 @@ void SetCacheLayout(const State& s, attention_detail::ChunkParams& p) {
     p.key_data_bytes = s.format.key_data_bytes;
     p.num_meta = s.format.num_meta;
   }
-  p.block_size = s.shape.block_size;
+  p.block_size = s.layout.block_size;
 }
 #endif
 
@@ -144,7 +144,7 @@ void SetCacheLayout(const State& s, attention_detail::ChunkParams& p) {
 CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State>(CudaDecoder(q))) {
   State& s = *state_;
   s.format = q.format();
-  s.shape = {s.format.head_dim, s.format.num_kv_heads, s.format.block_size};
+  s.layout = q.layout();
   s.value_bits = s.format.value_bits;
   s.key_kind = s.format.key_kind();
   if (!s.format.fp8_keys) {
@@ -180,7 +180,7 @@ CudaAttention::CudaAttention(const Bf16BlockFormat& format)
   State& s = *state_;
   s.plain = true;
   s.plain_format = format;
-  s.shape = {format.head_dim, format.num_kv_heads, format.block_size};
+  s.layout = format.layout();
   s.key_kind = format.key_kind();
   s.sm_count = DeviceSmCount();
 }
@@ -189,9 +189,10 @@ CudaAttention::~CudaAttention() = default;
 CudaAttention::CudaAttention(CudaAttention&&) noexcept = default;
 CudaAttention& CudaAttention::operator=(CudaAttention&&) noexcept = default;
 
-int CudaAttention::head_dim() const { return state_->shape.head_dim; }
-int CudaAttention::num_kv_heads() const { return state_->shape.num_kv_heads; }
-int CudaAttention::block_size() const { return state_->shape.block_size; }
+int CudaAttention::head_dim() const { return state_->layout.head_dim; }
+int CudaAttention::num_kv_heads() const { return state_->layout.num_kv_heads; }
+int CudaAttention::block_size() const { return state_->layout.block_size; }
+const CacheLayout& CudaAttention::layout() const { return state_->layout; }
 
 AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                                   int max_blocks_per_seq, int max_q_len,
@@ -401,7 +402,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                         StreamHandle stream) const {
   constexpr const char* kWhere = "CudaAttention::Run";
   const State& s = *state_;
-  ValidateAttentionShapes(kWhere, s.shape, a);
+  ValidateAttentionShapes(kWhere, s.layout, a);
   if (plan.num_seqs < 1 || plan.row_tiles < 1 || plan.max_splits < 1) {
     throw Error(fmt::format("{}: the plan was not made by CudaAttention::Plan", kWhere));
   }

@@ -159,6 +159,8 @@ class CudaAttention {
   int head_dim() const;
   int num_kv_heads() const;
   int block_size() const;
+  // The layout its calls' caches must have (CacheRef::layout).
+  const CacheLayout& layout() const;
 
   // Host only. max_q_len bounds every sequence's query length (query_start_loc[b + 1] −
   // query_start_loc[b]); Run reads no more rows per sequence than that. Throws tqkv::Error for

@@ -155,7 +155,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   a.seq_lens = lens.data();
   a.block_tables = tables.data();
   a.max_blocks_per_seq = s.base.max_blocks;
-  a.cache = {dcache.data(), s.base.num_blocks};
+  a.cache = {dcache.data(), s.base.num_blocks,
+             c.quantizer ? c.quantizer->layout() : c.plain->layout()};
   a.sliding_window = c.window;
   a.output = out.data() + skip;
   a.output_dtype = c.io;
@@ -1260,6 +1261,18 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   a.num_seqs = 2;
   a.num_tokens = 4;  // not the plan's 5
   a.num_q_heads = 32;
+  // A cache reference without the layout of this attention's caches (here: none) is refused first.
+  EXPECT_THAT([&] { attn.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "invalid cache.layout = (no format, head_dim 0, 0 KV heads, block 0); allowed: "
+                  "the layout this call was made for (turboquant_4bit_nc, head_dim 128, 8 KV "
+                  "heads, block 16)")));
+  a.cache = {nullptr, 0, Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16).layout()};
+  EXPECT_THAT([&] { attn.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "invalid cache.layout = (turboquant_k3v4_nc, head_dim 128, 8 KV heads")));
+  EXPECT_EQ(attn.layout(), q.layout());
+  a.cache = {nullptr, 0, attn.layout()};
   EXPECT_THAT([&] { attn.Run(plan, a, nullptr); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("null")));
 }

@@ -79,8 +79,8 @@ std::pair<double, double> EmulatedErrors(const Quantizer& q, const std::vector<f
   const DecodeInputs in = testing::ReferenceInputs(sc);
   std::vector<float> o1(sc.queries.size()), o2(o1.size());
   std::vector<float> l1(static_cast<size_t>(in.num_seqs) * in.num_q_heads), l2(l1.size());
-  DecodeCpu(q, {sc.cache.data(), sc.num_blocks}, in, {o1.data(), l1.data()});
-  DecodeCpu(qe, {sc.cache.data(), sc.num_blocks}, in, {o2.data(), l2.data()});
+  DecodeCpu(q, {sc.cache.data(), sc.num_blocks, q.layout()}, in, {o1.data(), l1.data()});
+  DecodeCpu(qe, {sc.cache.data(), sc.num_blocks, qe.layout()}, in, {o2.data(), l2.data()});
   const int d = f.head_dim;
   double worst_out = 0, worst_lse = 0;
   for (size_t r = 0; r < l1.size(); ++r) {

@@ -16,8 +16,10 @@ namespace {
 
 constexpr const char* kWhere = "DecodeCpu";
 
-void Validate(const BlockFormat& f, ConstCacheRef cache, const DecodeInputs& in,
+void Validate(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& in,
               const DecodeOutputs& out) {
+  const BlockFormat& f = quantizer.format();
+  CheckCacheLayout(kWhere, quantizer.layout(), cache.layout);
   const int64_t num_blocks = cache.num_blocks;
   if (in.num_seqs < 0) throw InvalidArgument(kWhere, "num_seqs", in.num_seqs, ">= 0");
   if (in.num_q_heads < 1 || in.num_q_heads % f.num_kv_heads != 0) {
@@ -64,8 +66,8 @@ void Validate(const BlockFormat& f, ConstCacheRef cache, const DecodeInputs& in,
 
 void DecodeCpu(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& in,
                DecodeOutputs out) {
+  Validate(quantizer, cache, in, out);
   const BlockFormat& f = quantizer.format();
-  Validate(f, cache, in, out);
   const int d = f.head_dim;
   const int group = in.num_q_heads / f.num_kv_heads;
   const double scale = in.scale ? *in.scale : 1.0 / std::sqrt(static_cast<double>(d));

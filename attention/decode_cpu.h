@@ -29,9 +29,10 @@ struct DecodeOutputs {
   float* lse = nullptr;     // [num_seqs, num_q_heads], natural log; -inf for an empty range
 };
 
-// Validates every input first (shapes, GQA ratio, seq_lens, block ids of used blocks, scale) and
-// throws tqkv::Error naming the argument, its value and what is allowed. Computes in fp64 and
-// rounds the outputs to fp32. An empty token range gives output 0 and lse -inf.
+// Validates every input first (the cache's layout is the quantizer's, shapes, GQA ratio,
+// seq_lens, block ids of used blocks, scale) and throws tqkv::Error naming the argument, its
+// value and what is allowed. Computes in fp64 and rounds the outputs to fp32. An empty token range
+// gives output 0 and lse -inf.
 void DecodeCpu(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInputs& inputs,
                DecodeOutputs outputs);
 

@@ -33,7 +33,7 @@ Result Decode(const Quantizer& q, const Scenario& s, DecodeInputs in) {
   Result r;
   r.out.assign(s.queries.size(), NAN);
   r.lse.assign(s.seq_lens.size() * s.num_q_heads, NAN);
-  DecodeCpu(q, {s.cache.data(), s.num_blocks}, in, {r.out.data(), r.lse.data()});
+  DecodeCpu(q, {s.cache.data(), s.num_blocks, q.layout()}, in, {r.out.data(), r.lse.data()});
   return r;
 }
 
@@ -130,7 +130,7 @@ TEST(DecodeCpuTest, InvalidInputsAreErrorsNamingTheArgument) {
   auto message = [&](DecodeInputs in) -> std::string {
     std::vector<float> out(s.queries.size()), lse(8);
     try {
-      DecodeCpu(q, {s.cache.data(), s.num_blocks}, in, {out.data(), lse.data()});
+      DecodeCpu(q, {s.cache.data(), s.num_blocks, q.layout()}, in, {out.data(), lse.data()});
     } catch (const Error& e) {
       return e.what();
     }
@@ -165,9 +165,20 @@ TEST(DecodeCpuTest, InvalidInputsAreErrorsNamingTheArgument) {
   std::vector<float> out(s.queries.size()), lse(8);
   EXPECT_THAT(
       [&] {
-        DecodeCpu(q, {nullptr, s.num_blocks}, Inputs(s), {out.data(), lse.data()});
+        DecodeCpu(q, {nullptr, s.num_blocks, q.layout()}, Inputs(s), {out.data(), lse.data()});
       },
       ::testing::ThrowsMessage<Error>(HasSubstr("cache.data must not be null")));
+  // So is a cache of another layout, whose blocks would be read at the wrong offsets; nothing is
+  // written.
+  std::fill(out.begin(), out.end(), -7.0f);
+  const CacheLayout other{q.layout().format, q.layout().head_dim, q.layout().num_kv_heads, 32};
+  EXPECT_THAT(
+      [&] {
+        DecodeCpu(q, {s.cache.data(), s.num_blocks, other}, Inputs(s), {out.data(), lse.data()});
+      },
+      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("DecodeCpu: invalid cache.layout = ("),
+                                            HasSubstr("block 32); allowed: the layout"))));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
 }
 
 // What compression costs: cosine similarity of the decode output to fp64 attention over the

@@ -25,6 +25,7 @@ struct CudaDecoder::State {
   bool bf16 = false;
   BlockFormat format;  // compressed
   Bf16BlockFormat bf16_format;
+  CacheLayout layout;  // what the caches of its calls must be
   KeyKind key_kind = KeyKind::kMse4;
   bool rotate_query = false;     // MSE keys: q·Πᵀ
   bool fwht = false;             // Πᵀ = diag(signs)·H/√D: rotated in the split kernel
@@ -69,6 +70,7 @@ CudaDecoder::CudaDecoder(const Quantizer& q) : state_(std::make_unique<State>())
   RequireCudaDevice("CudaDecoder");
   State& s = *state_;
   s.format = q.format();
+  s.layout = q.layout();
   const int d = s.format.head_dim;
   s.key_kind = s.format.key_kind();
   if (!s.format.fp8_keys) {
@@ -117,6 +119,7 @@ CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_uniqu
   }
   state_->bf16 = true;
   state_->bf16_format = format;
+  state_->layout = format.layout();
   state_->key_kind = format.key_kind();
   state_->sm_count = DeviceSmCount();
 }
@@ -196,6 +199,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
   }
   return o;
 }
+
+const CacheLayout& CudaDecoder::layout() const { return state_->layout; }
 
 int CudaDecoder::head_dim() const {
   return state_->bf16 ? state_->bf16_format.head_dim : state_->format.head_dim;
@@ -456,6 +461,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
       plan.num_q_heads % num_kv_heads() != 0 || group < 1 || group > MaxGroup(plan_options)) {
     throw Error(fmt::format("{}: the plan was not made by this decoder's Plan", kWhere));
   }
+  CheckCacheLayout(kWhere, s.layout, a.cache.layout);
   if (a.query_dtype != DType::kF32 && a.query_dtype != DType::kF16 &&
       a.query_dtype != DType::kBF16) {
     throw InvalidArgument(kWhere, "query_dtype", DTypeName(a.query_dtype), "F32, F16, BF16");

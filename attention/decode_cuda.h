@@ -184,6 +184,8 @@ class CudaDecoder {
   int head_dim() const;
   int num_kv_heads() const;
   int block_size() const;
+  // The layout its calls' caches must have (CacheRef::layout).
+  const CacheLayout& layout() const;
 
   // The largest GQA group Plan takes with these options: 32 for the half-precision kernels
   // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128: verify
@@ -202,7 +204,8 @@ class CudaDecoder {
                   const DecodeOptions& options = {}) const;
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
-  // The workspace must be 16-byte aligned (a device allocation is).
+  // The cache must be of this decoder's layout (CacheRef::layout: the quantizer's or the bf16
+  // format's). The workspace must be 16-byte aligned (a device allocation is).
   // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·
   // block_size and block ids < num_blocks (as the CPU reference checks).
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;

@@ -109,7 +109,7 @@ Errors RunPlanAndCompare(const CudaDecoder& decoder, const DecodePlan& plan,
   CudaDecodeArgs a;
   a.query = d.query.data();
   a.query_dtype = DType::kF32;
-  a.cache = {d.cache.data(), num_blocks};
+  a.cache = {d.cache.data(), num_blocks, decoder.layout()};
   a.block_tables = d.tables.data();
   a.seq_lens = d.lens.data();
   a.output = out.data();
@@ -341,7 +341,7 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
             CudaDecodeArgs a;
             a.query = i == 0 ? dev.query.data() : outs[i - 1].data();
             a.query_dtype = DType::kF32;
-            a.cache = {dev.cache.data(), s.num_blocks};
+            a.cache = {dev.cache.data(), s.num_blocks, decoder.layout()};
             a.block_tables = dev.tables.data();
             a.seq_lens = dev.lens.data();
             a.output = outs[i].data();
@@ -543,7 +543,7 @@ TEST(CudaDecodeTest, DtypesGraphCaptureAndLongContexts) {
     CudaDecodeArgs a;
     a.query = query.data();
     a.query_dtype = q_dtype;
-    a.cache = {dev.cache.data(), s.num_blocks};
+    a.cache = {dev.cache.data(), s.num_blocks, decoder.layout()};
     a.block_tables = dev.tables.data();
     a.seq_lens = dev.lens.data();
     a.output = out.data();
@@ -816,7 +816,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
       CudaDecodeArgs a;
       a.query = dev.query.data();
       a.query_dtype = DType::kF32;
-      a.cache = {dev.cache.data(), s.num_blocks};
+      a.cache = {dev.cache.data(), s.num_blocks, decoder.layout()};
       a.block_tables = dev.tables.data();
       a.seq_lens = dev.lens.data();
       a.output = out.data();
@@ -868,10 +868,11 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("not made by this decoder"));
   }
   CudaDecodeArgs a;
+  a.cache.layout = decoder.layout();
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
   DeviceBuffer<uint8_t> small(16);
   a.query = small.data();
-  a.cache = {small.data(), 1};
+  a.cache = {small.data(), 1, q.layout()};
   a.block_tables = a.seq_lens = reinterpret_cast<const int32_t*>(small.data());
   a.output = small.data();
   a.lse = reinterpret_cast<float*>(small.data());
@@ -917,7 +918,20 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   // A plan for the narrow split kernel is refused where there is none: 4bit_nc's runs on paired
   // CTAs (two KV heads each), so not with an odd number of KV heads.
   a.cache.data = ws.data();
+  // So is a cache of another layout than the decoder's (its blocks would be read at other
+  // offsets).
+  a.cache.layout = Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16).layout();
+  try {
+    decoder.Run(plan, a, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(
+                              "invalid cache.layout = (turboquant_k3v4_nc, head_dim 128, 8 KV "
+                              "heads, block 16); allowed: the layout this call was made for "
+                              "(turboquant_4bit_nc, head_dim 128, 8 KV heads, block 16)"));
+  }
   const CudaDecoder odd4(Quantizer::Create("turboquant_4bit_nc", 128, 3, 16));
+  a.cache.layout = odd4.layout();
   DecodePlan narrow = odd4.Plan(4, 12, 10);
   EXPECT_FALSE(narrow.narrow);
   narrow.narrow = true;
@@ -933,6 +947,7 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   }
   a.workspace = ws.data();
   a.workspace_bytes = plan.workspace_bytes;
+  a.cache.layout = decoder.layout();
   // So is a plan for the hi-only twin of k3v4_nc's 8-warp kernel.
   DecodePlan hi_only = plan;
   hi_only.hi_only = true;
@@ -955,6 +970,7 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   // k3v4_nc with an odd number of KV heads has a narrow kernel but no paired hi-only CTAs (two
   // KV heads per CTA): a narrow hi-only plan for it is refused.
   const CudaDecoder odd(Quantizer::Create("turboquant_k3v4_nc", 128, 3, 16));
+  a.cache.layout = odd.layout();
   DecodePlan odd_plan = odd.Plan(4, 12, 10);
   DeviceBuffer<uint8_t> odd_ws(odd_plan.workspace_bytes);
   a.workspace = odd_ws.data();

@@ -37,6 +37,15 @@ CacheFormat MakeCacheFormat(std::string_view name, int head_dim, int num_kv_head
   return f;
 }
 
+CacheLayout CacheFormat::layout() const {
+  if (bf16) return bf16_format.layout();
+  // The preset's own name (static storage), not this struct's string.
+  for (const Preset& p : AllPresets()) {
+    if (p.name == name) return {p.name, head_dim, num_kv_heads, block_size};
+  }
+  return {{}, head_dim, num_kv_heads, block_size};  // not made by MakeCacheFormat: matches none
+}
+
 FormatTag MakeFormatTag(const CacheFormat& format, uint64_t rotation_id) {
   return FormatTag{format.name, format.head_dim, format.block_size, rotation_id};
 }

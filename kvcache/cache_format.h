@@ -16,10 +16,8 @@
 
 namespace tqkv {
 
-// Bf16BlockFormat (the uncompressed layout) lives in quant/block_format.h with the TurboQuant one.
-
-inline constexpr std::string_view kBf16FormatName = "bf16";
-inline constexpr std::string_view kFp16FormatName = "fp16";
+// Bf16BlockFormat (the uncompressed layout) lives in quant/block_format.h with the TurboQuant one;
+// the names "bf16" and "fp16" (kBf16FormatName, kFp16FormatName) in quant/cache_ref.h.
 
 struct CacheFormat {
   std::string name;             // a preset name, "bf16" or "fp16"
@@ -32,6 +30,9 @@ struct CacheFormat {
   int block_size = 0;
   int64_t block_bytes = 0;  // one block of one layer
   int64_t slot_bytes = 0;   // one token of one head (K + V + metadata)
+
+  // What a CacheRef of a cache in this format names.
+  CacheLayout layout() const;
 };
 
 // `name` is "bf16", "fp16" or a TurboQuant preset; anything else throws tqkv::Error listing them.

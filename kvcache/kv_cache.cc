@@ -21,7 +21,11 @@ namespace tqkv {
 void KVCache::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 
 KVCache::KVCache(const CacheFormat& format, int num_layers, int32_t num_blocks, CacheDevice device)
-    : format_(format), device_(device), num_layers_(num_layers), num_blocks_(num_blocks) {
+    : format_(format),
+      layout_(format.layout()),
+      device_(device),
+      num_layers_(num_layers),
+      num_blocks_(num_blocks) {
   constexpr const char* kWhere = "KVCache";
   if (num_layers < 1) throw InvalidArgument(kWhere, "num_layers", num_layers, ">= 1");
   if (num_blocks < 2) {

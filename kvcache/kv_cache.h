@@ -12,6 +12,7 @@
 
 #include "kvcache/cache_format.h"
 #include "kvcache/step_batch.h"
+#include "quant/cache_ref.h"
 #include "runtime/device.h"
 #include "runtime/memory.h"
 
@@ -39,6 +40,10 @@ class KVCache {
   // [num_blocks, block_bytes] of one layer: a host pointer for kCpu, a device pointer for kCuda.
   uint8_t* layer_data(int layer);
   const uint8_t* layer_data(int layer) const;
+  // The same layer as stores and attention take it: its bytes, num_blocks() and the format's
+  // layout. Throws tqkv::Error for a layer outside 0..num_layers-1, as layer_data.
+  CacheRef layer(int layer) { return {layer_data(layer), num_blocks_, layout_}; }
+  ConstCacheRef layer(int layer) const { return {layer_data(layer), num_blocks_, layout_}; }
   // Byte offset of a block within a layer tensor (kernels add the offsets of quant/block_format.h
   // or Bf16BlockFormat to this).
   int64_t BlockOffset(int32_t block) const { return int64_t{block} * format_.block_bytes; }
@@ -63,6 +68,7 @@ class KVCache {
   void CheckBlock(std::string_view where, int layer, int32_t block, size_t size) const;
 
   CacheFormat format_;
+  CacheLayout layout_;
   CacheDevice device_;
   int num_layers_ = 0;
   int32_t num_blocks_ = 0;

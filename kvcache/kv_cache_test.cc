@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "kvcache/manager.h"
+#include "quant/quantizer.h"
 #include "runtime/device.h"
 #include "runtime/error.h"
 
@@ -39,6 +41,50 @@ TEST(KVCacheTest, SizesFollowTheFormat) {
 
   KVCache bf16(MakeCacheFormat("bf16", 64, 2, 16), 1, 2, CacheDevice::kCpu);
   EXPECT_EQ(bf16.block_bytes(), 16 * 2 * 2 * 64 * 2);
+}
+
+// layer() is the reference stores and attention take: the layer's bytes, the block count and the
+// format's layout, which a store of another format refuses.
+TEST(KVCacheTest, LayerReferencesNameTheFormatsLayout) {
+  KVCache cache(MakeCacheFormat("turboquant_4bit_nc", 128, 2, 16), 2, 10, CacheDevice::kCpu);
+  const CacheRef r = cache.layer(1);
+  EXPECT_EQ(r.data, cache.layer_data(1));
+  EXPECT_EQ(r.num_blocks, 10);
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16);
+  EXPECT_EQ(r.layout, q.layout());
+  EXPECT_THROW(cache.layer(2), Error);
+
+  // The uncompressed layouts are named by their element type; a moved cache names it still (the
+  // name is static, not the moved format's string).
+  KVCache fp16(MakeCacheFormat("fp16", 64, 2, 32), 1, 2, CacheDevice::kCpu);
+  const KVCache moved = std::move(fp16);
+  EXPECT_EQ(moved.layer(0).layout, MakeBf16BlockFormat(64, 2, 32, DType::kF16).layout());
+  EXPECT_EQ(moved.layer(0).layout.format, "fp16");
+
+  // An engine that hands a 4-bit store a layer of its bf16 cache (same head_dim, heads and
+  // block size) gets an error naming both layouts, and the layer is left as it was.
+  KVCache bf16(MakeCacheFormat("bf16", 128, 2, 16), 1, 10, CacheDevice::kCpu);
+  std::vector<float> k(2 * 128, 0.5f), v(k.size(), 0.25f);
+  const int64_t slot = 3;
+  StoreInputs in;
+  in.key = k.data();
+  in.value = v.data();
+  in.slot_mapping = &slot;
+  in.num_tokens = 1;
+  EXPECT_THAT([&] { q.StoreCpu(in, bf16.layer(0)); },
+              ::testing::ThrowsMessage<Error>(
+                  HasSubstr("invalid cache.layout = (bf16, head_dim 128, 2 KV heads, block 16); "
+                            "allowed: the layout this call was made for (turboquant_4bit_nc, "
+                            "head_dim 128, 2 KV heads, block 16)")));
+  const uint8_t* p = bf16.layer_data(0);
+  for (int64_t i = 0; i < bf16.layer_bytes(); ++i) ASSERT_EQ(p[i], 0);
+  q.StoreCpu(in, cache.layer(0));  // its own layout
+  EXPECT_NE(q.Dequantize(cache.layer_data(0), 10, slot, 1).value[0], 0.0f);
+
+  // A format not made by MakeCacheFormat names no layout, so no call accepts its caches.
+  CacheFormat unknown = MakeCacheFormat("turboquant_k8v4", 128, 2, 16);
+  unknown.name = "turboquant_k8v5";
+  EXPECT_TRUE(unknown.layout().format.empty());
 }
 
 TEST(KVCacheTest, RejectsBadShapes) {

@@ -287,12 +287,11 @@ void CudaEngine::Enqueue(int n, int rows, const StepBatchView& view, const Atten
     d.Gemm(w.qkv.data(), d.h.data(), n, hid, (hq + 2 * hk) * hd, d.qkv.data(), false);
     TQKV_CHECK(cuda::LaunchRopeSplit(d.qkv.data(), positions_d, n, hq, hk, hd, c.rope_base,
                                      d.q.data(), d.k.data(), d.v.data(), stream));
-    KVCache& cache = LayerCache(l);
-    uint8_t* layer = LayerData(l);
+    const CacheRef layer = LayerRef(l);
     const bool bf16 = bf16_layer_[l];
     if (bf16) {
       TQKV_CHECK(cuda::LaunchStoreBf16(bf16_format_.bf16_format, d.k.data(), d.v.data(),
-                                       view.slot_mapping, n, layer, stream));
+                                       view.slot_mapping, n, layer.data, stream));
     } else {
       StoreInputs in;
       in.key = d.k.data();
@@ -301,8 +300,7 @@ void CudaEngine::Enqueue(int n, int rows, const StepBatchView& view, const Atten
       in.slot_mapping = view.slot_mapping;
       in.slot_dtype = DType::kI64;
       in.num_tokens = n;
-      d.store->Store(in, {layer, cache.num_blocks()},
-                     {d.store_ws.data(), d.store_ws.size_bytes()}, stream);
+      d.store->Store(in, layer, {d.store_ws.data(), d.store_ws.size_bytes()}, stream);
     }
     AttentionArgs a;
     a.query = d.q.data();
@@ -314,7 +312,7 @@ void CudaEngine::Enqueue(int n, int rows, const StepBatchView& view, const Atten
     a.seq_lens = view.seq_lens;
     a.block_tables = view.block_tables;
     a.max_blocks_per_seq = view.block_table_width;
-    a.cache = {layer, cache.num_blocks()};
+    a.cache = layer;
     a.output = d.attn.data();
     a.output_dtype = DType::kBF16;
     a.lse = d.lse.data();

@@ -249,11 +249,10 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
   for (int l = 0; l < c.num_layers; ++l) {
     model_.AttentionInputs(l, x.data(), step, positions.data(), q.data(), k.data(), v.data());
     const bool bf16 = bf16_layer_[l];
-    KVCache& cache = LayerCache(l);
-    uint8_t* layer = LayerData(l);
+    const CacheRef layer = LayerRef(l);
     if (bf16) {
       StoreBf16(bf16_format_.bf16_format, k.data(), v.data(), batch_.slot_mapping().data(), step,
-                layer);
+                layer.data);
     } else {
       StoreInputs in;
       in.key = k.data();
@@ -262,7 +261,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
       in.slot_mapping = batch_.slot_mapping().data();
       in.slot_dtype = DType::kI64;
       in.num_tokens = step;
-      quantizer_->StoreCpu(in, {layer, cache.num_blocks()});
+      quantizer_->StoreCpu(in, layer);
     }
     AttentionArgs a;
     a.query = q.data();
@@ -273,7 +272,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
     a.seq_lens = batch_.seq_lens().data();
     a.block_tables = batch_.block_tables().data();
     a.max_blocks_per_seq = batch_.block_table_width();
-    a.cache = {layer, cache.num_blocks()};
+    a.cache = layer;
     a.output = attn.data();
     a.lse = lse.data();
     if (bf16) {
@@ -296,7 +295,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
             for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
           } else {
             const DequantizedSlot ds =
-                quantizer_->Dequantize(layer, cache.num_blocks(), batch_.slot_mapping()[t], h);
+                quantizer_->Dequantize(layer.data, layer.num_blocks, batch_.slot_mapping()[t], h);
             kq = ds.key;
             vq = ds.value;
           }

@@ -90,9 +90,9 @@ class Engine {
   // position in its sequence).
   void CheckStep(const char* where, std::span<const int32_t> tokens,
                  std::span<const int32_t> logit_rows);
-  // Layer l's cache: its KVCache and the index of its tensor there.
+  // Layer l's cache: its KVCache, and its tensor there as stores and attention take it.
   KVCache& LayerCache(int layer) { return bf16_layer_[layer] ? *bf16_ : *compressed_; }
-  uint8_t* LayerData(int layer) { return LayerCache(layer).layer_data(cache_layer_[layer]); }
+  CacheRef LayerRef(int layer) { return LayerCache(layer).layer(cache_layer_[layer]); }
 
   const LlamaModel& model_;
   KvPolicy policy_;

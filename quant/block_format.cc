@@ -66,4 +66,18 @@ BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads
   return f;
 }
 
+std::string DescribeLayout(const CacheLayout& layout) {
+  return fmt::format("{}, head_dim {}, {} KV heads, block {}",
+                     layout.format.empty() ? "no format" : layout.format, layout.head_dim,
+                     layout.num_kv_heads, layout.block_size);
+}
+
+void CheckCacheLayout(std::string_view where, const CacheLayout& expected,
+                      const CacheLayout& cache) {
+  if (cache == expected) return;
+  throw InvalidArgument(
+      where, "cache.layout", fmt::format("({})", DescribeLayout(cache)),
+      fmt::format("the layout this call was made for ({})", DescribeLayout(expected)));
+}
+
 }  // namespace tqkv

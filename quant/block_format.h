@@ -12,9 +12,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
-#include "quant/preset.h"
+#include "quant/cache_ref.h"
 #include "quant/key_kind.h"
+#include "quant/preset.h"
 #include "runtime/dtype.h"
 #include "runtime/host_device.h"
 
@@ -87,6 +90,11 @@ struct Bf16BlockFormat {
   TQKV_HOST_DEVICE KeyKind key_kind() const {
     return dtype == DType::kF16 ? KeyKind::kF16 : KeyKind::kBf16;
   }
+  // What a CacheRef of a cache in this format names ("bf16" or "fp16").
+  CacheLayout layout() const {
+    return {dtype == DType::kF16 ? kFp16FormatName : kBf16FormatName, head_dim, num_kv_heads,
+            block_size};
+  }
 };
 
 // Same validation as MakeBlockFormat (head_dim, block_size, num_kv_heads); dtype kBF16 or kF16.
@@ -97,6 +105,15 @@ Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_si
 // head_dim in {64, 128, 256}; block_size in {16, 32, 64, 128}; num_kv_heads in [1, 256];
 // 3-bit codes need head_dim % 8 == 0.
 BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size);
+
+// "turboquant_4bit_nc, head_dim 128, 8 KV heads, block 16", for messages.
+std::string DescribeLayout(const CacheLayout& layout);
+
+// The check every store and attention call makes of its cache: throws tqkv::Error naming
+// `where`, "cache.layout", the cache's layout and the one the call was made for, unless they are
+// equal.
+void CheckCacheLayout(std::string_view where, const CacheLayout& expected,
+                      const CacheLayout& cache);
 
 // The allowed values, for messages and flag help.
 inline constexpr int kHeadDims[] = {64, 128, 256};

@@ -138,7 +138,9 @@ void Quantizer::EncodeSlot(const float* k, const float* v, uint8_t* block, int p
   StoreHalfBits(block + f.MetaOffset(MetaField::kValueZero, pos, head), FloatToHalfBits(vmin));
 }
 
-void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const char* where) {
+void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const CacheLayout& layout,
+                         const char* where) {
+  CheckCacheLayout(where, layout, cache.layout);
   if (in.num_tokens < 0) throw InvalidArgument(where, "num_tokens", in.num_tokens, ">= 0");
   if (in.dtype != DType::kF32 && in.dtype != DType::kF16 && in.dtype != DType::kBF16) {
     throw InvalidArgument(where, "dtype", DTypeName(in.dtype), "F32, F16, BF16");
@@ -160,7 +162,7 @@ void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const cha
 void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
   constexpr const char* kWhere = "Quantizer::StoreCpu";
   const BlockFormat& f = format_;
-  ValidateStoreInputs(in, cache, kWhere);
+  ValidateStoreInputs(in, cache, layout(), kWhere);
   if (in.num_tokens == 0) return;
   const int64_t num_slots = cache.num_blocks * f.block_size;
   std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes

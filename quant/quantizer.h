@@ -28,9 +28,11 @@ struct StoreInputs {
 };
 
 // The checks every store makes, CPU or CUDA (Quantizer::StoreCpu, StoreDeviceState::Store): the
-// element types, num_tokens >= 0, num_blocks >= 0 and, for a non-empty store, no null pointer.
-// Throws tqkv::Error naming the argument, prefixed with `where`.
-void ValidateStoreInputs(const StoreInputs& inputs, const CacheRef& cache, const char* where);
+// cache's layout is `layout` (the quantizer's), the element types, num_tokens >= 0, num_blocks >= 0
+// and, for a non-empty store, no null pointer. Throws tqkv::Error naming the argument, prefixed
+// with `where`.
+void ValidateStoreInputs(const StoreInputs& inputs, const CacheRef& cache,
+                         const CacheLayout& layout, const char* where);
 
 // One (token slot, head) decoded back to fp32.
 struct DequantizedSlot {
@@ -53,6 +55,11 @@ class Quantizer {
 
   const Preset& preset() const { return *preset_; }
   const BlockFormat& format() const { return format_; }
+  // The layout of the caches this quantizer writes and reads (its preset's name, the format's
+  // sizes): what their CacheRefs must name.
+  CacheLayout layout() const {
+    return {preset_->name, format_.head_dim, format_.num_kv_heads, format_.block_size};
+  }
   const Codebook& codebook() const { return codebook_; }  // empty for FP8 presets
   const Rotation& rotation() const { return rotation_; }
   bool uses_rotation() const { return !format_.fp8_keys; }

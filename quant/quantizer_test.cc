@@ -64,7 +64,7 @@ TEST(QuantizerTest, GoldenBytes4Bit) {
   k[0] = 3.0f;
   for (int d = 0; d < 64; ++d) v[d] = (d % 16) * 0.5f;
   std::vector<uint8_t> cache(q.format().block_bytes, 0);
-  q.StoreCpu(Inputs(k, v, {0}), {cache.data(), 1});
+  q.StoreCpu(Inputs(k, v, {0}), {cache.data(), 1, q.layout()});
   const BlockFormat& f = q.format();
   const int idx = q.codebook().Bucketize(0.125f);
   const uint8_t key_byte = static_cast<uint8_t>(idx | (idx << 4));
@@ -84,7 +84,7 @@ TEST(QuantizerTest, GoldenBytes3Bit) {
   std::vector<float> k(128, 1.0f), v(128);
   for (int d = 0; d < 128; ++d) v[d] = static_cast<float>(d % 8);
   std::vector<uint8_t> cache(q.format().block_bytes * 2, 0);
-  q.StoreCpu(Inputs(k, v, {21}), {cache.data(), 2});  // block 1, position 5
+  q.StoreCpu(Inputs(k, v, {21}), {cache.data(), 2, q.layout()});  // block 1, position 5
   const BlockFormat& f = q.format();
   for (int h = 0; h < 2; ++h) {
     const uint8_t* values = cache.data() + f.block_bytes + f.ValueCodesOffset(5, h);
@@ -111,7 +111,7 @@ TEST(QuantizerTest, Fp8KeysAreE4M3OfTheInput) {
   for (auto& x : v) x = normal(rng);
   k[3] = 1000.0f;  // saturates
   std::vector<uint8_t> cache(q.format().block_bytes, 0);
-  q.StoreCpu(Inputs(k, v, {7}), {cache.data(), 1});
+  q.StoreCpu(Inputs(k, v, {7}), {cache.data(), 1, q.layout()});
   for (int h = 0; h < 2; ++h) {
     for (int d = 0; d < 128; ++d) {
       ASSERT_EQ(cache[q.format().KeyCodesOffset(7, h) + d], FloatToE4M3(k[h * 128 + d]));
@@ -148,26 +148,26 @@ TEST(QuantizerTest, InputDtypesAndSlotDtypesAgree) {
     std::vector<int32_t> slots32(slots.begin(), slots.end());
     const int64_t blocks = 3;
     std::vector<uint8_t> a(blocks * q.format().block_bytes, 0), b = a, c = a, e = a;
-    q.StoreCpu(Inputs(kf16, vf16, slots), {a.data(), blocks});
+    q.StoreCpu(Inputs(kf16, vf16, slots), {a.data(), blocks, q.layout()});
     StoreInputs in = Inputs(kf16, vf16, slots);
     in.key = k16.data();
     in.value = v16.data();
     in.dtype = DType::kF16;
-    q.StoreCpu(in, {b.data(), blocks});
+    q.StoreCpu(in, {b.data(), blocks, q.layout()});
     EXPECT_EQ(a, b) << preset << " fp16";
     in.slot_mapping = slots32.data();
     in.slot_dtype = DType::kI32;
-    q.StoreCpu(in, {c.data(), blocks});
+    q.StoreCpu(in, {c.data(), blocks, q.layout()});
     EXPECT_EQ(a, c) << preset << " int32 slots";
 
     std::vector<uint8_t> d = a;
     std::fill(d.begin(), d.end(), 0);
-    q.StoreCpu(Inputs(kfb, vfb, slots), {d.data(), blocks});
+    q.StoreCpu(Inputs(kfb, vfb, slots), {d.data(), blocks, q.layout()});
     in = Inputs(kfb, vfb, slots);
     in.key = kb.data();
     in.value = vb.data();
     in.dtype = DType::kBF16;
-    q.StoreCpu(in, {e.data(), blocks});
+    q.StoreCpu(in, {e.data(), blocks, q.layout()});
     EXPECT_EQ(d, e) << preset << " bf16";
   }
 }
@@ -189,8 +189,8 @@ TEST(QuantizerTest, OnlyTheOwnedBytesOfWrittenSlotsChange) {
     std::vector<int64_t> slots(all.begin(), all.begin() + 50);
     for (int i = 0; i < 50; i += 7) slots[i] = -1;  // padding
     std::vector<uint8_t> cache(blocks * f.block_bytes, 0xA5), clean(cache.size(), 0);
-    q.StoreCpu(Inputs(k, v, slots), {cache.data(), blocks});
-    q.StoreCpu(Inputs(k, v, slots), {clean.data(), blocks});
+    q.StoreCpu(Inputs(k, v, slots), {cache.data(), blocks, q.layout()});
+    q.StoreCpu(Inputs(k, v, slots), {clean.data(), blocks, q.layout()});
     std::vector<bool> owned(cache.size(), false);
     for (int64_t s : slots) {
       if (s < 0) continue;
@@ -210,14 +210,14 @@ TEST(QuantizerTest, OutOfRangeSlotIsAnErrorAndWritesNothing) {
   std::vector<uint8_t> cache(10 * q.format().block_bytes, 0x5A);
   const std::vector<uint8_t> before = cache;
   try {
-    q.StoreCpu(Inputs(k, v, {0, 1, 2, 160}), {cache.data(), 10});
+    q.StoreCpu(Inputs(k, v, {0, 1, 2, 160}), {cache.data(), 10, q.layout()});
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("slot_mapping[3] = 160"), HasSubstr("0 to 159")));
   }
   EXPECT_EQ(cache, before);
   try {
-    q.StoreCpu(Inputs(k, v, {5, 9, 5, -1}), {cache.data(), 10});
+    q.StoreCpu(Inputs(k, v, {5, 9, 5, -1}), {cache.data(), 10, q.layout()});
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("slot_mapping[2] = 5"), HasSubstr("token 0")));
@@ -225,11 +225,45 @@ TEST(QuantizerTest, OutOfRangeSlotIsAnErrorAndWritesNothing) {
   EXPECT_EQ(cache, before);
   StoreInputs bad = Inputs(k, v, {0});
   bad.dtype = DType::kI32;
-  EXPECT_THROW(q.StoreCpu(bad, {cache.data(), 10}), Error);
+  EXPECT_THROW(q.StoreCpu(bad, {cache.data(), 10, q.layout()}), Error);
   bad = Inputs(k, v, {0});
   bad.slot_dtype = DType::kF32;
-  EXPECT_THROW(q.StoreCpu(bad, {cache.data(), 10}), Error);
+  EXPECT_THROW(q.StoreCpu(bad, {cache.data(), 10, q.layout()}), Error);
   EXPECT_EQ(cache, before);
+}
+
+// A cache of another layout (another preset, or the same preset sized for other shapes) is
+// refused by name before anything is written: its blocks are another size, so the store would
+// write at the wrong offsets or past its end.
+TEST(QuantizerTest, CacheOfAnotherLayoutIsAnErrorAndWritesNothing) {
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16);
+  std::vector<float> k(2 * 256, 1.0f), v(k.size(), 1.0f);
+  std::vector<uint8_t> cache(10 * q.format().block_bytes, 0x5A);
+  const std::vector<uint8_t> before = cache;
+  const CacheLayout own = q.layout();
+  EXPECT_EQ(own, (CacheLayout{"turboquant_4bit_nc", 128, 2, 16}));
+  const Quantizer k8 = Quantizer::Create("turboquant_k8v4", 128, 2, 16);
+  const Quantizer wide = Quantizer::Create("turboquant_4bit_nc", 128, 2, 32);
+  for (const CacheLayout& other :
+       {k8.layout(), wide.layout(), Quantizer::Create("turboquant_4bit_nc", 64, 2, 16).layout(),
+        Quantizer::Create("turboquant_4bit_nc", 128, 4, 16).layout(),
+        MakeBf16BlockFormat(128, 2, 16).layout(), CacheLayout{}}) {
+    try {
+      q.StoreCpu(Inputs(k, v, {0, 17}), {cache.data(), 10, other});
+      ADD_FAILURE() << "no error for " << DescribeLayout(other);
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("Quantizer::StoreCpu: invalid cache.layout = (" +
+                                      DescribeLayout(other) +
+                                      "); allowed: the layout this call was made for "
+                                      "(turboquant_4bit_nc, head_dim 128, 2 KV heads, block 16)"));
+    }
+    EXPECT_EQ(cache, before);
+  }
+  EXPECT_EQ(DescribeLayout(CacheLayout{}), "no format, head_dim 0, 0 KV heads, block 0");
+  // The same layout built another way is the same layout.
+  q.StoreCpu(Inputs(k, v, {0, 17}),
+             {cache.data(), 10, CacheLayout{"turboquant_4bit_nc", 128, 2, 16}});
+  EXPECT_NE(cache, before);
 }
 
 // Non-finite keys or values never give inf/NaN metadata and never touch other slots.
@@ -251,7 +285,7 @@ TEST(QuantizerTest, NonFiniteInputsGiveFiniteMetadata) {
     std::fill(k.end() - 64, k.end(), NAN);
     std::fill(v.end() - 64, v.end(), NAN);
     std::vector<uint8_t> cache(f.block_bytes, 0xEE);
-    q.StoreCpu(Inputs(k, v, slots), {cache.data(), 1});
+    q.StoreCpu(Inputs(k, v, slots), {cache.data(), 1, q.layout()});
     for (int64_t s : slots) {
       for (MetaField m : {MetaField::kKeyNorm, MetaField::kValueScale, MetaField::kValueZero}) {
         if (f.fp8_keys && m == MetaField::kKeyNorm) continue;
@@ -287,7 +321,7 @@ Accuracy MeasureRoundTrip(const Quantizer& q, int tokens) {
   std::iota(slots.begin(), slots.end(), 0);
   const int64_t blocks = (tokens + f.block_size - 1) / f.block_size;
   std::vector<uint8_t> cache(blocks * f.block_bytes);
-  q.StoreCpu(Inputs(k, v, slots), {cache.data(), blocks});
+  q.StoreCpu(Inputs(k, v, slots), {cache.data(), blocks, q.layout()});
   Accuracy acc;
   const int d = f.head_dim;
   const int levels = (1 << f.value_bits) - 1;
@@ -346,7 +380,7 @@ TEST(QuantizerTest, DequantizedKeyIsTheRotatedCodebookVectorRotatedBack) {
   std::normal_distribution<float> normal;
   for (auto& x : k) x = normal(rng);
   std::vector<uint8_t> cache(q.format().block_bytes);
-  q.StoreCpu(Inputs(k, v, {3}), {cache.data(), 1});
+  q.StoreCpu(Inputs(k, v, {3}), {cache.data(), 1, q.layout()});
   const DequantizedSlot s = q.Dequantize(cache.data(), 1, 3, 0);
   const float norm = HalfBitsToFloat(MetaBits(q, cache, MetaField::kKeyNorm, 3, 0));
   const std::set<float> centroids(q.codebook().centroids.begin(), q.codebook().centroids.end());
@@ -385,9 +419,9 @@ TEST(QuantizerTest, CallerRotationAndCentroidsAreUsedUnchanged) {
   for (auto& x : v) x = normal(rng);
   const std::vector<int64_t> slots = {0, 1, 2, 3, 4};
   std::vector<uint8_t> a(built.format().block_bytes, 0), b = a, c = a;
-  built.StoreCpu(Inputs(k, v, slots), {a.data(), 1});
-  custom.StoreCpu(Inputs(k, v, slots), {b.data(), 1});
-  custom_book.StoreCpu(Inputs(k, v, slots), {c.data(), 1});
+  built.StoreCpu(Inputs(k, v, slots), {a.data(), 1, built.layout()});
+  custom.StoreCpu(Inputs(k, v, slots), {b.data(), 1, custom.layout()});
+  custom_book.StoreCpu(Inputs(k, v, slots), {c.data(), 1, custom_book.layout()});
   EXPECT_EQ(a, b);
   EXPECT_NE(a, c);
   const DequantizedSlot s = custom_book.Dequantize(c.data(), 1, 2, 0);
@@ -490,7 +524,7 @@ TEST(QuantizerTest, CacheOfMoreBlocksThanBlockIdsCanAddressIsAnError) {
   in.num_tokens = 1;
   std::vector<uint8_t> cache(q.format().block_bytes);
   try {
-    q.StoreCpu(in, {cache.data(), (int64_t{1} << 59) + 1});
+    q.StoreCpu(in, {cache.data(), (int64_t{1} << 59) + 1, q.layout()});
     FAIL();
   } catch (const Error& e) {
     EXPECT_THAT(e.what(),

@@ -145,7 +145,7 @@ int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& opti
 void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
                             const StoreInputs& in, CacheRef cache, DeviceWorkspace workspace) {
   const BlockFormat& f = quantizer.format();
-  ValidateStoreInputs(in, cache, kWhere);
+  ValidateStoreInputs(in, cache, quantizer.layout(), kWhere);
   const StorePath path = ResolveStorePath(quantizer, options);
   // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
   const int64_t max_rows =

@@ -106,11 +106,12 @@ StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& optio
 int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
                             int64_t num_tokens);
 
-// Everything the launcher checks on the host before launching (no device needed): dtypes, null
-// pointers, alignment (key/value 16 bytes, slot mapping its element size, cache 16 bytes,
-// workspace 256 bytes), workspace size, sizes (the cache: fewer than 2^32 blocks, each under
-// 2^31 bytes: the kernels address a block by a 32-bit id). Throws tqkv::Error naming the
-// argument. Slot values live on the device and are checked there (StoreOptions::validate_slots).
+// Everything the launcher checks on the host before launching (no device needed): the cache's
+// layout (the quantizer's), dtypes, null pointers, alignment (key/value 16 bytes, slot mapping
+// its element size, cache 16 bytes, workspace 256 bytes), workspace size, sizes (the cache:
+// fewer than 2^32 blocks, each under 2^31 bytes: the kernels address a block by a 32-bit id).
+// Throws tqkv::Error naming the argument. Slot values live on the device and are checked there
+// (StoreOptions::validate_slots).
 void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& options,
                             const StoreInputs& inputs, CacheRef cache, DeviceWorkspace workspace);
 

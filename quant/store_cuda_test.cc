@@ -192,7 +192,7 @@ void ReferenceStore(const Quantizer& q, const StoreInputs& in, std::vector<uint8
       part.slot_mapping =
           static_cast<const uint8_t*>(in.slot_mapping) + t0 * DTypeSize(in.slot_dtype);
       part.num_tokens = t1 - t0;
-      q.StoreCpu(part, {cache.data(), num_blocks});
+      q.StoreCpu(part, {cache.data(), num_blocks, q.layout()});
     });
   }
   for (auto& t : pool) t.join();
@@ -229,7 +229,7 @@ struct DeviceCall {
     inputs.slot_mapping = slots.data();
     inputs.slot_dtype = c.slot_dtype;
     inputs.num_tokens = n;
-    cache_ref = {static_cast<uint8_t*>(cache.data()), in.num_blocks};
+    cache_ref = {static_cast<uint8_t*>(cache.data()), in.num_blocks, state.quantizer().layout()};
     ws = {workspace.data(), workspace.size_bytes()};
   }
   // Synchronous copies from pageable memory may return before the data lands, and the stores

@@ -597,7 +597,7 @@ struct FakeCall {
     inputs.slot_mapping = storage + 2048;
     inputs.slot_dtype = DType::kI32;
     inputs.num_tokens = 10;
-    cache = {storage + 3072, 4};
+    cache = {storage + 3072, 4, {"turboquant_4bit_nc", 128, 8, 16}};  // the tests' quantizer's
     workspace = {storage, 256};
   }
 };
@@ -637,6 +637,14 @@ TEST(StoreHostTest, ValidationNamesTheBadArgument) {
     FakeCall c;
     c.inputs.num_tokens = -3;
     EXPECT_THAT(ValidationError(q, options, c), HasSubstr("num_tokens = -3"));
+  }
+  {
+    FakeCall c;
+    c.cache.layout = Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16).layout();
+    EXPECT_THAT(ValidationError(q, options, c),
+                HasSubstr("invalid cache.layout = (turboquant_k3v4_nc, head_dim 128, 8 KV heads, "
+                          "block 16); allowed: the layout this call was made for "
+                          "(turboquant_4bit_nc, head_dim 128, 8 KV heads, block 16)"));
   }
   {
     FakeCall c;

@@ -59,7 +59,8 @@ std::vector<uint8_t> StorePlain(AttentionScenario& s, const Bf16BlockFormat& f) 
   return cache;
 }
 
-AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& cache) {
+AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& cache,
+                       const CacheLayout& layout) {
   AttentionArgs a;
   a.query = s.queries.data();
   a.query_dtype = DType::kF32;
@@ -70,7 +71,7 @@ AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& c
   a.seq_lens = s.base.seq_lens.data();
   a.block_tables = s.base.block_tables.data();
   a.max_blocks_per_seq = s.base.max_blocks;
-  a.cache = {cache.data(), s.base.num_blocks};
+  a.cache = {cache.data(), s.base.num_blocks, layout};
   return a;
 }
 
@@ -81,7 +82,7 @@ void ReferenceAttention(const Quantizer* q, const Bf16BlockFormat* plain,
   const int hq = s.num_q_heads;
   out.assign(static_cast<size_t>(s.num_tokens) * hq * d, 0.0f);
   lse.assign(static_cast<size_t>(s.num_tokens) * hq, 0.0f);
-  const AttentionArgs all = HostArgs(s, cache);
+  const AttentionArgs all = HostArgs(s, cache, q != nullptr ? q->layout() : plain->layout());
   // Pieces of at most kPieceRows new tokens: a row sees the positions up to its own only, so new
   // tokens i0 .. i1 − 1 of a sequence of q_len are the same rows of that sequence cut after new
   // token i1 − 1, with i1 − i0 new tokens. The pieces run in parallel (a long chunk would keep one

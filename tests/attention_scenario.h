@@ -30,8 +30,9 @@ AttentionScenario BuildAttention(const Quantizer& q, std::vector<int32_t> seq_le
 // block ids (every other byte 0xFF). Rounds s.base.keys / values in place to what was stored.
 std::vector<uint8_t> StorePlain(AttentionScenario& s, const Bf16BlockFormat& f);
 
-// Host arguments over the scenario (F32 query; output and lse left null).
-AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& cache);
+// Host arguments over the scenario and `cache` of `layout` (F32 query; output and lse left null).
+AttentionArgs HostArgs(const AttentionScenario& s, const std::vector<uint8_t>& cache,
+                       const CacheLayout& layout);
 
 // AttentionCpu of the whole scenario, pieces of up to 32 new tokens of a sequence per task on all
 // cores, F32 outputs: out [T, Hq, D], lse [T, Hq].

@@ -89,7 +89,7 @@ Scenario Build(const Quantizer& q, std::vector<int32_t> seq_lens, int num_q_head
     in.value = s.values[b].data();
     in.slot_mapping = slots.data();
     in.num_tokens = len;
-    q.StoreCpu(in, {s.cache.data(), s.num_blocks});
+    q.StoreCpu(in, {s.cache.data(), s.num_blocks, q.layout()});
   });
   return s;
 }
@@ -119,7 +119,7 @@ void ReferenceDecode(const Quantizer& q, const Scenario& s, std::vector<float>& 
     one.query = all.query + int64_t{b} * hq * d;
     one.block_tables = all.block_tables + int64_t{b} * all.max_blocks_per_seq;
     one.seq_lens = all.seq_lens + b;
-    DecodeCpu(q, {s.cache.data(), s.num_blocks}, one,
+    DecodeCpu(q, {s.cache.data(), s.num_blocks, q.layout()}, one,
               {out.data() + int64_t{b} * hq * d, lse.data() + int64_t{b} * hq});
   });
 }

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   s.slot_mapping = slots.data.data();
   s.slot_dtype = slots.dtype;
   s.num_tokens = key.shape[0];
-  q.StoreCpu(s, {cache.data(), num_blocks});
+  q.StoreCpu(s, {cache.data(), num_blocks, q.layout()});
   if (cache != cache_out.at("cache").data) {
     fmt::print("FAIL: cache bytes written by tqkv store differ from Quantizer::StoreCpu\n");
     return 1;
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   d.max_blocks_per_seq = static_cast<int>(query_in.at("block_tables").shape[1]);
   d.seq_lens = query_in.at("seq_lens").values<int32_t>().data();
   std::vector<float> out(query.values<float>().size()), lse(d.num_seqs * d.num_q_heads);
-  DecodeCpu(q, {cache.data(), num_blocks}, d, {out.data(), lse.data()});
+  DecodeCpu(q, {cache.data(), num_blocks, q.layout()}, d, {out.data(), lse.data()});
   const auto got_out = decoded.at("output").values<float>();
   const auto got_lse = decoded.at("lse").values<float>();
   if (got_out.size() != out.size() ||

@@ -52,7 +52,7 @@ void DecodeOnDevice(const Quantizer& q, const Tensor& cache, const Tensor& query
   CudaDecodeArgs a;
   a.query = d_query.data();
   a.query_dtype = query.dtype;
-  a.cache = {d_cache.data(), cache.shape[0]};
+  a.cache = {d_cache.data(), cache.shape[0], q.layout()};
   a.block_tables = d_tables.data();
   a.seq_lens = d_lens.data();
   a.scale = scale;
@@ -82,7 +82,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
   a.seq_lens = t.seq_lens->values<int32_t>().data();
   a.block_tables = t.block_tables->values<int32_t>().data();
   a.max_blocks_per_seq = t.max_blocks_per_seq;
-  a.cache = {cache.data.data(), cache.shape[0]};
+  a.cache = {cache.data.data(), cache.shape[0], q.layout()};
   a.scale = flags.scale;
   a.sliding_window = flags.sliding_window;
   a.output = output.data();
@@ -91,10 +91,8 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
     AttentionCpu(q, a);
     return;
   }
-  const BlockFormat& f = q.format();
-  const AttentionShape shape{f.head_dim, f.num_kv_heads, f.block_size};
-  ValidateAttentionShapes("tqkv decode", shape, a);
-  ValidateAttentionArrays("tqkv decode", shape, a);
+  ValidateAttentionShapes("tqkv decode", q.layout(), a);
+  ValidateAttentionArrays("tqkv decode", q.layout(), a);
   int max_q_len = 1;
   for (int b = 0; b < t.batch; ++b) {
     max_q_len = std::max(max_q_len, a.query_start_loc[b + 1] - a.query_start_loc[b]);
@@ -188,11 +186,13 @@ void RunDecode(const DecodeFlags& flags) {
   if (flags.device == "cuda") {
     DecodeInputs check = inputs;
     check.token_end = 0;  // validate, attend to nothing
-    DecodeCpu(q, {cache.data.data(), cache.shape[0]}, check, {output.data(), lse.data()});
+    DecodeCpu(q, {cache.data.data(), cache.shape[0], q.layout()}, check,
+              {output.data(), lse.data()});
     DecodeOnDevice(q, cache, query, *tensors.block_tables, *tensors.seq_lens, flags.scale, output,
                    lse);
   } else {
-    DecodeCpu(q, {cache.data.data(), cache.shape[0]}, inputs, {output.data(), lse.data()});
+    DecodeCpu(q, {cache.data.data(), cache.shape[0], q.layout()}, inputs,
+              {output.data(), lse.data()});
   }
 
   SafetensorsFile out;

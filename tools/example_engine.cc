@@ -79,7 +79,7 @@ int main() {
       in.slot_mapping = batch.slot_mapping().data();
       in.slot_dtype = DType::kI64;
       in.num_tokens = num_tokens;
-      quantizer.StoreCpu(in, {cache.layer_data(layer), cache.num_blocks()});
+      quantizer.StoreCpu(in, cache.layer(layer));
 
       const std::vector<float> q = random_vector(size_t(num_tokens) * kQHeads * kHeadDim);
       std::vector<float> out(q.size()), lse(size_t(num_tokens) * kQHeads);
@@ -92,7 +92,7 @@ int main() {
       a.seq_lens = batch.seq_lens().data();
       a.block_tables = batch.block_tables().data();
       a.max_blocks_per_seq = batch.block_table_width();
-      a.cache = {cache.layer_data(layer), cache.num_blocks()};
+      a.cache = cache.layer(layer);
       a.output = out.data();
       a.lse = lse.data();
       AttentionCpu(quantizer, a);

@@ -105,7 +105,7 @@ class CpuBackend : public Backend {
       in.slot_mapping = slots;
       in.slot_dtype = DType::kI64;
       in.num_tokens = t_;
-      q_->StoreCpu(in, {cache_.layer_data(layer), cache_.num_blocks()});
+      q_->StoreCpu(in, cache_.layer(layer));
       return;
     }
     const Bf16BlockFormat& f = format_.bf16_format;
@@ -140,7 +140,7 @@ class CpuBackend : public Backend {
     a.seq_lens = view_.seq_lens + i;
     a.block_tables = view_.block_tables + size_t(i) * view_.block_table_width;
     a.max_blocks_per_seq = view_.block_table_width;
-    a.cache = {cache_.layer_data(layer), cache_.num_blocks()};
+    a.cache = cache_.layer(layer);
     a.output = out_.data() + at * hq_ * d;
     a.lse = lse_.data() + at * hq_;
     if (q_ != nullptr) {
@@ -252,7 +252,7 @@ class CudaBackend : public Backend {
 
   void Store(int layer) override {
     const StoreInputs in = StoreArgs(layer);
-    const CacheRef cache{cache_.layer_data(layer), cache_.num_blocks()};
+    const CacheRef cache = cache_.layer(layer);
     const DeviceWorkspace ws{store_ws_.data(), store_ws_.size_bytes()};
     StreamHandle s = stream_.get();
     call_events_[4 * layer].Record(s);
@@ -337,7 +337,7 @@ class CudaBackend : public Backend {
     a.seq_lens = view_.seq_lens;
     a.block_tables = view_.block_tables;
     a.max_blocks_per_seq = view_.block_table_width;
-    a.cache = {cache_.layer_data(layer), cache_.num_blocks()};
+    a.cache = cache_.layer(layer);
     float* out = reinterpret_cast<float*>(d_out_.data());
     a.output = out + rows * d_;
     a.output_dtype = DType::kF32;
@@ -386,7 +386,7 @@ class CudaBackend : public Backend {
           store_graph_,
           [&] {
             for (const int l : stored_) {
-              store_.Store(StoreArgs(l), {cache_.layer_data(l), cache_.num_blocks()}, ws, s);
+              store_.Store(StoreArgs(l), cache_.layer(l), ws, s);
             }
           },
           graph_events_[0], graph_events_[1]);

@@ -92,7 +92,7 @@ void StoreOnDevice(const Quantizer& q, const StoreOptions& options, const StoreI
   in.key = key.data();
   in.value = value.data();
   in.slot_mapping = slots.data();
-  const CacheRef ref{static_cast<uint8_t*>(device_cache.data()), num_blocks};
+  const CacheRef ref{static_cast<uint8_t*>(device_cache.data()), num_blocks, q.layout()};
   const DeviceWorkspace ws{workspace.data(), workspace.size_bytes()};
   state.Store(in, ref, ws, stream.get());
   state.CheckStatus(ws, in, ref, stream.get());  // synchronizes; names the first bad slot
@@ -121,7 +121,7 @@ void RunStore(const StoreFlags& flags) {
   }
   const StoreInputs inputs = MakeStoreInputs(tensors);
   if (flags.device == "cpu") {
-    q.StoreCpu(inputs, {cache.data.data(), flags.num_blocks});
+    q.StoreCpu(inputs, {cache.data.data(), flags.num_blocks, q.layout()});
   } else if (flags.device == "cuda") {
     StoreOnDevice(q, ParseStoreOptions(flags), inputs, cache, flags.num_blocks);
   } else {

@@ -223,7 +223,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     a.query_start_loc = d_loc.data();
     a.seq_lens = d_lens.data();
     a.max_blocks_per_seq = width;
-    a.cache = {pool.data(), pool_blocks};
+    a.cache = {pool.data(), pool_blocks, attn->layout()};
     a.output = out.data();
     a.output_dtype = DType::kBF16;
     a.lse = lse.data();

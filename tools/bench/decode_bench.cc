@@ -231,7 +231,7 @@ std::vector<Result> RunKind(const Kind& kind, const std::vector<int>& batches,
         CudaDecodeArgs a;
         a.query = query.data();
         a.query_dtype = fp16 ? DType::kF16 : DType::kBF16;
-        a.cache = {pool.data(), pool_blocks};
+        a.cache = {pool.data(), pool_blocks, decoder->layout()};
         a.seq_lens = d_lens.data();
         a.output = out.data();
         a.output_dtype = fp16 ? DType::kF16 : DType::kBF16;

@@ -210,7 +210,8 @@ FlipRate MeasureFlips(const Quantizer& q, const StoreOptions& options, const Sha
   DeviceAllocation cache(s.num_blocks * f.block_bytes);
   DeviceAllocation ws(state.WorkspaceBytes(s.n));
   cache.FillBytes(0, stream);
-  state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+  state.Store(s.Inputs(0),
+              {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
               {ws.data(), ws.size_bytes()}, stream);
   TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<uint8_t> gpu = ToHost<uint8_t>(cache.data(), cache.size_bytes());
@@ -250,7 +251,7 @@ std::vector<uint8_t> ReferenceCache(const Quantizer& q, const Shape& s) {
       in.slot_mapping = s.host_slots.data() + t0;
       in.slot_dtype = DType::kI64;
       in.num_tokens = t1 - t0;
-      q.StoreCpu(in, {cache.data(), s.num_blocks});
+      q.StoreCpu(in, {cache.data(), s.num_blocks, q.layout()});
     });
   }
   for (auto& t : pool) t.join();
@@ -300,7 +301,8 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
     cache.CopyFromHost(init.data(), cache.size_bytes(), 0, nullptr);
     TQKV_CUDA_CHECK(cudaDeviceSynchronize());
     DeviceAllocation ws(state.WorkspaceBytes(s.n));
-    state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+    state.Store(s.Inputs(0),
+                {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
                 {ws.data(), ws.size_bytes()}, stream);
     TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<uint8_t> out = ToHost<uint8_t>(cache.data(), cache.size_bytes());
@@ -317,7 +319,7 @@ void WriteSeedInputs(const std::string& dir, const char* preset, const Shape& s,
     in.slot_mapping = s.host_slots.data();
     in.slot_dtype = DType::kI64;
     in.num_tokens = s.n;
-    q.StoreCpu(in, {ref_poisoned.data(), s.num_blocks});
+    q.StoreCpu(in, {ref_poisoned.data(), s.num_blocks, q.layout()});
   }
   put("cache_cpu", DType::kU8, {s.num_blocks, f.block_bytes}, ref_poisoned.data(),
       static_cast<int64_t>(ref_poisoned.size()));
@@ -382,7 +384,8 @@ int Main(int argc, char** argv) {
       const StoreDeviceState state(q, o);
       DeviceAllocation cache(s.num_blocks * q.format().block_bytes);
       DeviceAllocation ws(state.WorkspaceBytes(s.n));
-      state.Store(s.Inputs(0), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
+      state.Store(s.Inputs(0),
+                  {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
                   {ws.data(), ws.size_bytes()}, stream.get());
       stream.Synchronize();
     }
@@ -415,8 +418,10 @@ int Main(int argc, char** argv) {
           cache.FillBytes(0, stream.get());
           DeviceAllocation ws(state.WorkspaceBytes(n));
           auto call = [&](int i) {
-            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                        {ws.data(), ws.size_bytes()}, stream.get());
+            state.Store(
+                s.Inputs(i),
+                {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
+                {ws.data(), ws.size_bytes()}, stream.get());
           };
           const double min_bytes = double(n) * kHeads * (4.0 * kHeadDim + q.format().slot_bytes);
           const double us =
@@ -450,7 +455,8 @@ int Main(int argc, char** argv) {
         o.validate_slots = false;  // release default
         const StoreDeviceState state(q, o);
         DeviceAllocation ws(state.WorkspaceBytes(n));
-        const CacheRef cref{static_cast<uint8_t*>(cache.data()), s.num_blocks};
+        const CacheRef cref{static_cast<uint8_t*>(cache.data()), s.num_blocks,
+                            state.quantizer().layout()};
         const DeviceWorkspace w{ws.data(), ws.size_bytes()};
         auto call = [&](int i) { state.Store(s.Inputs(i), cref, w, stream.get()); };
         Row r;
@@ -510,8 +516,10 @@ int Main(int argc, char** argv) {
           cache.FillBytes(0, stream.get());
           DeviceAllocation ws(state.WorkspaceBytes(n));
           auto call = [&](int i) {
-            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                        {ws.data(), ws.size_bytes()}, stream.get());
+            state.Store(
+                s.Inputs(i),
+                {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
+                {ws.data(), ws.size_bytes()}, stream.get());
           };
           const double us = TimeUs(call, stream.get());
           // Same inputs (set 0) into a cleared cache: the variants must agree byte for byte.
@@ -553,8 +561,10 @@ int Main(int argc, char** argv) {
       DeviceAllocation ws(state.WorkspaceBytes(s.n));
       const double us = GraphUs(
           [&](int i) {
-            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                        {ws.data(), ws.size_bytes()}, stream.get());
+            state.Store(
+                s.Inputs(i),
+                {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
+                {ws.data(), ws.size_bytes()}, stream.get());
           },
           100, stream.get());
       std::printf("4bit_nc fwht N=16 in a graph, validate_slots=%d: %.2f us\n", validate, us);
@@ -612,8 +622,10 @@ int Main(int argc, char** argv) {
       DeviceAllocation ws(state.WorkspaceBytes(n));
       const double us = TimeUs(
           [&](int i) {
-            state.Store(s.Inputs(i), {static_cast<uint8_t*>(cache.data()), s.num_blocks},
-                        {ws.data(), ws.size_bytes()}, stream.get());
+            state.Store(
+                s.Inputs(i),
+                {static_cast<uint8_t*>(cache.data()), s.num_blocks, state.quantizer().layout()},
+                {ws.data(), ws.size_bytes()}, stream.get());
           },
           stream.get());
       const char* name = precision == GemmPrecision::kSgemm  ? "sgemm"

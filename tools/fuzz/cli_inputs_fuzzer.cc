@@ -48,7 +48,7 @@ void Store(const cli::QuantizerFlags& flags, int64_t num_blocks, bool cache_from
     if (num_blocks * f.block_bytes > kMaxCacheBytes) return;
     cache.data.assign(static_cast<size_t>(num_blocks * f.block_bytes), 0);
   }
-  q.StoreCpu(cli::MakeStoreInputs(tensors), {cache.data.data(), num_blocks});
+  q.StoreCpu(cli::MakeStoreInputs(tensors), {cache.data.data(), num_blocks, q.layout()});
 }
 
 void Decode(const cli::QuantizerFlags& flags, std::optional<float> scale,
@@ -59,7 +59,7 @@ void Decode(const cli::QuantizerFlags& flags, std::optional<float> scale,
   const DecodeInputs inputs = cli::MakeDecodeInputs(tensors, scale, query_f32);
   std::vector<float> output(query_f32.size());
   std::vector<float> lse(static_cast<size_t>(int64_t{tensors.batch} * tensors.num_q_heads));
-  DecodeCpu(q, {tensors.cache->data.data(), tensors.cache->shape[0]}, inputs,
+  DecodeCpu(q, {tensors.cache->data.data(), tensors.cache->shape[0], q.layout()}, inputs,
             {output.data(), lse.data()});
 }
 
