@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <numeric>
 
 #include "quant/numerics.h"
 #include "runtime/error.h"
@@ -466,6 +468,21 @@ GgufFile GgufFile::Parse(std::vector<uint8_t> bytes, std::string name) {
           "GGUF file {}: tensor '{}' ({} bytes at data offset {}) lies past the end of the file "
           "({} bytes, data section at {})",
           f.name_, t.name, t.num_bytes, t.offset, size, f.data_offset_));
+    }
+  }
+  // Each tensor's bytes are its own: two that share bytes would each read the other's data.
+  std::vector<size_t> by_offset(f.tensors_.size());
+  std::iota(by_offset.begin(), by_offset.end(), size_t{0});
+  std::sort(by_offset.begin(), by_offset.end(),
+            [&](size_t a, size_t b) { return f.tensors_[a].offset < f.tensors_[b].offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const GgufTensor& a = f.tensors_[by_offset[i - 1]];
+    const GgufTensor& b = f.tensors_[by_offset[i]];
+    if (b.offset - a.offset < static_cast<uint64_t>(a.num_bytes)) {
+      throw Error(fmt::format(
+          "GGUF file {}: tensor '{}' (data offset {}) begins inside tensor '{}' ({} bytes at data "
+          "offset {}); each tensor must have bytes of its own",
+          f.name_, b.name, b.offset, a.name, a.num_bytes, a.offset));
     }
   }
   return f;

@@ -70,7 +70,8 @@ struct GgufTensor {
 
 class GgufFile {
  public:
-  // Reads and checks the whole file. Throws tqkv::Error.
+  // Reads and checks the whole file (every count and size within bounds, every tensor aligned,
+  // inside the file and sharing no byte with another). Throws tqkv::Error.
   static GgufFile Open(const std::string& path);
   // The same from bytes in memory (`name` is used in messages).
   static GgufFile Parse(std::vector<uint8_t> bytes, std::string name);

@@ -232,6 +232,24 @@ TEST(GgufTest, TensorEntriesAreChecked) {
   expect_error(file(1, 32, 3, 8, 20), "not aligned to 32");
   expect_error(file(1, 32, 3, 0, 19), "past the end of the file");
   expect_error(file(1, 64, 3, 0, 20), "past the end of the file");
+  // Two tensors sharing bytes: [32, 2] Q4_1 (40 bytes) at 0 and the second at 32, inside it; at 64
+  // the two are apart.
+  auto two = [](uint64_t second_offset) {
+    Writer w;
+    w.Put<uint32_t>(0x46554747).Put<uint32_t>(3).Put<uint64_t>(2).Put<uint64_t>(0);
+    w.Str("a").Put<uint32_t>(2).Put<uint64_t>(32).Put<uint64_t>(2);
+    w.Put<uint32_t>(3).Put<uint64_t>(0);
+    w.Str("b").Put<uint32_t>(1).Put<uint64_t>(32);
+    w.Put<uint32_t>(3).Put<uint64_t>(second_offset);
+    w.Align(32);
+    w.bytes.resize(w.bytes.size() + 96, 0);
+    return w.bytes;
+  };
+  EXPECT_NO_THROW(GgufFile::Parse(two(64), "apart.gguf"));
+  expect_error(two(32),
+               "tensor 'b' (data offset 32) begins inside tensor 'a' (40 bytes at data "
+               "offset 0)");
+  expect_error(two(0), "begins inside tensor");
   // Listed but not dequantized: Q4_K.
   const GgufFile k = GgufFile::Parse(file(1, 256, 12, 0, 144), "k.gguf");
   EXPECT_THAT([&] { k.Dequantize(k.Tensor("w")); },
