@@ -33,7 +33,8 @@ for t in $targets; do
   done
 done
 for x in "$@"; do cp -f "$x" "$stage/b/bin/"; done
-cp tools/bench/torch_attention_bench.py tools/bench/attention_gpu_run.sh "$stage/b/"
+cp tools/bench/torch_attention_bench.py tools/bench/attention_gpu_run.sh tools/bench/ab_attention.sh \
+  "$stage/b/"
 rm -rf .gpu_bundle_pack
 mkdir -p .gpu_bundle_pack
 tar -C "$stage" -cJf .gpu_bundle_pack/b.tar.xz b
