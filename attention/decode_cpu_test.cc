@@ -54,7 +54,8 @@ TEST(DecodeCpuTest, EqualsAttentionOverDequantizedCache) {
             for (int t = 0; t < len; ++t) {
               const int64_t slot = int64_t{s.block_tables[b * s.max_blocks + t / bs]} * bs + t % bs;
               for (int h = 0; h < hk; ++h) {
-                const DequantizedSlot ds = q.Dequantize(s.cache.data(), s.num_blocks, slot, h);
+                const DequantizedSlot ds =
+                    q.Dequantize({s.cache.data(), s.num_blocks, q.layout()}, slot, h);
                 std::copy(ds.key.begin(), ds.key.end(), kh.begin() + (int64_t(t) * hk + h) * d);
                 std::copy(ds.value.begin(), ds.value.end(), vh.begin() + (int64_t(t) * hk + h) * d);
               }

@@ -79,7 +79,7 @@ TEST(KVCacheTest, LayerReferencesNameTheFormatsLayout) {
   const uint8_t* p = bf16.layer_data(0);
   for (int64_t i = 0; i < bf16.layer_bytes(); ++i) ASSERT_EQ(p[i], 0);
   q.StoreCpu(in, cache.layer(0));  // its own layout
-  EXPECT_NE(q.Dequantize(cache.layer_data(0), 10, slot, 1).value[0], 0.0f);
+  EXPECT_NE(q.Dequantize(cache.layer(0), slot, 1).value[0], 0.0f);
 
   // A format not made by MakeCacheFormat names no layout, so no call accepts its caches.
   CacheFormat unknown = MakeCacheFormat("turboquant_k8v4", 128, 2, 16);

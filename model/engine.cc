@@ -294,8 +294,7 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
           if (bf16_layer_[l]) {
             for (int i = 0; i < d; ++i) kq[i] = bf16(kt[i]), vq[i] = bf16(vt[i]);
           } else {
-            const DequantizedSlot ds =
-                quantizer_->Dequantize(layer.data, layer.num_blocks, batch_.slot_mapping()[t], h);
+            const DequantizedSlot ds = quantizer_->Dequantize(layer, batch_.slot_mapping()[t], h);
             kq = ds.key;
             vq = ds.value;
           }

@@ -201,9 +201,10 @@ void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
   }
 }
 
-DequantizedSlot Quantizer::Dequantize(const uint8_t* cache, int64_t num_blocks, int64_t slot,
-                                      int head) const {
+DequantizedSlot Quantizer::Dequantize(ConstCacheRef cache, int64_t slot, int head) const {
   const BlockFormat& f = format_;
+  CheckCacheLayout("Quantizer::Dequantize", layout(), cache.layout);
+  const int64_t num_blocks = cache.num_blocks;
   if (num_blocks < 0 || num_blocks > kMaxCacheBlocks) {
     throw InvalidArgument("Quantizer::Dequantize", "num_blocks", num_blocks,
                           fmt::format("0 to {}", kMaxCacheBlocks));
@@ -216,7 +217,7 @@ DequantizedSlot Quantizer::Dequantize(const uint8_t* cache, int64_t num_blocks, 
     throw InvalidArgument("Quantizer::Dequantize", "head", head,
                           fmt::format("0 to {}", f.num_kv_heads - 1));
   }
-  const uint8_t* block = cache + (slot / f.block_size) * f.block_bytes;
+  const uint8_t* block = cache.data + (slot / f.block_size) * f.block_bytes;
   const int pos = static_cast<int>(slot % f.block_size);
   const int d = f.head_dim;
   DequantizedSlot out;

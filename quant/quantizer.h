@@ -75,9 +75,9 @@ class Quantizer {
   // Encodes one token-head (k, v: [D] fp32) into `block` at position `pos`, head `head`.
   void EncodeSlot(const float* k, const float* v, uint8_t* block, int pos, int head) const;
 
-  // Decodes the (slot, head) written by the store. Throws tqkv::Error for an out-of-range slot.
-  DequantizedSlot Dequantize(const uint8_t* cache, int64_t num_blocks, int64_t slot,
-                             int head) const;
+  // Decodes the (slot, head) written by the store from a host cache of this quantizer's layout.
+  // Throws tqkv::Error for a cache of another layout or an out-of-range slot or head.
+  DequantizedSlot Dequantize(ConstCacheRef cache, int64_t slot, int head) const;
 
   // q · Πᵀ for the query of a decode (identity for FP8 presets): q, out [D].
   void RotateQuery(const float* q, float* out) const;

@@ -118,7 +118,7 @@ TEST(QuantizerTest, Fp8KeysAreE4M3OfTheInput) {
     }
   }
   EXPECT_EQ(cache[q.format().KeyCodesOffset(7, 0) + 3], 0x7E);
-  const DequantizedSlot s = q.Dequantize(cache.data(), 1, 7, 1);
+  const DequantizedSlot s = q.Dequantize({cache.data(), 1, q.layout()}, 7, 1);
   for (int d = 0; d < 128; ++d) EXPECT_EQ(s.key[d], E4M3ToFloat(FloatToE4M3(k[128 + d])));
 }
 
@@ -292,7 +292,7 @@ TEST(QuantizerTest, NonFiniteInputsGiveFiniteMetadata) {
         const float x = HalfBitsToFloat(MetaBits(q, cache, m, s, 0));
         ASSERT_TRUE(std::isfinite(x)) << preset << " slot " << s << " field " << int(m);
       }
-      const DequantizedSlot out = q.Dequantize(cache.data(), 1, s, 0);
+      const DequantizedSlot out = q.Dequantize({cache.data(), 1, q.layout()}, s, 0);
       for (float x : out.value) ASSERT_TRUE(std::isfinite(x)) << preset << " slot " << s;
     }
     for (int64_t s = 1; s < 16; s += 2) {  // odd slots untouched
@@ -327,7 +327,7 @@ Accuracy MeasureRoundTrip(const Quantizer& q, int tokens) {
   const int levels = (1 << f.value_bits) - 1;
   for (int t = 0; t < tokens; ++t) {
     for (int h = 0; h < f.num_kv_heads; ++h) {
-      const DequantizedSlot s = q.Dequantize(cache.data(), blocks, t, h);
+      const DequantizedSlot s = q.Dequantize({cache.data(), blocks, q.layout()}, t, h);
       const float* kt = &k[(int64_t(t) * f.num_kv_heads + h) * d];
       const float* vt = &v[(int64_t(t) * f.num_kv_heads + h) * d];
       double ke = 0, kn = 0, ve = 0, vn = 0;
@@ -381,7 +381,7 @@ TEST(QuantizerTest, DequantizedKeyIsTheRotatedCodebookVectorRotatedBack) {
   for (auto& x : k) x = normal(rng);
   std::vector<uint8_t> cache(q.format().block_bytes);
   q.StoreCpu(Inputs(k, v, {3}), {cache.data(), 1, q.layout()});
-  const DequantizedSlot s = q.Dequantize(cache.data(), 1, 3, 0);
+  const DequantizedSlot s = q.Dequantize({cache.data(), 1, q.layout()}, 3, 0);
   const float norm = HalfBitsToFloat(MetaBits(q, cache, MetaField::kKeyNorm, 3, 0));
   const std::set<float> centroids(q.codebook().centroids.begin(), q.codebook().centroids.end());
   double n_rot = 0, n_back = 0;
@@ -424,7 +424,7 @@ TEST(QuantizerTest, CallerRotationAndCentroidsAreUsedUnchanged) {
   custom_book.StoreCpu(Inputs(k, v, slots), {c.data(), 1, custom_book.layout()});
   EXPECT_EQ(a, b);
   EXPECT_NE(a, c);
-  const DequantizedSlot s = custom_book.Dequantize(c.data(), 1, 2, 0);
+  const DequantizedSlot s = custom_book.Dequantize({c.data(), 1, custom_book.layout()}, 2, 0);
   const float norm = HalfBitsToFloat(MetaBits(custom_book, c, MetaField::kKeyNorm, 2, 0));
   for (float x : s.key_rotated) {
     EXPECT_TRUE(
@@ -451,8 +451,14 @@ TEST(QuantizerTest, RejectsMismatchedParts) {
   EXPECT_THROW(Quantizer::Create("turboquant_4bit_nc", 128, 1, 24), Error);
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 64, 1, 16);
   std::vector<uint8_t> cache(q.format().block_bytes);
-  EXPECT_THROW(q.Dequantize(cache.data(), 1, 16, 0), Error);
-  EXPECT_THROW(q.Dequantize(cache.data(), 1, 0, 1), Error);
+  EXPECT_THROW(q.Dequantize({cache.data(), 1, q.layout()}, 16, 0), Error);
+  EXPECT_THROW(q.Dequantize({cache.data(), 1, q.layout()}, 0, 1), Error);
+  EXPECT_THAT(
+      [&] {
+        q.Dequantize({cache.data(), 1, MakeBf16BlockFormat(64, 1, 16).layout()}, 0, 0);
+      },
+      ::testing::ThrowsMessage<Error>(
+          HasSubstr("Quantizer::Dequantize: invalid cache.layout = (bf16, head_dim 64")));
 }
 
 // A Rotation or Codebook filled or changed by hand: the CUDA store would apply the Hadamard its
@@ -530,7 +536,7 @@ TEST(QuantizerTest, CacheOfMoreBlocksThanBlockIdsCanAddressIsAnError) {
     EXPECT_THAT(e.what(),
                 AllOf(HasSubstr("num_blocks = 576460752303423489"), HasSubstr("0 to 4294967295")));
   }
-  EXPECT_THROW(q.Dequantize(cache.data(), int64_t{1} << 59, 0, 0), Error);
+  EXPECT_THROW(q.Dequantize({cache.data(), int64_t{1} << 59, q.layout()}, 0, 0), Error);
 }
 
 }  // namespace
