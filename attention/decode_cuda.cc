@@ -444,7 +444,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
 
 void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                              const decode_detail::VerifyColumns* verify, StreamHandle stream,
-                             Launch launch) const {
+                             [[maybe_unused]] Launch launch) const {
   constexpr const char* kWhere = "CudaDecoder::Run";
   const State& s = *state_;
   // A plan carries its shape; one made by another decoder of a different cache shape, or edited,
