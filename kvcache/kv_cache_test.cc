@@ -87,6 +87,21 @@ TEST(KVCacheTest, LayerReferencesNameTheFormatsLayout) {
   EXPECT_TRUE(unknown.layout().format.empty());
 }
 
+// A KVCache of a preset's format holds what that preset's quantizer (and its attention) expects,
+// for every preset, and the uncompressed formats what their Bf16BlockFormat does: an engine that
+// sizes its cache with MakeCacheFormat gets references its calls accept.
+TEST(KVCacheTest, EveryFormatsLayoutIsItsQuantizersOrPlainFormats) {
+  for (const Preset& preset : AllPresets()) {
+    const CacheFormat f = MakeCacheFormat(preset.name, 128, 4, 32);
+    EXPECT_EQ(f.layout(), Quantizer::Create(preset.name, 128, 4, 32).layout()) << preset.name;
+    EXPECT_NE(f.layout(), Quantizer::Create(preset.name, 128, 4, 16).layout()) << preset.name;
+  }
+  EXPECT_EQ(MakeCacheFormat("bf16", 64, 2, 16).layout(), MakeBf16BlockFormat(64, 2, 16).layout());
+  EXPECT_EQ(MakeCacheFormat("fp16", 64, 2, 16).layout(),
+            MakeBf16BlockFormat(64, 2, 16, DType::kF16).layout());
+  EXPECT_NE(MakeCacheFormat("fp16", 64, 2, 16).layout(), MakeBf16BlockFormat(64, 2, 16).layout());
+}
+
 TEST(KVCacheTest, RejectsBadShapes) {
   const CacheFormat f = MakeCacheFormat("bf16", 64, 2, 16);
   EXPECT_THROW(KVCache(f, 0, 10, CacheDevice::kCpu), Error);
