@@ -9,11 +9,13 @@ The staged decode kernels are bound by the instructions a warp executes per 16-t
 
 For every kernel whose description contains all the given words (default: the D = 128 packed
 staged compressed kernels), it prints the kernel's instruction count and its chunk loop: the
-backward branch whose body holds exactly one chunk's HMMAs (CHUNK_HMMAS: 24 for the packed staged
-kernels, 32 / 64 for the half-precision ones with 2 / 4 N tiles) and issues copies (LDGSTS: the
-staged main loop, not the masked last chunks' loop), else the largest such, with its instruction
-count, HMMA and LDGSTS counts; the count is static: the lazy rescale's branch is in it, though it
-rarely runs. A kernel DecodeSplitKernel<code> is described by its SplitVariant
+backward branch whose body holds exactly one chunk's MMAs (HMMA or HGMMA; CHUNK_HMMAS: 24 for the
+packed staged kernels, 32 / 64 for the half-precision ones with 2 / 4 N tiles, 32 / 16 for the
+shared-output ones, whose 4 N tiles are 16 warpgroup MMAs on sm_90a) and issues copies (LDGSTS:
+the staged main loop, not the masked last chunks' loop), else the largest such, with its
+instruction count, MMA and LDGSTS counts. The count is static; the common path leaves out what
+conditional forward branches of 24 instructions or more skip (the lazy rescale, which rarely
+runs). A kernel DecodeSplitKernel<code> is described by its SplitVariant
 (attention/decode_variant.h, SplitVariant::Code), e.g. "mse4 v4 D128 nt1 packed staged": key kind
 (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N tiles, packed or unpacked, pipeline
 (registers, staged, narrow, paired), hi_only, one_cta, half, shared_o (whose loop is one step:
@@ -55,8 +57,11 @@ def describe(name):
     if (c >> 26) & 1:
         words.append("shared_o")
     return " ".join(words)
-# 16: the hi-only score path; the half-precision kernels 32 (nt2) or 64 (nt4).
+# 16: the hi-only score path; the half-precision kernels 32 (nt2) or 64 (nt4); the shared-output
+# kernels 32 (nt2) or, with warpgroup MMAs, 16 (nt4).
 CHUNK_HMMAS = int(os.environ.get("CHUNK_HMMAS", "24"))
+# The fewest instructions a conditional forward branch must skip to count as a rare branch.
+RARE_LEAST = 24
 
 
 def find_cuobjdump():
@@ -84,6 +89,11 @@ def kernels(obj):
         yield name, code
 
 
+def is_mma(text):
+    """A tensor-core MMA: HMMA (mma.sync) or HGMMA (a warpgroup MMA)."""
+    return re.search(r"\bHG?MMA\.", text) is not None
+
+
 def chunk_loop(code):
     index = {addr: i for i, (addr, _) in enumerate(code)}
     best = None
@@ -94,17 +104,36 @@ def chunk_loop(code):
         target = int(m.group(1), 16)
         if target >= addr or target not in index:
             continue
-        body = [t for _, t in code[index[target]:i + 1]]
-        if sum("HMMA" in t for t in body) != CHUNK_HMMAS:
+        body = code[index[target]:i + 1]
+        if sum(is_mma(t) for _, t in body) != CHUNK_HMMAS:
             continue
         # The staged kernels' main loop issues the next chunks' copies; the masked last chunks'
         # loop (longer: its column masks) does not, but in the shared-output kernels, where
         # both do, the shorter one is the main loop.
-        staged = any("LDGSTS" in t for t in body)
+        staged = any("LDGSTS" in t for _, t in body)
         key = (staged, -len(body) if staged else len(body))
         if best is None or key > best[0]:
             best = (key, body)
     return best[1] if best else None
+
+
+def rare_instructions(loop, least=RARE_LEAST):
+    """How many of the loop's instructions lie inside a region that a conditional forward branch
+    of the loop skips, counting only regions of at least `least` instructions: the rare branches
+    (the lazy softmax's rescale) that a chunk mostly does not run. len(loop) minus this is the
+    common path's length, as far as static code tells (short skips, such as a short-circuit test,
+    are counted in)."""
+    index = {addr: i for i, (addr, _) in enumerate(loop)}
+    skipped = set()
+    for i, (addr, text) in enumerate(loop):
+        m = re.match(r"@!?P\w+\s+BRA\b.*?0x([0-9a-f]+)", text)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target <= addr or target not in index or index[target] - i - 1 < least:
+            continue
+        skipped.update(range(i + 1, index[target]))
+    return len(skipped)
 
 
 def opcode(text):
@@ -130,16 +159,18 @@ def main(argv):
         if loop is None:
             print(f"{short}: {len(code)} instructions, no {CHUNK_HMMAS}-HMMA chunk loop")
             continue
-        ldgsts = sum("LDGSTS" in t for t in loop)
+        ldgsts = sum("LDGSTS" in t for _, t in loop)
+        rare = rare_instructions(loop)
         print(f"{short}: {len(code)} instructions, chunk loop {len(loop)} "
-              f"(HMMA {CHUNK_HMMAS}, LDGSTS {ldgsts})")
+              f"(MMA {CHUNK_HMMAS}, LDGSTS {ldgsts}; common path {len(loop) - rare}, "
+              f"{rare} in rare branches)")
         if histogram:
-            counts = collections.Counter(opcode(t) for t in loop)
+            counts = collections.Counter(opcode(t) for _, t in loop)
             print("   " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
         if dump:
             path = os.path.join(dump, re.sub(r"[^A-Za-z0-9_]", "_", short)[:120] + ".sass")
             with open(path, "w") as f:
-                f.write("\n".join(loop) + "\n")
+                f.write("\n".join(t for _, t in loop) + "\n")
     return 0
 
 
