@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -210,6 +211,45 @@ DecodeInputs MakeDecodeInputs(const DecodeInputTensors& t, std::optional<float> 
   inputs.seq_lens = t.seq_lens->values<int32_t>().data();
   inputs.scale = scale;
   return inputs;
+}
+
+std::vector<int32_t> AttentionQueryStarts(const DecodeInputTensors& t, std::string_view why) {
+  if (t.query_start_loc != nullptr) {
+    const std::span<const int32_t> loc = t.query_start_loc->values<int32_t>();
+    return {loc.begin(), loc.end()};
+  }
+  const std::span<const int32_t> lens = t.seq_lens->values<int32_t>();
+  for (int b = 0; b < t.batch; ++b) {
+    if (lens[static_cast<size_t>(b)] == 0) {
+      throw InvalidArgument(
+          "tqkv decode", fmt::format("seq_lens[{}]", b), 0,
+          fmt::format(">= 1 where decode runs as attention of one new token per sequence ({})",
+                      why));
+    }
+  }
+  std::vector<int32_t> starts(static_cast<size_t>(t.batch) + 1);
+  std::iota(starts.begin(), starts.end(), 0);
+  return starts;
+}
+
+AttentionArgs MakeAttentionArgs(const DecodeInputTensors& t, const Quantizer& q,
+                                std::span<const int32_t> query_start_loc,
+                                std::optional<float> scale, int32_t sliding_window) {
+  AttentionArgs a;
+  a.query = t.query->data.data();
+  a.query_dtype = t.query->dtype;
+  a.num_seqs = t.batch;
+  a.num_tokens = t.num_tokens;
+  a.num_q_heads = t.num_q_heads;
+  a.query_start_loc = query_start_loc.data();
+  a.seq_lens = t.seq_lens->values<int32_t>().data();
+  a.block_tables = t.block_tables->values<int32_t>().data();
+  a.max_blocks_per_seq = t.max_blocks_per_seq;
+  a.cache = {t.cache->data.data(), t.cache->shape[0], q.layout()};
+  a.scale = scale;
+  a.sliding_window = sliding_window;
+  a.output_dtype = DType::kF32;
+  return a;
 }
 
 Quantizer MakeQuantizer(const QuantizerFlags& flags, int head_dim, int num_kv_heads,

@@ -5,10 +5,12 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "attention/attention.h"
 #include "attention/decode_cpu.h"
 #include "quant/quantizer.h"
 #include "runtime/safetensors.h"
@@ -96,6 +98,17 @@ DecodeInputTensors RequireDecodeInputs(const SafetensorsFile& cache_file, const 
 // which must outlive the result.
 DecodeInputs MakeDecodeInputs(const DecodeInputTensors& tensors, std::optional<float> scale,
                               std::vector<float>& query_f32);
+
+// The query starts of checked decode inputs that run as attention (AttentionArgs): the file's
+// query_start_loc, or without one, one new token per sequence (0, 1, ..., B), for which every
+// sequence needs a token: throws naming seq_lens[b] and `why` (what makes decode run as attention).
+std::vector<int32_t> AttentionQueryStarts(const DecodeInputTensors& tensors, std::string_view why);
+
+// The AttentionArgs of checked decode inputs (host pointers into the tensors and `query_start_loc`;
+// the query in its own dtype, output F32), the output and lse left to the caller.
+AttentionArgs MakeAttentionArgs(const DecodeInputTensors& tensors, const Quantizer& q,
+                                std::span<const int32_t> query_start_loc,
+                                std::optional<float> scale, int32_t sliding_window);
 
 // Adds the quantizer-selecting flags to a subcommand.
 void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_required);

@@ -1,10 +1,8 @@
 // `tqkv decode`: attention over a compressed paged cache, one query per sequence (decode) or,
 // given query_start_loc, several new tokens per sequence (verify, prefill chunks); CPU reference
 // or CUDA.
-#include <fmt/format.h>
 
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <span>
 
@@ -72,19 +70,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
                   std::span<const int32_t> query_start_loc, const DecodeFlags& flags,
                   std::vector<float>& output, std::vector<float>& lse) {
   const Tensor& cache = *t.cache;
-  AttentionArgs a;
-  a.query = t.query->data.data();
-  a.query_dtype = t.query->dtype;
-  a.num_seqs = t.batch;
-  a.num_tokens = t.num_tokens;
-  a.num_q_heads = t.num_q_heads;
-  a.query_start_loc = query_start_loc.data();
-  a.seq_lens = t.seq_lens->values<int32_t>().data();
-  a.block_tables = t.block_tables->values<int32_t>().data();
-  a.max_blocks_per_seq = t.max_blocks_per_seq;
-  a.cache = {cache.data.data(), cache.shape[0], q.layout()};
-  a.scale = flags.scale;
-  a.sliding_window = flags.sliding_window;
+  AttentionArgs a = MakeAttentionArgs(t, q, query_start_loc, flags.scale, flags.sliding_window);
   a.output = output.data();
   a.lse = lse.data();
   if (flags.device != "cuda") {
@@ -144,27 +130,9 @@ void RunDecode(const DecodeFlags& flags) {
       flags.device == "cuda" &&
       int64_t{tensors.max_blocks_per_seq} * q.format().block_size > CudaDecoder::kMaxContextTokens;
   if (tensors.query_start_loc != nullptr || flags.sliding_window > 0 || beyond_decode) {
-    std::vector<int32_t> one_each;
-    std::span<const int32_t> loc;
-    if (tensors.query_start_loc != nullptr) {
-      loc = tensors.query_start_loc->values<int32_t>();
-    } else {
-      const std::span<const int32_t> lens = tensors.seq_lens->values<int32_t>();
-      for (int64_t b = 0; b < batch; ++b) {
-        if (lens[static_cast<size_t>(b)] == 0) {
-          throw InvalidArgument(
-              "tqkv decode", fmt::format("seq_lens[{}]", b), 0,
-              fmt::format(">= 1 where decode runs as attention of one new token per sequence "
-                          "({})",
-                          flags.sliding_window > 0 ? "--sliding-window"
-                                                   : "a table past the decode kernels' longest "
-                                                     "context"));
-        }
-      }
-      one_each.resize(static_cast<size_t>(batch) + 1);
-      std::iota(one_each.begin(), one_each.end(), 0);
-      loc = one_each;
-    }
+    const std::vector<int32_t> loc = AttentionQueryStarts(
+        tensors, flags.sliding_window > 0 ? "--sliding-window"
+                                          : "a table past the decode kernels' longest context");
     const int64_t rows = int64_t{tensors.num_tokens} * tensors.num_q_heads;
     std::vector<float> output(static_cast<size_t>(rows * tensors.head_dim)),
         lse(static_cast<size_t>(rows));

@@ -1,5 +1,7 @@
 // libFuzzer target: the input checks of `tqkv store` and `tqkv decode` (tools/cli_util.h), then
-// the CPU reference store or decode they guard, on arbitrary bytes.
+// the CPU reference store, decode or attention they guard, on arbitrary bytes. As in `tqkv
+// decode`, a file with query_start_loc (several new tokens per sequence), or a sliding window,
+// runs AttentionCpu, else DecodeCpu.
 //
 // Input: an 8-byte prefix standing in for the command-line flags, then a safetensors file that
 // stands in for --in (and for --cache-in / --cache: its 'cache' tensor).
@@ -9,6 +11,7 @@
 //           decode passes --scale
 //   byte 1: --num-blocks of store (0 to 3)
 //   byte 2: --seed
+//   byte 3: --sliding-window of decode (0: none)
 //   bytes 4-7: --scale of decode (a little-endian float)
 // A tqkv::Error is the expected rejection of bad input. Anything else fails: any other exception,
 // a crash, a failed TQKV_CHECK, a sanitizer report or a leak. Built and run by tools/fuzz/run.sh.
@@ -20,6 +23,7 @@
 #include <span>
 #include <vector>
 
+#include "attention/attention_cpu.h"
 #include "attention/decode_cpu.h"
 #include "quant/preset.h"
 #include "quant/quantizer.h"
@@ -51,10 +55,20 @@ void Store(const cli::QuantizerFlags& flags, int64_t num_blocks, bool cache_from
   q.StoreCpu(cli::MakeStoreInputs(tensors), {cache.data.data(), num_blocks, q.layout()});
 }
 
-void Decode(const cli::QuantizerFlags& flags, std::optional<float> scale,
+void Decode(const cli::QuantizerFlags& flags, std::optional<float> scale, int32_t window,
             const SafetensorsFile& in) {
   const cli::DecodeInputTensors tensors = cli::RequireDecodeInputs(in, in, flags);
   const Quantizer q = cli::MakeQuantizer(flags, tensors.head_dim, tensors.num_kv_heads, in);
+  if (tensors.query_start_loc != nullptr || window > 0) {
+    const std::vector<int32_t> loc = cli::AttentionQueryStarts(tensors, "--sliding-window");
+    const size_t rows = static_cast<size_t>(int64_t{tensors.num_tokens} * tensors.num_q_heads);
+    std::vector<float> output(rows * static_cast<size_t>(tensors.head_dim)), lse(rows);
+    AttentionArgs a = cli::MakeAttentionArgs(tensors, q, loc, scale, window);
+    a.output = output.data();
+    a.lse = lse.data();
+    AttentionCpu(q, a);
+    return;
+  }
   std::vector<float> query_f32;
   const DecodeInputs inputs = cli::MakeDecodeInputs(tensors, scale, query_f32);
   std::vector<float> output(query_f32.size());
@@ -87,7 +101,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const SafetensorsFile in = ParseSafetensors(
         std::span<const uint8_t>(data + kPrefix, size - kPrefix), "in.safetensors");
     if (decode) {
-      Decode(flags, scale, in);
+      Decode(flags, scale, data[3], in);
     } else {
       Store(flags, num_blocks, bit7, in);
     }

@@ -5,7 +5,8 @@
 
 safetensors/: valid files (every dtype, metadata, a scalar, empty tensors) and a few invalid ones.
 cli_inputs/: an 8-byte flag prefix (see cli_inputs_fuzzer.cc) then the --in file of a small
-`tqkv store` or `tqkv decode` (D 64, Hk 1, block 16).
+`tqkv store` or `tqkv decode` (D 64, Hk 1, block 16; decode also with query_start_loc and with a
+sliding window).
 gguf/: GGUF files: GPT-2 tokenizers (every byte, merges, control tokens; one with an empty
 control token), a one-layer Llama of F32 weights (also with RoPE scaling, and with a Q8_0 output
 of the wrong shape), and a truncated file.
@@ -66,9 +67,9 @@ def block_bytes(preset, d, h, block):
     return block * h * (key + val + 2 * meta)
 
 
-def prefix(decode, preset, block_index, rotation, bit7, num_blocks, seed=0, scale=0.0):
+def prefix(decode, preset, block_index, rotation, bit7, num_blocks, seed=0, scale=0.0, window=0):
     mode = int(decode) | (preset << 1) | (block_index << 3) | (rotation << 5) | (int(bit7) << 7)
-    return bytes([mode, num_blocks, seed, 0]) + struct.pack("<f", scale)
+    return bytes([mode, num_blocks, seed, window]) + struct.pack("<f", scale)
 
 
 def safetensors_seeds(rng):
@@ -127,21 +128,43 @@ def cli_seeds(rng):
              slot_mapping=("I64", [n], struct.pack(f"<{n}q", 3, 2, 1))))
 
     hq, num_blocks = 2, 2
-    for name, preset_index, bit7 in (("decode_4bit", 1, False), ("decode_k8v4_scale", 0, True)):
-        preset = PRESETS[preset_index]
+
+    def cache_blocks(preset, rng=rng):
         per_block = block_bytes(preset, d, h, block)
         meta_offset = per_block - block * h * 2 * (2 if preset[1] else 3)
         blocks = bytearray()
         for _ in range(num_blocks):
             codes = bytes(rng.randrange(256) for _ in range(meta_offset))
             blocks += codes + struct.pack("<e", 0.25) * ((per_block - meta_offset) // 2)
+        return ("U8", [num_blocks, per_block], bytes(blocks))
+
+    for name, preset_index, bit7 in (("decode_4bit", 1, False), ("decode_k8v4_scale", 0, True)):
+        cache = cache_blocks(PRESETS[preset_index])
         query = [rng.gauss(0, 1) for _ in range(hq * d)]
         seeds[name] = prefix(True, preset_index, 0, 0, bit7, 0, scale=0.125) + safetensors({
-            "cache": ("U8", [num_blocks, per_block], bytes(blocks)),
+            "cache": cache,
             "query": ("F32", [1, hq, d], f32(query)),
             "block_tables": ("I32", [1, 2], struct.pack("<2i", 1, 0)),
             "seq_lens": ("I32", [1], struct.pack("<i", 20)),
         })
+    # Several new tokens per sequence (AttentionCpu): 3 and 1 new tokens and a padding sequence
+    # of none, BF16 query [4, Hq, D]; and one token each under a 7-token sliding window. (Their
+    # own generator, so that the other seeds stay as they were.)
+    own = random.Random(35)
+    query = [own.gauss(0, 1) for _ in range(4 * hq * d)]
+    seeds["attention_k3v4_verify"] = prefix(True, 2, 0, 0, False, 0) + safetensors({
+        "cache": cache_blocks(PRESETS[2], own),
+        "query": ("BF16", [4, hq, d], bf16(query)),
+        "query_start_loc": ("I32", [4], struct.pack("<4i", 0, 3, 4, 4)),
+        "block_tables": ("I32", [3, 2], struct.pack("<6i", 0, 1, 1, 0, 0, 0)),
+        "seq_lens": ("I32", [3], struct.pack("<3i", 19, 32, 0)),
+    })
+    seeds["attention_3bit_window"] = prefix(True, 3, 0, 1, False, 0, window=7) + safetensors({
+        "cache": cache_blocks(PRESETS[3], own),
+        "query": ("F16", [2, hq, d], f16(query[:2 * hq * d])),
+        "block_tables": ("I32", [2, 2], struct.pack("<4i", 1, 0, 0, 1)),
+        "seq_lens": ("I32", [2], struct.pack("<2i", 30, 5)),
+    })
     return seeds
 
 

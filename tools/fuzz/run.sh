@@ -29,7 +29,8 @@ runtime_srcs=(runtime/safetensors.cc runtime/error.cc runtime/logging.cc runtime
 declare -A srcs=(
   [safetensors]="${runtime_srcs[*]}"
   [cli_inputs]="${runtime_srcs[*]} tools/cli_util.cc quant/block_format.cc quant/preset.cc
-                quant/codebook.cc quant/quantizer.cc quant/rotation.cc attention/decode_cpu.cc"
+                quant/codebook.cc quant/quantizer.cc quant/rotation.cc attention/decode_cpu.cc
+                attention/attention.cc attention/attention_cpu.cc"
   [gguf]="${runtime_srcs[*]} model/gguf.cc model/tokenizer.cc model/llama.cc"
 )
 
