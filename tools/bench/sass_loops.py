@@ -15,7 +15,8 @@ shared-output ones, whose 4 N tiles are 16 warpgroup MMAs on sm_90a) and issues 
 the staged main loop, not the masked last chunks' loop), else the largest such, with its
 instruction count, MMA and LDGSTS counts. The count is static; the common path leaves out what
 conditional forward branches of 24 instructions or more skip (the lazy rescale, which rarely
-runs). A kernel DecodeSplitKernel<code> is described by its SplitVariant
+runs). --histogram: the common path's opcodes; --dump DIR: each loop's SASS, its rare branches
+marked "rare". A kernel DecodeSplitKernel<code> is described by its SplitVariant
 (attention/decode_variant.h, SplitVariant::Code), e.g. "mse4 v4 D128 nt1 packed staged": key kind
 (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N tiles, packed or unpacked, pipeline
 (registers, staged, narrow, paired), hi_only, one_cta, half, shared_o (whose loop is one step:
@@ -118,11 +119,11 @@ def chunk_loop(code):
 
 
 def rare_instructions(loop, least=RARE_LEAST):
-    """How many of the loop's instructions lie inside a region that a conditional forward branch
-    of the loop skips, counting only regions of at least `least` instructions: the rare branches
-    (the lazy softmax's rescale) that a chunk mostly does not run. len(loop) minus this is the
-    common path's length, as far as static code tells (short skips, such as a short-circuit test,
-    are counted in)."""
+    """The indices of the loop's instructions that lie inside a region that a conditional forward
+    branch of the loop skips, counting only regions of at least `least` instructions: the rare
+    branches (the lazy softmax's rescale) that a chunk mostly does not run. The rest is the common
+    path, as far as static code tells (short skips, such as a short-circuit test, are counted
+    in)."""
     index = {addr: i for i, (addr, _) in enumerate(loop)}
     skipped = set()
     for i, (addr, text) in enumerate(loop):
@@ -133,7 +134,7 @@ def rare_instructions(loop, least=RARE_LEAST):
         if target <= addr or target not in index or index[target] - i - 1 < least:
             continue
         skipped.update(range(i + 1, index[target]))
-    return len(skipped)
+    return skipped
 
 
 def opcode(text):
@@ -162,15 +163,17 @@ def main(argv):
         ldgsts = sum("LDGSTS" in t for _, t in loop)
         rare = rare_instructions(loop)
         print(f"{short}: {len(code)} instructions, chunk loop {len(loop)} "
-              f"(MMA {CHUNK_HMMAS}, LDGSTS {ldgsts}; common path {len(loop) - rare}, "
-              f"{rare} in rare branches)")
+              f"(MMA {CHUNK_HMMAS}, LDGSTS {ldgsts}; common path {len(loop) - len(rare)}, "
+              f"{len(rare)} in rare branches)")
         if histogram:
-            counts = collections.Counter(opcode(t) for _, t in loop)
-            print("   " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+            counts = collections.Counter(opcode(t) for i, (_, t) in enumerate(loop)
+                                         if i not in rare)
+            print("   common path: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
         if dump:
             path = os.path.join(dump, re.sub(r"[^A-Za-z0-9_]", "_", short)[:120] + ".sass")
             with open(path, "w") as f:
-                f.write("\n".join(t for _, t in loop) + "\n")
+                f.write("\n".join(("rare " if i in rare else "     ") + t
+                                  for i, (_, t) in enumerate(loop)) + "\n")
     return 0
 
 
