@@ -27,8 +27,17 @@ std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngr
     const auto suffix = context.subspan(static_cast<size_t>(len - n));
     for (int64_t s = len - n - 1; s >= 0; --s) {  // the most recent earlier occurrence
       if (!std::equal(suffix.begin(), suffix.end(), context.begin() + s)) continue;
-      const int64_t from = s + n, to = std::min(len, from + max_drafts);
-      return {context.begin() + from, context.begin() + to};
+      // The tokens after it, read on past the context's end from the drafts themselves: a suffix
+      // that recurs p tokens back continues with period p (a repeated token, max_drafts copies),
+      // where the context alone would give p tokens at most.
+      const int64_t from = s + n;
+      std::vector<int32_t> drafts;
+      drafts.reserve(static_cast<size_t>(max_drafts));
+      for (int64_t at = from; at < from + max_drafts; ++at) {
+        drafts.push_back(at < len ? context[static_cast<size_t>(at)]
+                                  : drafts[static_cast<size_t>(at - len)]);
+      }
+      return drafts;
     }
   }
   return {};

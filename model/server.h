@@ -81,9 +81,10 @@ struct ServerStats {
   double manager_seconds = 0.0;  // AddSequence, Schedule, Commit, Free
 };
 
-// Prompt lookup: up to `max_drafts` tokens that followed the most recent earlier occurrence of
-// the context's last n tokens, for the longest n from max_ngram down to 1 that occurs; none when
-// no suffix recurs.
+// Prompt lookup: the `max_drafts` tokens that follow the most recent earlier occurrence of the
+// context's last n tokens, for the longest n from max_ngram down to 1 that occurs, as if the
+// context repeated from there on (past its end the drafts continue with the period the match
+// shows: "x y x y" drafts "x y x y ..."); none when no suffix recurs.
 std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngram, int max_drafts);
 
 // The token of one position: the argmax (temperature 0), or one draw from softmax(logits /

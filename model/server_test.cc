@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -24,9 +25,13 @@ TEST(ServerTest, ProposeDraftsLooksUpTheContext) {
   using V = std::vector<int32_t>;
   EXPECT_EQ(ProposeDrafts(V{1, 2, 3, 4, 1, 2}, 3, 3), (V{3, 4, 1}));  // {4, 1, 2} never; {1, 2}
   EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 3), (V{7, 5, 6}));  // the latest {5, 6}
-  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 8), (V{7, 5, 6}));  // up to the end
-  EXPECT_EQ(ProposeDrafts(V{8, 1, 9, 2, 1}, 3, 4), (V{9, 2, 1}));           // down to one token
-  EXPECT_EQ(ProposeDrafts(V{7, 7}, 3, 4), (V{7}));
+  // Past the context's end with the period of the match (3 here, then 1 and 2).
+  EXPECT_EQ(ProposeDrafts(V{5, 6, 9, 5, 6, 7, 5, 6}, 2, 8), (V{7, 5, 6, 7, 5, 6, 7, 5}));
+  EXPECT_EQ(ProposeDrafts(V{8, 1, 9, 2, 1}, 3, 4), (V{9, 2, 1, 9}));  // down to one token
+  EXPECT_EQ(ProposeDrafts(V{7, 7}, 3, 4), (V{7, 7, 7, 7}));
+  EXPECT_EQ(ProposeDrafts(V{3, 7, 7, 7}, 3, 5), (V{7, 7, 7, 7, 7}));
+  EXPECT_EQ(ProposeDrafts(V{1, 4, 1, 4}, 3, 5), (V{1, 4, 1, 4, 1}));
+  EXPECT_EQ(ProposeDrafts(V{1, 4, 1, 4}, 3, 1), (V{1}));
   EXPECT_EQ(ProposeDrafts(V{1, 2, 3}, 3, 4), V{});  // nothing recurs
   EXPECT_EQ(ProposeDrafts(V{4}, 3, 4), V{});
   EXPECT_EQ(ProposeDrafts(V{1, 2, 1, 2}, 3, 0), V{});
@@ -82,7 +87,7 @@ TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
 // drafts continue the prompt after that pair where the model does not (rejected, rewound);
 // later drafts follow its output (kept). Every request, greedy or sampled, keeps its tokens, with
 // and without preemption.
-TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
+LlamaModel RepeatingModel() {
   LlamaConfig config;
   config.num_layers = 4;
   config.hidden = 384;
@@ -93,7 +98,11 @@ TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
   config.vocab = 1000;
   config.context = 4096;
   config.rope_base = 10000.0f;
-  const LlamaModel model = LlamaModel::RandomInit(config, 9);
+  return LlamaModel::RandomInit(config, 9);
+}
+
+TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
+  const LlamaModel model = RepeatingModel();
   auto serve = [&](int spec, int32_t num_blocks) {
     CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, num_blocks});
     ServerOptions options{8, 48};
@@ -132,6 +141,37 @@ TEST(ServerTest, SpeculativeDecodingRewindsRejectedDrafts) {
   const auto [tight, tight_stats] = serve(4, 12);
   EXPECT_GT(tight_stats.preemptions, 0);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(tight[i], plain[i]) << "request " << i;
+}
+
+// A sequence that repeats one token drafts spec_tokens copies of it every step (ProposeDrafts
+// continues the match past the context's end), all kept: 4 drafts and one more token per step,
+// where drafts of what followed the token's last occurrence alone would be one token long.
+TEST(ServerTest, SpeculativeDecodingDraftsARepeatedTokenWhole) {
+  const LlamaModel model = RepeatingModel();
+  auto serve = [&](int spec) {
+    CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 64});
+    ServerOptions options{1, 48};
+    options.spec_tokens = spec;
+    Server server(engine, options);
+    Request r;
+    std::mt19937_64 rng(300);
+    for (int j = 0; j < 40; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
+    r.max_new_tokens = 21;
+    server.Submit(r);
+    server.RunToCompletion();
+    return std::pair{server.completion(0).tokens, server.stats()};
+  };
+  const auto [plain, plain_stats] = serve(0);
+  const auto [spec, spec_stats] = serve(4);
+  ASSERT_EQ(plain.size(), 21u);
+  // The premise: this model repeats the prompt's last token.
+  ASSERT_EQ(std::count(plain.begin(), plain.end(), plain[0]), 21);
+  EXPECT_EQ(spec, plain);
+  EXPECT_EQ(plain_stats.steps, 21);
+  // The prompt's step gives the first token; then 4 steps of 4 kept drafts and one more.
+  EXPECT_EQ(spec_stats.steps, 5);
+  EXPECT_EQ(spec_stats.draft_tokens, 16);
+  EXPECT_EQ(spec_stats.accepted_drafts, 16);
 }
 
 }  // namespace

@@ -10,8 +10,9 @@
 // per decoding sequence and step by prompt lookup (ServerOptions::spec_tokens) and verifies them
 // in the step: decode tokens/s then counts every token a step commits, and the table gives the
 // tokens per sequence and step. Random weights repeat one token (SmolLM2's shape: 24 of 24 tokens
-// on the CPU), so every draft is kept: the most speculative decoding can gain at the shape (such
-// steps run kernel by kernel, not from a graph); a real model's text keeps fewer.
+// on the CPU), so K drafts are made and kept every step (ProposeDrafts continues a repetition):
+// the most speculative decoding can gain at the shape (such steps run kernel by kernel, not from a
+// graph); a real model's text keeps fewer.
 //
 //   model_bench [--model F.gguf] [--presets bf16 turboquant_4bit_nc ...] [--batches 1 64]
 //               [--context 4096] [--steps 64] [--spec-tokens 0] [--json out.json]
