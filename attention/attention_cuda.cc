@@ -208,13 +208,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "num_q_heads", num_q_heads,
                           fmt::format("a positive multiple of num_kv_heads = {}", hk));
   }
-  // Positions and seq_lens are int32.
-  if (max_blocks_per_seq < 1 ||
-      int64_t{max_blocks_per_seq} * block_size() > std::numeric_limits<int32_t>::max()) {
+  // Positions are int32, and the kernels add a split's length to its first position (a window's
+  // start plus the splits before it, each below the context): within kMaxContextTokens (2^29)
+  // every such sum stays below 2^31.
+  if (max_blocks_per_seq < 1 || int64_t{max_blocks_per_seq} * block_size() > kMaxContextTokens) {
     throw InvalidArgument(
         kWhere, "max_blocks_per_seq", max_blocks_per_seq,
-        fmt::format("1 to {} (int32 positions at block size {})",
-                    std::numeric_limits<int32_t>::max() / block_size(), block_size()));
+        fmt::format("1 to {} (contexts up to {} tokens at block size {})",
+                    kMaxContextTokens / block_size(), kMaxContextTokens, block_size()));
   }
   if (max_q_len < 1 || max_q_len > num_tokens) {
     throw InvalidArgument(kWhere, "max_q_len", max_q_len,
@@ -231,9 +232,12 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
         fmt::format("at most {} with {} query heads (int32 rows)",
                     std::numeric_limits<int32_t>::max() / num_q_heads, num_q_heads));
   }
-  if (options.tokens_per_split < 0 || options.tokens_per_split % 64 != 0) {
+  // (A split's end, its first position plus this, stays within int32 as the context's does.)
+  if (options.tokens_per_split < 0 || options.tokens_per_split % 64 != 0 ||
+      options.tokens_per_split > kMaxContextTokens) {
     throw InvalidArgument(kWhere, "options.tokens_per_split", options.tokens_per_split,
-                          "0 (the plan chooses) or a positive multiple of 64");
+                          fmt::format("0 (the plan chooses) or a positive multiple of 64 up to {}",
+                                      kMaxContextTokens));
   }
   const int group = num_q_heads / hk;
   AttentionPlan plan;

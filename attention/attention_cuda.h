@@ -57,7 +57,7 @@ enum class ChunkPrecision : uint8_t {
 
 struct AttentionOptions {
   // Context tokens per split of the chunk kernel: 0 lets the plan choose; otherwise a multiple
-  // of 64 (tuning, benchmarks, tests).
+  // of 64 up to CudaAttention::kMaxContextTokens (tuning, benchmarks, tests).
   int tokens_per_split = 0;
   // false: never the decode kernels, the chunk kernel for one-token plans too.
   bool decode_kernels = true;
@@ -162,10 +162,15 @@ class CudaAttention {
   // The layout its calls' caches must have (CacheRef::layout).
   const CacheLayout& layout() const;
 
+  // The longest context a plan takes (max_blocks_per_seq · block_size), and the longest split:
+  // 2^29 tokens, so that a split's end, its first position plus its length, stays within int32.
+  static constexpr int64_t kMaxContextTokens = int64_t{1} << 29;
+
   // Host only. max_q_len bounds every sequence's query length (query_start_loc[b + 1] −
   // query_start_loc[b]); Run reads no more rows per sequence than that. Throws tqkv::Error for
   // num_seqs outside 1..65535, num_tokens < 1, a num_q_heads that is not a multiple of
-  // num_kv_heads, max_q_len outside 1..num_tokens, or options out of range.
+  // num_kv_heads, max_blocks_per_seq · block_size past kMaxContextTokens, max_q_len outside
+  // 1..num_tokens, or options out of range.
   AttentionPlan Plan(int num_seqs, int num_tokens, int num_q_heads, int max_blocks_per_seq,
                      int max_q_len, const AttentionOptions& options = {}) const;
 

@@ -1246,6 +1246,25 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   EXPECT_THAT(
       [&] { attn.Plan(2, 2, 32, (1 << 27), 1); },
       ::testing::ThrowsMessage<Error>(::testing::HasSubstr("max_blocks_per_seq = 134217728")));
+  // Contexts and splits up to kMaxContextTokens (2^29), so that a split's end stays within int32:
+  // a context just under 2^31 had made one split of 2^31 tokens (tokens_per_split negative), and
+  // a split of 2^31 − 64 tokens after a window's start wrapped to a negative end.
+  const int most = static_cast<int>(CudaAttention::kMaxContextTokens / 16);
+  EXPECT_EQ(attn.Plan(2, 2, 32, most, 1).max_blocks_per_seq, most);
+  EXPECT_THAT([&] { attn.Plan(2, 2, 32, most + 1, 1); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr(fmt::format("max_blocks_per_seq = {}", most + 1))));
+  EXPECT_THAT(
+      [&] { attn.Plan(1, 8192, 32, 134217727, 8192); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("max_blocks_per_seq = 134217727")));
+  const AttentionPlan longest = attn.Plan(1, 8192, 32, most, 8192);
+  EXPECT_GT(longest.tokens_per_split, 0);
+  EXPECT_LE(int64_t{longest.tokens_per_split} * longest.max_splits,
+            CudaAttention::kMaxContextTokens + 64 * longest.max_splits);
+  EXPECT_EQ(attn.Plan(2, 5, 32, 4, 3, {.tokens_per_split = 1 << 29}).tokens_per_split, 1 << 29);
+  EXPECT_THAT(
+      [&] { attn.Plan(2, 5, 32, 4, 3, {.tokens_per_split = (1 << 29) + 64}); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("tokens_per_split = 536870976")));
   // Past the decode kernels' longest context, one-token and verify calls run on the chunk kernel.
   const int past = static_cast<int>(CudaDecoder::kMaxContextTokens / 16) + 1;
   EXPECT_TRUE(attn.Plan(2, 2, 32, past - 1, 1).decode);
