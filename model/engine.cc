@@ -42,7 +42,7 @@ void StoreBf16(const Bf16BlockFormat& f, const float* k, const float* v, const i
 Engine::Engine(const LlamaModel& model, KvPolicy policy, CacheDevice device)
     : model_(model), policy_(std::move(policy)), device_(device) {
   const LlamaConfig& c = model_.config();
-  if (policy_.boundary_layers < 0 || 2 * policy_.boundary_layers > c.num_layers) {
+  if (policy_.boundary_layers < 0 || policy_.boundary_layers > c.num_layers / 2) {
     throw InvalidArgument("Engine", "policy.boundary_layers", policy_.boundary_layers,
                           fmt::format("0 to {}", c.num_layers / 2));
   }

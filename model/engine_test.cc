@@ -249,16 +249,21 @@ TEST(EngineTest, ServerBatchesLikeOneAtATime) {
   const ServerStats tight = serve(9, 4);  // 8 usable blocks of 16: about two requests at once
   EXPECT_GT(tight.preemptions, 0);
 
+  // A prompt longer than the pool is refused at Submit; one that fits but whose tokens outgrow
+  // the pool runs, then fails alone, and the other request keeps its tokens.
   CpuEngine engine(s->model, {"turboquant_4bit_nc", 0, 16, 9});
   Server server(engine, {4, 64});
   std::vector<int32_t> huge;
   for (int i = 0; i < 8; ++i)
     huge.insert(huge.end(), requests[3].prompt.begin(), requests[3].prompt.end());
-  const int bad = server.Submit(Req(huge, 4));
+  ASSERT_GT(huge.size(), 128u);
+  EXPECT_THAT([&] { server.Submit(Req(huge, 4)); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("at most 128 tokens")));
+  EXPECT_TRUE(server.idle());
+  const int bad = server.Submit(Req(requests[3].prompt, 128));
   const int good = server.Submit(requests[1]);
   server.RunToCompletion();
   EXPECT_THAT(server.completion(bad).error, ::testing::HasSubstr("more than the pool"));
-  EXPECT_TRUE(server.completion(bad).tokens.empty());
   EXPECT_EQ(server.completion(good).tokens, alone[1]);
 }
 
@@ -446,6 +451,12 @@ TEST(EngineTest, BoundaryLayersAreBf16) {
       },
       ::testing::ThrowsMessage<Error>(
           ::testing::HasSubstr("policy.boundary_layers = 16; allowed: 0 to 15")));
+  EXPECT_THAT(  // (2 · boundary_layers wrapped past int32 and passed)
+      [&] {
+        CpuEngine(s->model, {"turboquant_4bit_nc", 1 << 30, 16, 0});
+      },
+      ::testing::ThrowsMessage<Error>(
+          ::testing::HasSubstr("policy.boundary_layers = 1073741824; allowed: 0 to 15")));
   const std::vector<int32_t> ids = s->tokenizer.Encode("The capital of France is");
   const std::vector<float> logits = e.Forward(ids, 4);
   const int vocab = s->model.config().vocab;

@@ -63,8 +63,12 @@ Server::Server(Engine& engine, ServerOptions options) : engine_(engine), options
   if (options_.max_running < 1) {
     throw InvalidArgument("Server", "options.max_running", options_.max_running, ">= 1");
   }
-  if (options_.step_tokens < 1) {
-    throw InvalidArgument("Server", "options.step_tokens", options_.step_tokens, ">= 1");
+  // Decode rows are never deferred: a step holds one row for each running sequence.
+  if (options_.step_tokens < options_.max_running) {
+    throw InvalidArgument("Server", "options.step_tokens", options_.step_tokens,
+                          fmt::format(">= options.max_running = {} (a row for every running "
+                                      "sequence)",
+                                      options_.max_running));
   }
   if (options_.spec_tokens < 0 || options_.spec_tokens > 64) {
     throw InvalidArgument("Server", "options.spec_tokens", options_.spec_tokens, "0 to 64");
@@ -75,7 +79,7 @@ Server::Server(Engine& engine, ServerOptions options) : engine_(engine), options
   engine_.manager();  // the pool exists (and its size was given) before any request
 }
 
-int Server::Submit(Request request) {
+void Server::Check(const Request& request) const {
   const int vocab = engine_.model().config().vocab;
   if (request.prompt.empty()) throw InvalidArgument("Server::Submit", "prompt.size()", 0, ">= 1");
   for (int32_t t : request.prompt) {
@@ -100,6 +104,34 @@ int Server::Submit(Request request) {
     throw InvalidArgument("Server::Submit", "sampling.temperature", request.sampling.temperature,
                           "finite and >= 0");
   }
+  if (request.stop_token < -1 || request.stop_token >= vocab) {
+    throw InvalidArgument("Server::Submit", "stop_token", request.stop_token,
+                          fmt::format("-1 (none) or 0 to {}", vocab - 1));
+  }
+  // A prompt the whole pool cannot hold can never run. (Its generated tokens are not counted: a
+  // request may stop before it runs out of blocks; one that does not fails then, alone.)
+  const KVCacheManager& m = engine_.manager();
+  const int64_t bs = m.options().block_size;
+  const int64_t prompt_blocks = (static_cast<int64_t>(request.prompt.size()) + bs - 1) / bs;
+  if (m.options().sliding_window == 0 && prompt_blocks > m.Stats().num_blocks) {
+    throw InvalidArgument(
+        "Server::Submit", "prompt.size()", static_cast<int64_t>(request.prompt.size()),
+        fmt::format("at most {} tokens: the pool's {} blocks of {}",
+                    int64_t{m.Stats().num_blocks} * bs, m.Stats().num_blocks, bs));
+  }
+}
+
+const Completion& Server::completion(int id) const {
+  if (id < 0 || id >= static_cast<int>(completions_.size())) {
+    throw InvalidArgument("Server::completion", "id", id,
+                          completions_.empty() ? std::string("none: no request was submitted")
+                                               : fmt::format("0 to {}", completions_.size() - 1));
+  }
+  return completions_[static_cast<size_t>(id)];
+}
+
+int Server::Submit(Request request) {
+  Check(request);
   const int id = static_cast<int>(requests_.size());
   Live live;
   live.id = id;

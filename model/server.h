@@ -104,12 +104,17 @@ int32_t AcceptDraft(const float* logits, int vocab, float temperature, int32_t a
 class Server {
  public:
   // The engine's policy must size the block pool (KvPolicy::num_blocks). Throws tqkv::Error
-  // naming the option for max_running or step_tokens below 1, spec_tokens outside 0-64 or
-  // spec_ngram below 1.
+  // naming the option for max_running below 1, step_tokens below max_running (every running
+  // sequence's decode row fits a step), spec_tokens outside 0-64 or spec_ngram below 1.
   Server(Engine& engine, ServerOptions options);
 
-  // Queues a request; returns its id (0, 1, ...). Throws tqkv::Error naming the field for an
-  // empty prompt, max_new_tokens < 1, a negative temperature or a token outside the vocabulary.
+  // Throws tqkv::Error naming the field where Submit would refuse the request: an empty prompt, a
+  // token outside the vocabulary, max_new_tokens < 1, prompt and max_new_tokens past the model's
+  // context, a negative or non-finite temperature, a stop_token other than -1 or a token, or a
+  // prompt longer than the whole block pool holds. (A request whose generated tokens outgrow the
+  // pool is accepted: it may stop before; if not, it fails then, alone, with Completion::error.)
+  void Check(const Request& request) const;
+  // Queues a request (after Check; nothing changes where it throws); returns its id (0, 1, ...).
   int Submit(Request request);
   // One step: admits waiting requests, schedules (preempting while blocks are short), computes,
   // samples and commits. Returns false, doing nothing, when no request is waiting or running.
@@ -117,7 +122,8 @@ class Server {
   // Steps until every submitted request has finished.
   void RunToCompletion();
 
-  const Completion& completion(int id) const { return completions_.at(static_cast<size_t>(id)); }
+  // Throws tqkv::Error naming an id that Submit did not return.
+  const Completion& completion(int id) const;
   bool idle() const { return waiting_.empty() && running_.empty(); }
   const ServerStats& stats() const { return stats_; }
 

@@ -1,8 +1,10 @@
 // model::Server's parts that need no model file (the sanitizer pass runs them): prompt lookup,
-// speculative sampling, and speculative decoding on a random-weight model. The serving loop on
-// SmolLM2 is engine_test's.
+// speculative sampling, speculative decoding on a random-weight model, and bad input. The serving
+// loop on SmolLM2 is engine_test's.
 #include "model/server.h"
 
+#include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 
 #include "model/engine.h"
 #include "model/llama.h"
+#include "runtime/error.h"
 
 namespace tqkv::model {
 namespace {
@@ -172,6 +175,49 @@ TEST(ServerTest, SpeculativeDecodingDraftsARepeatedTokenWhole) {
   EXPECT_EQ(spec_stats.steps, 5);
   EXPECT_EQ(spec_stats.draft_tokens, 16);
   EXPECT_EQ(spec_stats.accepted_drafts, 16);
+}
+
+// Bad options and requests are refused, naming the field and what is allowed, with nothing
+// queued: a step budget below the running sequences (each needs its decode row), a stop token
+// outside the vocabulary, a prompt longer than the whole block pool holds (while one that fits,
+// and a request whose generated tokens may outgrow the pool, are accepted), an unknown id.
+TEST(ServerTest, RefusesBadOptionsAndRequestsBeforeAnythingChanges) {
+  const LlamaModel model = RepeatingModel();
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});  // 8 usable blocks: 128 tokens
+  auto error = [](const auto& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(error([&] {
+                Server(engine, ServerOptions{4, 3});
+              }),
+              ::testing::HasSubstr("options.step_tokens = 3; allowed: >= options.max_running = 4"));
+  Server server(engine, ServerOptions{4, 16});
+  EXPECT_THAT(error([&] { (void)server.completion(0); }),
+              ::testing::HasSubstr("id = 0; allowed: none"));
+  Request r;
+  r.prompt.assign(128, 7);
+  r.max_new_tokens = 200;  // past the pool: accepted (a stop token may end it first)
+  EXPECT_EQ(error([&] { server.Check(r); }), "no error");
+  for (int32_t stop : {-2, 1000}) {
+    Request bad = r;
+    bad.stop_token = stop;
+    EXPECT_THAT(
+        error([&] { server.Submit(bad); }),
+        ::testing::HasSubstr(fmt::format("stop_token = {}; allowed: -1 (none) or 0 to 999", stop)));
+  }
+  Request longer = r;
+  longer.prompt.push_back(7);
+  EXPECT_THAT(error([&] { server.Submit(longer); }),
+              ::testing::HasSubstr("prompt.size() = 129; allowed: at most 128 tokens"));
+  EXPECT_TRUE(server.idle());
+  EXPECT_EQ(server.Submit(r), 0);
+  EXPECT_THAT(error([&] { (void)server.completion(1); }),
+              ::testing::HasSubstr("id = 1; allowed: 0 to 0"));
 }
 
 }  // namespace

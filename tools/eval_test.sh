@@ -19,11 +19,17 @@ gen=${TEST_TMPDIR:-/tmp}/generate.txt
 grep -q "Paris" "$gen" || { echo "FAIL: no Paris"; exit 1; }
 grep -Eq "[1-9][0-9]* from the prefix cache\)" "$gen" || { echo "FAIL: no prefix hits"; exit 1; }
 grep -Eq " [1-9][0-9]* preemptions" "$gen" || { echo "FAIL: no preemption"; exit 1; }
-# A pool that cannot hold a request fails the run, naming the flag.
+# A pool that cannot hold a prompt fails the run before any step, naming the prompt and the flag;
+# one that holds the prompts but not what they generate fails the run after it, naming the flag.
 if err=$("$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --max-tokens 4 --num-blocks 2 2>&1 >/dev/null); then
   echo "FAIL: generate with a 2-block pool exited 0"; exit 1
 fi
-grep -q "3 of 3 requests failed.*--num-blocks (2)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
+grep -q "prompt 1 of 3: .*at most 16 tokens.*--num-blocks 2)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
+if err=$("$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --max-tokens 40 --num-blocks 3 --raw \
+    --prompt "The history of the city" 2>&1 >/dev/null); then
+  echo "FAIL: generate past a 3-block pool exited 0"; exit 1
+fi
+grep -q "1 of 1 requests failed.*more than the pool.*--num-blocks (3)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
 out=${TEST_TMPDIR:-/tmp}/eval.json
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
   --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -20,6 +21,7 @@
 #include "model/server.h"
 #include "model/tokenizer.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 #include "tools/cli_util.h"
 #include "tools/commands.h"
 
@@ -47,12 +49,22 @@ struct GenerateFlags {
 };
 
 void RunGenerate(const GenerateFlags& flags) {
+  // (CLI11's range check lets NaN through.)
+  if (!std::isfinite(flags.temperature)) {
+    throw InvalidArgument("tqkv generate", "--temperature", flags.temperature, "0 to 100");
+  }
   const std::string path = ResolveModelPath(flags.model, "tqkv generate");
   const model::GgufFile file = model::GgufFile::Open(path);
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
   const bool chat = !flags.raw;
   const int32_t stop = chat ? tokenizer.Find("<|im_end|>") : tokenizer.eos_id();
+  if (stop < 0) {
+    Logger().warn(
+        "tqkv generate: the model's tokenizer has no {} token: every request runs to "
+        "--max-tokens",
+        chat ? "<|im_end|>" : "end-of-text");
+  }
 
   std::vector<model::Request> requests;
   int32_t blocks = 1;  // the null block
@@ -83,6 +95,17 @@ void RunGenerate(const GenerateFlags& flags) {
   model::ServerOptions options{flags.max_running, flags.step_tokens};
   options.spec_tokens = flags.spec_tokens;
   model::Server server(*engine, options);
+  // Every request is checked before the first step, so that a bad one fails the run before any
+  // other has run.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    try {
+      server.Check(requests[i]);
+    } catch (const Error& e) {
+      throw Error(
+          fmt::format("tqkv generate: prompt {} of {}: {} (--max-tokens {}, --num-blocks {})",
+                      i + 1, requests.size(), e.what(), flags.max_tokens, policy.num_blocks));
+    }
+  }
   const model::LlamaConfig& c = llama.config();
   fmt::print("{}: {} layers on {}, KV cache {}{}: {} bytes per token (bf16: {}), {} blocks of 16\n",
              std::filesystem::path(path).filename().string(), c.num_layers,
