@@ -503,10 +503,8 @@ SafetensorsFile ReadSafetensors(const std::string& path) {
   return ParseSafetensors(bytes, path);
 }
 
-void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) {
-  // Serialize first: an invalid tensor is reported before anything touches the filesystem.
-  const std::vector<uint8_t> bytes = Serialize(file, fmt::format("WriteSafetensors({})", path_arg));
-
+void WriteFileAtomically(const std::string& path_arg, std::span<const uint8_t> bytes,
+                         std::string_view where) {
   // The rename below replaces the directory entry: through a symbolic link, write its target
   // (not the link), and never replace something that is not a regular file (a device node).
   // (A dangling link resolves to itself in weakly_canonical: follow links by hand first.)
@@ -515,7 +513,7 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
   for (int hops = 0;
        std::filesystem::is_symlink(std::filesystem::symlink_status(target, error_code)); ++hops) {
     if (hops == 40) {
-      throw Error(fmt::format("WriteSafetensors: {}: too many levels of symbolic links", path_arg));
+      throw Error(fmt::format("{}: {}: too many levels of symbolic links", where, path_arg));
     }
     const std::filesystem::path link = std::filesystem::read_symlink(target, error_code);
     if (error_code) break;
@@ -524,25 +522,24 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
   // (symlink_status fails for a path that cannot be searched: weakly_canonical reports it.)
   const std::string path = std::filesystem::weakly_canonical(target, error_code).string();
   if (error_code) {
-    throw Error(
-        fmt::format("WriteSafetensors: cannot resolve {}: {}", path_arg, error_code.message()));
+    throw Error(fmt::format("{}: cannot resolve {}: {}", where, path_arg, error_code.message()));
   }
   if (std::filesystem::exists(path, error_code) &&
       !std::filesystem::is_regular_file(path, error_code)) {
-    throw Error(fmt::format("WriteSafetensors: {} exists and is not a regular file", path_arg));
+    throw Error(fmt::format("{}: {} exists and is not a regular file", where, path_arg));
   }
 
   // The temporary lives in the target's directory so that rename() is atomic (same filesystem).
   std::string tmp_path = path + ".tmp.XXXXXX";
   const int fd = mkstemp(tmp_path.data());
   if (fd < 0) {
-    throw Error(fmt::format("WriteSafetensors: cannot create a temporary file next to {}: {}", path,
+    throw Error(fmt::format("{}: cannot create a temporary file next to {}: {}", where, path,
                             ErrnoMessage(errno)));
   }
   auto fail = [&](std::string_view what, int error) {
     ::close(fd);  // may already be closed; harmless
     ::unlink(tmp_path.c_str());
-    throw Error(fmt::format("WriteSafetensors: {} {}: {}", what, path, ErrnoMessage(error)));
+    throw Error(fmt::format("{}: {} {}: {}", where, what, path, ErrnoMessage(error)));
   };
   // mkstemp creates the file 0600; give it the usual permissions of a data file.
   if (::fchmod(fd, 0644) != 0) fail("cannot set permissions for", errno);
@@ -560,14 +557,20 @@ void WriteSafetensors(const std::string& path_arg, const SafetensorsFile& file) 
   if (::close(fd) != 0) {
     const int error = errno;
     ::unlink(tmp_path.c_str());
-    throw Error(fmt::format("WriteSafetensors: cannot close {}: {}", path, ErrnoMessage(error)));
+    throw Error(fmt::format("{}: cannot close {}: {}", where, path, ErrnoMessage(error)));
   }
   if (std::rename(tmp_path.c_str(), path.c_str()) != 0) {
     const int error = errno;
     ::unlink(tmp_path.c_str());
-    throw Error(fmt::format("WriteSafetensors: cannot rename the temporary file to {}: {}", path,
+    throw Error(fmt::format("{}: cannot rename the temporary file to {}: {}", where, path,
                             ErrnoMessage(error)));
   }
+}
+
+void WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
+  // Serialize first: an invalid tensor is reported before anything touches the filesystem.
+  const std::vector<uint8_t> bytes = Serialize(file, fmt::format("WriteSafetensors({})", path));
+  WriteFileAtomically(path, bytes, "WriteSafetensors");
 }
 
 }  // namespace tqkv

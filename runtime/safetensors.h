@@ -133,6 +133,12 @@ SafetensorsFile ReadSafetensors(const std::string& path);
 // file nor a temporary behind, and an existing file at `path` is either fully replaced or kept.
 void WriteSafetensors(const std::string& path, const SafetensorsFile& file);
 
+// Writes `bytes` to `path` all or nothing (WriteSafetensors' way): a temporary file next to it,
+// flushed, then renamed over it; through a symbolic link its target; never over something that
+// is not a regular file. Throws tqkv::Error prefixed with `where`, leaving `path` as it was.
+void WriteFileAtomically(const std::string& path, std::span<const uint8_t> bytes,
+                         std::string_view where);
+
 // ---------------------------------------------------------------------------------------------
 // Template definitions.
 

@@ -12,9 +12,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -779,6 +781,26 @@ TEST(SafetensorsWriteTest, WritingThroughASymbolicLinkWritesItsTarget) {
   WriteSafetensors(dir + "/dangling.safetensors", EveryDTypeFile());
   EXPECT_TRUE(std::filesystem::is_symlink(dir + "/dangling.safetensors"));
   EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/data/new.safetensors"));
+}
+
+// The same all-or-nothing write for any bytes (the CLI's JSON reports): the content replaces the
+// file's, and errors carry the caller's prefix and leave the target as it was.
+TEST(SafetensorsWriteTest, WriteFileAtomicallyReplacesOrLeavesTheFile) {
+  const std::string dir = TempPath("atomic_text");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/a_directory");
+  const std::string path = dir + "/report.json";
+  for (std::string_view text : {std::string_view("{\"first\": 1}\n"), std::string_view("{}\n")}) {
+    WriteFileAtomically(path, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
+                        "tqkv test --json");
+    std::ifstream in(path);
+    const std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(read, text);
+  }
+  EXPECT_THAT([&] { WriteFileAtomically(dir + "/a_directory", {}, "tqkv test --json"); },
+              ::testing::ThrowsMessage<Error>(
+                  AllOf(HasSubstr("tqkv test --json: "), HasSubstr("is not a regular file"))));
+  EXPECT_TRUE(DirectoryHasOnly(dir, {"a_directory", "report.json"}));
 }
 
 TEST(SafetensorsWriteTest, ReadOnlyDirectoryThrowsAndLeavesNoFile) {

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,7 +19,9 @@
 #include "model/gguf.h"
 #include "model/llama.h"
 #include "model/tokenizer.h"
+#include "quant/preset.h"
 #include "runtime/error.h"
+#include "runtime/safetensors.h"
 #include "tools/cli_util.h"
 #include "tools/commands.h"
 
@@ -66,9 +70,34 @@ void RunEval(const EvalFlags& flags) {
         "tqkv eval", "--window", flags.window,
         fmt::format("at most the model's context_length = {}", llama.config().context));
   }
+  // The policies are checked before the reference runs (minutes at the default length).
+  for (const std::string& p : flags.presets) {
+    try {
+      (void)PresetByName(p);
+    } catch (const Error&) {
+      throw InvalidArgument("tqkv eval", "--presets", p,
+                            "a TurboQuant preset (tqkv info lists them; the bf16 cache always "
+                            "runs)");
+    }
+    if (std::count(flags.presets.begin(), flags.presets.end(), p) > 1) {
+      throw InvalidArgument("tqkv eval", "--presets", p, "each preset once");
+    }
+  }
+  for (int b : flags.boundary_layers) {
+    if (b < 0 || b > llama.config().num_layers / 2) {
+      throw InvalidArgument("tqkv eval", "--boundary-layers", b,
+                            fmt::format("0 to {} (half the model's {} layers)",
+                                        llama.config().num_layers / 2, llama.config().num_layers));
+    }
+    if (std::count(flags.boundary_layers.begin(), flags.boundary_layers.end(), b) > 1) {
+      throw InvalidArgument("tqkv eval", "--boundary-layers", b, "each count once");
+    }
+  }
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
   std::ifstream in(flags.text, std::ios::binary);
-  if (!in) throw InvalidArgument("tqkv eval", "--text", flags.text, "a readable text file");
+  if (!in || !std::filesystem::is_regular_file(flags.text)) {
+    throw InvalidArgument("tqkv eval", "--text", flags.text, "a readable text file");
+  }
   std::stringstream buffer;
   buffer << in.rdbuf();
   std::vector<int32_t> ids = tokenizer.Encode(buffer.str());
@@ -177,10 +206,12 @@ void RunEval(const EvalFlags& flags) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   fmt::print("{:.1f} s\n", seconds);
   if (!flags.json.empty()) {
-    std::ofstream out(flags.json);
-    out << report.dump(1) << "\n";
-    out.close();  // flushes: a full disk shows here
-    if (!out) throw Error(fmt::format("tqkv eval: cannot write {}", flags.json));
+    // (A file name that is not UTF-8 is written with U+FFFD in its place, not refused at the end.)
+    const std::string text =
+        report.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    WriteFileAtomically(flags.json,
+                        std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
+                        "tqkv eval --json");
   }
 }
 

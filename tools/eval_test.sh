@@ -30,6 +30,21 @@ if err=$("$tqkv" generate --model "$TQKV_SMOLLM2_GGUF" --max-tokens 40 --num-blo
   echo "FAIL: generate past a 3-block pool exited 0"; exit 1
 fi
 grep -q "1 of 1 requests failed.*more than the pool.*--num-blocks (3)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
+# Bad policies are refused before the reference runs, naming the flag; a --json that cannot be
+# written as asked leaves no file; a text file name that is not UTF-8 still gives valid JSON.
+for bad in "--presets bogus" "--presets bf16" "--presets turboquant_4bit_nc turboquant_4bit_nc" \
+    "--boundary-layers 100000" "--boundary-layers -1" "--text /tmp"; do
+  flag=${bad%% *}
+  if err=$("$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 8 --window 8 $bad 2>&1 >/dev/null); then
+    echo "FAIL: eval $bad exited 0"; exit 1
+  fi
+  grep -q -- "$flag = " <<<"$err" || { echo "FAIL: eval $bad: $err"; exit 1; }
+done
+odd=${TEST_TMPDIR:-/tmp}/$(printf 'odd\xff.txt')
+printf 'The history of the city begins in the Roman period, when a small settlement grew up.\n' >"$odd"
+"$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --text "$odd" --tokens 8 --window 8 \
+  --presets turboquant_4bit_nc --boundary-layers 0 --json "$odd.json" >/dev/null || exit 1
+python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$odd.json" || { echo "FAIL: json"; exit 1; }
 out=${TEST_TMPDIR:-/tmp}/eval.json
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 256 --window 128 --chunk 48 \
   --presets turboquant_k8v4 turboquant_4bit_nc --boundary-layers 0 --json "$out"

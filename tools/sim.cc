@@ -34,6 +34,11 @@ namespace {
 
 // The manager's and the cache's block ids are int32.
 constexpr int64_t kMaxSimBlocks = std::numeric_limits<int32_t>::max();
+// ComputeCapacity's limit.
+constexpr int kMaxSimLayers = 4096;
+constexpr int kMaxSimQHeads = 4096;
+// A prompt or a generation, so that their sum (a sequence's positions) stays far inside int32.
+constexpr int kMaxSimTokens = 1 << 24;
 
 using Clock = std::chrono::steady_clock;
 
@@ -204,17 +209,27 @@ void Validate(const SimConfig& c) {
   auto bad = [](std::string_view flag, auto value, std::string_view allowed) {
     throw InvalidArgument("tqkv sim", flag, value, allowed);
   };
-  if (c.layers < 1) bad("--layers", c.layers, ">= 1");
-  if (c.kv_heads < 1) bad("--kv-heads", c.kv_heads, ">= 1");
-  if (c.q_heads < c.kv_heads || c.q_heads % c.kv_heads != 0) {
-    bad("--q-heads", c.q_heads, fmt::format("a multiple of --kv-heads = {}", c.kv_heads));
+  if (c.layers < 1 || c.layers > kMaxSimLayers) {
+    bad("--layers", c.layers, fmt::format("1 to {}", kMaxSimLayers));
+  }
+  if (c.kv_heads < 1 || c.kv_heads > kMaxKvHeads) {
+    bad("--kv-heads", c.kv_heads, fmt::format("1 to {}", kMaxKvHeads));
+  }
+  if (c.q_heads < c.kv_heads || c.q_heads % c.kv_heads != 0 || c.q_heads > kMaxSimQHeads) {
+    bad("--q-heads", c.q_heads,
+        fmt::format("a multiple of --kv-heads = {} up to {}", c.kv_heads, kMaxSimQHeads));
   }
   if (c.requests < 1) bad("--requests", c.requests, ">= 1");
-  if (c.prompt_len < 1) bad("--prompt-len", c.prompt_len, ">= 1");
+  // A sequence's positions are int32; these bounds keep every count derived from them in range.
+  if (c.prompt_len < 1 || c.prompt_len > kMaxSimTokens) {
+    bad("--prompt-len", c.prompt_len, fmt::format("1 to {}", kMaxSimTokens));
+  }
   if (c.shared_prefix < 0 || c.shared_prefix > c.prompt_len) {
     bad("--shared-prefix", c.shared_prefix, fmt::format("0 to --prompt-len = {}", c.prompt_len));
   }
-  if (c.decode_len < 1) bad("--decode-len", c.decode_len, ">= 1");
+  if (c.decode_len < 1 || c.decode_len > kMaxSimTokens) {
+    bad("--decode-len", c.decode_len, fmt::format("1 to {}", kMaxSimTokens));
+  }
   if (c.spec_tokens < 0 || c.spec_tokens > 64) bad("--spec-tokens", c.spec_tokens, "0 to 64");
   if (c.prefill_chunk < 1) bad("--prefill-chunk", c.prefill_chunk, ">= 1");
   if (c.max_running < 1) bad("--max-running", c.max_running, ">= 1");
@@ -222,12 +237,15 @@ void Validate(const SimConfig& c) {
     bad("--fork-fraction", c.fork_fraction, "0 to 1");
   }
   if (c.device != "cpu" && c.device != "cuda") bad("--device", c.device, "cpu, cuda");
-  if (c.num_blocks < 0 || c.num_blocks > kMaxSimBlocks) {
+  if (c.num_blocks < 0 || c.num_blocks == 1 || c.num_blocks > kMaxSimBlocks) {
     bad("--num-blocks", c.num_blocks, fmt::format("2 to {} (0: automatic)", kMaxSimBlocks));
   }
   // 2^33 GiB is 2^63 bytes; NaN fails the comparison.
   if (!(c.kv_memory_gib >= 0 && c.kv_memory_gib < 0x1p33)) {
     bad("--kv-memory", c.kv_memory_gib, "0 (unset) to 2^33 GiB");
+  }
+  if (c.num_blocks > 0 && c.kv_memory_gib > 0) {
+    bad("--kv-memory", c.kv_memory_gib, "0 (unset) where --num-blocks is given (one or the other)");
   }
 }
 
@@ -254,15 +272,22 @@ SimReport RunSim(const SimConfig& c) {
     num_blocks = ComputeCapacity(static_cast<int64_t>(c.kv_memory_gib * (1ull << 30)), c.preset,
                                  c.layers, c.kv_heads, c.head_dim, c.block_size)
                      .format.num_blocks;
-    if (num_blocks > kMaxSimBlocks) {
+    if (num_blocks > kMaxSimBlocks || num_blocks < 2) {
       throw Error(fmt::format(
-          "tqkv sim: --kv-memory {} GiB holds {} blocks; allowed: at most {} (int32 block ids)",
+          "tqkv sim: --kv-memory {} GiB holds {} blocks; allowed: 2 to {} (int32 block ids)",
           c.kv_memory_gib, num_blocks, kMaxSimBlocks));
     }
   } else if (num_blocks == 0) {
     // Room for about 45 % of the running set's peak demand: enough pressure to preempt.
     num_blocks = 1 + std::max<int64_t>(2 * blocks_per_branch,
                                        blocks_per_branch * std::min(c.requests, c.max_running) * 45 / 100);
+    if (num_blocks > kMaxSimBlocks) {
+      throw Error(fmt::format(
+          "tqkv sim: the automatic pool for --prompt-len {} + --decode-len {} and --max-running "
+          "{} is {} blocks; allowed: at most {} (int32 block ids): give --num-blocks or "
+          "--kv-memory",
+          c.prompt_len, c.decode_len, c.max_running, num_blocks, kMaxSimBlocks));
+    }
   }
   if (num_blocks - 1 < blocks_per_branch) {
     throw Error(fmt::format(
@@ -821,7 +846,7 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
     outputs.push_back({request, branch, position, layer, checksum});
   }
   j["output_checksums"] = std::move(outputs);
-  return j.dump(1) + "\n";
+  return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace tqkv::sim

@@ -1,9 +1,12 @@
 // `tqkv sim`: the engine-shaped serving simulation (tools/sim.h).
 #include <fmt/format.h>
 
-#include <fstream>
+#include <cstdint>
+#include <span>
+#include <string>
 
 #include "runtime/error.h"
+#include "runtime/safetensors.h"
 #include "tools/commands.h"
 #include "tools/sim.h"
 
@@ -64,10 +67,10 @@ void AddSimCommand(CLI::App& app) {
     const sim::SimReport report = sim::RunSim(*config);
     fmt::print("{}", sim::FormatReport(*config, report));
     if (!json->empty()) {
-      std::ofstream out(*json);
-      out << sim::ReportJson(*config, report);
-      out.close();  // flushes: a full disk shows here
-      if (!out) throw Error(fmt::format("tqkv sim: cannot write --json {}", *json));
+      const std::string text = sim::ReportJson(*config, report);
+      WriteFileAtomically(*json,
+                          std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
+                          "tqkv sim --json");
     }
   });
 }

@@ -211,6 +211,33 @@ TEST(SimTest, InvalidFlagsNameTheFlag) {
   c.q_heads = 1;
   c.head_dim = 64;
   EXPECT_THAT(message(c), HasSubstr("(int32 block ids)"));
+  // Sizes whose products had wrapped int32 (the automatic pool of long prompts went negative) or
+  // had run into an allocation failure that named no flag; both pool flags at once (--kv-memory
+  // was dropped); a memory that holds no block.
+  for (auto [set, flag] : std::initializer_list<std::pair<void (*)(SimConfig&), const char*>>{
+           {[](SimConfig& x) { x.prompt_len = (1 << 24) + 1; }, "--prompt-len = 16777217"},
+           {[](SimConfig& x) { x.decode_len = 2147483647; }, "--decode-len = 2147483647"},
+           {[](SimConfig& x) { x.layers = 5000; }, "--layers = 5000"},
+           {[](SimConfig& x) { x.q_heads = 1 << 25; }, "--q-heads = 33554432"},
+           {[](SimConfig& x) { x.kv_heads = 512; }, "--kv-heads = 512"},
+           {[](SimConfig& x) { x.num_blocks = 1; }, "--num-blocks = 1"},
+           {[](SimConfig& x) {
+              x.num_blocks = 100;
+              x.kv_memory_gib = 5;
+            },
+            "--kv-memory = 5; allowed: 0 (unset) where --num-blocks is given"},
+           {[](SimConfig& x) { x.kv_memory_gib = 1e-30; }, "holds 0 blocks; allowed: 2 to"},
+           {[](SimConfig& x) {
+              x.requests = 4000;
+              x.max_running = 4000;
+              x.prompt_len = 1 << 24;
+              x.decode_len = 1 << 24;
+            },
+            "the automatic pool for --prompt-len 16777216"}}) {
+    c = Small();
+    set(c);
+    EXPECT_THAT(message(c), HasSubstr(flag));
+  }
 }
 
 }  // namespace
