@@ -123,6 +123,8 @@ expect_error "slot out of range" 'slot_mapping\[' \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 2 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "missing tensor" "no tensor named 'key'" \
   $TQKV store --preset turboquant_4bit_nc --block-size 16 --num-blocks 10 --in "$tmp/q.safetensors" --out "$tmp/err.safetensors"
+expect_error "unknown --rotation, for FP8 keys too" 'bogus' \
+  $TQKV store --preset turboquant_k8v4 --block-size 16 --num-blocks 10 --rotation bogus --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 expect_error "bad block size" 'block_size = 24' \
   $TQKV store --preset turboquant_4bit_nc --block-size 24 --num-blocks 10 --in "$tmp/in.safetensors" --out "$tmp/err.safetensors"
 # An empty sequence (seq_lens 0) has no query position for a windowed decode.

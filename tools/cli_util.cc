@@ -256,6 +256,8 @@ Quantizer MakeQuantizer(const QuantizerFlags& flags, int head_dim, int num_kv_he
                         const SafetensorsFile& in) {
   const Preset& preset = PresetByName(flags.preset);
   MakeBlockFormat(preset, head_dim, num_kv_heads, flags.block_size);  // validate the shape first
+  // Checked for FP8 keys too, which take no rotation: a misspelt flag is an error everywhere.
+  const RotationKind kind = ParseRotationKind(flags.rotation);
   if (preset.key_coding == KeyCoding::kFp8) {
     return Quantizer(preset, head_dim, num_kv_heads, flags.block_size, Rotation{});
   }
@@ -266,7 +268,7 @@ Quantizer MakeQuantizer(const QuantizerFlags& flags, int head_dim, int num_kv_he
     RequireDim(in, "rotation", r, 1, head_dim, "head_dim");
     rotation = RotationFromMatrix(r.values<float>(), head_dim);
   } else {
-    rotation = MakeRotation(ParseRotationKind(flags.rotation), head_dim, flags.seed);
+    rotation = MakeRotation(kind, head_dim, flags.seed);
   }
   std::optional<Codebook> codebook;
   if (in.contains("centroids")) {
