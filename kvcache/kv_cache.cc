@@ -8,6 +8,7 @@
 #include <new>
 #include <utility>
 
+#include "quant/block_format.h"
 #include "runtime/error.h"
 
 #if TQKV_HAVE_CUDA
@@ -31,6 +32,21 @@ KVCache::KVCache(const CacheFormat& format, int num_layers, int32_t num_blocks, 
   if (num_blocks < 2) {
     throw InvalidArgument(kWhere, "num_blocks", num_blocks,
                           ">= 2 (block 0 is the reserved null block)");
+  }
+  // layer() hands kernels format.layout(), which follows from the name and the three sizes, and
+  // the layers are sized by block_bytes: the format must be MakeCacheFormat's for those fields.
+  const CacheFormat made =
+      MakeCacheFormat(format.name, format.head_dim, format.num_kv_heads, format.block_size);
+  if (made.bf16 != format.bf16 || made.block_bytes != format.block_bytes ||
+      made.slot_bytes != format.slot_bytes ||
+      (format.bf16 ? made.bf16_format.dtype != format.bf16_format.dtype ||
+                         made.bf16_format.block_bytes != format.bf16_format.block_bytes
+                   : made.turboquant.block_bytes != format.turboquant.block_bytes)) {
+    throw InvalidArgument(
+        kWhere, "format", DescribeLayout(format.layout()),
+        fmt::format("MakeCacheFormat's for it ({} bytes per block, {} per slot; this one says {} "
+                    "and {})",
+                    made.block_bytes, made.slot_bytes, format.block_bytes, format.slot_bytes));
   }
   if (format.block_bytes < 1 || format.block_bytes > (int64_t{1} << 62) / num_blocks) {
     throw InvalidArgument(
@@ -96,6 +112,10 @@ void KVCache::ReadBlock(int layer, int32_t block, std::span<uint8_t> bytes) cons
 
 void KVCache::WriteBlock(int layer, int32_t block, std::span<const uint8_t> bytes) {
   CheckBlock("KVCache::WriteBlock", layer, block, bytes.size());
+  if (block == 0) {  // (kvcache/README.md: the null block is never written)
+    throw InvalidArgument("KVCache::WriteBlock", "block", block,
+                          fmt::format("1 to {} (block 0 is the null block)", num_blocks_ - 1));
+  }
   if (device_ == CacheDevice::kCuda) {
     device_layers_[static_cast<size_t>(layer)].CopyFromHost(bytes, BlockOffset(block));
   } else {

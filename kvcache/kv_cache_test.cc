@@ -209,6 +209,29 @@ TEST(KVCacheTest, InvalidCopyListsThrowBeforeCopyingAnything) {
   std::vector<uint8_t> wrong_size(10);
   EXPECT_THROW(cache.ReadBlock(0, 1, wrong_size), Error);
   EXPECT_THROW(cache.WriteBlock(0, 6, Pattern(f.block_bytes, 0)), Error);
+  EXPECT_THAT([&] { cache.WriteBlock(0, 0, Pattern(f.block_bytes, 0)); },  // the null block
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("block = 0; allowed: 1 to 5")));
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), cache.layer_data(0)));
+}
+
+// A format that is not MakeCacheFormat's for its own name and sizes is refused: the layers are
+// sized by block_bytes while layer() hands kernels the layout those fields give (a 4bit_nc format
+// with its KV heads raised 2 -> 8 had allocated 4,288 bytes per block for a layout of 17,152).
+TEST(KVCacheTest, AFormatThatContradictsItselfIsRefused) {
+  CacheFormat heads = MakeCacheFormat("turboquant_4bit_nc", 128, 2, 16);
+  heads.num_kv_heads = 8;
+  CacheFormat bytes = MakeCacheFormat("bf16", 64, 1, 16);
+  bytes.block_bytes = 1;
+  CacheFormat dtype = MakeCacheFormat("bf16", 64, 1, 16);
+  dtype.bf16_format.dtype = DType::kF16;
+  CacheFormat name = MakeCacheFormat("turboquant_k3v4_nc", 64, 2, 16);
+  name.name = "turboquant_3bit_nc";
+  for (const CacheFormat& f : {heads, bytes, dtype, name}) {
+    EXPECT_THAT([&] { KVCache(f, 1, 4, CacheDevice::kCpu); },
+                ::testing::ThrowsMessage<Error>(::testing::HasSubstr("KVCache: invalid format")))
+        << f.name;
+  }
+  EXPECT_NO_THROW(KVCache(MakeCacheFormat("fp16", 64, 1, 16), 1, 4, CacheDevice::kCpu));
 }
 
 // The manager's copy-on-write, executed on a real (host) cache: a forked sequence's shared

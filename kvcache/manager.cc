@@ -96,25 +96,39 @@ bool KVCacheManager::IsLive(SeqId id) const {
   return s.live && s.generation == (static_cast<uint64_t>(id) >> 32);
 }
 
-size_t KVCacheManager::NewSlot() {
-  if (!free_slots_.empty()) {
-    const size_t slot = free_slots_.back();
-    free_slots_.pop_back();
-    return slot;
-  }
-  if (sequences_.size() >= (size_t{1} << 31)) {
+size_t KVCacheManager::ReserveSlot(size_t tokens, size_t blocks) {
+  const bool reuse = !free_slots_.empty();
+  if (!reuse && sequences_.size() >= (size_t{1} << 31)) {
     throw Error("KVCacheManager: more than 2^31 sequence slots");
   }
-  sequences_.emplace_back();
-  return sequences_.size() - 1;
+  if (!reuse) sequences_.emplace_back();  // may throw, changing nothing
+  const size_t slot = reuse ? free_slots_.back() : sequences_.size() - 1;
+  Sequence& s = sequences_[slot];
+  try {
+    s.tokens.reserve(tokens);
+    s.token_hashes.reserve(tokens / static_cast<size_t>(block_size_));
+    s.blocks.reserve(blocks);
+  } catch (...) {
+    if (!reuse) sequences_.pop_back();
+    throw;
+  }
+  if (reuse) free_slots_.pop_back();
+  return slot;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Tokens and hashes
 
 void KVCacheManager::AppendTokens(Sequence& s, std::span<const int32_t> tokens) {
-  s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
   const size_t bs = static_cast<size_t>(block_size_);
+  // Both vectors grown first (their only allocations), so that a std::bad_alloc leaves the
+  // sequence as it was; geometrically, as insert would.
+  const size_t n = s.tokens.size() + tokens.size();
+  if (n > s.tokens.capacity()) s.tokens.reserve(std::max(n, 2 * s.tokens.capacity()));
+  if (n / bs > s.token_hashes.capacity()) {
+    s.token_hashes.reserve(std::max(n / bs, 2 * s.token_hashes.capacity()));
+  }
+  s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
   for (size_t i = s.token_hashes.size(); (i + 1) * bs <= s.tokens.size(); ++i) {
     const BlockHash& parent = i == 0 ? s.root : s.token_hashes[i - 1];
     s.token_hashes.push_back(
@@ -174,7 +188,8 @@ SeqId KVCacheManager::AddSequence(std::span<const int32_t> prompt_tokens,
     throw InvalidArgument(kWhere, "priority", options.priority,
                           fmt::format("{} to {}", kMinPriority, kMaxPriority));
   }
-  const size_t slot = NewSlot();
+  // The slot's vectors are reserved before it is taken: nothing changes if they cannot be.
+  const size_t slot = ReserveSlot(prompt_tokens.size(), 0);
   Sequence& s = sequences_[slot];
   s.live = true;
   s.tail_may_be_shared = false;
@@ -199,6 +214,10 @@ void KVCacheManager::ReleaseTail(Sequence& s, size_t keep) {
 
 void KVCacheManager::Free(SeqId id) {
   Sequence& s = Live("Free", id);
+  // The one allocation, before any change (geometric, as push_back's).
+  if (free_slots_.size() == free_slots_.capacity()) {
+    free_slots_.reserve(std::max<size_t>(16, 2 * free_slots_.capacity()));
+  }
   ReleaseTail(s, 0);
   s.live = false;
   ++s.generation;
@@ -217,8 +236,11 @@ void KVCacheManager::Free(SeqId id) {
 }
 
 SeqId KVCacheManager::Fork(SeqId id) {
-  Live("Fork", id);               // validate before taking a slot
-  const size_t slot = NewSlot();  // may move sequences_
+  const Sequence& original = Live("Fork", id);  // validate before taking a slot
+  // The child's vectors reserved before the slot is taken (nothing changes if they cannot be);
+  // may move sequences_.
+  const size_t slot =
+      ReserveSlot(original.tokens.size(), static_cast<size_t>(BlocksFor(original.num_scheduled)));
   const Sequence& parent = Live("Fork", id);
   Sequence& child = sequences_[slot];
   child.live = true;
@@ -251,8 +273,8 @@ PrefixMatch KVCacheManager::Lookup(SeqId id) const {
 // Schedule
 
 // Phases 1 and 2 change nothing that a caller can observe (they may throw, and may end in a
-// rejection); then the batch is reshaped and the containers phase 3 grows are reserved (which may
-// throw: a huge padding), and phase 3 changes the state.
+// rejection); then the containers phase 3 grows are reserved and the batch is reshaped (which
+// may throw: a huge padding), and phase 3 changes the state.
 ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, StepBatch& batch,
                                         const ScheduleOptions& options) {
   const int64_t total_tokens = ValidateRequests(requests, options);  // phase 1
@@ -276,8 +298,20 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
       std::max<int32_t>(static_cast<int32_t>(requests.size()), options.pad_requests_to);
   const int32_t padded_tokens =
       std::max<int32_t>(static_cast<int32_t>(total_tokens), options.pad_tokens_to);
-  batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
-                static_cast<int32_t>(total_tokens), padded_tokens, demand.width);
+  // The batch's host arena (int32 tables [padded requests, width], int64 slots, int32 lengths and
+  // starts) within kMaxStepBatchBytes: larger paddings had wrapped its size in int64
+  // (pad_requests_to = block_table_width = 2^31 − 1 gave 128 bytes) or failed as std::bad_alloc.
+  const int64_t table_entries = int64_t{padded_requests} * demand.width;  // < 2^62
+  if (table_entries > kMaxStepBatchBytes / 4 ||
+      4 * table_entries + 8 * int64_t{padded_tokens} + 8 * int64_t{padded_requests} + 4 >
+          kMaxStepBatchBytes) {
+    throw InvalidArgument(
+        "Schedule", "options",
+        fmt::format("pad_requests_to {}, pad_tokens_to {}, block_table_width {}",
+                    options.pad_requests_to, options.pad_tokens_to, options.block_table_width),
+        fmt::format("a step batch of at most {} bytes ({} rows of {} block ids, {} tokens)",
+                    kMaxStepBatchBytes, padded_requests, demand.width, padded_tokens));
+  }
   // (Geometric growth, as push_back's: an exact reserve would reallocate at every new block.)
   size_t copies = 0;
   for (const Plan& p : plans_) {
@@ -290,6 +324,10 @@ ScheduleResult KVCacheManager::Schedule(std::span<const StepRequest> requests, S
   // Events of phase 3: a BlockRemoved per eviction (at most one per allocation) and per
   // unpublished block (at most one per request).
   pool_.ReserveEvents(demand.needed + static_cast<int64_t>(requests.size()));
+  // Last: the batch's reshape (all or nothing itself), so that a reserve above that throws leaves
+  // the batch as it was too.
+  batch.Reshape(static_cast<int32_t>(requests.size()), padded_requests,
+                static_cast<int32_t>(total_tokens), padded_tokens, demand.width);
   ++schedule_calls_;
 
   // Phase 3: hits, then window releases (so their blocks serve this batch), then copies and

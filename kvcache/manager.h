@@ -143,8 +143,8 @@ class KVCacheManager {
   // The per-step call: all-or-nothing for the batch. Admitted: `batch` holds the step and the
   // manager state advanced. Not admitted: nothing changed (manager and `batch`), and the result
   // says how many blocks were missing and for which requests. Invalid input (unknown or freed
-  // sequence, a sequence twice, negative counts or options, positions past 2^31 - 1) throws
-  // tqkv::Error, also with nothing changed.
+  // sequence, a sequence twice, negative counts or options, positions past 2^31 - 1, paddings
+  // whose batch passes kMaxStepBatchBytes) throws tqkv::Error, also with nothing changed.
   ScheduleResult Schedule(std::span<const StepRequest> requests, StepBatch& batch,
                           const ScheduleOptions& options = {});
 
@@ -235,7 +235,10 @@ class KVCacheManager {
   Sequence& Live(std::string_view where, SeqId id);
   const Sequence& Live(std::string_view where, SeqId id) const;
   SeqId IdOf(size_t slot) const;
-  size_t NewSlot();
+  // A free slot whose vectors hold `tokens` tokens (with their block hashes) and `blocks` block
+  // ids without reallocating; taken only once they are reserved, so a std::bad_alloc changes
+  // nothing.
+  size_t ReserveSlot(size_t tokens, size_t blocks);
   int32_t MatchPrefix(const Sequence& s) const;  // cached leading blocks, capped
   // Sliding window: entries below this are not needed by a step whose first query is at start.
   int32_t FirstKeptBlock(const Sequence& s, int64_t start) const;

@@ -973,6 +973,33 @@ TEST(ManagerTest, ScheduleThatCannotAllocateItsBatchChangesNothing) {
   EXPECT_EQ(m.GetSequenceInfo(s).num_cached_blocks, 2);
 }
 
+// Paddings whose step batch would pass kMaxStepBatchBytes are refused as invalid input, naming
+// the options, with nothing changed (the largest had wrapped the batch's size in int64 to 128
+// bytes; smaller ones failed as std::bad_alloc); so is a table width past it.
+TEST(ManagerTest, PaddingsPastTheBatchLimitAreRefused) {
+  KVCacheManager m(Options(10));
+  StepBatch b;
+  const SeqId a = m.AddSequence(Range(0, 9));
+  const std::string before = m.DebugString();
+  const StepRequest r{a, 9, 0};
+  for (const ScheduleOptions& o :
+       {ScheduleOptions{.pad_requests_to = 2147483647, .block_table_width = 2147483647},
+        ScheduleOptions{.pad_requests_to = 1 << 16, .block_table_width = 1 << 16},
+        ScheduleOptions{.pad_tokens_to = 2147483647}}) {
+    EXPECT_THAT(
+        [&] {
+          m.Schedule({&r, 1}, b, o);
+        },
+        ::testing::ThrowsMessage<Error>(
+            ::testing::AllOf(::testing::HasSubstr("Schedule: invalid options = pad_requests_to"),
+                             ::testing::HasSubstr("a step batch of at most 17179869184 bytes"))));
+    EXPECT_EQ(m.DebugString(), before);
+  }
+  EXPECT_EQ(b.num_requests(), 0);
+  EXPECT_TRUE(
+      m.Schedule({&r, 1}, b, {.pad_requests_to = 1 << 10, .block_table_width = 1 << 10}).admitted);
+}
+
 // The address space below the current use plus `headroom` bytes while alive, so that a large
 // allocation fails (as it would on a full machine) instead of being overcommitted.
 class AddressSpaceLimit {
@@ -1018,6 +1045,30 @@ TEST(ManagerTest, BatchThatCannotBeReshapedKeepsItsShape) {
   ASSERT_TRUE(m.Schedule(next, b, {.block_table_width = 2}).admitted);
   EXPECT_EQ(Row(b, 0), Vec(m.BlockTable(a)));
   EXPECT_EQ(Row(b, 1), Vec(m.BlockTable(c)));
+}
+
+// AddSequence and Fork that cannot allocate the sequence's vectors change nothing: they took the
+// slot and marked it live first, leaving a live sequence without tokens that no caller knew.
+TEST(ManagerTest, SequencesThatCannotBeAllocatedChangeNothing) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit allows";
+#endif
+  KVCacheManager m(Options(16));
+  const std::vector<int32_t> prompt(size_t{1} << 25, 7);  // 128 MiB of tokens
+  const SeqId big = m.AddSequence(prompt);
+  const SeqId small = m.AddSequence(Range(0, 5));
+  m.Free(small);  // a free slot to reuse
+  const std::string before = m.DebugString();
+  {
+    const AddressSpaceLimit limit(int64_t{32} << 20);
+    EXPECT_THROW(m.AddSequence(prompt), std::bad_alloc);  // a reused slot
+    EXPECT_THROW(m.Fork(big), std::bad_alloc);
+  }
+  EXPECT_EQ(m.DebugString(), before);
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+  EXPECT_EQ(m.Stats().num_sequences, 1);
+  const SeqId again = m.AddSequence(Range(0, 5));
+  EXPECT_EQ(m.GetSequenceInfo(again).num_tokens, 5);
 }
 
 // A batch written by a manager that was destroyed, then filled by a new manager built in the

@@ -24,7 +24,8 @@ struct StepRequest {
   int32_t num_lookahead = 0;
 };
 
-// Shapes for CUDA graphs: every size here is a minimum, 0 means "no padding".
+// Shapes for CUDA graphs: every size here is a minimum, 0 means "no padding" (the batch they
+// give must fit kMaxStepBatchBytes).
 struct ScheduleOptions {
   int32_t pad_tokens_to = 0;      // slot_mapping length >= this; padding slots are -1
   int32_t pad_requests_to = 0;    // rows of block_tables / seq_lens >= this; padding rows are
@@ -39,6 +40,10 @@ struct BlockCopy {
   int32_t dst = 0;
   friend bool operator==(const BlockCopy&, const BlockCopy&) = default;
 };
+
+// The most bytes a step batch's host buffer may take (16 GiB; a step of 256 sequences of 4k
+// tokens takes ~0.3 MiB): Schedule refuses larger paddings and table widths.
+inline constexpr int64_t kMaxStepBatchBytes = int64_t{1} << 34;
 
 // What one successful Schedule produced. The caller owns it and passes the same object every step:
 // its memory is reused, so a step in the steady state allocates nothing.
