@@ -94,6 +94,19 @@ void CheckCentroids(std::span<const float> centroids, int bits, const char* wher
                             "finite and strictly increasing");
     }
   }
+  // Every centroid must be some value's nearest: the fp32 midpoints between them finite (c[i] +
+  // c[i + 1] past FLT_MAX made inf) and strictly increasing (centroids a few ulps apart gave equal
+  // midpoints, and the one between could never be chosen).
+  const std::vector<float> mid = Midpoints(std::vector<float>(centroids.begin(), centroids.end()));
+  for (size_t j = 0; j < mid.size(); ++j) {
+    if (!std::isfinite(mid[j]) || (j > 0 && !(mid[j] > mid[j - 1]))) {
+      throw InvalidArgument(
+          where, fmt::format("{}[{}]", name, j + 1), centroids[j + 1],
+          fmt::format("a value whose fp32 midpoints with its neighbours are finite and increasing "
+                      "(the midpoint with {}[{}] = {} is {})",
+                      name, j, centroids[j], mid[j]));
+    }
+  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "quant/rotation.h"
@@ -118,6 +119,20 @@ TEST(CodebookTest, CallerSuppliedCentroidsAreUsedUnchanged) {
   EXPECT_EQ(b.centroids, c);
   EXPECT_EQ(b.midpoints[0], (-0.3f + -0.05f) / 2.0f);
   EXPECT_EQ(b.Bucketize(0.0f), 2);
+}
+
+// Centroids whose fp32 midpoints overflow or collide are refused: a centroid between equal
+// midpoints, or past an infinite one, could never be chosen.
+TEST(CodebookTest, RejectsCentroidsSomeValueCannotReach) {
+  const float max = std::numeric_limits<float>::max();
+  const std::vector<float> overflow = {-1.0f, 0.0f, 3e38f, max};
+  EXPECT_THAT([&] { CodebookFromCentroids(overflow, 2); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("centroids[3] = 3.4028235e+38")));
+  const float one = 1.0f, u = std::nextafter(one, 2.0f) - one;
+  const std::vector<float> crowded = {one, one + u, one + 2 * u, one + 3 * u};
+  EXPECT_THAT([&] { CodebookFromCentroids(crowded, 2); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("midpoints with its neighbours")));
+  EXPECT_NO_THROW(CodebookFromCentroids(std::vector<float>{-1.0f, 0.0f, 1.0f, 2.0f}, 2));
 }
 
 TEST(CodebookTest, RejectsBadTables) {

@@ -36,10 +36,33 @@ float LoadAsFloat(const void* data, DType dtype, int64_t i) {
   throw InvalidArgument("LoadAsFloat", "dtype", DTypeName(dtype), "F32, F16, BF16");
 }
 
+namespace {
+
+// The entry of AllPresets() that `preset` is (the quantizer keeps a pointer to it, so a caller's
+// copy may go away): a preset of another name, or a known name with other fields (a preset built
+// or changed by hand, whose layout would have named the real one's), throws.
+const Preset& KnownPreset(const Preset& preset) {
+  for (const Preset& p : AllPresets()) {
+    if (p.name != preset.name) continue;
+    if (p.key_coding != preset.key_coding || p.key_bits != preset.key_bits ||
+        p.value_bits != preset.value_bits || p.norm_correction != preset.norm_correction) {
+      throw InvalidArgument("Quantizer", "preset",
+                            fmt::format("{} ({}-bit keys, {}-bit values)", preset.name,
+                                        preset.key_bits, preset.value_bits),
+                            fmt::format("{} as defined ({}-bit keys, {}-bit values; PresetByName)",
+                                        p.name, p.key_bits, p.value_bits));
+    }
+    return p;
+  }
+  throw InvalidArgument("Quantizer", "preset", fmt::format("\"{}\"", preset.name), PresetNames());
+}
+
+}  // namespace
+
 Quantizer::Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int block_size,
                      Rotation rotation, std::optional<Codebook> codebook)
-    : preset_(&preset),
-      format_(MakeBlockFormat(preset, head_dim, num_kv_heads, block_size)),
+    : preset_(&KnownPreset(preset)),
+      format_(MakeBlockFormat(*preset_, head_dim, num_kv_heads, block_size)),
       rotation_(std::move(rotation)) {
   if (format_.fp8_keys) {
     rotation_ = Rotation{};  // FP8 keys are stored unrotated; the id 0 marks "no rotation"
@@ -47,10 +70,10 @@ Quantizer::Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int b
   }
   ValidateRotation(rotation_, head_dim, "Quantizer");
   if (codebook) {
-    ValidateCodebook(*codebook, preset.key_bits, "Quantizer");
+    ValidateCodebook(*codebook, preset_->key_bits, "Quantizer");
     codebook_ = std::move(*codebook);
   } else {
-    codebook_ = LloydMaxGaussian(head_dim, preset.key_bits);
+    codebook_ = LloydMaxGaussian(head_dim, preset_->key_bits);
   }
 }
 
@@ -166,7 +189,8 @@ void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
   if (in.num_tokens == 0) return;
   const int64_t num_slots = cache.num_blocks * f.block_size;
   std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes
-  first_token.reserve(static_cast<size_t>(in.num_tokens));
+  // (At most one entry per slot: a huge num_tokens of mostly -1 slots reserves no more.)
+  first_token.reserve(static_cast<size_t>(std::min<int64_t>(in.num_tokens, num_slots)));
   for (int64_t t = 0; t < in.num_tokens; ++t) {
     const int64_t slot = LoadSlot(in.slot_mapping, in.slot_dtype, t);
     if (slot < 0) continue;
@@ -216,6 +240,10 @@ DequantizedSlot Quantizer::Dequantize(ConstCacheRef cache, int64_t slot, int hea
   if (head < 0 || head >= f.num_kv_heads) {
     throw InvalidArgument("Quantizer::Dequantize", "head", head,
                           fmt::format("0 to {}", f.num_kv_heads - 1));
+  }
+  if (cache.data == nullptr) {
+    throw InvalidArgument("Quantizer::Dequantize", "cache.data", "null",
+                          fmt::format("the {} blocks' bytes", num_blocks));
   }
   const uint8_t* block = cache.data + (slot / f.block_size) * f.block_bytes;
   const int pos = static_cast<int>(slot % f.block_size);

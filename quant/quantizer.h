@@ -43,9 +43,10 @@ struct DequantizedSlot {
 
 class Quantizer {
  public:
-  // Validates every combination (see MakeBlockFormat; Hadamard rotations need a power-of-two D;
-  // the rotation's and codebook's sizes must match) and throws tqkv::Error naming what is wrong.
-  // `codebook` defaults to LloydMaxGaussian(head_dim, key bits). FP8 presets ignore both.
+  // Validates every combination (`preset` one of AllPresets(), as defined; see MakeBlockFormat;
+  // Hadamard rotations need a power-of-two D; the rotation's and codebook's sizes must match) and
+  // throws tqkv::Error naming what is wrong. `codebook` defaults to LloydMaxGaussian(head_dim, key
+  // bits). FP8 presets ignore both.
   Quantizer(const Preset& preset, int head_dim, int num_kv_heads, int block_size, Rotation rotation,
             std::optional<Codebook> codebook = std::nullopt);
 

@@ -517,6 +517,40 @@ TEST(QuantizerTest, RejectsHandMadeRotationsAndCodebooks) {
   Codebook infinite = LloydMaxGaussian(64, 4);
   infinite.centroids[15] = INFINITY;
   expect_error(h, infinite, "codebook.centroids[15] = inf");
+
+  // A non-orthogonal matrix whose id was recomputed by hand (RotationMatrixId is public): it had
+  // been accepted, as had a Haar kind's.
+  for (RotationKind kind : {RotationKind::kCustom, RotationKind::kHaar}) {
+    Rotation scaled = kind == RotationKind::kCustom ? custom : MakeRotation(kind, 64, 2);
+    for (float& x : scaled.matrix) x *= 100.0f;
+    scaled.id = RotationMatrixId(64, scaled.matrix);
+    expect_error(scaled, std::nullopt, "must be orthogonal");
+  }
+}
+
+// A Preset that is not one of AllPresets() as defined is refused: its fields were trusted (a
+// 4bit_nc with 3-bit keys and values named the real one's layout for a smaller block; 9-bit
+// values were cut to 8 bits), and the quantizer kept a pointer to the caller's copy.
+TEST(QuantizerTest, RejectsHandMadePresets) {
+  const Rotation h = MakeRotation(RotationKind::kHadamard, 64, 0);
+  Preset fake = PresetByName("turboquant_4bit_nc");
+  fake.key_bits = 3;
+  fake.value_bits = 3;
+  Preset nine = PresetByName("turboquant_4bit_nc");
+  nine.value_bits = 9;
+  Preset unknown = PresetByName("turboquant_4bit_nc");
+  unknown.name = "x";
+  for (const auto& [preset, piece] :
+       {std::pair{fake, "preset = turboquant_4bit_nc (3-bit keys, 3-bit values)"},
+        std::pair{nine, "preset = turboquant_4bit_nc (4-bit keys, 9-bit values)"},
+        std::pair{unknown, "preset = \"x\""}}) {
+    EXPECT_THAT([&] { Quantizer(preset, 64, 1, 16, h); },
+                ::testing::ThrowsMessage<Error>(HasSubstr(piece)));
+  }
+  // A copy of a known preset is fine, and the quantizer refers to the known one, not the copy.
+  const Preset copy = PresetByName("turboquant_k3v4_nc");
+  const Quantizer q(copy, 64, 1, 16, h);
+  EXPECT_EQ(&q.preset(), &PresetByName("turboquant_k3v4_nc"));
 }
 
 TEST(QuantizerTest, CacheOfMoreBlocksThanBlockIdsCanAddressIsAnError) {

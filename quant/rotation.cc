@@ -125,6 +125,10 @@ Rotation MakeRotation(RotationKind kind, int head_dim, uint64_t seed) {
   return r;
 }
 
+namespace {
+constexpr double kMaxOrthogonalityError = 1e-3;
+}  // namespace
+
 double OrthogonalityError(std::span<const float> m, int d) {
   double worst = 0.0;
   for (int i = 0; i < d; ++i) {
@@ -162,7 +166,17 @@ void ValidateRotation(const Rotation& r, int head_dim, const char* where) {
     throw InvalidArgument(where, "rotation.signs.size()", r.signs.size(),
                           fmt::format("{} for rotation {}", signs, RotationKindName(r.kind)));
   }
-  if (!hadamard && !with_signs) return;
+  if (!hadamard && !with_signs) {
+    // A Haar or custom matrix with its id recomputed by hand (RotationMatrixId is public) could be
+    // anything: the same bound as RotationFromMatrix's (D³ multiply-adds, once per Quantizer).
+    const double err = OrthogonalityError(r.matrix, d);
+    if (!(err <= kMaxOrthogonalityError)) {
+      throw InvalidArgument(
+          where, "rotation: max |Πᵀ·Π − I|", err,
+          fmt::format("<= {} (the rotation must be orthogonal)", kMaxOrthogonalityError));
+    }
+    return;
+  }
   if (!IsPowerOfTwo(d)) {
     throw InvalidArgument(where, "head_dim", d,
                           fmt::format("a power of two for rotation {}", RotationKindName(r.kind)));
@@ -202,7 +216,7 @@ Rotation RotationFromMatrix(std::span<const float> matrix, int head_dim) {
     }
   }
   const double err = OrthogonalityError(matrix, head_dim);
-  if (err > 1e-3) {
+  if (err > kMaxOrthogonalityError) {
     throw InvalidArgument("RotationFromMatrix", "max |Πᵀ·Π − I|", err,
                           "<= 1e-3 (the rotation must be orthogonal)");
   }

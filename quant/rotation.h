@@ -53,8 +53,8 @@ Rotation RotationFromMatrix(std::span<const float> matrix, int head_dim);
 
 // Checks a Rotation passed in by a caller, who may have filled or changed its fields by hand: the
 // shape, finite entries, `id` equal to the matrix's, and for the Hadamard kinds the matrix the
-// kind and signs describe (the CUDA kernels apply those in place of the matrix). Orthogonality
-// is checked where a matrix first enters (RotationFromMatrix); a changed matrix fails the id.
+// kind and signs describe (the CUDA kernels apply those in place of the matrix), for the other
+// kinds orthogonality to 1e-3 (the id can be recomputed by hand, RotationMatrixId).
 // Throws tqkv::Error naming the field, prefixed with `where`.
 void ValidateRotation(const Rotation& rotation, int head_dim, const char* where);
 

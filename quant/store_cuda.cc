@@ -135,10 +135,38 @@ StorePath ResolveStorePath(const Quantizer& quantizer, const StoreOptions& optio
   return StorePath::kGemm;
 }
 
+namespace {
+
+// The most tokens one store takes on `path`: element offsets in int64, and a grid the kernels
+// can launch (and cuBLAS's int n; the GEMM path's workspace, some 11 bytes per element of at most
+// 2^31 rows, then stays far inside int64).
+int64_t MaxStoreTokens(const BlockFormat& f, StorePath path) {
+  const int64_t max_rows =
+      std::min<int64_t>(std::numeric_limits<int64_t>::max() / f.head_dim / 4,
+                        static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
+                            (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
+  const int64_t row_limit = path == StorePath::kGemm
+                                ? std::min<int64_t>(max_rows, std::numeric_limits<int32_t>::max())
+                                : max_rows;
+  return row_limit / f.num_kv_heads;
+}
+
+void CheckStoreTokens(const BlockFormat& f, StorePath path, int64_t num_tokens) {
+  const int64_t most = MaxStoreTokens(f, path);
+  if (num_tokens < 0 || num_tokens > most) {
+    throw InvalidArgument(kWhere, "num_tokens", num_tokens,
+                          fmt::format("0 to {} at {} heads", most, f.num_kv_heads));
+  }
+}
+
+}  // namespace
+
 int64_t StoreWorkspaceBytes(const Quantizer& quantizer, const StoreOptions& options,
                             int64_t num_tokens) {
-  if (num_tokens < 0) throw InvalidArgument(kWhere, "num_tokens", num_tokens, ">= 0");
-  if (ResolveStorePath(quantizer, options) != StorePath::kGemm) return kAlign;
+  const StorePath path = ResolveStorePath(quantizer, options);
+  // (Past the limit the GEMM layout's byte counts wrapped int64 into small, plausible sizes.)
+  CheckStoreTokens(quantizer.format(), path, num_tokens);
+  if (path != StorePath::kGemm) return kAlign;
   return MakeGemmLayout(quantizer, options, num_tokens).total;
 }
 
@@ -147,19 +175,7 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
   const BlockFormat& f = quantizer.format();
   ValidateStoreInputs(in, cache, quantizer.layout(), kWhere);
   const StorePath path = ResolveStorePath(quantizer, options);
-  // Sizes: element offsets in int64, and a grid the kernels can launch (and cuBLAS's int n).
-  const int64_t max_rows =
-      std::min<int64_t>(std::numeric_limits<int64_t>::max() / f.head_dim / 4,
-                        static_cast<int64_t>(std::numeric_limits<int32_t>::max()) *
-                            (kThreadsPerCta / (f.head_dim / store::kLaneElems)));
-  const int64_t row_limit = path == StorePath::kGemm
-                                ? std::min<int64_t>(max_rows, std::numeric_limits<int32_t>::max())
-                                : max_rows;
-  if (in.num_tokens > row_limit / f.num_kv_heads) {
-    throw InvalidArgument(
-        kWhere, "num_tokens", in.num_tokens,
-        fmt::format("0 to {} at {} heads", row_limit / f.num_kv_heads, f.num_kv_heads));
-  }
+  CheckStoreTokens(f, path, in.num_tokens);
   // The kernels address a row as block id (32 bits, ValidateStoreInputs) x block_bytes + an
   // offset in the block (32 bits).
   if (f.block_bytes > std::numeric_limits<int32_t>::max()) {

@@ -1,6 +1,7 @@
 // Host-side parts of the CUDA store, tested without a device: the bit and lookup helpers the
 // kernels share with the host (quant/store_device.h), argument validation, workspace sizes and
 // path selection.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -541,6 +542,13 @@ TEST(StoreHostTest, WorkspaceBytes) {
   EXPECT_EQ(StoreWorkspaceBytes(mse, gemm, 1000),
             256 + 2 * rows * 4 + rows * 128 * 2 + rows * 128 * 4 + (int64_t{32} << 20));
   EXPECT_THROW(StoreWorkspaceBytes(mse, gemm, -1), Error);
+  // Past the store's token limit (the GEMM path's 2^31 rows) the layout's byte counts had wrapped
+  // int64 into small, plausible sizes (INT64_MAX / 2 tokens: 33 MB).
+  for (int64_t n : {int64_t{1} << 28, std::numeric_limits<int64_t>::max() / 2}) {
+    EXPECT_THAT([&] { StoreWorkspaceBytes(mse, gemm, n); },
+                ::testing::ThrowsMessage<Error>(HasSubstr(fmt::format("num_tokens = {}", n))));
+  }
+  EXPECT_GT(StoreWorkspaceBytes(mse, gemm, (int64_t{1} << 28) - 1), int64_t{1} << 40);
 }
 
 // The GEMM path's three-part bf16 Πᵀ (SplitRotationBf16): hi + mid + lo is Πᵀ to 2^-26, and a
