@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "quant/block_format.h"
+#include "runtime/dtype.h"
 #include "runtime/error.h"
 
 namespace tqkv {
@@ -59,6 +60,19 @@ void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
         fmt::format("{}: query, output, lse and cache.data must not be null (num_tokens = {})",
                     where, a.num_tokens));
   }
+  // What the call writes (output, lse, workspace) must not overlap what it reads or other writes:
+  // an lse over the query had overwritten query rows still to be read on the CPU; on CUDA, CTAs
+  // race. (The cache's bytes are not known here: its layout gives no block size in bytes.)
+  const int64_t rows = int64_t{a.num_tokens} * a.num_q_heads;
+  const int64_t d = layout.head_dim;
+  CheckDisjoint(where,
+                {{"output", a.output, rows * d * DTypeSize(a.output_dtype)},
+                 {"lse", a.lse, rows * 4},
+                 {"workspace", a.workspace, a.workspace_bytes},
+                 {"query", a.query, rows * d * DTypeSize(a.query_dtype)},
+                 {"query_start_loc", a.query_start_loc, (int64_t{a.num_seqs} + 1) * 4},
+                 {"seq_lens", a.seq_lens, int64_t{a.num_seqs} * 4},
+                 {"block_tables", a.block_tables, int64_t{a.num_seqs} * a.max_blocks_per_seq * 4}});
 }
 
 void ValidateAttentionArrays(std::string_view where, const CacheLayout& layout,

@@ -377,6 +377,25 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
                                 "made for ({})",
                                 DescribeLayout(other), DescribeLayout(own)));
   }
+  // Outputs over inputs, or over each other: the lse over the query had overwritten query rows
+  // still to be read. (expect_throw sets output and lse; these set the query.)
+  {
+    std::vector<float> shared = s.queries;
+    a = good;
+    a.query = shared.data();
+    AttentionArgs over = a;
+    over.output = shared.data() + 64;  // inside the query
+    over.lse = lse.data();
+    EXPECT_THAT([&] { AttentionCpu(q, over); },
+                ::testing::ThrowsMessage<Error>(HasSubstr("output (")));
+    over.output = out.data();
+    over.lse = out.data() + 8;  // inside the output
+    EXPECT_THAT([&] { AttentionCpu(q, over); },
+                ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                    HasSubstr("output ("), HasSubstr("lse ("), HasSubstr("overlap"))));
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+    EXPECT_EQ(shared, s.queries);
+  }
   // A start that decreases after a valid one is named, not the length it makes look wrong.
   AttentionScenario three = BuildAttention(q, {30, 20, 12}, {5, 2, 3}, 4, 12);
   std::vector<int32_t> loc3 = three.query_start_loc;  // {0, 5, 7, 10}

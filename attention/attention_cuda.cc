@@ -418,6 +418,38 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                     kWhere, a.num_seqs, a.num_tokens, a.num_q_heads, a.max_blocks_per_seq,
                     plan.num_seqs, plan.num_tokens, plan.num_q_heads, plan.max_blocks_per_seq));
   }
+  // The rest of the plan as Plan makes it: its kernels are sized by these fields (a decode plan
+  // for more sequences than the call's read past its arrays; a leading count past num_seqs made
+  // a negative count of chunk sequences).
+  {
+    const int group = plan.num_q_heads / num_kv_heads();
+    const int64_t cta_rows = plan.prefill ? kPrefillCtaRows : 16 * int64_t{plan.row_warps};
+    const int64_t max_len = int64_t{plan.max_blocks_per_seq} * block_size();
+    const DecodePlan& dp = plan.decode_plan;
+    const int decode_paths = int{plan.decode} + int{plan.decode_rows} + int{plan.verify_rows} +
+                             int{plan.leading_decodes > 0};
+    const bool decode_plan_ok =
+        (decode_paths == 0 || dp.max_blocks_per_seq == plan.max_blocks_per_seq) &&
+        (plan.decode || plan.decode_rows
+             ? dp.num_seqs == plan.num_seqs && dp.num_q_heads == plan.num_q_heads
+         : plan.leading_decodes > 0
+             ? dp.num_seqs == plan.leading_decodes && dp.num_q_heads == plan.num_q_heads
+         : plan.verify_rows
+             ? dp.num_seqs == plan.num_seqs && plan.verify_pass_rows >= 1 &&
+                   dp.num_q_heads == num_kv_heads() * plan.verify_pass_rows * group &&
+                   int64_t{plan.verify_pass_rows} * plan.verify_passes >= plan.max_q_len
+             : true);
+    if (plan.max_q_len < 1 || plan.max_q_len > plan.num_tokens || decode_paths > 1 ||
+        plan.leading_decodes < 0 || plan.leading_decodes > plan.num_seqs || !decode_plan_ok ||
+        (plan.row_warps != 1 && plan.row_warps != 2 && plan.row_warps != 4) ||
+        plan.row_tiles < RowTileSlots(plan.num_tokens, plan.num_seqs, group, cta_rows) ||
+        plan.max_splits > kMaxSplits || plan.tokens_per_split < 64 ||
+        plan.tokens_per_split > kMaxContextTokens ||
+        int64_t{plan.tokens_per_split} * plan.max_splits < max_len) {
+      throw Error(
+          fmt::format("{}: the plan was not made by CudaAttention::Plan (or was changed)", kWhere));
+    }
+  }
   const int64_t workspace_bytes = std::max(plan.workspace_bytes, WorkspaceBytes(plan));
   if (workspace_bytes > 0 && (a.workspace == nullptr || a.workspace_bytes < workspace_bytes)) {
     throw InvalidArgument(kWhere, "workspace_bytes", a.workspace == nullptr ? 0 : a.workspace_bytes,

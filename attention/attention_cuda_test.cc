@@ -1294,6 +1294,51 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   a.cache = {nullptr, 0, attn.layout()};
   EXPECT_THAT([&] { attn.Run(plan, a, nullptr); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("null")));
+
+  // With every buffer in place: a plan whose fields were changed after Plan (its kernels are
+  // sized by them: a decode plan for more sequences read past the call's arrays), and outputs
+  // over inputs, are refused before anything is launched.
+  const int64_t rows = 5 * 32;
+  DeviceBuffer<float> query(rows * 128), output(rows * 128), lse(rows);
+  DeviceBuffer<uint8_t> cache(8 * q.format().block_bytes),
+      ws(std::max<int64_t>(plan.workspace_bytes, 1));
+  DeviceBuffer<int32_t> tables(2 * 4), lens(2), loc(3);
+  a.num_tokens = 5;
+  a.max_blocks_per_seq = 4;
+  a.query = query.data();
+  a.query_dtype = DType::kF32;
+  a.output = output.data();
+  a.output_dtype = DType::kF32;
+  a.lse = lse.data();
+  a.cache = {cache.data(), 8, attn.layout()};
+  a.block_tables = tables.data();
+  a.seq_lens = lens.data();
+  a.query_start_loc = loc.data();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws.size_bytes();
+  ASSERT_TRUE(plan.verify_rows);
+  for (const auto& edit : std::initializer_list<void (*)(AttentionPlan&)>{
+           [](AttentionPlan& p) { p.leading_decodes = p.num_seqs + 1; },
+           [](AttentionPlan& p) { p.decode_plan.num_seqs += 1; },
+           [](AttentionPlan& p) { p.row_warps = 3; },
+           [](AttentionPlan& p) { p.tokens_per_split = 0; },
+           [](AttentionPlan& p) { p.verify_passes = 0; },
+           [](AttentionPlan& p) { p.decode = true; }}) {
+    AttentionPlan changed = plan;
+    edit(changed);
+    EXPECT_THAT([&] { attn.Run(changed, a, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::HasSubstr("the plan was not made by CudaAttention::Plan")));
+  }
+  AttentionArgs over = a;
+  over.lse = output.data() + 5;
+  EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("overlap")));
+  over = a;
+  over.workspace = output.data();
+  over.workspace_bytes = 256;
+  EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("overlap")));
 }
 
 #else

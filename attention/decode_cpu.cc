@@ -43,6 +43,13 @@ void Validate(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInput
     throw Error(fmt::format(
         "{}: query, block_tables, seq_lens, output, lse and cache.data must not be null", kWhere));
   }
+  const int64_t rows = int64_t{in.num_seqs} * in.num_q_heads;
+  CheckDisjoint(kWhere, {{"output", out.output, rows * f.head_dim * 4},
+                         {"lse", out.lse, rows * 4},
+                         {"query", in.query, rows * f.head_dim * 4},
+                         {"seq_lens", in.seq_lens, int64_t{in.num_seqs} * 4},
+                         {"block_tables", in.block_tables,
+                          int64_t{in.num_seqs} * in.max_blocks_per_seq * 4}});
   const int64_t max_len = int64_t{in.max_blocks_per_seq} * f.block_size;
   for (int b = 0; b < in.num_seqs; ++b) {
     const int32_t len = in.seq_lens[b];
@@ -51,8 +58,9 @@ void Validate(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInput
                             fmt::format("0 to {} ({} blocks x {} tokens)", max_len,
                                         in.max_blocks_per_seq, f.block_size));
     }
-    const int used_blocks = (len + f.block_size - 1) / f.block_size;
-    for (int i = 0; i < used_blocks; ++i) {
+    // (In int64: a len near 2^31 wrapped the count negative, and no block id was checked.)
+    const int64_t used_blocks = (int64_t{len} + f.block_size - 1) / f.block_size;
+    for (int64_t i = 0; i < used_blocks; ++i) {
       const int32_t id = in.block_tables[int64_t{b} * in.max_blocks_per_seq + i];
       if (id < 0 || id >= num_blocks) {
         throw InvalidArgument(kWhere, fmt::format("block_tables[{}, {}]", b, i), id,

@@ -439,6 +439,19 @@ int64_t CudaDecoder::WorkspaceBytes(const DecodePlan& plan) const {
 }
 
 void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
+  // What the call writes (output, lse, workspace) must not overlap what it reads or other writes
+  // (its CTAs race). Sized by the plan, whose shape RunColumns checks first.
+  const int64_t rows = int64_t{std::max(plan.num_seqs, 0)} * std::max(plan.num_q_heads, 0);
+  const int64_t d = head_dim();
+  if (plan.num_seqs >= 1 && plan.num_seqs <= 65535 && plan.max_blocks_per_seq >= 1) {
+    CheckDisjoint("CudaDecoder::Run", {{"output", a.output, rows * d * DTypeSize(a.output_dtype)},
+                                       {"lse", a.lse, rows * 4},
+                                       {"workspace", a.workspace, a.workspace_bytes},
+                                       {"query", a.query, rows * d * DTypeSize(a.query_dtype)},
+                                       {"seq_lens", a.seq_lens, int64_t{plan.num_seqs} * 4},
+                                       {"block_tables", a.block_tables,
+                                        int64_t{plan.num_seqs} * plan.max_blocks_per_seq * 4}});
+  }
   RunColumns(plan, a, nullptr, stream);
 }
 

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -20,6 +21,18 @@ class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
+
+// A byte range an operation reads or writes (host or device memory; compared as addresses).
+struct ByteRange {
+  std::string_view name;
+  const void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// Throws tqkv::Error, prefixed with `where`, naming the first two of `ranges` that overlap (empty
+// and null ones never do): an operation that writes one of them while it reads or writes the
+// other does so in no order the caller could rely on.
+void CheckDisjoint(std::string_view where, std::initializer_list<ByteRange> ranges);
 
 // Builds the message "<where>: invalid <argument> = <value>; allowed: <allowed>".
 template <typename T>

@@ -16,6 +16,22 @@ TEST(ErrorTest, InvalidArgumentNamesWhereArgumentValueAndAllowed) {
   EXPECT_STREQ(e.what(), "MakeBlockFormat: invalid block_size = 48; allowed: 16, 32, 64, 128");
 }
 
+// Ranges overlap when they share a byte; touching, empty and null ones do not.
+TEST(ErrorTest, CheckDisjointNamesTheFirstOverlappingPair) {
+  char buffer[64];
+  EXPECT_NO_THROW(CheckDisjoint("Op", {{"a", buffer, 16},
+                                       {"b", buffer + 16, 16},
+                                       {"empty", buffer + 4, 0},
+                                       {"null", nullptr, 64}}));
+  try {
+    CheckDisjoint("Op", {{"a", buffer, 16}, {"b", buffer + 32, 16}, {"c", buffer + 15, 2}});
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("Op: a (16 bytes at"), HasSubstr("and c (2 bytes at"),
+                                HasSubstr("overlap; allowed: disjoint buffers")));
+  }
+}
+
 TEST(ErrorTest, IsARuntimeError) {
   try {
     throw InvalidArgument("f", "x", -1, ">= 0");
