@@ -144,8 +144,9 @@ void DeviceAllocation::FillBytes(uint8_t value, StreamHandle stream) {
 // HostAllocation
 
 HostAllocation::HostAllocation(int64_t num_bytes) {
-  if (num_bytes < 0) {
-    throw InvalidArgument("HostAllocation", "num_bytes", num_bytes, ">= 0");
+  // (Past 2^62 the rounding up to 64 bytes wrapped int64; no host holds that much.)
+  if (num_bytes < 0 || num_bytes > (int64_t{1} << 62)) {
+    throw InvalidArgument("HostAllocation", "num_bytes", num_bytes, "0 to 2^62");
   }
   if (num_bytes == 0) return;
 #if TQKV_HAVE_CUDA

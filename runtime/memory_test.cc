@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <vector>
 
 #include "runtime/device.h"
@@ -91,6 +92,13 @@ TEST(PinnedHostBufferTest, HoldsElementsAndChecksCopies) {
   EXPECT_EQ(buffer[6], 2);  // unchanged by the rejected copy
   EXPECT_THROW(buffer.CopyFrom(src, -1), Error);
   EXPECT_THROW(PinnedHostBuffer<int32_t>(-2), Error);
+}
+
+// A size whose rounding up to 64 bytes wrapped int64 is refused as an argument.
+TEST(PinnedHostBufferTest, SizesPastTheLimitThrowNamingThem) {
+  EXPECT_THAT(
+      [] { HostAllocation(std::numeric_limits<int64_t>::max() - 10); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_bytes = 9223372036854775797")));
 }
 
 TEST(PinnedHostBufferTest, MovesTransferOwnership) {

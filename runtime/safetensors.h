@@ -68,6 +68,9 @@ std::string_view CarrierDescription() {
 // Throws the dtype-mismatch error of Tensor::FromValues / Tensor::values.
 [[noreturn]] void ThrowDTypeMismatch(std::string_view where, DType dtype,
                                      std::string_view requested);
+// Throws Tensor::values' error for data that is not its shape's size.
+[[noreturn]] void ThrowSizeMismatch(std::string_view where, size_t bytes, int64_t elements,
+                                    size_t element_bytes);
 
 }  // namespace detail
 
@@ -168,6 +171,10 @@ std::span<const T> Tensor::values() const {
                 "element type must be float, uint16_t, int32_t, int64_t or uint8_t");
   if (!detail::CarriesDType<T>(dtype)) {
     detail::ThrowDTypeMismatch("Tensor::values", dtype, detail::CarrierDescription<T>());
+  }
+  // A tensor built or changed by hand may hold other than its shape's bytes: not cut short here.
+  if (static_cast<int64_t>(data.size()) != num_elements() * static_cast<int64_t>(sizeof(T))) {
+    detail::ThrowSizeMismatch("Tensor::values", data.size(), num_elements(), sizeof(T));
   }
   // The bytes come from operator new (aligned for every carrier type) and are only ever written
   // through memcpy or uint8_t, which may alias any type, so viewing them as T is sound in practice.
