@@ -440,7 +440,8 @@ int64_t CudaDecoder::WorkspaceBytes(const DecodePlan& plan) const {
 
 void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
   // What the call writes (output, lse, workspace) must not overlap what it reads or other writes
-  // (its CTAs race). Sized by the plan, whose shape RunColumns checks first.
+  // (its CTAs race). Sized by the plan's shape (a plan out of range is left to RunColumns, which
+  // refuses it).
   const int64_t rows = int64_t{std::max(plan.num_seqs, 0)} * std::max(plan.num_q_heads, 0);
   const int64_t d = head_dim();
   if (plan.num_seqs >= 1 && plan.num_seqs <= 65535 && plan.max_blocks_per_seq >= 1) {
