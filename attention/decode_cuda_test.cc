@@ -870,12 +870,17 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   CudaDecodeArgs a;
   a.cache.layout = decoder.layout();
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
-  DeviceBuffer<uint8_t> small(16);
-  a.query = small.data();
+  // Each argument its own buffer, large enough for every plan below: Run refuses overlapping
+  // buffers before the checks this test is after.
+  const size_t rows = 4 * 32;
+  DeviceBuffer<uint8_t> small(16), query(rows * 128 * 4), output(rows * 128 * 4), lse(rows * 4),
+      seq_lens(4 * 4), tables(4 * 10 * 4);
+  a.query = query.data();
   a.cache = {small.data(), 1, q.layout()};
-  a.block_tables = a.seq_lens = reinterpret_cast<const int32_t*>(small.data());
-  a.output = small.data();
-  a.lse = reinterpret_cast<float*>(small.data());
+  a.seq_lens = reinterpret_cast<const int32_t*>(seq_lens.data());
+  a.block_tables = reinterpret_cast<const int32_t*>(tables.data());
+  a.output = output.data();
+  a.lse = reinterpret_cast<float*>(lse.data());
   a.workspace = small.data();
   a.workspace_bytes = 16;
   try {
@@ -994,6 +999,15 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("plan.one_cta = true"));
   }
+  // The log-sum-exps written over the output they belong to are refused.
+  a.cache.layout = decoder.layout();
+  a.workspace = ws.data();
+  a.workspace_bytes = plan.workspace_bytes;
+  a.lse = reinterpret_cast<float*>(output.data() + 64);
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr("output ("), ::testing::HasSubstr("and lse ("),
+                  ::testing::HasSubstr("overlap; allowed: disjoint buffers"))));
 }
 
 #else
