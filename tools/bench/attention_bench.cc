@@ -19,6 +19,8 @@
 // call (its workspace). --json OUT writes the rows for torch_attention_bench.py's joint table.
 //
 //   attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT]
+//                   [--heads HQ:HK:D]  (another layer shape, e.g. 9:3:64 for SmolLM2-135M)
+//                   [--verify-q N]...  (adds verify 64x4k qN and its chunk-kernel twin)
 //                   [--decode-tokens-per-split N]  (the decode kernels' splits, for a sweep;
 //                                                   default: the plan's choice)
 //                   [--decode-narrow auto|never|always]  (DecodeOptions::narrow: the narrow
@@ -52,7 +54,12 @@
 namespace tqkv::bench {
 namespace {
 
-constexpr int kHq = 32, kHk = 8, kD = 128, kBlock = 16;
+constexpr int kBlock = 16;
+
+// The attention layer's heads: Llama-3-8B's by default, another model's with --heads.
+struct Heads {
+  int q = 32, kv = 8, dim = 128;
+};
 constexpr double kPeakTflops = 790.0;  // bf16 dense, measured (PERFORMANCE.md)
 
 double Median(std::vector<float> v) {
@@ -125,19 +132,20 @@ struct Row {
   int splits = 0;
 };
 
-std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shapes, double read_gbs,
-                         Stream& stream) {
+std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
+                         const std::vector<Shape>& shapes, double read_gbs, Stream& stream) {
+  const int hq = heads.q, hk = heads.kv, dim = heads.dim;
   const bool plain = kind == "bf16";
   std::optional<Quantizer> q;
   std::optional<CudaAttention> attn;
   int64_t block_bytes = 0, slot_bytes = 0;
   if (plain) {
-    const Bf16BlockFormat f = MakeBf16BlockFormat(kD, kHk, kBlock, DType::kBF16);
+    const Bf16BlockFormat f = MakeBf16BlockFormat(dim, hk, kBlock, DType::kBF16);
     attn.emplace(f);
     block_bytes = f.block_bytes;
     slot_bytes = f.SlotBytes();
   } else {
-    q.emplace(Quantizer::Create(kind, kD, kHk, kBlock));
+    q.emplace(Quantizer::Create(kind, dim, hk, kBlock));
     attn.emplace(*q);
     block_bytes = q->format().block_bytes;
     slot_bytes = q->format().slot_bytes;
@@ -156,7 +164,7 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
   } else {
     const BlockFormat& f = q->format();
     FillRandomBytes(pool.data(), pool.size_bytes(), 7, stream.get());
-    FixCompressedCache(pool.data(), pool_blocks, f.block_bytes, f.meta_offset, kHk, f.num_meta,
+    FixCompressedCache(pool.data(), pool_blocks, f.block_bytes, f.meta_offset, hk, f.num_meta,
                        kBlock, f.key_data_bytes, f.data_per_slot, f.fp8_keys, stream.get());
   }
   std::vector<Row> rows;
@@ -174,9 +182,9 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
       loc.push_back(tokens);
       set_blocks += (s.lens[b] + kBlock - 1) / kBlock;
       for (int i = 0; i < s.q_lens[b]; ++i) {
-        flops += 4.0 * kD * kHq * (s.lens[b] - s.q_lens[b] + i + 1);
+        flops += 4.0 * dim * hq * (s.lens[b] - s.q_lens[b] + i + 1);
       }
-      bytes += double(s.lens[b]) * kHk * slot_bytes;
+      bytes += double(s.lens[b]) * hk * slot_bytes;
     }
     const int width = (max_len + kBlock - 1) / kBlock;
     const int sets = static_cast<int>(std::clamp<int64_t>(
@@ -199,9 +207,9 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     d_tables.CopyFromHost(tables);
     d_lens.CopyFromHost(s.lens);
     d_loc.CopyFromHost(loc);
-    DeviceBuffer<uint16_t> query(int64_t{tokens} * kHq * kD), out(int64_t{tokens} * kHq * kD);
+    DeviceBuffer<uint16_t> query(int64_t{tokens} * hq * dim), out(int64_t{tokens} * hq * dim);
     FillRandomBf16(query.data(), query.size(), 11, stream.get());
-    DeviceBuffer<float> lse(int64_t{tokens} * kHq);
+    DeviceBuffer<float> lse(int64_t{tokens} * hq);
     AttentionOptions options;
     options.decode_kernels = s.decode_kernels;
     options.chunk_precision = s.precision;
@@ -212,14 +220,14 @@ std::vector<Row> RunKind(const std::string& kind, const std::vector<Shape>& shap
     options.decode.tokens_per_split = s.decode_tokens_per_split;
     options.decode.narrow = s.decode_narrow;
     options.decode.shared_o = s.shared_o;
-    const AttentionPlan plan = attn->Plan(batch, tokens, kHq, width, max_q, options);
+    const AttentionPlan plan = attn->Plan(batch, tokens, hq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
     a.query = query.data();
     a.query_dtype = DType::kBF16;
     a.num_seqs = batch;
     a.num_tokens = tokens;
-    a.num_q_heads = kHq;
+    a.num_q_heads = hq;
     a.query_start_loc = d_loc.data();
     a.seq_lens = d_lens.data();
     a.max_blocks_per_seq = width;
@@ -267,6 +275,20 @@ int Main(int argc, char** argv) {
   std::string json_out, only_kind, only_shape;
   int decode_tokens_per_split = 0;
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
+  Heads heads;
+  std::vector<int> extra_q;
+  // A whole decimal number from lo to hi, or nullopt.
+  auto parse_int = [](const std::string& v, int lo, int hi) -> std::optional<int> {
+    size_t used = 0;
+    int x = 0;
+    try {
+      x = std::stoi(v, &used);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    if (used != v.size() || x < lo || x > hi) return std::nullopt;
+    return x;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -279,19 +301,40 @@ int Main(int argc, char** argv) {
       only_shape = argv[++i];
     } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
       const std::string v = argv[++i];
-      size_t used = 0;
-      try {
-        decode_tokens_per_split = std::stoi(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != v.size() || decode_tokens_per_split < 0) {
+      const std::optional<int> tps = parse_int(v, 0, 1 << 30);
+      if (!tps) {
         fmt::print(stderr,
                    "attention_bench: --decode-tokens-per-split = {}: want 0 (the plan's choice) or "
                    "a multiple of 64 from 64 to 8,192\n",
                    v);
         return 2;
       }
+      decode_tokens_per_split = *tps;
+    } else if (arg == "--heads" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const size_t a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
+      std::optional<int> hq, hk, d;
+      if (b != std::string::npos) {
+        hq = parse_int(v.substr(0, a), 1, 256);
+        hk = parse_int(v.substr(a + 1, b - a - 1), 1, 256);
+        d = parse_int(v.substr(b + 1), 64, 256);
+      }
+      if (!hq || !hk || !d || *hq % *hk != 0) {
+        fmt::print(stderr,
+                   "attention_bench: --heads = {}: want QUERY_HEADS:KV_HEADS:HEAD_DIM, query heads "
+                   "a multiple of the KV heads (e.g. 32:8:128, Llama-3-8B; 9:3:64, SmolLM2-135M)\n",
+                   v);
+        return 2;
+      }
+      heads = {*hq, *hk, *d};
+    } else if (arg == "--verify-q" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const std::optional<int> q = parse_int(v, 1, 64);
+      if (!q) {
+        fmt::print(stderr, "attention_bench: --verify-q = {}: want 1 to 64 new tokens\n", v);
+        return 2;
+      }
+      extra_q.push_back(*q);
     } else if (arg == "--decode-narrow" && i + 1 < argc) {
       const std::string v = argv[++i];
       if (v == "auto") {
@@ -308,7 +351,8 @@ int Main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
-                 "[--decode-tokens-per-split N] [--decode-narrow auto|never|always]\n");
+                 "[--heads HQ:HK:D] [--verify-q N]... [--decode-tokens-per-split N] "
+                 "[--decode-narrow auto|never|always]\n");
       return 2;
     }
   }
@@ -320,12 +364,17 @@ int Main(int argc, char** argv) {
       Uniform("verify 64x4k q8", 64, 4096, 8),
       Uniform("verify 64x4k q8 chunk", 64, 4096, 8, false),
   };
+  for (int q : extra_q) {
+    shapes.push_back(Uniform(fmt::format("verify 64x4k q{}", q), 64, 4096, q));
+    shapes.push_back(Uniform(fmt::format("verify 64x4k q{} chunk", q), 64, 4096, q, false));
+  }
   // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4, 8 and
   // 16: one, two and four new tokens per pass at GQA 4).
   for (int q : {4, 8}) {
     for (int g : {4, 8, 16}) {
-      if (g / (kHq / kHk) >= q) continue;  // the default's single pass
-      Shape v = Uniform(fmt::format("verify 64x4k q{} rows{}", q, g / (kHq / kHk)), 64, 4096, q);
+      const int group = heads.q / heads.kv;
+      if (g / group >= q || g % group != 0) continue;  // the default's single pass
+      Shape v = Uniform(fmt::format("verify 64x4k q{} rows{}", q, g / group), 64, 4096, q);
       v.verify_max_group = g;
       shapes.push_back(v);
     }
@@ -407,13 +456,14 @@ int Main(int argc, char** argv) {
   }
   Stream stream;
   const double read_gbs = ReadCeilingGbs(stream);
-  fmt::print("read ceiling {:.0f} GB/s\n", read_gbs);
+  fmt::print("read ceiling {:.0f} GB/s; {} query heads, {} KV heads, head_dim {}\n", read_gbs,
+             heads.q, heads.kv, heads.dim);
   std::vector<std::string> kinds = {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4",
                                     "bf16"};
   if (!only_kind.empty()) kinds = {only_kind};
   nlohmann::json all = nlohmann::json::array();
   for (const std::string& kind : kinds) {
-    for (const Row& r : RunKind(kind, shapes, read_gbs, stream)) {
+    for (const Row& r : RunKind(kind, heads, shapes, read_gbs, stream)) {
       all.push_back({{"kind", r.kind},
                      {"shape", r.shape},
                      {"us", r.us},
