@@ -195,6 +195,16 @@ TEST(ManagerTest, BatchIsInRequestOrderWithPadding) {
   EXPECT_EQ(l.query_start_loc, 256);
   EXPECT_EQ(l.total_bytes, 256 + 20);
   EXPECT_EQ(reinterpret_cast<const int32_t*>(b.bytes().data() + l.seq_lens)[1], 5);
+  // A padding row is a row of null blocks; past the padding there is none.
+  EXPECT_THAT(Row(b, 3), ElementsAre(0, 0, 0));
+  for (int32_t row : {-1, 4}) {
+    EXPECT_THAT([&] { b.block_table(row); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr(fmt::format("row = {}", row)),
+                                     ::testing::HasSubstr("0 to padded_num_requests() - 1 = 3"))));
+  }
+  EXPECT_THAT([] { StepBatch().block_table(0); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("the batch has no rows")));
 }
 
 TEST(ManagerTest, WidthAndPaddingAreMinimums) {

@@ -1,6 +1,11 @@
 #include "kvcache/step_batch.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <string>
+
+#include "runtime/error.h"
 
 namespace tqkv {
 namespace {
@@ -9,6 +14,14 @@ constexpr int64_t kAlign = 64;
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
+
+void StepBatch::ThrowBadRow(int32_t row) const {
+  throw InvalidArgument(
+      "StepBatch::block_table", "row", row,
+      padded_num_requests_ > 0
+          ? fmt::format("0 to padded_num_requests() - 1 = {}", padded_num_requests_ - 1)
+          : std::string("none (the batch has no rows)"));
+}
 
 void StepBatch::Reshape(int32_t num_requests, int32_t padded_requests, int32_t num_tokens,
                         int32_t padded_tokens, int32_t width) {

@@ -90,7 +90,8 @@ class StepBatch {
     return {Section<int32_t>(layout_.block_tables),
             static_cast<size_t>(padded_num_requests_) * static_cast<size_t>(block_table_width_)};
   }
-  std::span<const int32_t> block_table(int32_t row) const {  // [W]
+  std::span<const int32_t> block_table(int32_t row) const {  // [W]; row in [0, B_pad)
+    if (row < 0 || row >= padded_num_requests_) ThrowBadRow(row);
     return block_tables().subspan(static_cast<size_t>(row) * block_table_width_,
                                   static_cast<size_t>(block_table_width_));
   }
@@ -118,6 +119,8 @@ class StepBatch {
 
  private:
   friend class KVCacheManager;
+
+  [[noreturn]] void ThrowBadRow(int32_t row) const;
 
   template <typename T>
   const T* Section(int64_t offset) const {
