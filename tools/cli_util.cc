@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <charconv>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -14,6 +15,21 @@
 #include "runtime/error.h"
 
 namespace tqkv::cli {
+
+const CLI::Validator& WholeUint64() {
+  static const CLI::Validator validator(
+      [](std::string& v) -> std::string {
+        uint64_t x = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+        if (v.empty() || ec != std::errc() || end != v.data() + v.size()) {
+          return fmt::format("{} is not a whole number from 0 to {}", v,
+                             std::numeric_limits<uint64_t>::max());
+        }
+        return {};
+      },
+      "UINT64");
+  return validator;
+}
 
 const Tensor& RequireFloatTensor(const SafetensorsFile& file, std::string_view name, int rank) {
   const Tensor& t = file.at(name);
@@ -289,7 +305,7 @@ void AddQuantizerFlags(CLI::App& cmd, QuantizerFlags& flags, bool block_size_req
                  "hadamard (default), hadamard_signs, haar; a 'rotation' tensor in the input "
                  "file overrides it");
   cmd.add_option("--seed", flags.seed, "seed of hadamard_signs / haar (default 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(WholeUint64());
 }
 
 std::string ResolveModelPath(const std::string& path, std::string_view where) {

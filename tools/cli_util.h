@@ -17,6 +17,10 @@
 
 namespace tqkv::cli {
 
+// For uint64 flags (seeds): a decimal number from 0 to 2^64 - 1. CLI11 alone reads a larger one
+// as 2^64 - 1 and a negative one through a floating-point range check.
+const CLI::Validator& WholeUint64();
+
 // Flags that select a quantizer, as given on the command line.
 struct QuantizerFlags {
   std::string preset;

@@ -188,7 +188,7 @@ void AddGenerateCommand(CLI::App& app) {
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
   cmd->add_option("--seed", flags->seed, "sampling seed (request i uses seed + i)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(WholeUint64())
       ->capture_default_str();
   cmd->add_option("--step-tokens", flags->step_tokens,
                   "tokens per step: decode rows, then prompt chunks")

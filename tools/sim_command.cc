@@ -7,6 +7,7 @@
 
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
+#include "tools/cli_util.h"
 #include "tools/commands.h"
 #include "tools/sim.h"
 
@@ -50,7 +51,7 @@ void AddSimCommand(CLI::App& app) {
                   "fraction of requests that fork a second branch (n = 2 sampling)")
       ->capture_default_str();
   cmd->add_option("--seed", config->seed, "seed of the workload and the activations")
-      ->check(CLI::NonNegativeNumber)
+      ->check(WholeUint64())
       ->capture_default_str();
   cmd->add_option("--device", config->device, "cpu (default) or cuda")->capture_default_str();
   cmd->add_flag("--no-prefix-caching", *no_prefix, "disable prefix caching");

@@ -50,6 +50,10 @@ sim_error "unknown preset" "--preset turboquant_9bit" --preset turboquant_9bit
 sim_error "kv heads not dividing q heads" "--q-heads = 32" --kv-heads 5
 sim_error "memory too small for one sequence" "cannot hold one sequence" --num-blocks 4
 sim_error "unknown device" "--device = tpu" --device tpu
+# CLI11 alone read a seed past 2^64 - 1 as 2^64 - 1.
+sim_error "seed past uint64" "18446744073709551616 is not a whole number from 0 to 18446744073709551615" \
+  --seed 18446744073709551616
+sim_error "negative seed" "--seed: -1 is not a whole number" --seed -1
 
 $TQKV >/dev/null 2>&1; rc=$?
 check "no subcommand is an error" test $rc -ne 0
