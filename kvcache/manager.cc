@@ -677,6 +677,12 @@ void KVCacheManager::Commit(SeqId id, std::span<const int32_t> token_ids) {
         id, count, known + count, s.num_scheduled,
         std::max<int64_t>(0, s.num_scheduled + 1 - known)));
   }
+  // Room for the events of the blocks this commit publishes first: an allocation that fails while
+  // publishing would leave the tokens appended and some blocks registered, with the call failed.
+  if (options_.enable_prefix_caching) {
+    const int64_t trusted = std::min<int64_t>(s.num_scheduled, known + count - 1);
+    pool_.ReserveEvents(std::max<int64_t>(0, BlockOf(trusted) - s.num_cached_blocks));
+  }
   AppendTokens(s, token_ids);
   PublishTrustedBlocks(s);
 }

@@ -1081,6 +1081,42 @@ TEST(ManagerTest, SequencesThatCannotBeAllocatedChangeNothing) {
   EXPECT_EQ(m.GetSequenceInfo(again).num_tokens, 5);
 }
 
+// A commit whose prefix-cache events cannot be allocated changes nothing: it appended the tokens
+// and registered blocks one by one, each event's push_back able to fail halfway. Schedule reserves
+// one event per allocated block; a step that evicted cached blocks spent that room on their
+// removal events.
+TEST(ManagerTest, CommitThatCannotRecordItsEventsChangesNothing) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit allows";
+#endif
+  // 16-token blocks; the events' reallocation to 2^20 events of 48 bytes (48 MB) is past glibc's
+  // largest mmap threshold (32 MB), so it maps new memory, which the limit refuses.
+  constexpr int32_t kBlocks = 1 << 19;
+  KVCacheManager m(Options(kBlocks + 1, 16));
+  StepBatch b;
+  const SeqId x = m.AddSequence(Range(0, 16 * kBlocks + 1));
+  Step(m, b, x, 16 * kBlocks);
+  m.Commit(x, {});  // a partial prefill: publishes every block
+  m.Free(x);        // now all cached and evictable
+  ASSERT_EQ(m.TakeEvents().size(), size_t{kBlocks});
+  const SeqId a = m.AddSequence(Range(1 << 24, 16 * kBlocks + 1));
+  Step(m, b, a, 16 * kBlocks);  // evicts them all
+  // (No DebugString: its buffers, freed, would leave the heap room for the events.)
+  const SequenceInfo info = m.GetSequenceInfo(a);
+  {
+    const AddressSpaceLimit limit(int64_t{1} << 20);
+    ASSERT_THROW(std::vector<char>(size_t{48} << 20), std::bad_alloc) << "the limit must bite";
+    EXPECT_THROW(m.Commit(a, {}), std::bad_alloc);
+  }
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+  EXPECT_EQ(m.Stats().blocks_cached, 0);  // none registered
+  EXPECT_EQ(m.GetSequenceInfo(a).num_tokens, info.num_tokens);
+  EXPECT_EQ(m.GetSequenceInfo(a).num_cached_blocks, info.num_cached_blocks);
+  m.Commit(a, {});
+  EXPECT_EQ(m.TakeEvents().size(), 2 * size_t{kBlocks});  // removed, then stored
+  EXPECT_EQ(m.Stats().blocks_cached, kBlocks);
+}
+
 // A batch written by a manager that was destroyed, then filled by a new manager built in the
 // same place (whose sequence ids and table epochs start over): every row is rewritten.
 TEST(ManagerTest, BatchRowsOfADestroyedManagerAreNotReused) {
