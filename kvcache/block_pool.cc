@@ -199,6 +199,7 @@ void BlockPool::Unregister(int32_t id) {
 }
 
 int64_t BlockPool::ClearCache() {
+  ReserveEvents(1);  // first: an event that cannot be recorded must leave the cache as it was
   const int64_t dropped = table_.size();
   for (int level = 0; level < kNumPriorities; ++level) {
     while (lists_[level].head >= 0) {

@@ -4,14 +4,12 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
-#include <fstream>
 #include <numeric>
 #include <optional>
 #include <vector>
 
+#include "kvcache/address_space_limit.h"
 #include "runtime/error.h"
 
 namespace tqkv {
@@ -1010,24 +1008,7 @@ TEST(ManagerTest, PaddingsPastTheBatchLimitAreRefused) {
       m.Schedule({&r, 1}, b, {.pad_requests_to = 1 << 10, .block_table_width = 1 << 10}).admitted);
 }
 
-// The address space below the current use plus `headroom` bytes while alive, so that a large
-// allocation fails (as it would on a full machine) instead of being overcommitted.
-class AddressSpaceLimit {
- public:
-  explicit AddressSpaceLimit(int64_t headroom) {
-    getrlimit(RLIMIT_AS, &old_);
-    std::ifstream statm("/proc/self/statm");
-    int64_t pages = 0;
-    statm >> pages;
-    rlimit lim = old_;
-    lim.rlim_cur = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE) + headroom);
-    setrlimit(RLIMIT_AS, &lim);
-  }
-  ~AddressSpaceLimit() { setrlimit(RLIMIT_AS, &old_); }
-
- private:
-  rlimit old_{};
-};
+using testing::AddressSpaceLimit;
 
 // A Schedule whose batch cannot be allocated leaves the batch's shape as it was: it set the new
 // width first, and the next step of that width kept the rows at the old width's stride.
