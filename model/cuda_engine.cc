@@ -116,8 +116,14 @@ CudaEngine::CudaEngine(const LlamaModel& model, KvPolicy policy, CudaEngineOptio
     : Engine(model, std::move(policy), CacheDevice::kCuda),
       options_(options),
       dev_(std::make_unique<Device>()) {
-  if (options_.width_multiple < 1) {
-    throw InvalidArgument("CudaEngine", "options.width_multiple", options_.width_multiple, ">= 1");
+  // Block tables wider than the attention kernels' longest context are refused by every Compute,
+  // after the step was scheduled.
+  const int64_t max_width = CudaAttention::kMaxContextTokens / policy_.block_size;
+  if (options_.width_multiple < 1 || options_.width_multiple > max_width) {
+    throw InvalidArgument(
+        "CudaEngine", "options.width_multiple", options_.width_multiple,
+        fmt::format("1 to {} (block tables of at most {} tokens at block size {})", max_width,
+                    CudaAttention::kMaxContextTokens, policy_.block_size));
   }
   width_multiple_ = options_.width_multiple;
   Device& d = *dev_;
@@ -170,6 +176,15 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   const int hid = c.hidden, hq = c.num_heads, hk = c.num_kv_heads, hd = c.head_dim;
 
   bool moved = false;  // a buffer a captured graph uses was reallocated
+  // ... and the graphs go with it on every exit: a throw below (a plan refused, an allocation
+  // failed) after a buffer moved left graphs that a later step replayed on freed memory.
+  struct DropGraphsIfMoved {
+    const bool& moved;
+    Device& d;
+    ~DropGraphsIfMoved() {
+      if (moved) d.graphs.clear();
+    }
+  } drop_graphs{moved, d};
   moved |= Ensure(d.x, int64_t{n} * hid);
   moved |= Ensure(d.h, int64_t{n} * std::max(hid, c.ffn));
   moved |= Ensure(d.qkv, int64_t{n} * (hq + 2 * hk) * hd);
@@ -222,7 +237,10 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   }
   moved |= Ensure(d.attention_ws, attention_bytes);
   if (d.store) moved |= Ensure(d.store_ws, d.store->WorkspaceBytes(n));
-  if (moved) d.graphs.clear();
+  if (moved) {
+    d.graphs.clear();
+    moved = false;  // (graphs captured below use the new buffers)
+  }
 
   const AttentionPlan* p = plan ? &*plan : nullptr;
   const AttentionPlan* pb = plan_bf16 ? &*plan_bf16 : nullptr;

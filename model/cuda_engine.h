@@ -29,7 +29,9 @@ namespace tqkv::model {
 
 struct CudaEngineOptions {
   bool decode_graphs = true;  // replay decode steps from CUDA graphs
-  int32_t width_multiple = 32;  // block-table width padding (blocks), 1 for none
+  // Block-table width padding (blocks), 1 for none; at most CudaAttention::kMaxContextTokens /
+  // block_size.
+  int32_t width_multiple = 32;
 };
 
 class CudaEngine : public Engine {

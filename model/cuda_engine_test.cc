@@ -193,6 +193,18 @@ TEST(CudaEngineTest, DecodeGraphsMatchLaunches) {
 
 // The serving loop on the CUDA engine: several requests with a pool small enough to preempt,
 // every request finishing with its tokens in the vocabulary.
+// A block-table width multiple past the attention kernels' longest context is refused when the
+// engine is built (every Compute refused it, after the step was scheduled).
+TEST(CudaEngineTest, RefusesAWidthMultiplePastTheKernels) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 9);
+  const KvPolicy policy{"turboquant_4bit_nc", 0, 16, 12};
+  EXPECT_THAT([&] { CudaEngine(model, policy, {.width_multiple = (1 << 25) + 1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "options.width_multiple = 33554433; allowed: 1 to 33554432")));
+  EXPECT_NO_THROW(CudaEngine(model, policy, {.width_multiple = 1 << 25}));
+}
+
 TEST(CudaEngineTest, ServesWithPreemption) {
   TQKV_SKIP_WITHOUT_GPU();
   const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 9);

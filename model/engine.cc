@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "attention/attention_cpu.h"
@@ -94,6 +95,20 @@ KVCacheManager& Engine::manager() {
 }
 
 ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
+  constexpr const char* kWhere = "Engine::Schedule";
+  // A second Schedule would replace the batch of a step never computed, whose positions the
+  // manager counts as stored (their K/V unwritten, then published to the prefix cache).
+  if (step_pending_) {
+    throw Error(
+        fmt::format("{}: the scheduled step is not computed yet (Compute it first)", kWhere));
+  }
+  int64_t new_tokens = 0;
+  for (const StepRequest& r : requests) new_tokens += std::max(r.num_new_tokens, 0);
+  if (new_tokens == 0) {  // (Compute refuses a step of no rows)
+    throw InvalidArgument(kWhere, "requests",
+                          fmt::format("{} requests of 0 new tokens", requests.size()),
+                          "at least one new token in the step");
+  }
   KVCacheManager& m = manager();
   ScheduleOptions options;
   if (width_multiple_ > 1) {
@@ -109,8 +124,11 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
     const int64_t width = (longest + width_multiple_ - 1) / width_multiple_ * width_multiple_;
     options.block_table_width = static_cast<int32_t>(std::min<int64_t>(width, INT32_MAX));
   }
+  step_seqs_.reserve(requests.size());  // before the manager changes anything
   const ScheduleResult r = m.Schedule(requests, batch_, options);
   if (r.admitted) {
+    step_seqs_.clear();
+    for (const StepRequest& req : requests) step_seqs_.push_back(req.seq);
     step_pending_ = true;
     if (compressed_) compressed_->ApplyCopies(batch_.copies(), copy_stream_);
     if (bf16_) bf16_->ApplyCopies(batch_.copies(), copy_stream_);
@@ -120,16 +138,19 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
 
 void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
                        std::span<const int32_t> logit_rows) {
-  const int step = static_cast<int>(tokens.size());
   // A step is computed once: again after its Commit it would overwrite committed K/V.
   if (!step_pending_) {
     throw Error(
         fmt::format("{}: no scheduled step to compute (each Schedule is computed once)", where));
   }
-  if (!manager_ || step != batch_.num_tokens() || step == 0) {
-    throw InvalidArgument(where, "tokens.size()", step,
-                          fmt::format("the scheduled step's {} tokens",
-                                      manager_ ? batch_.num_tokens() : 0));
+  if (tokens.size() != static_cast<size_t>(batch_.num_tokens())) {
+    throw InvalidArgument(where, "tokens.size()", tokens.size(),
+                          fmt::format("the scheduled step's {} tokens", batch_.num_tokens()));
+  }
+  const int step = batch_.num_tokens();
+  if (logit_rows.size() > tokens.size()) {
+    throw InvalidArgument(where, "logit_rows.size()", logit_rows.size(),
+                          fmt::format("at most the step's {} rows", step));
   }
   for (int32_t row : logit_rows) {
     if (row < 0 || row >= step) {
@@ -142,11 +163,22 @@ void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
       throw InvalidArgument(where, "token", t, fmt::format("0 to {}", vocab - 1));
     }
   }
-  // Each row's position: the last rows of its sequence's context.
+  // Each row's position: the last rows of its sequence's context. A row at a known token's
+  // position must carry that token: its K/V are published to the prefix cache under the known
+  // tokens' hashes (rows past them, drafts, are free).
   positions_.resize(static_cast<size_t>(step));
   for (int32_t i = 0; i < batch_.num_requests(); ++i) {
     const int32_t q0 = batch_.query_start_loc()[i], q1 = batch_.query_start_loc()[i + 1];
-    for (int32_t t = q0; t < q1; ++t) positions_[t] = batch_.seq_lens()[i] - (q1 - t);
+    const std::span<const int32_t> known = manager_->Tokens(step_seqs_[static_cast<size_t>(i)]);
+    for (int32_t t = q0; t < q1; ++t) {
+      const int32_t pos = batch_.seq_lens()[i] - (q1 - t);
+      positions_[t] = pos;
+      if (static_cast<size_t>(pos) < known.size() && tokens[t] != known[pos]) {
+        throw InvalidArgument(where, fmt::format("tokens[{}]", t), tokens[t],
+                              fmt::format("{}, sequence {}'s token at position {}", known[pos],
+                                          step_seqs_[static_cast<size_t>(i)], pos));
+      }
+    }
   }
   step_pending_ = false;
 }
@@ -348,6 +380,10 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
 std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
                                       LayerErrors* errors) {
   const LlamaConfig& c = model_.config();
+  if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw InvalidArgument("CpuEngine::Forward", "tokens.size()", tokens.size(),
+                          fmt::format("at most {}", std::numeric_limits<int32_t>::max()));
+  }
   const int n = static_cast<int>(tokens.size());
   if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
   if (step_pending_) {
@@ -392,18 +428,18 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(seq).num_tokens;
     const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
     if (step <= 0) break;  // (the manager always leaves a prompt's last token to compute)
-    const StepRequest request{seq, step, 0};
-    const ScheduleResult r = Schedule(std::span<const StepRequest>(&request, 1));
-    if (!r.admitted) {
-      throw Error(fmt::format("CpuEngine::Forward: {} blocks missing", r.blocks_missing));
-    }
     // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
     const int first = static_cast<int>(start);
-    if (errors != nullptr && done == 0 && first > 0) {
+    if (errors != nullptr && done == 0 && first > 0) {  // before Schedule takes the hit
       throw Error(fmt::format(
           "CpuEngine::Forward: layer errors need the whole sequence, but {} tokens came from "
           "the prefix cache",
           first));
+    }
+    const StepRequest request{seq, step, 0};
+    const ScheduleResult r = Schedule(std::span<const StepRequest>(&request, 1));
+    if (!r.admitted) {
+      throw Error(fmt::format("CpuEngine::Forward: {} blocks missing", r.blocks_missing));
     }
     std::vector<int32_t> rows(static_cast<size_t>(step));
     for (int t = 0; t < step; ++t) rows[t] = t;

@@ -59,7 +59,8 @@ class Engine {
   // sequence).
   KVCacheManager& manager();
   // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
-  // apply the step's copy-on-write copies.
+  // apply the step's copy-on-write copies. Throws tqkv::Error, changing nothing, while a scheduled
+  // step is not computed yet, and for a step of no new tokens.
   ScheduleResult Schedule(std::span<const StepRequest> requests);
   const StepBatch& batch() const { return batch_; }
   // Runs the scheduled step: tokens[t] is the token at row t of the batch (its slot_mapping
@@ -70,7 +71,8 @@ class Engine {
   // the other rows of the batch: bit for bit on the CPU; on CUDA up to the rounding of the GEMM
   // algorithm cuBLAS picks for the batch's row count. Each Schedule is computed once. Throws
   // tqkv::Error for a step not scheduled (or computed already), a token count other than the
-  // step's, a token outside the vocabulary or a row outside the step.
+  // step's, a token outside the vocabulary, a token other than its sequence's known token at that
+  // position (rows past the known tokens, drafts, may carry any) or a row outside the step.
   virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                        float* logits, int32_t* argmax) = 0;
 
@@ -110,6 +112,7 @@ class Engine {
   int32_t width_multiple_ = 1;
   StepBatch batch_;
   bool step_pending_ = false;       // batch_ was scheduled and not yet computed
+  std::vector<SeqId> step_seqs_;    // its rows' sequences
   std::vector<int32_t> positions_;  // the step's rows
 };
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "runtime/error.h"
 
@@ -136,6 +137,9 @@ LlamaModel LlamaModel::FromGguf(const GgufFile& f) {
     throw Error(fmt::format("{}: token_embd.weight has dims [{}]; expected [{}, vocab]", kWhere,
                             fmt::join(emb.dims, ", "), c.hidden));
   }
+  if (emb.dims[1] < 1 || emb.dims[1] > (int64_t{1} << 24)) {
+    throw InvalidArgument(kWhere, "token_embd.weight dims[1] (vocab)", emb.dims[1], "1 to 2^24");
+  }
   c.vocab = static_cast<int>(emb.dims[1]);
   m.embedding_ = f.Dequantize(emb);
   if (f.HasTensor("output.weight")) m.output_ = Load(f, "output.weight", {c.hidden, c.vocab});
@@ -170,6 +174,23 @@ LlamaModel LlamaModel::RandomInit(const LlamaConfig& config, uint64_t seed) {
         "heads dividing heads",
         c.num_layers, c.hidden, c.ffn, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab,
         c.context));
+  }
+  // FromGguf's bounds: its sizes at most 2^24, a finite positive epsilon and RoPE base.
+  const std::pair<const char*, int> sizes[] = {{"config.num_layers", c.num_layers},
+                                               {"config.hidden", c.hidden},
+                                               {"config.ffn", c.ffn},
+                                               {"config.num_heads", c.num_heads},
+                                               {"config.vocab", c.vocab},
+                                               {"config.context", c.context}};
+  for (const auto& [name, v] : sizes) {
+    if (v > (1 << 24)) throw InvalidArgument("LlamaModel::RandomInit", name, v, "1 to 2^24");
+  }
+  if (!(std::isfinite(c.rms_eps) && c.rms_eps > 0.0f)) {
+    throw InvalidArgument("LlamaModel::RandomInit", "config.rms_eps", c.rms_eps, "finite and > 0");
+  }
+  if (!(std::isfinite(c.rope_base) && c.rope_base > 0.0f)) {
+    throw InvalidArgument("LlamaModel::RandomInit", "config.rope_base", c.rope_base,
+                          "finite and > 0");
   }
   LlamaModel m;
   m.c_ = c;

@@ -209,6 +209,21 @@ TEST(LlamaTest, RandomInit) {
   bad = c;
   bad.context = 0;
   EXPECT_THROW(LlamaModel::RandomInit(bad, 1), Error);
+  // FromGguf's bounds: a NaN or non-positive epsilon or RoPE base made every logit NaN.
+  for (float v : {std::nanf(""), 0.0f, -1.0f}) {
+    bad = c;
+    bad.rms_eps = v;
+    EXPECT_THAT([&] { LlamaModel::RandomInit(bad, 1); },
+                ::testing::ThrowsMessage<Error>(::testing::HasSubstr("config.rms_eps")));
+    bad = c;
+    bad.rope_base = v;
+    EXPECT_THAT([&] { LlamaModel::RandomInit(bad, 1); },
+                ::testing::ThrowsMessage<Error>(::testing::HasSubstr("config.rope_base")));
+  }
+  bad = c;
+  bad.vocab = (1 << 24) + 1;
+  EXPECT_THAT([&] { LlamaModel::RandomInit(bad, 1); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("config.vocab = 16777217")));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/manager.h"
 #include "model/engine.h"
 #include "model/llama.h"
 #include "runtime/error.h"
@@ -218,6 +219,55 @@ TEST(ServerTest, RefusesBadOptionsAndRequestsBeforeAnythingChanges) {
   EXPECT_EQ(server.Submit(r), 0);
   EXPECT_THAT(error([&] { (void)server.completion(1); }),
               ::testing::HasSubstr("id = 1; allowed: 0 to 0"));
+}
+
+// The engine's step API (what a server drives) refuses misuse before anything changes: a second
+// Schedule of an uncomputed step replaced its batch, leaving positions the manager counts as
+// stored unwritten and then published to the prefix cache; a row computed from another token than
+// its sequence's put that token's K/V under the known tokens' block hashes.
+TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
+  const LlamaModel model = RepeatingModel();
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});
+  KVCacheManager& m = engine.manager();
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 10 + i;
+  const SeqId seq = m.AddSequence(prompt);
+  auto schedule = [&](int32_t n) {
+    const StepRequest r{seq, n, 0};
+    return engine.Schedule(std::span<const StepRequest>(&r, 1));
+  };
+  const std::string fresh = m.DebugString();
+  EXPECT_THAT([&] { schedule(0); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "requests = 1 requests of 0 new tokens; allowed: at least one new token")));
+  EXPECT_EQ(m.DebugString(), fresh);
+  ASSERT_TRUE(schedule(32).admitted);
+  const std::string scheduled = m.DebugString();
+  EXPECT_THAT([&] { schedule(8); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                                        "the scheduled step is not computed yet")));
+  EXPECT_EQ(m.DebugString(), scheduled);
+  // Rows 0-31 are positions 0-31, whose tokens the sequence knows.
+  std::vector<int32_t> tokens(prompt.begin(), prompt.begin() + 32);
+  std::vector<int32_t> wrong = tokens;
+  wrong[17] = 999;
+  const std::vector<int32_t> rows = {31};
+  std::vector<int32_t> next(1);
+  EXPECT_THAT([&] { engine.Compute(wrong, rows, nullptr, next.data()); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "tokens[17] = 999; allowed: 27, sequence 0's token at position 17")));
+  const std::vector<int32_t> too_many_rows(33, 0);
+  EXPECT_THAT([&] { engine.Compute(tokens, too_many_rows, nullptr, nullptr); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("logit_rows.size() = 33; allowed: at most the step's 32")));
+  engine.Compute(tokens, rows, nullptr, next.data());  // the step is still there to compute
+  m.Commit(seq, {});
+  // The rest of the prompt, then a draft past the known tokens: any token.
+  ASSERT_TRUE(schedule(9).admitted);
+  tokens.assign(prompt.begin() + 32, prompt.end());
+  tokens.push_back(5);
+  const std::vector<int32_t> last = {8};
+  engine.Compute(tokens, last, nullptr, next.data());
+  EXPECT_EQ(m.FindInvariantViolation(), "");
 }
 
 }  // namespace
