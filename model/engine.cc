@@ -125,15 +125,34 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
     options.block_table_width = static_cast<int32_t>(std::min<int64_t>(width, INT32_MAX));
   }
   step_seqs_.reserve(requests.size());  // before the manager changes anything
+  step_new_tokens_.reserve(requests.size());
   const ScheduleResult r = m.Schedule(requests, batch_, options);
   if (r.admitted) {
     step_seqs_.clear();
-    for (const StepRequest& req : requests) step_seqs_.push_back(req.seq);
+    step_new_tokens_.clear();
+    for (const StepRequest& req : requests) {
+      step_seqs_.push_back(req.seq);
+      step_new_tokens_.push_back(req.num_new_tokens);
+    }
     step_pending_ = true;
     if (compressed_) compressed_->ApplyCopies(batch_.copies(), copy_stream_);
     if (bf16_) bf16_->ApplyCopies(batch_.copies(), copy_stream_);
   }
   return r;
+}
+
+void Engine::AbandonStep() {
+  if (!manager_ || step_seqs_.empty()) {
+    throw Error("Engine::AbandonStep: no scheduled step to abandon");
+  }
+  for (size_t i = 0; i < step_seqs_.size(); ++i) {
+    if (!manager_->IsLive(step_seqs_[i])) continue;
+    const int64_t scheduled = manager_->GetSequenceInfo(step_seqs_[i]).num_scheduled;
+    manager_->Rewind(step_seqs_[i], std::min<int64_t>(step_new_tokens_[i], scheduled));
+  }
+  step_seqs_.clear();
+  step_new_tokens_.clear();
+  step_pending_ = false;
 }
 
 void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,

@@ -63,6 +63,11 @@ class Engine {
   // step is not computed yet, and for a step of no new tokens.
   ScheduleResult Schedule(std::span<const StepRequest> requests);
   const StepBatch& batch() const { return batch_; }
+  // Undoes the last admitted Schedule, computed or not, before any Commit of its sequences (for a
+  // Compute that threw): each of its sequences still live is rewound by the positions the step
+  // scheduled (KVCacheManager::Rewind, which releases their blocks), and no step is pending.
+  // Throws tqkv::Error when there is no such step.
+  void AbandonStep();
   // Runs the scheduled step: tokens[t] is the token at row t of the batch (its slot_mapping
   // order; positions follow from seq_lens and query_start_loc), every layer's K/V are stored and
   // attended through the cache. For the rows in `logit_rows`: their logits into `logits`
@@ -112,7 +117,8 @@ class Engine {
   int32_t width_multiple_ = 1;
   StepBatch batch_;
   bool step_pending_ = false;       // batch_ was scheduled and not yet computed
-  std::vector<SeqId> step_seqs_;    // its rows' sequences
+  std::vector<SeqId> step_seqs_;    // its rows' sequences (until AbandonStep)
+  std::vector<int32_t> step_new_tokens_;  // and the positions it scheduled on each
   std::vector<int32_t> positions_;  // the step's rows
 };
 

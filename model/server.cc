@@ -259,6 +259,19 @@ bool Server::Step() {
     }
     if (running_.empty()) return true;
   }
+  // Until the step is computed, a throw (an allocation, a device error) undoes it: its positions
+  // would otherwise stay scheduled with their K/V never written, and the step pending.
+  struct AbandonOnThrow {
+    Engine& engine;
+    bool armed = true;
+    ~AbandonOnThrow() {
+      if (!armed) return;
+      try {
+        engine.AbandonStep();
+      } catch (...) {  // the exception in flight is the one to report
+      }
+    }
+  } abandon{engine_};
   const StepBatch& batch = engine_.batch();
   const int num_req = static_cast<int>(requests.size());
   stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, num_req);
@@ -294,6 +307,7 @@ bool Server::Step() {
   std::vector<int32_t> argmax(logit_rows.size());
   t0 = Clock::now();
   engine_.Compute(tokens, logit_rows, need_logits ? logits.data() : nullptr, argmax.data());
+  abandon.armed = false;
   const auto t1 = Clock::now();
   stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
   stats_.computed_tokens += static_cast<int64_t>(tokens.size());

@@ -270,5 +270,43 @@ TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
   EXPECT_EQ(m.FindInvariantViolation(), "");
 }
 
+// AbandonStep undoes an admitted step (what Server::Step does when its Compute throws): the
+// sequence is as before it, and scheduling it again computes what a fresh engine computes.
+TEST(ServerTest, EngineAbandonStepUndoesTheStep) {
+  const LlamaModel model = RepeatingModel();
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 10 + i;
+  const std::vector<int32_t> tokens(prompt.begin(), prompt.begin() + 32), rows = {31};
+  auto first_step = [&](CpuEngine& engine, SeqId seq) {
+    const StepRequest r{seq, 32, 0};
+    EXPECT_TRUE(engine.Schedule(std::span<const StepRequest>(&r, 1)).admitted);
+    std::vector<int32_t> next(1);
+    engine.Compute(tokens, rows, nullptr, next.data());
+    return next[0];
+  };
+  CpuEngine fresh(model, {"turboquant_4bit_nc", 0, 16, 9});
+  const int32_t expected = first_step(fresh, fresh.manager().AddSequence(prompt));
+
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});
+  KVCacheManager& m = engine.manager();
+  EXPECT_THAT(
+      [&] { engine.AbandonStep(); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step to abandon")));
+  const SeqId seq = m.AddSequence(prompt);
+  const StepRequest r{seq, 32, 0};
+  ASSERT_TRUE(engine.Schedule(std::span<const StepRequest>(&r, 1)).admitted);
+  EXPECT_EQ(m.Stats().blocks_in_use, 2);
+  std::vector<int32_t> wrong = tokens;
+  wrong[0] = 999;
+  EXPECT_THROW(engine.Compute(wrong, rows, nullptr, nullptr), Error);  // (still pending)
+  engine.AbandonStep();
+  EXPECT_EQ(m.GetSequenceInfo(seq).num_scheduled, 0);
+  EXPECT_EQ(m.Stats().blocks_in_use, 0);
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+  EXPECT_THAT([&] { engine.Compute(tokens, rows, nullptr, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step")));
+  EXPECT_EQ(first_step(engine, seq), expected);
+}
+
 }  // namespace
 }  // namespace tqkv::model
