@@ -247,9 +247,10 @@ void ExactAttention(const float* q, const float* keys, const float* values, int 
 void Engine::Prepare(int32_t blocks_needed, const char* where, int n) {
   const LlamaConfig& c = model_.config();
   if (!manager_) {  // the manager and caches, sized by the first call unless the policy says
-    if (num_blocks_ == 0) num_blocks_ = std::max(blocks_needed, 2);
+    // Set once all is built: a pool that failed to allocate must not stay this engine's size.
+    const int32_t num_blocks = num_blocks_ == 0 ? std::max(blocks_needed, 2) : num_blocks_;
     KVCacheManagerOptions o;
-    o.num_blocks = num_blocks_;
+    o.num_blocks = num_blocks;
     o.block_size = policy_.block_size;
     FormatTag tag = MakeFormatTag(quantizer_ ? compressed_format_ : bf16_format_,
                                   quantizer_ ? quantizer_->rotation().id : 0);
@@ -259,9 +260,17 @@ void Engine::Prepare(int32_t blocks_needed, const char* where, int n) {
     o.format = tag;
     const int num_bf16 = static_cast<int>(std::count(bf16_layer_.begin(), bf16_layer_.end(), true));
     const int num_compressed = c.num_layers - num_bf16;
-    if (num_compressed > 0) compressed_.emplace(compressed_format_, num_compressed, num_blocks_, device_);
-    if (num_bf16 > 0) bf16_.emplace(bf16_format_, num_bf16, num_blocks_, device_);
-    manager_.emplace(o);
+    try {
+      if (num_compressed > 0)
+        compressed_.emplace(compressed_format_, num_compressed, num_blocks, device_);
+      if (num_bf16 > 0) bf16_.emplace(bf16_format_, num_bf16, num_blocks, device_);
+      manager_.emplace(o);
+    } catch (...) {
+      compressed_.reset();
+      bf16_.reset();
+      throw;
+    }
+    num_blocks_ = num_blocks;
   }
   if (blocks_needed > num_blocks_) {
     throw InvalidArgument(

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/address_space_limit.h"
 #include "kvcache/manager.h"
 #include "model/engine.h"
 #include "model/llama.h"
@@ -306,6 +307,22 @@ TEST(ServerTest, EngineAbandonStepUndoesTheStep) {
   EXPECT_THAT([&] { engine.Compute(tokens, rows, nullptr, nullptr); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("no scheduled step")));
   EXPECT_EQ(first_step(engine, seq), expected);
+}
+
+// A Forward whose cache cannot be allocated leaves the engine unsized: it kept the size, and every
+// later call failed on the same allocation.
+TEST(ServerTest, EngineWhosePoolCannotBeAllocatedStaysUnsized) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit allows";
+#endif
+  const LlamaModel model = RepeatingModel();
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 0});  // sized by the first Forward
+  const std::vector<int32_t> huge(size_t{1} << 22, 5);        // a 2.3 GB cache
+  {
+    const tqkv::testing::AddressSpaceLimit limit(int64_t{64} << 20);
+    EXPECT_THROW(engine.Forward(huge, 4096), std::bad_alloc);
+    EXPECT_EQ(engine.Forward(std::vector<int32_t>{1, 2, 3}, 3).size(), 3u * 1000);
+  }
 }
 
 }  // namespace
