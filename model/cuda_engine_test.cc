@@ -191,8 +191,6 @@ TEST(CudaEngineTest, DecodeGraphsMatchLaunches) {
   EXPECT_LT(std::sqrt(err / norm), 1e-5);
 }
 
-// The serving loop on the CUDA engine: several requests with a pool small enough to preempt,
-// every request finishing with its tokens in the vocabulary.
 // A block-table width multiple past the attention kernels' longest context is refused when the
 // engine is built (every Compute refused it, after the step was scheduled).
 TEST(CudaEngineTest, RefusesAWidthMultiplePastTheKernels) {
@@ -205,6 +203,8 @@ TEST(CudaEngineTest, RefusesAWidthMultiplePastTheKernels) {
   EXPECT_NO_THROW(CudaEngine(model, policy, {.width_multiple = 1 << 25}));
 }
 
+// The serving loop on the CUDA engine: several requests with a pool small enough to preempt,
+// every request finishing with its tokens in the vocabulary.
 TEST(CudaEngineTest, ServesWithPreemption) {
   TQKV_SKIP_WITHOUT_GPU();
   const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 9);

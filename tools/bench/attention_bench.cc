@@ -373,7 +373,8 @@ int Main(int argc, char** argv) {
   for (int q : {4, 8}) {
     for (int g : {4, 8, 16}) {
       const int group = heads.q / heads.kv;
-      if (g / group >= q || g % group != 0) continue;  // the default's single pass
+      // (the default's single pass, or passes of no whole number of new tokens)
+      if (g / group >= q || g % group != 0) continue;
       Shape v = Uniform(fmt::format("verify 64x4k q{} rows{}", q, g / group), 64, 4096, q);
       v.verify_max_group = g;
       shapes.push_back(v);
