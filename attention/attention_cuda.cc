@@ -200,8 +200,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   constexpr const char* kWhere = "CudaAttention::Plan";
   const State& s = *state_;
   const int hk = num_kv_heads(), d = head_dim();
-  if (num_seqs < 1 || num_seqs > 65535) {
-    throw InvalidArgument(kWhere, "num_seqs", num_seqs, "1 to 65535");
+  if (num_seqs < 1 || num_seqs > kMaxSeqs) {
+    throw InvalidArgument(kWhere, "num_seqs", num_seqs, fmt::format("1 to {}", kMaxSeqs));
   }
   if (num_tokens < 1) throw InvalidArgument(kWhere, "num_tokens", num_tokens, ">= 1");
   if (num_q_heads < 1 || num_q_heads % hk != 0) {

@@ -165,6 +165,8 @@ class CudaAttention {
   // The longest context a plan takes (max_blocks_per_seq · block_size), and the longest split:
   // 2^29 tokens, so that a split's end, its first position plus its length, stays within int32.
   static constexpr int64_t kMaxContextTokens = int64_t{1} << 29;
+  // The most sequences one call may have (a grid dimension).
+  static constexpr int kMaxSeqs = 65535;
 
   // Host only. max_q_len bounds every sequence's query length (query_start_loc[b + 1] −
   // query_start_loc[b]); Run reads no more rows per sequence than that. Throws tqkv::Error for

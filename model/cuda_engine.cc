@@ -3,19 +3,20 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
-#include <utility>
 #include <optional>
+#include <utility>
 #include <vector>
 
+#include "attention/attention_cuda.h"
 #include "runtime/error.h"
 
 #if TQKV_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "attention/attention_cuda.h"
 #include "model/llama_kernels.h"
 #include "quant/numerics.h"
 #include "quant/store_cuda.h"
@@ -380,5 +381,11 @@ void CudaEngine::Compute(std::span<const int32_t>, std::span<const int32_t>, flo
 }
 
 #endif
+
+int CudaEngine::MaxStepSequences() const { return CudaAttention::kMaxSeqs; }
+
+int CudaEngine::MaxStepTokens() const {
+  return std::numeric_limits<int32_t>::max() / model_.config().num_heads;
+}
 
 }  // namespace tqkv::model

@@ -43,6 +43,10 @@ class CudaEngine : public Engine {
   void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                float* logits, int32_t* argmax) override;
 
+  // CudaAttention's limits: sequences per call, rows · query heads within int32.
+  int MaxStepSequences() const override;
+  int MaxStepTokens() const override;
+
   // Device memory the weights take (bytes).
   int64_t weight_bytes() const;
   // Decode-step graphs captured so far.

@@ -201,6 +201,10 @@ TEST(CudaEngineTest, RefusesAWidthMultiplePastTheKernels) {
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
                   "options.width_multiple = 33554433; allowed: 1 to 33554432")));
   EXPECT_NO_THROW(CudaEngine(model, policy, {.width_multiple = 1 << 25}));
+  // Its step limits, which a Server checks its options against.
+  const CudaEngine engine(model, policy);
+  EXPECT_EQ(engine.MaxStepSequences(), 65535);
+  EXPECT_EQ(engine.MaxStepTokens(), 2147483647 / 6);
 }
 
 // The serving loop on the CUDA engine: several requests with a pool small enough to preempt,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -80,6 +81,11 @@ class Engine {
   // position (rows past the known tokens, drafts, may carry any) or a row outside the step.
   virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                        float* logits, int32_t* argmax) = 0;
+
+  // The most sequences and rows one step may have here (CudaEngine: its attention kernels'); a
+  // Server refuses options past them.
+  virtual int MaxStepSequences() const { return std::numeric_limits<int32_t>::max(); }
+  virtual int MaxStepTokens() const { return std::numeric_limits<int32_t>::max(); }
 
   // Whether layer l's cache is uncompressed bf16.
   bool IsBf16Layer(int layer) const { return bf16_layer_.at(static_cast<size_t>(layer)); }

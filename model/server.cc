@@ -70,6 +70,18 @@ Server::Server(Engine& engine, ServerOptions options) : engine_(engine), options
                                       "sequence)",
                                       options_.max_running));
   }
+  // What the engine's kernels cannot run in one step is refused here, not at the step that
+  // first reaches it.
+  if (options_.max_running > engine.MaxStepSequences()) {
+    throw InvalidArgument(
+        "Server", "options.max_running", options_.max_running,
+        fmt::format("1 to {} (the engine's most sequences per step)", engine.MaxStepSequences()));
+  }
+  if (options_.step_tokens > engine.MaxStepTokens()) {
+    throw InvalidArgument(
+        "Server", "options.step_tokens", options_.step_tokens,
+        fmt::format("at most {} (the engine's most rows per step)", engine.MaxStepTokens()));
+  }
   if (options_.spec_tokens < 0 || options_.spec_tokens > 64) {
     throw InvalidArgument("Server", "options.spec_tokens", options_.spec_tokens, "0 to 64");
   }

@@ -309,6 +309,31 @@ TEST(ServerTest, EngineAbandonStepUndoesTheStep) {
   EXPECT_EQ(first_step(engine, seq), expected);
 }
 
+// Options past what the engine can run in one step (CudaEngine: 65,535 sequences, rows · query
+// heads within int32) are refused when the server is built, not at the step that reaches them.
+TEST(ServerTest, RefusesOptionsPastTheEnginesStep) {
+  struct SmallStepEngine : CpuEngine {
+    using CpuEngine::CpuEngine;
+    int MaxStepSequences() const override { return 4; }
+    int MaxStepTokens() const override { return 32; }
+  };
+  const LlamaModel model = RepeatingModel();
+  SmallStepEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});
+  EXPECT_THAT(
+      [&] {
+        Server(engine, ServerOptions{5, 32});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+          "options.max_running = 5; allowed: 1 to 4 (the engine's most sequences")));
+  EXPECT_THAT(
+      [&] {
+        Server(engine, ServerOptions{4, 33});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+          "options.step_tokens = 33; allowed: at most 32 (the engine's most rows")));
+  EXPECT_NO_THROW(Server(engine, ServerOptions{4, 32}));
+}
+
 // A Forward whose cache cannot be allocated leaves the engine unsized: it kept the size, and every
 // later call failed on the same allocation.
 TEST(ServerTest, EngineWhosePoolCannotBeAllocatedStaysUnsized) {
