@@ -151,19 +151,26 @@ int Server::Submit(Request request) {
   live.rng.seed(request.sampling.seed);
   Completion c;
   c.submit_step = stats_.steps;
+  // All or nothing: every allocation first, so that ids stay the requests' indices.
+  requests_.reserve(requests_.size() + 1);
+  completions_.reserve(completions_.size() + 1);
+  submit_time_.reserve(submit_time_.size() + 1);
+  waiting_.push_back(std::move(live));
   requests_.push_back(std::move(request));
   completions_.push_back(std::move(c));
   submit_time_.push_back(Seconds(Clock::now()));
-  waiting_.push_back(std::move(live));
   return id;
 }
 
 void Server::Admit() {
   KVCacheManager& m = engine_.manager();
   while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running) {
+    // The request leaves the queue only once its sequence exists: a failed allocation lost it.
+    running_.reserve(running_.size() + 1);
+    const SeqId seq = m.AddSequence(waiting_.front().tokens);
     Live r = std::move(waiting_.front());
     waiting_.pop_front();
-    r.seq = m.AddSequence(r.tokens);
+    r.seq = seq;
     r.fresh = true;
     running_.push_back(std::move(r));
   }
