@@ -141,6 +141,14 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
   return r;
 }
 
+bool Engine::IsBf16Layer(int layer) const {
+  if (layer < 0 || static_cast<size_t>(layer) >= bf16_layer_.size()) {
+    throw InvalidArgument("Engine::IsBf16Layer", "layer", layer,
+                          fmt::format("0 to {}", static_cast<int>(bf16_layer_.size()) - 1));
+  }
+  return bf16_layer_[static_cast<size_t>(layer)];
+}
+
 void Engine::AbandonStep() {
   if (!manager_ || step_seqs_.empty()) {
     throw Error("Engine::AbandonStep: no scheduled step to abandon");

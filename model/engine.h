@@ -88,7 +88,8 @@ class Engine {
   virtual int MaxStepTokens() const { return std::numeric_limits<int32_t>::max(); }
 
   // Whether layer l's cache is uncompressed bf16.
-  bool IsBf16Layer(int layer) const { return bf16_layer_.at(static_cast<size_t>(layer)); }
+  // Throws tqkv::Error for a layer outside the model.
+  bool IsBf16Layer(int layer) const;
   // KV bytes per token over all layers (the cache formats' slot bytes · KV heads).
   int64_t kv_bytes_per_token() const;
   // Tokens served from the prefix cache so far.

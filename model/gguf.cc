@@ -513,6 +513,10 @@ std::string GgufFile::GetString(std::string_view key) const {
 int64_t GgufFile::GetInt(std::string_view key) const {
   const GgufValue& v = Require(*this, key);
   if (!IsInteger(v.type)) WrongType(*this, key, "an integer");
+  if (v.type == GgufType::kU64 &&
+      v.u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    throw Error(fmt::format("GGUF file {}: metadata '{}' = {} is past int64", name(), key, v.u));
+  }
   return v.i;
 }
 

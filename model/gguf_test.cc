@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -33,13 +34,14 @@ struct Sample {
 Sample MakeSample(uint32_t alignment = 32) {
   Sample s;
   Writer w;
-  w.Put<uint32_t>(0x46554747).Put<uint32_t>(3).Put<uint64_t>(5).Put<uint64_t>(7);
+  w.Put<uint32_t>(0x46554747).Put<uint32_t>(3).Put<uint64_t>(5).Put<uint64_t>(8);
   w.Str("general.architecture").Put<uint32_t>(8).Str("llama");
   w.Str("general.alignment").Put<uint32_t>(4).Put<uint32_t>(alignment);
   w.Str("llama.block_count").Put<uint32_t>(4).Put<uint32_t>(30);
   w.Str("llama.rope.freq_base").Put<uint32_t>(6).Put<float>(100000.0f);
   w.Str("neg").Put<uint32_t>(11).Put<int64_t>(-5);
   w.Str("flag").Put<uint32_t>(7).Put<uint8_t>(1);
+  w.Str("huge").Put<uint32_t>(10).Put<uint64_t>(std::numeric_limits<uint64_t>::max());
   w.Str("tokenizer.ggml.tokens").Put<uint32_t>(9).Put<uint32_t>(8).Put<uint64_t>(3);
   w.Str("a").Str("bc").Str("\xc4\xa0the");
 
@@ -131,6 +133,11 @@ TEST(GgufTest, ReadsMetadataOfEveryKind) {
   ASSERT_NE(f.Find("flag"), nullptr);
   EXPECT_EQ(f.Find("flag")->type, GgufType::kBool);
   EXPECT_EQ(f.Find("flag")->i, 1);
+  // A U64 past int64 is kept in `u`; GetInt names it instead of returning -1.
+  EXPECT_EQ(f.Find("huge")->u, std::numeric_limits<uint64_t>::max());
+  EXPECT_THAT([&] { f.GetInt("huge"); },
+              ::testing::ThrowsMessage<Error>(
+                  HasSubstr("metadata 'huge' = 18446744073709551615 is past int64")));
   EXPECT_EQ(f.GetStrings("tokenizer.ggml.tokens"),
             (std::vector<std::string>{"a", "bc", "\xc4\xa0the"}));
   EXPECT_EQ(f.Find("missing"), nullptr);

@@ -230,6 +230,9 @@ TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
   const LlamaModel model = RepeatingModel();
   CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});
   KVCacheManager& m = engine.manager();
+  EXPECT_FALSE(engine.IsBf16Layer(3));
+  EXPECT_THAT([&] { (void)engine.IsBf16Layer(4); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("layer = 4; allowed: 0 to 3")));
   std::vector<int32_t> prompt(40);
   for (int i = 0; i < 40; ++i) prompt[i] = 10 + i;
   const SeqId seq = m.AddSequence(prompt);
