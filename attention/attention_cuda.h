@@ -14,8 +14,9 @@
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc and
 // k3v4_nc at head_dim 128 in half precision), each column over the context up to its own token
-// (one split grid per pass, causal masks in its last chunks; those two at head_dim 128, passes
-// of more than 4 columns: in half precision, AttentionOptions::verify_precision). Chunks of 16
+// (one split grid per pass, causal masks in its last chunks; those two at head_dim 128 and
+// 4bit_nc at head_dim 64, passes of more than 4 columns: in half precision,
+// AttentionOptions::verify_precision). Chunks of 16
 // rows — new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill
 // kernel in half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per
 // product; from 16 rows on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the

@@ -997,13 +997,14 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 }
 
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
-// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 run the
-// decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
-// roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds.
-// Every preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16,
-// 8 and 4 (passes of up to 32 columns where the half kernels run, 16 elsewhere), bf16 I/O.
-// Passes of 9-32 columns run on the kernel whose warps share the output (DecodeOptions::
-// shared_o, the default), and also on the kernels it replaced, to the same bounds.
+// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128, and
+// 4bit_nc's at head_dim 64, run the decode kernels' half-precision variant, held to the prefill
+// kernel's fp16 bounds (the same roundings: query, centroids and P' once to fp16); every other
+// case keeps the decode bounds. Every preset, head_dim 64/128/256, GQA groups 1-16, every block
+// size, verify_max_group 32, 16, 8 and 4 (passes of up to 32 columns where the half kernels run at
+// head_dim 128, 16 elsewhere), bf16 I/O. Passes of 9-32 columns at head_dim 128 run on the kernel
+// whose warps share the output (DecodeOptions::shared_o, the default), and also on the kernels it
+// replaced, to the same bounds; at head_dim 64 the 8-warp and 4-warp (narrow) kernels.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
@@ -1015,14 +1016,16 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     const int hk = 2;
     const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
     const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, seed);
-    const bool half_kernels = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
-                                           std::string_view(preset) == "turboquant_k3v4_nc");
+    const bool wide_half = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
+                                        std::string_view(preset) == "turboquant_k3v4_nc");
+    const bool half_kernels =
+        wide_half || (d == 64 && std::string_view(preset) == "turboquant_4bit_nc");
     for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.verify_max_group = max_group;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      const int max_columns = std::min(max_group, half_kernels ? 32 : 16);
+      const int max_columns = std::min(max_group, wide_half ? 32 : 16);
       const int columns = group * std::min(8, std::max(1, max_columns / group));
       const std::string what =
           fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset, d,
@@ -1031,7 +1034,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       EXPECT_EQ(e.verify_columns, columns) << what;
       wide_passes += columns > 16;
       EXPECT_EQ(e.half_verify, half) << what;
-      EXPECT_EQ(e.shared_verify, half && columns > 8) << what;
+      EXPECT_EQ(e.shared_verify, half && wide_half && columns > 8) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const double io_out = io == DType::kBF16 ? 0.0039 : 0.0;
       if (half) {
@@ -1091,6 +1094,12 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         ++k;
       }
     }
+  }
+  // ... and 4bit_nc's at head_dim 64 (SmolLM2's: GQA 3, 15 columns with 4 drafts).
+  for (int group : {3, 5, 16}) {
+    check("turboquant_4bit_nc", 64, group, 16 << (k % 4), k % 2 ? DType::kBF16 : DType::kF32,
+          1050 + k);
+    ++k;
   }
   EXPECT_GE(wide_passes, 16);
   EXPECT_GE(shared_passes, 16);

@@ -515,15 +515,17 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
       SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half, plan.shared_o);
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
-                          "false for this cache and group (the narrow split kernel serves "
-                          "3-bit and 4-bit keys at D = 128, GQA groups up to 4, 4-bit keys only "
-                          "with an even number of KV heads)");
+                          "false for this cache and group (the narrow split kernels serve "
+                          "3-bit and 4-bit keys with 4-bit values at D = 128 and 4-bit keys at "
+                          "D = 64: GQA groups up to 4, 4-bit keys there only with an even "
+                          "number of KV heads, and groups above 8 on the staged kernels)");
   }
   if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
-    throw InvalidArgument(kWhere, "plan.one_cta", "true",
-                          "false for this cache, group and variant (only 4-bit keys' 8-warp "
-                          "staged kernel, D = 128 and GQA groups up to 4, has a one-CTA-per-SM "
-                          "twin)");
+    throw InvalidArgument(
+        kWhere, "plan.one_cta", "true",
+        "false for this cache, group and variant (only 4-bit keys' 8-warp "
+        "staged kernel, D = 64 or 128 and GQA groups up to 4, has a one-CTA-per-SM "
+        "twin)");
   }
   if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",

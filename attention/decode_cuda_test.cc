@@ -244,6 +244,65 @@ TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
   }
 }
 
+// Groups 9-16 at head_dim 64 (SmolLM2's GQA 3 with 4 drafts: 15 columns): 3-bit and FP8 keys on
+// the register kernel of two N tiles (three CTAs per SM for 3-bit keys, kSplitMinCtas), 4-bit keys
+// on staged kernels, exact or half precision, as 8-warp CTAs or the 4-warp narrow ones; an odd
+// number of KV heads, contexts across several splits.
+TEST(CudaDecodeTest, HeadDim64WideGroupsMatchTheReference) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> lens = {1, 15, 17, 0, 700, 2100, 4097};
+  for (const char* preset : kPresetNames) {
+    for (int group : {9, 15}) {
+      const std::vector<Errors> errors =
+          CheckCompressedSplits(preset, 64, 3, group, 16, lens, false, {0, 256, 1024});
+      for (const Errors& e : errors) {
+        std::printf("%-20s D= 64 hk=3 group=%2d: out err %.2e, lse err %.2e, bad %lld\n", preset,
+                    group, e.out, e.lse, static_cast<long long>(e.bad));
+        EXPECT_EQ(e.bad, 0) << preset << " group=" << group;
+        EXPECT_LE(e.out, kOutTol) << preset << " group=" << group;
+        EXPECT_LE(e.lse, LseTol(preset)) << preset << " group=" << group;
+      }
+    }
+  }
+  int k = 0;
+  for (int group : {9, 16}) {
+    const int hk = 3, d = 64, bs = 32 << (k % 2);
+    const bool large_values = k++ % 2 == 1;
+    const uint64_t seed = 1400 + k;
+    const Quantizer q =
+        Quantizer::Create("turboquant_4bit_nc", d, hk, bs, RotationKind::kHadamard, seed);
+    Scenario s = Build(q, lens, hk * group, seed);
+    if (large_values) UseLargeValueScales(q, s, seed + 1);
+    std::vector<float> ref_out, ref_lse;
+    testing::ReferenceDecode(q, s, ref_out, ref_lse);
+    const DeviceScenario dev = Upload(s, s.cache);
+    const CudaDecoder decoder(q);
+    for (bool half : {false, true}) {
+      for (auto narrow : {DecodeOptions::Narrow::kNever, DecodeOptions::Narrow::kAlways}) {
+        for (int tps : {0, 256}) {
+          DecodeOptions options{.tokens_per_split = tps, .narrow = narrow, .half = half};
+          const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
+                                               s.max_blocks, options);
+          const bool is_narrow = narrow == DecodeOptions::Narrow::kAlways;
+          const std::string what =
+              fmt::format("4bit_nc D 64 group {} bs {} large values {} half {} narrow {} tps {}",
+                          group, bs, large_values, half, is_narrow, tps);
+          EXPECT_TRUE(plan.variant.staged()) << what;
+          EXPECT_EQ(plan.variant.half, half) << what;
+          EXPECT_EQ(plan.narrow, is_narrow) << what;
+          EXPECT_EQ(plan.variant.cta_warps(), is_narrow ? 4 : 8) << what;
+          const Errors e = RunPlanAndCompare(decoder, plan, dev, s.num_blocks, ref_out, ref_lse, d);
+          std::printf("%s: out %.2e lse %.2e\n", what.c_str(), e.out, e.lse);
+          EXPECT_EQ(e.bad, 0) << what;
+          // The half-precision kernels to HalfPrecisionWideGroupsMatchTheReference's bounds.
+          EXPECT_LE(e.lse, half ? 2e-3 : kLseTol) << what;
+          EXPECT_LE(e.out, half ? 6e-3 : kOutTol) << what;
+        }
+      }
+    }
+  }
+}
+
 // The query's rotation: Hadamard kinds in the split kernel's prologue (FWHT, with the random
 // signs of hadamard_signs), a dense Πᵀ (haar) by the query prep kernel before it.
 TEST(CudaDecodeTest, EveryRotationKind) {
@@ -725,16 +784,18 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
 // 4bit_nc's narrow layout: paired 8-warp CTAs (KV heads 2y, 2y + 1, 4 warps each) with exact
 // scores, which the plan takes for short contexts where the 8-warp grid needs two rounds of CTA
 // pairs (here 384-512 KV-head units of up to 1,024 tokens: 64 sequences, 128 at 4 KV heads), by
-// its own split length and by forced ones, at two block sizes and GQA groups 4, 2, 3 and 1. With
-// an odd number of KV heads there is no narrow variant (the 8-warp kernel).
+// its own split length and by forced ones, at two block sizes and GQA groups 4, 2, 3 and 1, at
+// head_dim 128 and 64. With an odd number of KV heads there is no narrow variant (the 8-warp
+// kernel).
 TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
   struct Case {
-    int hk, group;
+    int hk, group, d = 128;
   };
-  for (const Case c : {Case{8, 4}, Case{6, 2}, Case{4, 3}, Case{8, 1}, Case{3, 3}}) {
+  for (const Case c : {Case{8, 4}, Case{6, 2}, Case{4, 3}, Case{8, 1}, Case{3, 3}, Case{8, 4, 64},
+                       Case{4, 1, 64}, Case{3, 2, 64}}) {
     const bool narrow = c.hk % 2 == 0;
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(c.hk == 4 ? 128 : 64);
@@ -744,7 +805,7 @@ TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
       std::shuffle(lens.begin(), lens.end(), rng);
       const std::vector<int> splits = {0, 64, 320};
       const std::vector<Errors> errors =
-          CheckCompressedSplits("turboquant_4bit_nc", 128, c.hk, c.group, bs, lens, false, splits,
+          CheckCompressedSplits("turboquant_4bit_nc", c.d, c.hk, c.group, bs, lens, false, splits,
                                 RotationKind::kHadamard, narrow);
       for (size_t i = 0; i < splits.size(); ++i) {
         const Errors& e = errors[i];

@@ -320,18 +320,20 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
                 ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, true});
             const MaybeSplitVariant without =
                 ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, false});
-            const bool half_kernels = staged && bits == 4 && d == 128 &&
-                                      (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+            // (D = 64: 4-bit keys' staged kernels, groups 5-16 only, the exact ones staged too.)
+            const bool d64 = staged && bits == 4 && d == 64 && kind == KeyKind::kMse4;
+            const bool half_kernels = d64 || (staged && bits == 4 && d == 128 &&
+                                              (kind == KeyKind::kMse4 || kind == KeyKind::kMse3));
             const bool expected = half_kernels && group > 4;
             const std::string what = fmt::format("kind {} bits {} D {} group {} staged {}",
                                                  static_cast<int>(kind), bits, d, group, staged);
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true),
-                      half_kernels ? 32 : 16)
+                      half_kernels && !d64 ? 32 : 16)
                 << what;
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
             EXPECT_FALSE(without.ok && group > 16) << what;
             if (group > 16) {
-              ASSERT_EQ(with.ok, expected && group <= 32) << what;
+              ASSERT_EQ(with.ok, expected && !d64 && group <= 32) << what;
               if (!with.ok) continue;
               ++half_variants;
               EXPECT_TRUE(with.variant.half) << what;
@@ -358,7 +360,7 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
               EXPECT_FALSE(with.variant.packed) << what;
               EXPECT_EQ(with.variant.n_tiles, group <= 8 ? 1 : 2) << what;
               EXPECT_EQ(with.variant.cta_warps(), 8) << what;
-              EXPECT_FALSE(without.variant.staged()) << what;  // the exact register kernel
+              EXPECT_EQ(without.variant.staged(), d64) << what;  // the exact kernel
             } else {
               EXPECT_EQ(with.variant, without.variant) << what;
             }
@@ -371,7 +373,7 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
       }
     }
   }
-  EXPECT_EQ(half_variants, 2 * 28);  // 4-bit and 3-bit keys, groups 5-32
+  EXPECT_EQ(half_variants, 2 * 28 + 12);  // 4-bit and 3-bit keys, groups 5-32; D = 64: 5-16
 }
 
 // The shared-output kernel (DecodeOptions::shared_o) serves exactly the half-precision kernels'

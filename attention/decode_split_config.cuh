@@ -312,11 +312,26 @@ struct SplitKernelConfig {
 // (three, with the fragments in shared memory and 165 registers, measured 6 % slower). The
 // kernel of four N tiles (groups 17-32) reads its fragments from shared memory: two CTAs per SM
 // at 246-251 registers.
+// Head_dim 64 (4-bit keys staged there too): the register kernel of two N tiles fits three CTAs
+// per SM for codebook keys (162-166 registers; 3-bit keys' 5-token verify at 9:3:64, 64 × 4k,
+// H100: 0.72x the time at two CTAs), while FP8 keys measured 1.5-2 % slower at three (156) and
+// keep two; 4-bit keys' half-precision kernel of two N tiles takes 127 registers (two 8-warp CTAs)
+// or 140 (three 4-warp ones), their exact one 180 at one 8-warp CTA (two spilled 196 bytes) or
+// 168 at three 4-warp ones.
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
-  if (!V.staged()) return V.n_tiles != 1 || V.head_dim > 128 ? 1 : IsPlain(V.kind) ? 4 : 3;
+  if (!V.staged()) {
+    if (V.n_tiles == 2 && V.head_dim == 64 &&
+        (V.kind == KeyKind::kMse3 || V.kind == KeyKind::kMse4)) {
+      return 3;
+    }
+    return V.n_tiles != 1 || V.head_dim > 128 ? 1 : IsPlain(V.kind) ? 4 : 3;
+  }
   if (IsPlain(V.kind)) return 2;
   if (V.shared_o) return 2;
+  if (V.head_dim == 64 && !V.packed && V.n_tiles == 2) {
+    return V.cta_warps() == 4 ? 3 : V.half ? 2 : 1;
+  }
   if (V.one_cta || (V.half && V.n_tiles > 1 && V.cta_warps() == 8)) return 1;
   return V.half ? 2 : 16 / V.cta_warps();
 }();

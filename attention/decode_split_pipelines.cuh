@@ -222,7 +222,8 @@ struct SplitPipelines {
     using Layout = StagedLayout<kKind, kSW>;
     constexpr uint32_t kPitch = Layout::kPitch;
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
-    static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
+    constexpr uint32_t kValBytes = Traits::kValueBytes * 8;  // per token (8 lanes)
+    static_assert(kKeyBytes % 16 == 0 && kKeyBytes + kValBytes <= kPitch);
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
@@ -244,7 +245,7 @@ struct SplitPipelines {
         Pinned((warp_pos + copy_tok) * stride_token + copy_head + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
     // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
-    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
+    const bool copy_lane = 16u * copy_unit < kKeyBytes + kValBytes;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -263,7 +264,7 @@ struct SplitPipelines {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        if constexpr (kKeyBytes + 64 == 128) {
+        if constexpr (kKeyBytes + kValBytes == 128) {
           CopyAsync16Fill<kStreamCopies>(to, from, bytes);
         } else {
           CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
@@ -282,15 +283,21 @@ struct SplitPipelines {
     uint32_t read_k[kKeyReads];
 #pragma unroll
     for (int w = 0; w < kKeyReads; ++w) {
-      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
+      read_k[w] = Pinned(
+          at(2 * g, kKind == KeyKind::kMse4 ? uint32_t(Traits::kKeyBytes) * t : 12u * t + 4u * w));
     }
-    const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + 8u * g));
-    const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + 8u * g));
+    const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
+    const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
     const uint32_t read_meta = Pinned(meta_cells + 4u * g);
     auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
       if constexpr (kKind == KeyKind::kMse4) {
-        SharedLoad16(st + read_k[0], ck.kg);
-        SharedLoad16(st + read_k[0] + kPitch, ck.k8);
+        if constexpr (Traits::kKeyWords == 4) {
+          SharedLoad16(st + read_k[0], ck.kg);
+          SharedLoad16(st + read_k[0] + kPitch, ck.k8);
+        } else {
+          SharedLoad8(st + read_k[0], ck.kg);
+          SharedLoad8(st + read_k[0] + kPitch, ck.k8);
+        }
       } else {
 #pragma unroll
         for (int w = 0; w < kKeyReads; ++w) {
@@ -298,10 +305,17 @@ struct SplitPipelines {
           ck.k8[w] = SharedLoad4(st + read_k[w] + kPitch);
         }
       }
-      SharedLoad8(st + read_v0, ck.v[0]);
-      SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
-      SharedLoad8(st + read_v1, ck.v[1]);
-      SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      if constexpr (Traits::kValueWords == 2) {
+        SharedLoad8(st + read_v0, ck.v[0]);
+        SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
+        SharedLoad8(st + read_v1, ck.v[1]);
+        SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      } else {
+        ck.v[0][0] = SharedLoad4(st + read_v0);
+        ck.v[2][0] = SharedLoad4(st + read_v0 + kPitch);
+        ck.v[1][0] = SharedLoad4(st + read_v1);
+        ck.v[3][0] = SharedLoad4(st + read_v1 + kPitch);
+      }
       ck.norm = SharedLoad4(meta);
       ck.vscale = SharedLoad4(meta + 32);
       ck.vzero = SharedLoad4(meta + 64);

@@ -44,11 +44,11 @@ struct SplitVariant {
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
-  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 (GQA group > 4:
-  // speculative verify's passes, new tokens beside the GQA heads): the query, the centroids
-  // (their fp16 hi parts) and P' rounded once to fp16, one score MMA per k-step and N tile over
-  // 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a third of the MMAs of the
-  // hi + lo products; ~2^-11 relative per operand).
+  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and of 4-bit
+  // keys at D = 64 (GQA group > 4: speculative verify's passes, new tokens beside the GQA heads):
+  // the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one score MMA per
+  // k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a
+  // third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
   bool half = false;
   // The half-precision staged kernels of GQA groups 9-32 (verify passes of 9-32 columns) with
   // 8-warp CTAs of two groups of 4 warps, each group sharing one output: each warp scores its own
@@ -112,13 +112,14 @@ constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool 
                                bool half = false) {
   return ((packed || half) && head_dim == 128 && value_bits == 4 &&
           (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
+         (head_dim == 64 && value_bits == 4 && kind == KeyKind::kMse4) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
 
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
 // where the half-precision staged kernels exist and are asked for, else 16.
 constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half) {
-  return staged && half && !IsPlain(kind) &&
+  return staged && half && !IsPlain(kind) && head_dim == 128 &&
                  HasStagedKernel(kind, value_bits, head_dim, false, true)
              ? 32
              : 16;
@@ -126,7 +127,8 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 
 // The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
-// narrow, which only 3-bit and 4-bit keys with 4-bit values at D = 128 and groups <= 4 have.
+// narrow, which only 3-bit and 4-bit keys with 4-bit values at D = 128 and 4-bit keys at D = 64
+// have (groups <= 4 and, on the staged kernels, above 8).
 // Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
@@ -139,7 +141,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
-  if (c.shared_o && c.half && c.staged && group > 8 && !IsPlain(kind) &&
+  if (c.shared_o && c.half && c.staged && group > 8 && !IsPlain(kind) && head_dim == 128 &&
       HasStagedKernel(kind, value_bits, head_dim, false, true)) {
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;
@@ -160,6 +162,14 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     // prologue and merge run while the other streams.
     v.n_tiles = 2;
     v.half = true;
+    v.pipeline = SplitPipeline::kStagedNarrow;
+    return {true, v};
+  }
+  if (c.narrow && !c.half && c.staged && group > 8 && head_dim == 64 && kind == KeyKind::kMse4 &&
+      value_bits == 4) {
+    // 4-bit keys' exact kernel of two N tiles at D = 64 as 4-warp CTAs, three per SM (168
+    // registers; the 8-warp one holds one per SM).
+    v.n_tiles = 2;
     v.pipeline = SplitPipeline::kStagedNarrow;
     return {true, v};
   }
