@@ -38,6 +38,13 @@ void StoreBf16(const Bf16BlockFormat& f, const float* k, const float* v, const i
   }
 }
 
+// The position of a step's first new token: what the sequence has scheduled so far, or, before its
+// first step, its cached prefix (the manager's Schedule starts it there).
+int64_t StepStart(const KVCacheManager& m, SeqId seq) {
+  const int64_t scheduled = m.GetSequenceInfo(seq).num_scheduled;
+  return scheduled > 0 ? scheduled : m.Lookup(seq).num_tokens;
+}
+
 }  // namespace
 
 Engine::Engine(const LlamaModel& model, KvPolicy policy, CacheDevice device)
@@ -110,13 +117,27 @@ ScheduleResult Engine::Schedule(std::span<const StepRequest> requests) {
                           "at least one new token in the step");
   }
   KVCacheManager& m = manager();
+  // As Server::Submit: positions past the trained context are not served (RoPE past it is
+  // extrapolation the model never saw).
+  const int64_t context = model().config().context;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const StepRequest& r = requests[i];
+    if (r.num_new_tokens <= 0 || !m.IsLive(r.seq)) continue;  // the manager says what is wrong
+    const int64_t start = StepStart(m, r.seq);
+    if (start + r.num_new_tokens > context) {
+      throw InvalidArgument(kWhere, fmt::format("requests[{}].num_new_tokens", i), r.num_new_tokens,
+                            fmt::format("at most {}: the model's context_length = {} less the "
+                                        "sequence's {} tokens before this step",
+                                        std::max<int64_t>(context - start, 0), context, start));
+    }
+  }
   ScheduleOptions options;
   if (width_multiple_ > 1) {
     int64_t longest = 1;
     for (const StepRequest& r : requests) {
       if (!m.IsLive(r.seq)) continue;  // Schedule says what is wrong with it
       const SequenceInfo info = m.GetSequenceInfo(r.seq);
-      const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(r.seq).num_tokens;
+      const int64_t start = StepStart(m, r.seq);
       const int64_t end = start + std::max(r.num_new_tokens, 0) + std::max(r.num_lookahead, 0);
       longest = std::max({longest, int64_t{info.num_table_entries},
                           (end + policy_.block_size - 1) / policy_.block_size});
@@ -426,6 +447,10 @@ std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk
     throw Error("CpuEngine::Forward: a scheduled step is not computed yet (Compute it first)");
   }
   if (n < 1) return {};
+  if (n > c.context) {
+    throw InvalidArgument("CpuEngine::Forward", "tokens.size()", n,
+                          fmt::format("at most the model's context_length = {}", c.context));
+  }
   const int32_t blocks_needed =
       static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
   for (int i = 0; i < n; ++i) {

@@ -61,7 +61,8 @@ class Engine {
   KVCacheManager& manager();
   // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
   // apply the step's copy-on-write copies. Throws tqkv::Error, changing nothing, while a scheduled
-  // step is not computed yet, and for a step of no new tokens.
+  // step is not computed yet, for a step of no new tokens, and for new tokens past the model's
+  // context_length (positions 0 to context_length - 1 are served, as Server::Submit allows).
   ScheduleResult Schedule(std::span<const StepRequest> requests);
   const StepBatch& batch() const { return batch_; }
   // Undoes the last admitted Schedule, computed or not, before any Commit of its sequences (for a
@@ -133,10 +134,11 @@ class CpuEngine : public Engine {
  public:
   CpuEngine(const LlamaModel& model, KvPolicy policy);
 
-  // Teacher-forced logits [n, vocab] of one sequence of `tokens`, prefilled `chunk` tokens per
-  // step (each step: Schedule, per layer store + attention over the cache, then the rest of the
-  // layer). The sequence is freed afterwards; its full blocks stay in the prefix cache, and a
-  // later call's positions served from there are not recomputed: their rows are NaN.
+  // Teacher-forced logits [n, vocab] of one sequence of `tokens` (at most the model's
+  // context_length), prefilled `chunk` tokens per step (each step: Schedule, per layer store +
+  // attention over the cache, then the rest of the layer). The sequence is freed afterwards; its
+  // full blocks stay in the prefix cache, and a later call's positions served from there are not
+  // recomputed: their rows are NaN.
   // With `errors`, also measures each layer's errors (slower: every stored slot is decoded again
   // and exact attention runs beside the cache's); the sequence must not hit the prefix cache.
   std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,

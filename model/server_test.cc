@@ -92,7 +92,7 @@ TEST(ServerTest, AcceptDraftKeepsTheDistribution) {
 // drafts continue the prompt after that pair where the model does not (rejected, rewound);
 // later drafts follow its output (kept). Every request, greedy or sampled, keeps its tokens, with
 // and without preemption.
-LlamaModel RepeatingModel() {
+LlamaModel RepeatingModel(int context = 4096) {
   LlamaConfig config;
   config.num_layers = 4;
   config.hidden = 384;
@@ -101,7 +101,7 @@ LlamaModel RepeatingModel() {
   config.num_kv_heads = 2;
   config.head_dim = 64;
   config.vocab = 1000;
-  config.context = 4096;
+  config.context = context;
   config.rope_base = 10000.0f;
   return LlamaModel::RandomInit(config, 9);
 }
@@ -274,6 +274,52 @@ TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
   EXPECT_EQ(m.FindInvariantViolation(), "");
 }
 
+// Positions past the model's context_length are not served by the engine either (Server::Submit
+// refuses such requests; an engine driven directly ran them): a step reaching past it is refused
+// before anything changes, a step up to its last position runs, and so does Forward.
+TEST(ServerTest, EngineRefusesPositionsPastTheContext) {
+  const LlamaModel model = RepeatingModel(48);
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 9});
+  KVCacheManager& m = engine.manager();
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 10 + i;
+  const std::vector<int32_t> too_long(49, 7);
+  EXPECT_THAT([&] { engine.Forward(too_long, 16); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "tokens.size() = 49; allowed: at most the model's context_length = 48")));
+  EXPECT_EQ(engine.Forward(std::span(too_long).first(48), 16).size(), size_t{48} * 1000);
+  const SeqId seq = m.AddSequence(prompt);
+  auto schedule = [&](int32_t n) {
+    const StepRequest r{seq, n, 0};
+    return engine.Schedule(std::span<const StepRequest>(&r, 1));
+  };
+  const std::string fresh = m.DebugString();
+  EXPECT_THAT([&] { schedule(49); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "requests[0].num_new_tokens = 49; allowed: at most 48: the model's "
+                  "context_length = 48 less the sequence's 0 tokens before this step")));
+  EXPECT_EQ(m.DebugString(), fresh);
+  ASSERT_TRUE(schedule(40).admitted);
+  std::vector<int32_t> next(1);
+  const std::vector<int32_t> last = {39};
+  engine.Compute(prompt, last, nullptr, next.data());
+  m.Commit(seq, next);
+  // The committed token at position 40 and drafts up to position 47, the last one served.
+  const std::string committed = m.DebugString();
+  EXPECT_THAT([&] { schedule(9); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                  "requests[0].num_new_tokens = 9; allowed: at most 8: the model's "
+                  "context_length = 48 less the sequence's 40 tokens before this step")));
+  EXPECT_EQ(m.DebugString(), committed);
+  ASSERT_TRUE(schedule(8).admitted);
+  std::vector<int32_t> tokens(8, 3);
+  tokens[0] = next[0];
+  const std::vector<int32_t> rows = {0, 7};
+  std::vector<int32_t> argmax(2);
+  engine.Compute(tokens, rows, nullptr, argmax.data());
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+}
+
 // AbandonStep undoes an admitted step (what Server::Step does when its Compute throws): the
 // sequence is as before it, and scheduling it again computes what a fresh engine computes.
 TEST(ServerTest, EngineAbandonStepUndoesTheStep) {
@@ -343,7 +389,7 @@ TEST(ServerTest, EngineWhosePoolCannotBeAllocatedStaysUnsized) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit allows";
 #endif
-  const LlamaModel model = RepeatingModel();
+  const LlamaModel model = RepeatingModel(1 << 22);
   CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 0});  // sized by the first Forward
   const std::vector<int32_t> huge(size_t{1} << 22, 5);        // a 2.3 GB cache
   {
