@@ -1010,7 +1010,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
   double worst_lse = 0, worst_out = 0;  // half-precision passes (out: fp32 I/O)
   int wide_passes = 0;                  // calls with passes of 17-32 columns
-  int shared_passes = 0;                // calls on the shared-output kernel (and the others)
+  int shared_passes = 0;  // calls on the shared-output kernel (and the others), head_dim 128
   auto check = [&](const char* preset, int d, int group, int bs, DType io, uint32_t seed,
                    RotationKind rotation = RotationKind::kHadamard) {
     const int hk = 2;
@@ -1065,7 +1065,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
           EXPECT_LE(se.decode_out, b.out + io_out) << what << " (own output)";
           worst_lse = std::max(worst_lse, se.decode_lse);
           if (io == DType::kF32) worst_out = std::max(worst_out, se.decode_out);
-          ++shared_passes;
+          shared_passes += wide_half;
         }
       } else {
         const DecodeBounds b = DecodeBoundsOf(preset);

@@ -181,8 +181,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
   o.narrow_half = half && o.narrow_resident_per_sm > 0;
   // The 8-warp staged kernel of 3-bit keys and its hi-only twin (SplitVariant::hi_only), for a
   // codebook close enough to fp16.
-  // (Packed kernels only: GQA groups up to 4; larger groups' staged kernels are the half-precision
-  // ones, which have no twins.)
+  // (Packed kernels only: GQA groups up to 4; larger groups' staged kernels, half precision or at
+  // D = 64 exact, have no twins.)
   const bool packed = !state_->bf16 && group <= 4;
   o.hi_only = packed && state_->key_kind == KeyKind::kMse3 && o.staged && state_->codebook_hi_only;
   // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
@@ -195,7 +195,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
     if (num_kv_heads() % 2 != 0) o.narrow_resident_per_sm = 0;
     o.narrow_max_len = 4096;
     // Its 8-warp staged kernel's twin compiled for one CTA per SM (SplitVariant::one_cta).
-    o.one_cta_twin = o.staged && packed;
+    // (D = 128 only: at 64 the packed kernel takes 102 registers either way.)
+    o.one_cta_twin = o.staged && packed && head_dim() == 128;
   }
   return o;
 }
@@ -521,11 +522,10 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                           "number of KV heads, and groups above 8 on the staged kernels)");
   }
   if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
-    throw InvalidArgument(
-        kWhere, "plan.one_cta", "true",
-        "false for this cache, group and variant (only 4-bit keys' 8-warp "
-        "staged kernel, D = 64 or 128 and GQA groups up to 4, has a one-CTA-per-SM "
-        "twin)");
+    throw InvalidArgument(kWhere, "plan.one_cta", "true",
+                          "false for this cache, group and variant (only 4-bit keys' 8-warp "
+                          "staged kernel, D = 128 and GQA groups up to 4, has a one-CTA-per-SM "
+                          "twin)");
   }
   if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",

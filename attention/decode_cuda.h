@@ -45,7 +45,8 @@ struct SplitKernelOccupancy {
   bool bf16 = false;        // the uncompressed kernel
   // 4-warp units of its narrow variant that fit on one SM (k3v4_nc: 4-warp CTAs, or their paired
   // 8-warp CTAs of two units; 4bit_nc: paired CTAs only, so an even number of KV heads; the
-  // half-precision kernels of GQA groups 9-32: 4-warp CTAs, two per SM), 0 where there is none.
+  // half-precision kernels of GQA groups 9-32: 4-warp CTAs, two per SM; 4bit_nc at D = 64, groups
+  // 9-16, exact or half precision: 4-warp CTAs, three per SM), 0 where there is none.
   int narrow_resident_per_sm = 0;
   // The 8-warp staged kernel of 3-bit keys has a twin that computes scores from the codebook's
   // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to
@@ -59,10 +60,11 @@ struct SplitKernelOccupancy {
   // need a second round of CTA pairs: measured faster than the 8-warp kernel there and slower
   // over 8,192-token splits and at one round (ChooseSplitLayout).
   int64_t narrow_max_len = 0;
-  // The 8-warp staged kernel of 4-bit keys has a twin compiled for one CTA per SM (more
-  // registers; DecodeOptions::one_cta_twin).
+  // The 8-warp staged kernel of 4-bit keys at D = 128 has a twin compiled for one CTA per SM
+  // (more registers; DecodeOptions::one_cta_twin).
   bool one_cta_twin = false;
-  // The narrow variant is the half-precision kernels' (4-warp CTAs, two per SM; its tokens cost
+  // The narrow variant is the half-precision kernels' (4-warp CTAs, two per SM, three at D = 64;
+  // its tokens cost
   // more than the 8-warp kernel's: ChooseSplitLayout's kHalfNarrowCost).
   bool narrow_half = false;
 };

@@ -301,8 +301,9 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 
 // The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
-// with 4-bit values at D = 128. Everywhere else the choice is ignored, and the variant is the
-// one without it. Groups 17-32 exist on these kernels alone (four N tiles, 4-warp CTAs), and
+// with 4-bit values at D = 128, and of 4-bit keys at D = 64. Everywhere else the choice is
+// ignored, and the variant is the one without it. Groups 17-32 exist on the D = 128 kernels alone
+// (four N tiles, 4-warp CTAs), and
 // MaxSplitGroup says so. Every chosen variant is instantiated (SplitVariantsOf) and survives its
 // code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {

@@ -29,17 +29,17 @@ constexpr float kMaxLazyValueScale = 1023.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
-// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, see
-// kSplitMinCtas): 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead
-// of 12) or, for 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM
-// (the same 16 warps; a batch that needs two rounds of 8-warp CTAs fits one round of these, so
-// the CTAs' fixed prologue and epilogue are paid once; the plan picks the variant; the
-// half-precision kernels of groups 9-32 have one of 4 warps at 2 CTAs per SM), and each
-// warp copies its next chunks into shared memory by cp.async,
-// kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage holds the 16
-// slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3
-// runs of 16 fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
-// the lanes' key and value reads hit distinct banks. StagedLayout says where everything is.
+// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32; 4bit_nc at
+// D = 64 for every group up to 16, exact or half precision; see kSplitMinCtas): 8 warps per CTA at
+// 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also a narrow
+// variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds of 8-warp
+// CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once; the plan
+// picks the variant; the half-precision kernels of groups 9-32 have one of 4 warps at 2 CTAs per
+// SM), and each warp copies its next chunks into shared memory by cp.async, kStages - 1 chunks
+// ahead, instead of holding the next chunk in registers. A stage holds the 16 slots of a chunk (one
+// KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3 runs of 16 fp16). Within a
+// slot the 16-byte units are XOR-swizzled by token (Swizzle) so that the lanes' key and value reads
+// hit distinct banks. StagedLayout says where everything is.
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -49,7 +49,8 @@ struct StagedLayout;
 // 4-bit keys: 128-byte slots at a 256-byte pitch. Stages 0 and 1 of warp w are the free second
 // halves of table rows 32w + 16s .. + 15 (the 64 KB table uses the first halves), stages 2 and 3
 // the two halves of rows 16w .. 16w + 15 of a 32 KB region after the table: 100 KB per CTA.
-// 4 warps (the narrow half-precision kernel): all 16 stages in the table rows' free halves.
+// 4 warps (the narrow kernels: half precision, and exact at D = 64): all 16 stages in the table
+// rows' free halves. At D = 64 a 64-byte slot takes the same place as a 128-byte one.
 // The swizzle: unit bits 1-2 from token bits 2-3 (the four tokens a half-warp's value reads
 // touch get four distinct 32-byte pairs), bit 2 also from token bit 1 (the two tokens of an
 // 8-lane key read phase get disjoint halves), bit 0 from token bit 1 (v7y's copies needed it;
@@ -314,10 +315,10 @@ struct SplitKernelConfig {
 // at 246-251 registers.
 // Head_dim 64 (4-bit keys staged there too): the register kernel of two N tiles fits three CTAs
 // per SM for codebook keys (162-166 registers; 3-bit keys' 5-token verify at 9:3:64, 64 × 4k,
-// H100: 0.72x the time at two CTAs), while FP8 keys measured 1.5-2 % slower at three (156) and
-// keep two; 4-bit keys' half-precision kernel of two N tiles takes 127 registers (two 8-warp CTAs)
-// or 140 (three 4-warp ones), their exact one 180 at one 8-warp CTA (two spilled 196 bytes) or
-// 168 at three 4-warp ones.
+// H100: 0.72x the time at two CTAs); FP8 keys' kernel fits three unconstrained (163 registers) and
+// measured 1.5-2 % slower held to 156 for it, so it is left alone. 4-bit keys' half-precision
+// kernel of two N tiles takes 127 registers (two 8-warp CTAs) or 140 (three 4-warp ones), their
+// exact one 180 at one 8-warp CTA (two spilled 196 bytes) or 168 at three 4-warp ones.
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) {

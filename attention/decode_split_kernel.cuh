@@ -5,7 +5,8 @@
 // a Walsh-Hadamard transform of its group's rows).
 //
 // One CTA = (split of the context, KV head, sequence), 4 warps (8 for the staged kernels of
-// 4bit_nc and k3v4_nc; the staged kernels, those two and bf16 at D = 128, copy their chunks into
+// 4bit_nc and k3v4_nc; the staged kernels, those two at D = 128, 4bit_nc at 64 and bf16 at 64
+// and 128, copy their chunks into
 // shared memory ahead of use: see StagedLayout); it serves all query heads of the GQA group, so
 // every compressed byte is read once. Each warp takes 16-token chunks in turn (a chunk never
 // crosses a block: block sizes are multiples of 16) and runs both products on tensor cores with

@@ -198,7 +198,7 @@ struct SplitPipelines {
     }
   }
 
-  // 4bit_nc and k3v4_nc at D = 128 (Config::kStaged, compressed).
+  // 4bit_nc and k3v4_nc at D = 128, 4bit_nc at D = 64 (Config::kStaged, compressed).
   template <typename FirstBlock, typename BlockOf, typename Finish, typename Compute>
   __device__ __forceinline__ static void Staged(const SplitPipelineFrame& f, uint32_t& lane_word,
                                                 FirstBlock& first_block, BlockOf& block_of,

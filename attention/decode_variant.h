@@ -23,6 +23,7 @@ enum class SplitPipeline : uint8_t {
                   // 4 warps (bf16/fp16)
   kStagedNarrow,  // 3-bit keys: 4-warp staged CTAs, four per SM; the half-precision kernels of
                   // GQA groups 9-32 (verify passes of 16 or 32 columns): 4-warp CTAs, two per SM
+                  // (4-bit keys at D = 64, groups 9-16, exact or half precision: three)
   kStagedPaired,  // 8-warp staged CTAs whose warps 0-3 and 4-7 serve two KV heads
 };
 
@@ -93,7 +94,8 @@ struct SplitVariant {
 struct SplitChoice {
   bool staged = true;    // the staged kernels where they exist (false: the register ones)
   bool narrow = false;   // the narrow layout: 4-warp units, four per SM (3-bit and 4-bit keys;
-                         // two per SM for the half-precision kernels of groups 9-16)
+                         // two per SM for the half-precision kernels of groups 9-16, three for
+                         // 4-bit keys' kernels of groups 9-16 at D = 64)
   bool hi_only = true;   // 3-bit keys: the hi-only twin (8-warp; with narrow: its paired CTAs)
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
   bool half = false;     // the half-precision staged kernels where they exist (GQA group > 4)
@@ -191,7 +193,8 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     if (packed_staged && c.staged) {
       v.pipeline = SplitPipeline::kStaged;
       v.hi_only = kind == KeyKind::kMse3 && c.hi_only;
-      v.one_cta = kind == KeyKind::kMse4 && c.one_cta;
+      // (At D = 64 the twin would be the same kernel: 102 registers either way.)
+      v.one_cta = kind == KeyKind::kMse4 && c.one_cta && head_dim == 128;
     }
     return {true, v};
   }

@@ -38,11 +38,13 @@ void StoreBf16(const Bf16BlockFormat& f, const float* k, const float* v, const i
   }
 }
 
-// The position of a step's first new token: what the sequence has scheduled so far, or, before its
-// first step, its cached prefix (the manager's Schedule starts it there).
+// The position of a step's first new token: what the sequence has scheduled so far, or, while it
+// is fresh (nothing scheduled and no block, not even a lookahead reservation), its cached prefix,
+// where the manager's Schedule starts it.
 int64_t StepStart(const KVCacheManager& m, SeqId seq) {
-  const int64_t scheduled = m.GetSequenceInfo(seq).num_scheduled;
-  return scheduled > 0 ? scheduled : m.Lookup(seq).num_tokens;
+  const SequenceInfo info = m.GetSequenceInfo(seq);
+  const bool fresh = info.num_scheduled == 0 && info.num_table_entries == 0;
+  return fresh ? m.Lookup(seq).num_tokens : info.num_scheduled;
 }
 
 }  // namespace
