@@ -320,6 +320,36 @@ TEST(ServerTest, EngineRefusesPositionsPastTheContext) {
   EXPECT_EQ(m.FindInvariantViolation(), "");
 }
 
+// A sequence that holds only a lookahead reservation (a step gave it 0 new tokens and a reserved
+// block) is not fresh: the manager starts its first step at position 0 even where another
+// sequence has since published its prefix, and so does the engine's context check (it took the
+// prefix hit as the start and refused a step that reaches exactly the last position).
+TEST(ServerTest, EngineStartsALookaheadOnlySequenceAtZero) {
+  const LlamaModel model = RepeatingModel(48);
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 12});
+  KVCacheManager& m = engine.manager();
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 10 + i;
+  const SeqId a = m.AddSequence(prompt), b = m.AddSequence(prompt);
+  const std::vector<StepRequest> first = {{a, 0, 16}, {b, 40, 0}};
+  ASSERT_TRUE(engine.Schedule(first).admitted);
+  std::vector<int32_t> next(1);
+  const std::vector<int32_t> last = {39};
+  engine.Compute(prompt, last, nullptr, next.data());
+  m.Commit(b, next);  // b's two full blocks go to the prefix cache
+  ASSERT_EQ(m.GetSequenceInfo(a).num_scheduled, 0);
+  ASSERT_GT(m.GetSequenceInfo(a).num_table_entries, 0);
+  ASSERT_EQ(m.Lookup(a).num_tokens, 32);
+  const StepRequest whole{a, 48, 0};  // positions 0-47: the prompt and 8 drafts
+  ASSERT_TRUE(engine.Schedule(std::span<const StepRequest>(&whole, 1)).admitted);
+  std::vector<int32_t> tokens = prompt;
+  tokens.resize(48, 3);
+  const std::vector<int32_t> rows = {47};
+  engine.Compute(tokens, rows, nullptr, next.data());
+  EXPECT_EQ(m.GetSequenceInfo(a).num_scheduled, 48);
+  EXPECT_EQ(m.FindInvariantViolation(), "");
+}
+
 // AbandonStep undoes an admitted step (what Server::Step does when its Compute throws): the
 // sequence is as before it, and scheduling it again computes what a fresh engine computes.
 TEST(ServerTest, EngineAbandonStepUndoesTheStep) {
