@@ -997,14 +997,14 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 }
 
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
-// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128, and
-// 4bit_nc's at head_dim 64, run the decode kernels' half-precision variant, held to the prefill
-// kernel's fp16 bounds (the same roundings: query, centroids and P' once to fp16); every other
-// case keeps the decode bounds. Every preset, head_dim 64/128/256, GQA groups 1-16, every block
-// size, verify_max_group 32, 16, 8 and 4 (passes of up to 32 columns where the half kernels run at
-// head_dim 128, 16 elsewhere), bf16 I/O. Passes of 9-32 columns at head_dim 128 run on the kernel
-// whose warps share the output (DecodeOptions::shared_o, the default), and also on the kernels it
-// replaced, to the same bounds; at head_dim 64 the 8-warp and 4-warp (narrow) kernels.
+// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64 run
+// the decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
+// roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds. Every
+// preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16, 8 and 4
+// (passes of up to 32 columns where the half kernels run at head_dim 128, 16 elsewhere), bf16 I/O.
+// Passes of 9-32 columns at head_dim 128 run on the kernel whose warps share the output
+// (DecodeOptions::shared_o, the default), and also on the kernels it replaced, to the same bounds;
+// at head_dim 64 the 8-warp and 4-warp (narrow) kernels.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
@@ -1019,7 +1019,8 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     const bool wide_half = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
                                         std::string_view(preset) == "turboquant_k3v4_nc");
     const bool half_kernels =
-        wide_half || (d == 64 && std::string_view(preset) == "turboquant_4bit_nc");
+        wide_half || (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
+                                  std::string_view(preset) == "turboquant_k3v4_nc"));
     for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
@@ -1095,11 +1096,12 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       }
     }
   }
-  // ... and 4bit_nc's at head_dim 64 (SmolLM2's: GQA 3, 15 columns with 4 drafts).
-  for (int group : {3, 5, 16}) {
-    check("turboquant_4bit_nc", 64, group, 16 << (k % 4), k % 2 ? DType::kBF16 : DType::kF32,
-          1050 + k);
-    ++k;
+  // ... and at head_dim 64 (SmolLM2's: GQA 3, 15 columns with 4 drafts).
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+    for (int group : {3, 5, 16}) {
+      check(preset, 64, group, 16 << (k % 4), k % 2 ? DType::kBF16 : DType::kF32, 1050 + k);
+      ++k;
+    }
   }
   EXPECT_GE(wide_passes, 16);
   EXPECT_GE(shared_passes, 16);

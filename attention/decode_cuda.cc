@@ -186,7 +186,8 @@ SplitKernelOccupancy CudaDecoder::SplitOccupancy(int group, bool staged, bool ha
   const bool packed = !state_->bf16 && group <= 4;
   o.hi_only = packed && state_->key_kind == KeyKind::kMse3 && o.staged && state_->codebook_hi_only;
   // Its paired CTAs for the narrow layout: two KV heads per CTA (every group the narrow kernel
-  // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them).
+  // serves, 1-4; decode_cuda_test's NarrowK3v4 runs groups 1, 2, 3 and 4 on them). At D = 64
+  // there is no narrow layout of these groups (narrow_resident_per_sm = 0), so neither.
   o.narrow_hi_only = o.hi_only && o.narrow_resident_per_sm > 0 && num_kv_heads() % 2 == 0;
   // 4-bit keys' narrow layout runs on paired exact CTAs alone (no 4-warp kernel): an even number
   // of KV heads, and only for sequences of at most 4,096 tokens whose 8-warp grid would need two
@@ -517,9 +518,10 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (the narrow split kernels serve "
-                          "3-bit and 4-bit keys with 4-bit values at D = 128 and 4-bit keys at "
-                          "D = 64: GQA groups up to 4, 4-bit keys there only with an even "
-                          "number of KV heads, and groups above 8 on the staged kernels)");
+                          "3-bit and 4-bit keys with 4-bit values: GQA groups up to 4 at "
+                          "D = 128, and for 4-bit keys at D = 64, 4-bit keys only with an even "
+                          "number of KV heads; groups above 8 on the staged kernels, 3-bit keys' "
+                          "at D = 64 in half precision only)");
   }
   if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
     throw InvalidArgument(kWhere, "plan.one_cta", "true",
@@ -530,9 +532,10 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
     throw InvalidArgument(kWhere, "plan.hi_only", "true",
                           "false for this cache, group, codebook and variant (only 3-bit keys' "
-                          "8-warp staged kernel has a hi-only twin, only for a codebook within "
-                          "kMaxHiOnlyError of fp16, and its paired CTAs for the narrow variant "
-                          "only with an even number of KV heads)");
+                          "8-warp staged kernel, GQA groups up to 4, has a hi-only twin, only "
+                          "for a codebook within kMaxHiOnlyError of fp16, and its paired CTAs "
+                          "for the narrow variant only at D = 128 with an even number of KV "
+                          "heads)");
   }
   const decode_detail::MaybeSplitVariant variant = Variant(plan.num_q_heads / num_kv_heads(), plan);
   if (!variant.ok || !(variant.variant == plan.variant)) {

@@ -44,9 +44,10 @@ struct SplitKernelOccupancy {
   bool staged = false;      // chunks copied ahead through shared memory (decode_split_kernel.cuh)
   bool bf16 = false;        // the uncompressed kernel
   // 4-warp units of its narrow variant that fit on one SM (k3v4_nc: 4-warp CTAs, or their paired
-  // 8-warp CTAs of two units; 4bit_nc: paired CTAs only, so an even number of KV heads; the
-  // half-precision kernels of GQA groups 9-32: 4-warp CTAs, two per SM; 4bit_nc at D = 64, groups
-  // 9-16, exact or half precision: 4-warp CTAs, three per SM), 0 where there is none.
+  // 8-warp CTAs of two units, D = 128 only; 4bit_nc: paired CTAs only, so an even number of KV
+  // heads; the half-precision kernels of GQA groups 9-32: 4-warp CTAs, two per SM, three at
+  // D = 64; 4bit_nc at D = 64, groups 9-16, exact: 4-warp CTAs, three per SM), 0 where there is
+  // none.
   int narrow_resident_per_sm = 0;
   // The 8-warp staged kernel of 3-bit keys has a twin that computes scores from the codebook's
   // scaled fp16 hi parts alone (attention/codebook_fp16.h), and this codebook is close enough to
@@ -80,8 +81,8 @@ struct DecodeOptions {
   enum class Narrow { kAuto, kNever, kAlways };
   Narrow narrow = Narrow::kAuto;
   // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
-  // at head_dim 128 with GQA groups up to 4, and above 4 with `half`; 4bit_nc at head_dim 64 for
-  // every group; bf16/fp16 at head_dim 64 and 128).
+  // at head_dim 128 and 64 with GQA groups up to 4, and above 4 with `half`; 4bit_nc at head_dim
+  // 64 for every group; bf16/fp16 at head_dim 64 and 128).
   bool staged = true;
   // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
   bool one_cta_twin = true;
@@ -89,7 +90,7 @@ struct DecodeOptions {
   // kernel before it.
   bool dependent_launch = true;
   // true: 4-bit and 3-bit keys with 4-bit values (4bit_nc, k3v4_nc) at head_dim 128 and GQA
-  // groups above 4, and 4bit_nc at head_dim 64 and groups 5-16 (speculative verify's passes put
+  // groups above 4, and at head_dim 64 and groups 5-16 (speculative verify's passes put
   // new tokens beside the GQA heads) run the
   // staged half-precision kernels (decode_detail::SplitVariant::half: the query, the centroids and
   // P' rounded once to fp16, as FlashAttention rounds) instead of the hi + lo products'

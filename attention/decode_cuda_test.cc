@@ -246,8 +246,9 @@ TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
 
 // Groups 9-16 at head_dim 64 (SmolLM2's GQA 3 with 4 drafts: 15 columns): 3-bit and FP8 keys on
 // the register kernel of two N tiles (three CTAs per SM for 3-bit keys, kSplitMinCtas), 4-bit keys
-// on staged kernels, exact or half precision, as 8-warp CTAs or the 4-warp narrow ones; an odd
-// number of KV heads, contexts across several splits.
+// on staged kernels, exact or half precision, as 8-warp CTAs or the 4-warp narrow ones; 3-bit keys
+// with 4-bit values (k3v4_nc) in half precision on staged kernels too (StagedPieceLayout), 8-warp
+// or narrow; an odd number of KV heads, contexts across several splits.
 TEST(CudaDecodeTest, HeadDim64WideGroupsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> lens = {1, 15, 17, 0, 700, 2100, 4097};
@@ -265,38 +266,42 @@ TEST(CudaDecodeTest, HeadDim64WideGroupsMatchTheReference) {
     }
   }
   int k = 0;
-  for (int group : {9, 16}) {
-    const int hk = 3, d = 64, bs = 32 << (k % 2);
-    const bool large_values = k++ % 2 == 1;
-    const uint64_t seed = 1400 + k;
-    const Quantizer q =
-        Quantizer::Create("turboquant_4bit_nc", d, hk, bs, RotationKind::kHadamard, seed);
-    Scenario s = Build(q, lens, hk * group, seed);
-    if (large_values) UseLargeValueScales(q, s, seed + 1);
-    std::vector<float> ref_out, ref_lse;
-    testing::ReferenceDecode(q, s, ref_out, ref_lse);
-    const DeviceScenario dev = Upload(s, s.cache);
-    const CudaDecoder decoder(q);
-    for (bool half : {false, true}) {
-      for (auto narrow : {DecodeOptions::Narrow::kNever, DecodeOptions::Narrow::kAlways}) {
-        for (int tps : {0, 256}) {
-          DecodeOptions options{.tokens_per_split = tps, .narrow = narrow, .half = half};
-          const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
-                                               s.max_blocks, options);
-          const bool is_narrow = narrow == DecodeOptions::Narrow::kAlways;
-          const std::string what =
-              fmt::format("4bit_nc D 64 group {} bs {} large values {} half {} narrow {} tps {}",
-                          group, bs, large_values, half, is_narrow, tps);
-          EXPECT_TRUE(plan.variant.staged()) << what;
-          EXPECT_EQ(plan.variant.half, half) << what;
-          EXPECT_EQ(plan.narrow, is_narrow) << what;
-          EXPECT_EQ(plan.variant.cta_warps(), is_narrow ? 4 : 8) << what;
-          const Errors e = RunPlanAndCompare(decoder, plan, dev, s.num_blocks, ref_out, ref_lse, d);
-          std::printf("%s: out %.2e lse %.2e\n", what.c_str(), e.out, e.lse);
-          EXPECT_EQ(e.bad, 0) << what;
-          // The half-precision kernels to HalfPrecisionWideGroupsMatchTheReference's bounds.
-          EXPECT_LE(e.lse, half ? 2e-3 : kLseTol) << what;
-          EXPECT_LE(e.out, half ? 6e-3 : kOutTol) << what;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+    for (int group : {9, 16}) {
+      const int hk = 3, d = 64, bs = 32 << (k % 2);
+      const bool large_values = k++ % 2 == 1;
+      const uint64_t seed = 1400 + k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, seed);
+      Scenario s = Build(q, lens, hk * group, seed);
+      if (large_values) UseLargeValueScales(q, s, seed + 1);
+      std::vector<float> ref_out, ref_lse;
+      testing::ReferenceDecode(q, s, ref_out, ref_lse);
+      const DeviceScenario dev = Upload(s, s.cache);
+      const CudaDecoder decoder(q);
+      for (bool half : {false, true}) {
+        for (auto narrow : {DecodeOptions::Narrow::kNever, DecodeOptions::Narrow::kAlways}) {
+          for (int tps : {0, 256}) {
+            DecodeOptions options{.tokens_per_split = tps, .narrow = narrow, .half = half};
+            const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
+                                                 s.max_blocks, options);
+            // 3-bit keys' exact kernels at D = 64 are the register ones (no narrow layout).
+            const bool staged = half || std::string_view(preset) == "turboquant_4bit_nc";
+            const bool is_narrow = narrow == DecodeOptions::Narrow::kAlways && staged;
+            const std::string what =
+                fmt::format("{} D 64 group {} bs {} large values {} half {} narrow {} tps {}",
+                            preset, group, bs, large_values, half, is_narrow, tps);
+            EXPECT_EQ(plan.variant.staged(), staged) << what;
+            EXPECT_EQ(plan.variant.half, half) << what;
+            EXPECT_EQ(plan.narrow, is_narrow) << what;
+            EXPECT_EQ(plan.variant.cta_warps(), staged && !is_narrow ? 8 : 4) << what;
+            const Errors e =
+                RunPlanAndCompare(decoder, plan, dev, s.num_blocks, ref_out, ref_lse, d);
+            std::printf("%s: out %.2e lse %.2e\n", what.c_str(), e.out, e.lse);
+            EXPECT_EQ(e.bad, 0) << what;
+            // The half-precision kernels to HalfPrecisionWideGroupsMatchTheReference's bounds.
+            EXPECT_LE(e.lse, half ? 2e-3 : kLseTol) << what;
+            EXPECT_LE(e.out, half ? 6e-3 : kOutTol) << what;
+          }
         }
       }
     }
@@ -737,20 +742,26 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
 // output) and by forced ones (merged partials), at two block sizes. The edge lengths and an empty
 // sequence are among them. With the built-in codebook and an even number of KV heads it runs on
 // the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly),
-// otherwise on the exact 4-warp CTAs (kLseTol).
+// otherwise on the exact 4-warp CTAs (kLseTol). At head_dim 64, which has no narrow layout, the
+// same shapes run the 8-warp staged kernel (StagedPieceLayout; exact: these grids hold more CTAs
+// than SMs, so no hi-only twin).
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> len(1, 1024);
   // Six head layouts and codebooks: groups of 4, 2, 3 and 1 query heads per KV head (packed
-  // heads, ≤ 4) at even and odd numbers of KV heads, and the unscalable codebook at 8 KV heads.
+  // heads, ≤ 4) at even and odd numbers of KV heads, and the unscalable codebook at 8 KV heads;
+  // at D = 64 groups of 4, 3, 2 and 1 (the last with the unscalable codebook).
   struct Case {
     int hk, group;
     bool unscalable;
+    int d = 128;
   };
   for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
-                       Case{8, 1, false}, Case{8, 4, true}}) {
-    const bool paired = c.hk % 2 == 0 && !c.unscalable;
+                       Case{8, 1, false}, Case{8, 4, true}, Case{8, 4, false, 64},
+                       Case{3, 3, false, 64}, Case{6, 2, false, 64}, Case{4, 1, true, 64}}) {
+    const bool narrow = c.d == 128;
+    const bool paired = narrow && c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
       std::vector<int32_t> lens(64);
       for (auto& l : lens) l = len(rng);
@@ -759,19 +770,20 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
       std::shuffle(lens.begin(), lens.end(), rng);
       const std::vector<int> splits = {0, 64, 320};
       const std::vector<Errors> errors =
-          CheckCompressedSplits("turboquant_k3v4_nc", 128, c.hk, c.group, bs, lens, false, splits,
-                                RotationKind::kHadamard, true, c.unscalable);
+          CheckCompressedSplits("turboquant_k3v4_nc", c.d, c.hk, c.group, bs, lens, false, splits,
+                                RotationKind::kHadamard, narrow, c.unscalable);
       for (size_t i = 0; i < splits.size(); ++i) {
         const int tps = splits[i];
         const Errors& e = errors[i];
         std::printf(
-            "k3v4_nc narrow hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
+            "k3v4_nc %s D=%d hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
             "%.2e, bad %lld\n",
-            c.hk, c.group, bs, tps,
+            narrow ? "narrow" : "8-warp", c.d, c.hk, c.group, bs, tps,
             c.unscalable ? " (unscalable codebook)" : (e.hi_only ? " (paired hi-only)" : ""), e.out,
             e.lse, static_cast<long long>(e.bad));
-        const std::string where = fmt::format("hk {} group {} bs {} tokens_per_split {}{}", c.hk,
-                                              c.group, bs, tps, c.unscalable ? " unscalable" : "");
+        const std::string where =
+            fmt::format("D {} hk {} group {} bs {} tokens_per_split {}{}", c.d, c.hk, c.group, bs,
+                        tps, c.unscalable ? " unscalable" : "");
         EXPECT_EQ(e.hi_only, paired) << where;
         EXPECT_EQ(e.bad, 0) << where;
         EXPECT_LE(e.out, kOutTol) << where;
@@ -828,67 +840,75 @@ TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
 // k3v4_nc's codebook and grid choose between its 8-warp kernel's twins: the built-in 3-bit table
 // scales to within kMaxHiOnlyError of fp16, so at a small batch (at most one CTA per SM) the plan
 // takes the hi-only twin (LSE within 1e-4), and with many splits (more CTAs than SMs) the narrow
-// layout on the twin's paired CTAs (two KV heads per CTA; 1e-4); a table of eight distinct
-// magnitudes does not scale that closely, so its plans take the exact twin (1e-5), and a hi-only
-// plan for it is refused.
+// layout on the twin's paired CTAs (two KV heads per CTA; 1e-4) at D = 128, the exact 8-warp
+// kernel at D = 64 (no narrow layout there); a table of eight distinct magnitudes does not scale
+// that closely, so its plans take the exact twin (1e-5), and a hi-only plan for it is refused.
 TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   TQKV_SKIP_WITHOUT_GPU();
   const uint64_t seed = std::random_device{}();
-  constexpr int kHk = 2, kGroup = 4, kBs = 16, kD = 128;
-  const Quantizer builtin =
-      Quantizer::Create("turboquant_k3v4_nc", kD, kHk, kBs, RotationKind::kHadamard, seed);
-  const std::vector<float> odd = UnscalableThreeBitCentroids(kD);
-  ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
-  const Quantizer exact_only(builtin.preset(), kD, kHk, kBs, builtin.rotation(),
-                             CodebookFromCentroids(odd, 3));
-  struct Case {
-    const Quantizer* q;
-    int tokens_per_split;
-    bool narrow, hi_only;
-    const char* what;
-  };
-  for (const Case c :
-       {Case{&builtin, 0, false, true, "built-in codebook, 8-warp hi-only"},
-        Case{&builtin, 64, true, true, "built-in codebook, 64-token splits: paired hi-only"},
-        Case{&exact_only, 0, false, false, "unscalable codebook, 8-warp exact"},
-        Case{&exact_only, 64, true, false, "unscalable codebook, 64-token splits: narrow exact"}}) {
-    const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
-    std::vector<float> ref_out, ref_lse;
-    testing::ReferenceDecode(*c.q, s, ref_out, ref_lse);
-    const DeviceScenario dev = Upload(s, s.cache);
-    const CudaDecoder decoder(*c.q);
-    const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
-                                         s.max_blocks, {.tokens_per_split = c.tokens_per_split});
-    EXPECT_EQ(plan.hi_only, c.hi_only) << c.what;
-    EXPECT_EQ(plan.narrow, c.narrow) << c.what;
-    const Errors e =
-        RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, kD, c.tokens_per_split);
-    std::printf("k3v4_nc %s: out err %.2e, lse err %.2e, bad %lld\n", c.what, e.out, e.lse,
-                static_cast<long long>(e.bad));
-    EXPECT_EQ(e.bad, 0) << c.what;
-    EXPECT_LE(e.out, kOutTol) << c.what;
-    EXPECT_LE(e.lse, c.hi_only ? kLseTolHiOnly : kLseTol) << c.what;
-    if (c.q == &exact_only) {
-      DecodePlan forced = plan;
-      forced.hi_only = true;
-      DeviceBuffer<uint8_t> ws(forced.workspace_bytes);
-      DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
-          lse(static_cast<int64_t>(ref_lse.size()));
-      CudaDecodeArgs a;
-      a.query = dev.query.data();
-      a.query_dtype = DType::kF32;
-      a.cache = {dev.cache.data(), s.num_blocks, decoder.layout()};
-      a.block_tables = dev.tables.data();
-      a.seq_lens = dev.lens.data();
-      a.output = out.data();
-      a.lse = lse.data();
-      a.workspace = ws.data();
-      a.workspace_bytes = ws.size_bytes();
-      try {
-        decoder.Run(forced, a, nullptr);
-        ADD_FAILURE() << "a hi-only plan for an unscalable 3-bit codebook ran";
-      } catch (const Error& err) {
-        EXPECT_THAT(err.what(), ::testing::HasSubstr("plan.hi_only = true"));
+  constexpr int kHk = 2, kGroup = 4, kBs = 16;
+  for (const int d : {128, 64}) {
+    const Quantizer builtin =
+        Quantizer::Create("turboquant_k3v4_nc", d, kHk, kBs, RotationKind::kHadamard, seed);
+    const std::vector<float> odd = UnscalableThreeBitCentroids(d);
+    ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
+    const Quantizer exact_only(builtin.preset(), d, kHk, kBs, builtin.rotation(),
+                               CodebookFromCentroids(odd, 3));
+    struct Case {
+      const Quantizer* q;
+      int tokens_per_split;
+      bool narrow, hi_only;
+      const char* what;
+    };
+    const bool d128 = d == 128;
+    for (const Case c : {Case{&builtin, 0, false, true, "built-in codebook, 8-warp hi-only"},
+                         Case{&builtin, 64, d128, d128,
+                              d128 ? "built-in codebook, 64-token splits: paired hi-only"
+                                   : "built-in codebook, 64-token splits: 8-warp exact"},
+                         Case{&exact_only, 0, false, false, "unscalable codebook, 8-warp exact"},
+                         Case{&exact_only, 64, d128, false,
+                              d128 ? "unscalable codebook, 64-token splits: narrow exact"
+                                   : "unscalable codebook, 64-token splits: 8-warp exact"}}) {
+      const std::string what = fmt::format("D {} {}", d, c.what);
+      const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
+      std::vector<float> ref_out, ref_lse;
+      testing::ReferenceDecode(*c.q, s, ref_out, ref_lse);
+      const DeviceScenario dev = Upload(s, s.cache);
+      const CudaDecoder decoder(*c.q);
+      const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
+                                           s.max_blocks, {.tokens_per_split = c.tokens_per_split});
+      EXPECT_EQ(plan.hi_only, c.hi_only) << what;
+      EXPECT_EQ(plan.narrow, c.narrow) << what;
+      EXPECT_TRUE(plan.variant.staged()) << what;
+      const Errors e =
+          RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, c.tokens_per_split);
+      std::printf("k3v4_nc %s: out err %.2e, lse err %.2e, bad %lld\n", what.c_str(), e.out, e.lse,
+                  static_cast<long long>(e.bad));
+      EXPECT_EQ(e.bad, 0) << what;
+      EXPECT_LE(e.out, kOutTol) << what;
+      EXPECT_LE(e.lse, c.hi_only ? kLseTolHiOnly : kLseTol) << what;
+      if (c.q == &exact_only) {
+        DecodePlan forced = plan;
+        forced.hi_only = true;
+        DeviceBuffer<uint8_t> ws(forced.workspace_bytes);
+        DeviceBuffer<float> out(static_cast<int64_t>(ref_out.size())),
+            lse(static_cast<int64_t>(ref_lse.size()));
+        CudaDecodeArgs a;
+        a.query = dev.query.data();
+        a.query_dtype = DType::kF32;
+        a.cache = {dev.cache.data(), s.num_blocks, decoder.layout()};
+        a.block_tables = dev.tables.data();
+        a.seq_lens = dev.lens.data();
+        a.output = out.data();
+        a.lse = lse.data();
+        a.workspace = ws.data();
+        a.workspace_bytes = ws.size_bytes();
+        try {
+          decoder.Run(forced, a, nullptr);
+          ADD_FAILURE() << what << ": a hi-only plan for an unscalable 3-bit codebook ran";
+        } catch (const Error& err) {
+          EXPECT_THAT(err.what(), ::testing::HasSubstr("plan.hi_only = true"));
+        }
       }
     }
   }

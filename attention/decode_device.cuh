@@ -160,6 +160,16 @@ __device__ __forceinline__ void CopyAsync16FillIf(bool issue, uint32_t smem_dst,
         : "memory");
   }
 }
+// 8 bytes, where `issue`, reading `src_bytes` (8 or 0) of them and zero-filling the rest: the
+// copy for sources only 8 bytes aligned (cp.async.cg copies 16 bytes only; .ca goes through L1).
+__device__ __forceinline__ void CopyAsync8FillIf(bool issue, uint32_t smem_dst,
+                                                 const void* gmem_src, uint32_t src_bytes) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.ca.shared.global [%1], [%2], 8, %3;\n}\n" ::"r"(static_cast<uint32_t>(issue)),
+      "r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
+      : "memory");
+}
 __device__ __forceinline__ void SharedLoad16(uint32_t addr, uint32_t (&w)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])

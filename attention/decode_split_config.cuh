@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/decode_cache_traits.cuh"
 #include "attention/decode_launch.h"
@@ -28,18 +29,19 @@ constexpr float kLazyMax = 6.0f;
 constexpr float kMaxLazyValueScale = 1023.0f;
 constexpr float kLn2 = 0.69314718055994530942f;
 
-// Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128, GQA
-// group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32; 4bit_nc at
-// D = 64 for every group up to 16, exact or half precision; see kSplitMinCtas): 8 warps per CTA at
-// 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also a narrow
-// variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds of 8-warp
-// CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once; the plan
-// picks the variant; the half-precision kernels of groups 9-32 have one of 4 warps at 2 CTAs per
-// SM), and each warp copies its next chunks into shared memory by cp.async, kStages - 1 chunks
-// ahead, instead of holding the next chunk in registers. A stage holds the 16 slots of a chunk (one
-// KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3 runs of 16 fp16). Within a
-// slot the 16-byte units are XOR-swizzled by token (Swizzle) so that the lanes' key and value reads
-// hit distinct banks. StagedLayout says where everything is.
+// Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128 and 64,
+// GQA group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, 5-16 at
+// D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; see kSplitMinCtas): 8 warps per
+// CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also
+// a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
+// of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
+// the plan picks the variant; the half-precision kernels of groups 9-32 have one of 4 warps at 2
+// CTAs per SM), and each warp copies its next chunks into shared memory by cp.async, kStages - 1
+// chunks ahead, instead of holding the next chunk in registers. A stage holds the 16 slots of a
+// chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3 runs of 16
+// fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that the lanes' key
+// and value reads hit distinct banks. StagedLayout says where everything is (StagedPieceLayout for
+// k3v4_nc's 56-byte slots at D = 64).
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -92,6 +94,69 @@ struct StagedLayout<KeyKind::kMse3, kW> {
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
   }
 };
+
+// 3-bit keys with 4-bit values at D = 64 (k3v4_nc at head_dim 64): 56-byte slots (24 key + 32
+// value bytes) at 56·(p·H + h) in a block, so only 8 bytes aligned: the 16-byte copies of the
+// layouts above do not apply. A warp copies each slot as seven 8-byte pieces (cp.async.ca; lane
+// 8a + k copies piece k, and piece 7 is past the slot), and a stage holds a chunk's 16 slots in
+// 1 KB, after the 16 KB table: token i = i0 + 2·i1 + 4·i2 + 8·i3 at byte 512·i0 + 256·i1 +
+// 128·i3 + 64·i2 (64 bytes per token, 8 of them unused), its piece k at 8·(k ^ 4·i3) there.
+// - Token bits 0 and 1 only add to the address (Byte(i + j, b) = Byte(i, b) + Byte(j, 0) for i a
+//   multiple of 4, j < 4): copy instruction j takes tokens j + 4·i2 + 8·i3, at an immediate offset
+//   from the lane's first, and the reads of tokens 2g + 1 and 4t + 1, 2, 3 are offsets from those
+//   of 2g and 4t.
+// - Token bit 2 picks the 64-byte bank half: the two 8-lane phases of a half-warp's copies (i2 = 0
+//   and 1) write different halves, 2 wavefronts per copy instruction (the least for 224 bytes).
+// - A value read (tokens 4t + c, t = 0..3, 4 bytes at 24 + 4g) puts two tokens in each half,
+//   with masks 0 and 4: pieces 3-6 and 7, 0, 1, 2, which tile it: one wavefront.
+// - A key read (a 4-byte word at 6t rounded down to 4, or the one after it, of tokens 2g; both
+//   lie in pieces 0-3, which either mask keeps in order, so the second is 4 bytes on) takes 2
+//   wavefronts: tokens 2g that differ in bit 1 alone share a half and a mask. (No placement of
+//   pieces reads both words in one wavefront each: the four tokens of a half would need their 12
+//   key pieces in 8 places. The best, one and two wavefronts, takes masks from token bit 1, which
+//   makes the copy destinations XORs per instruction instead of immediate offsets.)
+// Per chunk and warp: 4 key and 4 value reads, 12 wavefronts (bank simulation). 52 KB per CTA
+// (8 warps), 34 KB (4 warps).
+template <int kW>
+struct StagedPieceLayout {
+  static constexpr uint32_t kFirst = 64 * 256;
+  static constexpr uint32_t kStageBytes = 1024;
+  static constexpr uint32_t kMeta = kFirst + kW * kStages * kStageBytes;
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kFirst + kStageBytes * (kStages * warp + s);
+  }
+  // Byte b (0-55) of token i's slot, within its stage.
+  __host__ __device__ static constexpr uint32_t Byte(uint32_t i, uint32_t b) {
+    const uint32_t i0 = i & 1u, i1 = (i >> 1) & 1u, i2 = (i >> 2) & 1u, i3 = (i >> 3) & 1u;
+    return 512u * i0 + 256u * i1 + 128u * i3 + 64u * i2 + 8u * ((b >> 3) ^ (4u * i3)) + (b & 7u);
+  }
+};
+
+// What the pipeline's copies and reads take from StagedPieceLayout: the 16 × 7 pieces of a stage
+// in distinct 8-byte places of its 1 KB, and token bits 0-1 adding to the address.
+constexpr bool PieceLayoutHolds() {
+  using L = StagedPieceLayout<kStagedWarps>;
+  bool used[128] = {};
+  for (uint32_t i = 0; i < 16; ++i) {
+    for (uint32_t k = 0; k < 7; ++k) {
+      const uint32_t at = L::Byte(i, 8 * k);
+      if (at % 8 != 0 || at >= L::kStageBytes || used[at / 8]) return false;
+      used[at / 8] = true;
+      for (uint32_t b = 8 * k; b < 8 * k + 8; ++b) {
+        if (L::Byte(i, b) != at + b % 8) return false;
+        if (L::Byte(i, b) != L::Byte(i & ~3u, b) + L::Byte(i & 3u, 0)) return false;
+      }
+    }
+  }
+  return true;
+}
+static_assert(PieceLayoutHolds());
+
+// The staged layout of a kind at head_dim kD.
+template <KeyKind kKind, int kW, int kD>
+using StagedLayoutOf = std::conditional_t<kKind == KeyKind::kMse3 && kD == 64,
+                                          StagedPieceLayout<kW>, StagedLayout<kKind, kW>>;
 
 // bf16 keys and values (D = 64 and 128, any GQA group; at D = 256 a staged chunk's registers
 // spilled, so D = 256 keeps the unstaged kernel): 4 warps per CTA, each with kStages stages of
@@ -204,7 +269,7 @@ struct SplitKernelConfig {
     } else if constexpr (kSharedO) {
       return SharedOLayout<kKind>::kBytes;
     } else if constexpr (kStaged) {
-      return StagedLayout<kKind, kSW>::kBytes;
+      return StagedLayoutOf<kKind, kSW, kD>::kBytes;
     } else {
       return Traits::kLutEntries * 256;
     }
@@ -318,7 +383,9 @@ struct SplitKernelConfig {
 // H100: 0.72x the time at two CTAs); FP8 keys' kernel fits three unconstrained (163 registers) and
 // measured 1.5-2 % slower held to 156 for it, so it is left alone. 4-bit keys' half-precision
 // kernel of two N tiles takes 127 registers (two 8-warp CTAs) or 140 (three 4-warp ones), their
-// exact one 180 at one 8-warp CTA (two spilled 196 bytes) or 168 at three 4-warp ones.
+// exact one 180 at one 8-warp CTA (two spilled 196 bytes) or 168 at three 4-warp ones; 3-bit keys'
+// half-precision one 125 (two 8-warp CTAs) or 136 (three 4-warp ones), their packed kernel 104 and
+// its hi-only twin 96 (two 8-warp CTAs).
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) {

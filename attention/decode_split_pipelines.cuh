@@ -198,7 +198,7 @@ struct SplitPipelines {
     }
   }
 
-  // 4bit_nc and k3v4_nc at D = 128, 4bit_nc at D = 64 (Config::kStaged, compressed).
+  // 4bit_nc and k3v4_nc at D = 128 and 64 (Config::kStaged, compressed).
   template <typename FirstBlock, typename BlockOf, typename Finish, typename Compute>
   __device__ __forceinline__ static void Staged(const SplitPipelineFrame& f, uint32_t& lane_word,
                                                 FirstBlock& first_block, BlockOf& block_of,
@@ -219,21 +219,49 @@ struct SplitPipelines {
     // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
     // (v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
     // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
-    using Layout = StagedLayout<kKind, kSW>;
-    constexpr uint32_t kPitch = Layout::kPitch;
+    // 3-bit keys at D = 64 (kPieces): 56-byte slots, 8 bytes aligned, copied as 8-byte pieces
+    // into StagedPieceLayout: in copy instruction j lane l copies piece l mod 8 (none for 7) of
+    // token j + 4·(l / 8 mod 2) + 8·(l / 16), so each 8-lane phase still moves one token's slot.
+    constexpr bool kPieces = kKind == KeyKind::kMse3 && kD == 64;
+    using Layout = StagedLayoutOf<kKind, kSW, kD>;
+    // Bytes from token 2m to token 2m + 1 of a stage.
+    constexpr uint32_t kPitch = [] {
+      if constexpr (kPieces) {
+        return Layout::Byte(1, 0);
+      } else {
+        return Layout::kPitch;
+      }
+    }();
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
     constexpr uint32_t kValBytes = Traits::kValueBytes * 8;  // per token (8 lanes)
-    static_assert(kKeyBytes % 16 == 0 && kKeyBytes + kValBytes <= kPitch);
+    static_assert(kPieces ? kKeyBytes + kValBytes == 56
+                          : kKeyBytes % 16 == 0 && kKeyBytes + kValBytes <= kPitch);
+    constexpr uint32_t kCopyBytes = kPieces ? 8 : 16;
+    // Where byte `byte` of token `token`'s slot lies in a stage.
+    auto at = [](uint32_t token, uint32_t byte) {
+      if constexpr (kPieces) {
+        return Layout::Byte(token, byte);
+      } else {
+        return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
+      }
+    };
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     uint32_t stage[kStages];  // shared addresses of this warp's stages, stage[0] = the next read
 #pragma unroll
     for (int s = 0; s < kStages; ++s) stage[s] = smem_base + Layout::Stage(cta_warp, s);
     const uint32_t meta_cells = smem_base + Layout::kMeta + 128u * kStages * cta_warp;
-    const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
+    const uint32_t copy_tok = kPieces ? 4u * ((lane >> 3) & 1) + 8u * (lane >> 4) : lane >> 3,
+                   copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
-    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits).
-    const uint32_t copy_dst =
-        Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
+    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits). The
+    // piece layout adds token j's offset instead.
+    const uint32_t copy_dst = Pinned([&] {
+      if constexpr (kPieces) {
+        return at(copy_tok, kCopyBytes * copy_unit);
+      } else {
+        return kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok));
+      }
+    }());
     const uint32_t copy_head = head_off;
     // A warp's chunks lie kW·16 tokens apart; in the 8-warp kernels that is 128 tokens, a multiple
     // of every block size (16-128), so the position of each of its chunks in its block is the
@@ -242,10 +270,12 @@ struct SplitPipelines {
     const uint32_t warp_pos =
         kFixedPos ? (static_cast<uint32_t>(begin + warp * kChunk) & (p.block_size - 1)) : 0u;
     const uint32_t copy_src =
-        Pinned((warp_pos + copy_tok) * stride_token + copy_head + 16u * copy_unit);
-    const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));  // 4 tokens
-    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing.
-    const bool copy_lane = 16u * copy_unit < kKeyBytes + kValBytes;
+        Pinned((warp_pos + copy_tok) * stride_token + copy_head + kCopyBytes * copy_unit);
+    // 4 tokens (the piece layout: 1)
+    const uint32_t copy_step = Pinned((kPieces ? 1u : 4u) * static_cast<uint32_t>(stride_token));
+    // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing (piece 7
+    // of a 56-byte slot too).
+    const bool copy_lane = kCopyBytes * copy_unit < kKeyBytes + kValBytes;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -263,11 +293,16 @@ struct SplitPipelines {
       const uint8_t* from = base + (pos0 * stride_token + copy_src);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        if constexpr (kKeyBytes + kValBytes == 128) {
-          CopyAsync16Fill<kStreamCopies>(to, from, bytes);
+        if constexpr (kPieces) {
+          static_assert(!kStreamCopies);
+          CopyAsync8FillIf(copy_lane, dst + copy_dst + at(j, 0), from, cc < num_full ? 8u : 0u);
         } else {
-          CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
+          const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
+          if constexpr (kKeyBytes + kValBytes == 128) {
+            CopyAsync16Fill<kStreamCopies>(to, from, bytes);
+          } else {
+            CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
+          }
         }
         from += copy_step;
       }
@@ -276,18 +311,25 @@ struct SplitPipelines {
     // Read offsets within a stage: keys of token 2g and 2g + 1 (+kPitch: the swizzle depends on
     // token / 2); values of tokens 4t, 4t + 1 (+kPitch) and 4t + 2, 4t + 3 (+kPitch), bytes
     // kKeyBytes + 8g; metadata of tokens 2g, 2g + 1.
-    auto at = [](uint32_t token, uint32_t byte) {
-      return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
-    };
-    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
+    // 16-byte, 8-byte or 4-byte reads; the piece layout: the 4-byte words at 6t rounded down to
+    // 4 and after it, and byte permutes with key_sel (below).
+    constexpr int kKeyReads = kKind == KeyKind::kMse4 || kPieces ? 1 : 3;
     uint32_t read_k[kKeyReads];
 #pragma unroll
     for (int w = 0; w < kKeyReads; ++w) {
-      read_k[w] = Pinned(
-          at(2 * g, kKind == KeyKind::kMse4 ? uint32_t(Traits::kKeyBytes) * t : 12u * t + 4u * w));
+      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? uint32_t(Traits::kKeyBytes) * t
+                                   : kPieces               ? (6u * t) & ~3u
+                                                           : 12u * t + 4u * w));
     }
     const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
-    const uint32_t read_v1 = Pinned(at(4 * t + 2, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
+    const uint32_t read_v1 =
+        kPieces ? read_v0 + at(2, 0)
+                : Pinned(at(4 * t + 2, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
+    // The piece layout's key bytes 6t .. 6t + 5 from the words A (at 6t rounded down) and B: in
+    // kg[0] bytes 6t .. 6t + 3 (A's, or A's upper and B's lower halves for odd t), in kg[1]
+    // bytes 6t + 4, 6t + 5 and two zero bytes: the words the register pipeline's LoadBytes gives.
+    const uint32_t key_sel = kPieces ? Pinned(t & 1 ? 0x5432u : 0x3210u) : 0u;
+    const uint32_t key_sel_hi = kPieces ? Pinned(t & 1 ? 0x76u : 0x54u) : 0u;  // of (0, B)
     const uint32_t read_meta = Pinned(meta_cells + 4u * g);
     auto read = [&](uint32_t st, uint32_t meta, Chunk& ck) {
       if constexpr (kKind == KeyKind::kMse4) {
@@ -298,6 +340,14 @@ struct SplitPipelines {
           SharedLoad8(st + read_k[0], ck.kg);
           SharedLoad8(st + read_k[0] + kPitch, ck.k8);
         }
+      } else if constexpr (kPieces) {
+        const uint32_t a0 = SharedLoad4(st + read_k[0]), b0 = SharedLoad4(st + read_k[0] + 4);
+        const uint32_t a1 = SharedLoad4(st + read_k[0] + kPitch);
+        const uint32_t b1 = SharedLoad4(st + read_k[0] + kPitch + 4);
+        ck.kg[0] = __byte_perm(a0, b0, key_sel);
+        ck.kg[1] = __byte_perm(0u, b0, key_sel_hi);
+        ck.k8[0] = __byte_perm(a1, b1, key_sel);
+        ck.k8[1] = __byte_perm(0u, b1, key_sel_hi);
       } else {
 #pragma unroll
         for (int w = 0; w < kKeyReads; ++w) {

@@ -41,12 +41,12 @@ struct SplitVariant {
   bool packed = false;
   SplitPipeline pipeline = SplitPipeline::kRegisters;
   // 3-bit keys' 8-warp staged kernels: scores from the scaled codebook's fp16 hi parts alone
-  // (attention/codebook_fp16.h); 16 MMAs per chunk instead of 24.
+  // (attention/codebook_fp16.h); 16 MMAs per chunk instead of 24 (D = 64: 8 instead of 12).
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
-  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and of 4-bit
-  // keys at D = 64 (GQA group > 4: speculative verify's passes, new tokens beside the GQA heads):
+  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and 64 (GQA
+  // group > 4: speculative verify's passes, new tokens beside the GQA heads):
   // the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one score MMA per
   // k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a
   // third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
@@ -109,10 +109,11 @@ struct MaybeSplitVariant {
 };
 
 // Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
-// kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4).
+// kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4). At
+// D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not.
 constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
                                bool half = false) {
-  return ((packed || half) && head_dim == 128 && value_bits == 4 &&
+  return ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 4 &&
           (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
          (head_dim == 64 && value_bits == 4 && kind == KeyKind::kMse4) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
@@ -129,8 +130,8 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 
 // The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
-// narrow, which only 3-bit and 4-bit keys with 4-bit values at D = 128 and 4-bit keys at D = 64
-// have (groups <= 4 and, on the staged kernels, above 8).
+// narrow, which only 3-bit and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
+// 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64.
 // Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
@@ -176,7 +177,12 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {true, v};
   }
   if (c.narrow) {
-    if (IsPlain(kind) || !packed_staged || !c.staged) return {};
+    // (3-bit keys at D = 64: only the 8-warp kernels of groups up to 4 are built; narrow twins
+    // wait for their measurements.)
+    if (IsPlain(kind) || !packed_staged || !c.staged ||
+        (kind == KeyKind::kMse3 && head_dim == 64)) {
+      return {};
+    }
     v.packed = true;
     if (kind == KeyKind::kMse4 || c.hi_only) {
       // Paired CTAs: 3-bit keys' on the hi-only twin, 4-bit keys' (the only narrow layout they
@@ -211,7 +217,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
 }
 
 // Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
-inline constexpr int kMaxVariantsPerKind = 32;
+inline constexpr int kMaxVariantsPerKind = 40;
 struct SplitVariantList {
   std::array<SplitVariant, kMaxVariantsPerKind> items{};
   int size = 0;
