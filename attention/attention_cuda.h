@@ -15,7 +15,8 @@
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc and
 // k3v4_nc at head_dim 128 in half precision), each column over the context up to its own token
 // (one split grid per pass, causal masks in its last chunks; those two at head_dim 128 and 64,
-// passes of more than 4 columns: in half precision, AttentionOptions::verify_precision). Chunks
+// and 3bit_nc at 64, passes of more than 4 columns: in half precision,
+// AttentionOptions::verify_precision). Chunks
 // of 16 rows — new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill
 // kernel in half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per
 // product; from 16 rows on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the
@@ -74,7 +75,8 @@ struct AttentionOptions {
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
-  // 128 and 64 wherever a pass has more than 4 decode columns per KV head: kHalf runs the decode
+  // 128 and 64, and 3bit_nc at 64, wherever a pass has more than 4 decode columns per KV head:
+  // kHalf runs the decode
   // kernels' half-precision variant (DecodeOptions::half: one MMA per product, the query, the
   // centroids and P rounded once to fp16; a third of the hi + lo kernel's MMAs), kExact the
   // decode's fp32-level numerics. Other caches and head dims, passes of up to 4 columns and

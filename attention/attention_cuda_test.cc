@@ -234,7 +234,8 @@ struct DecodeBounds {
   double lse = kLseTol, out = kOutTol;
 };
 DecodeBounds DecodeBoundsOf(std::string_view kind) {
-  if (kind == "turboquant_k3v4_nc") return {1e-4, kOutTol};
+  // (3-bit keys' hi-only twin: k3v4_nc at head_dim 128 and 64, 3bit_nc at 64.)
+  if (kind == "turboquant_k3v4_nc" || kind == "turboquant_3bit_nc") return {1e-4, kOutTol};
   if (kind == "BF16") return {kLseTol, 8e-3};
   return {};
 }
@@ -1020,7 +1021,8 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
                                         std::string_view(preset) == "turboquant_k3v4_nc");
     const bool half_kernels =
         wide_half || (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
-                                  std::string_view(preset) == "turboquant_k3v4_nc"));
+                                  std::string_view(preset) == "turboquant_k3v4_nc" ||
+                                  std::string_view(preset) == "turboquant_3bit_nc"));
     for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
@@ -1097,7 +1099,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     }
   }
   // ... and at head_dim 64 (SmolLM2's: GQA 3, 15 columns with 4 drafts).
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {3, 5, 16}) {
       check(preset, 64, group, 16 << (k % 4), k % 2 ? DType::kBF16 : DType::kF32, 1050 + k);
       ++k;

@@ -81,8 +81,8 @@ struct DecodeOptions {
   enum class Narrow { kAuto, kNever, kAlways };
   Narrow narrow = Narrow::kAuto;
   // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
-  // at head_dim 128 and 64 with GQA groups up to 4, and above 4 with `half`; 4bit_nc at head_dim
-  // 64 for every group; bf16/fp16 at head_dim 64 and 128).
+  // at head_dim 128 and 64, 3bit_nc at 64, with GQA groups up to 4, and above 4 with `half`;
+  // 4bit_nc at head_dim 64 for every group; bf16/fp16 at head_dim 64 and 128).
   bool staged = true;
   // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
   bool one_cta_twin = true;
@@ -90,11 +90,11 @@ struct DecodeOptions {
   // kernel before it.
   bool dependent_launch = true;
   // true: 4-bit and 3-bit keys with 4-bit values (4bit_nc, k3v4_nc) at head_dim 128 and GQA
-  // groups above 4, and at head_dim 64 and groups 5-16 (speculative verify's passes put
-  // new tokens beside the GQA heads) run the
-  // staged half-precision kernels (decode_detail::SplitVariant::half: the query, the centroids and
-  // P' rounded once to fp16, as FlashAttention rounds) instead of the hi + lo products'
-  // fp32-level scores; a third of the MMAs. Elsewhere (and with staged = false) ignored.
+  // groups above 4, and those and 3bit_nc at head_dim 64 and groups 5-16 (speculative verify's
+  // passes put new tokens beside the GQA heads) run the staged half-precision kernels
+  // (decode_detail::SplitVariant::half: the query, the centroids and P' rounded once to fp16, as
+  // FlashAttention rounds) instead of the hi + lo products' fp32-level scores; a third of the MMAs.
+  // Elsewhere (and with staged = false) ignored.
   bool half = false;
   // With half: verify passes of 9-32 columns on the kernel whose warps share their outputs, 4
   // warps to one (decode_detail::SplitVariant::shared_o: 32 accumulator registers per thread

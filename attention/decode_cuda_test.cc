@@ -53,14 +53,14 @@ const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "tu
 //    to 8e-3, fp16 (2^-12) to 1e-3 (PlainOutTol).
 constexpr double kOutTol = 1e-3;
 constexpr double kLseTol = 1e-5;
-// The hi-only twin of k3v4_nc's 8-warp staged kernel (D = 128, groups up to 4, where the plan's
-// split grid holds at most one CTA per SM, as in most of these tests) reads the 3-bit codebook as
-// scaled fp16 hi parts alone (attention/codebook_fp16.h: within 2.5e-5 relative, which moves the
-// LSE by up to ~4e-5 relative, measured on the CPU in codebook_fp16_test): held to the issue's
-// 1e-4.
+// The hi-only twin of 3-bit keys' 8-warp staged kernel (k3v4_nc at D = 128 and 64, 3bit_nc at
+// 64; groups up to 4, where the plan's split grid holds at most one CTA per SM, as in most of
+// these tests) reads the 3-bit codebook as scaled fp16 hi parts alone
+// (attention/codebook_fp16.h: within 2.5e-5 relative, which moves the LSE by up to ~4e-5
+// relative, measured on the CPU in codebook_fp16_test): held to the issue's 1e-4.
 constexpr double kLseTolHiOnly = 1e-4;
 double LseTol(std::string_view preset) {
-  return preset == "turboquant_k3v4_nc" ? kLseTolHiOnly : kLseTol;
+  return preset == "turboquant_k3v4_nc" || preset == "turboquant_3bit_nc" ? kLseTolHiOnly : kLseTol;
 }
 
 struct Errors {
@@ -247,8 +247,9 @@ TEST(CudaDecodeTest, EveryPresetHeadDimGroupAndBlockSize) {
 // Groups 9-16 at head_dim 64 (SmolLM2's GQA 3 with 4 drafts: 15 columns): 3-bit and FP8 keys on
 // the register kernel of two N tiles (three CTAs per SM for 3-bit keys, kSplitMinCtas), 4-bit keys
 // on staged kernels, exact or half precision, as 8-warp CTAs or the 4-warp narrow ones; 3-bit keys
-// with 4-bit values (k3v4_nc) in half precision on staged kernels too (StagedPieceLayout), 8-warp
-// or narrow; an odd number of KV heads, contexts across several splits.
+// with 4-bit or 3-bit values (k3v4_nc, 3bit_nc) in half precision on staged kernels too
+// (StagedPieceLayout), 8-warp or narrow; an odd number of KV heads, contexts across several
+// splits, large value scales at group 16.
 TEST(CudaDecodeTest, HeadDim64WideGroupsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> lens = {1, 15, 17, 0, 700, 2100, 4097};
@@ -266,7 +267,7 @@ TEST(CudaDecodeTest, HeadDim64WideGroupsMatchTheReference) {
     }
   }
   int k = 0;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {9, 16}) {
       const int hk = 3, d = 64, bs = 32 << (k % 2);
       const bool large_values = k++ % 2 == 1;
@@ -744,7 +745,7 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
 // the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly),
 // otherwise on the exact 4-warp CTAs (kLseTol). At head_dim 64, which has no narrow layout, the
 // same shapes run the 8-warp staged kernel (StagedPieceLayout; exact: these grids hold more CTAs
-// than SMs, so no hi-only twin).
+// than SMs, so no hi-only twin), for 3bit_nc (3-bit values) as for k3v4_nc.
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
@@ -756,10 +757,14 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
     int hk, group;
     bool unscalable;
     int d = 128;
+    const char* preset = "turboquant_k3v4_nc";
   };
-  for (const Case c : {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
-                       Case{8, 1, false}, Case{8, 4, true}, Case{8, 4, false, 64},
-                       Case{3, 3, false, 64}, Case{6, 2, false, 64}, Case{4, 1, true, 64}}) {
+  constexpr const char* k3bit = "turboquant_3bit_nc";
+  for (const Case c :
+       {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
+        Case{8, 1, false}, Case{8, 4, true}, Case{8, 4, false, 64}, Case{3, 3, false, 64},
+        Case{6, 2, false, 64}, Case{4, 1, true, 64}, Case{3, 3, false, 64, k3bit},
+        Case{8, 4, false, 64, k3bit}, Case{4, 1, true, 64, k3bit}}) {
     const bool narrow = c.d == 128;
     const bool paired = narrow && c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
@@ -770,20 +775,20 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
       std::shuffle(lens.begin(), lens.end(), rng);
       const std::vector<int> splits = {0, 64, 320};
       const std::vector<Errors> errors =
-          CheckCompressedSplits("turboquant_k3v4_nc", c.d, c.hk, c.group, bs, lens, false, splits,
+          CheckCompressedSplits(c.preset, c.d, c.hk, c.group, bs, lens, false, splits,
                                 RotationKind::kHadamard, narrow, c.unscalable);
       for (size_t i = 0; i < splits.size(); ++i) {
         const int tps = splits[i];
         const Errors& e = errors[i];
         std::printf(
-            "k3v4_nc %s D=%d hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
+            "%s %s D=%d hk=%d group=%d bs=%3d tokens_per_split %4d%s: out err %.2e, lse err "
             "%.2e, bad %lld\n",
-            narrow ? "narrow" : "8-warp", c.d, c.hk, c.group, bs, tps,
+            c.preset, narrow ? "narrow" : "8-warp", c.d, c.hk, c.group, bs, tps,
             c.unscalable ? " (unscalable codebook)" : (e.hi_only ? " (paired hi-only)" : ""), e.out,
             e.lse, static_cast<long long>(e.bad));
         const std::string where =
-            fmt::format("D {} hk {} group {} bs {} tokens_per_split {}{}", c.d, c.hk, c.group, bs,
-                        tps, c.unscalable ? " unscalable" : "");
+            fmt::format("{} D {} hk {} group {} bs {} tokens_per_split {}{}", c.preset, c.d, c.hk,
+                        c.group, bs, tps, c.unscalable ? " unscalable" : "");
         EXPECT_EQ(e.hi_only, paired) << where;
         EXPECT_EQ(e.bad, 0) << where;
         EXPECT_LE(e.out, kOutTol) << where;
@@ -843,13 +848,15 @@ TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
 // layout on the twin's paired CTAs (two KV heads per CTA; 1e-4) at D = 128, the exact 8-warp
 // kernel at D = 64 (no narrow layout there); a table of eight distinct magnitudes does not scale
 // that closely, so its plans take the exact twin (1e-5), and a hi-only plan for it is refused.
+// 3bit_nc (3-bit values) at D = 64 the same way, on its own staged kernels.
 TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   TQKV_SKIP_WITHOUT_GPU();
   const uint64_t seed = std::random_device{}();
   constexpr int kHk = 2, kGroup = 4, kBs = 16;
-  for (const int d : {128, 64}) {
-    const Quantizer builtin =
-        Quantizer::Create("turboquant_k3v4_nc", d, kHk, kBs, RotationKind::kHadamard, seed);
+  for (const auto& [preset, d] :
+       {std::pair{"turboquant_k3v4_nc", 128}, std::pair{"turboquant_k3v4_nc", 64},
+        std::pair{"turboquant_3bit_nc", 64}}) {
+    const Quantizer builtin = Quantizer::Create(preset, d, kHk, kBs, RotationKind::kHadamard, seed);
     const std::vector<float> odd = UnscalableThreeBitCentroids(d);
     ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);
     const Quantizer exact_only(builtin.preset(), d, kHk, kBs, builtin.rotation(),
@@ -869,7 +876,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
                          Case{&exact_only, 64, d128, false,
                               d128 ? "unscalable codebook, 64-token splits: narrow exact"
                                    : "unscalable codebook, 64-token splits: 8-warp exact"}}) {
-      const std::string what = fmt::format("D {} {}", d, c.what);
+      const std::string what = fmt::format("{} D {} {}", preset, d, c.what);
       const Scenario s = Build(*c.q, {1, 15, 17, 700, 4097, 0}, kHk * kGroup, seed);
       std::vector<float> ref_out, ref_lse;
       testing::ReferenceDecode(*c.q, s, ref_out, ref_lse);
@@ -882,7 +889,7 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
       EXPECT_TRUE(plan.variant.staged()) << what;
       const Errors e =
           RunAndCompare(decoder, s, dev, s.num_blocks, ref_out, ref_lse, d, c.tokens_per_split);
-      std::printf("k3v4_nc %s: out err %.2e, lse err %.2e, bad %lld\n", what.c_str(), e.out, e.lse,
+      std::printf("%s: out err %.2e, lse err %.2e, bad %lld\n", what.c_str(), e.out, e.lse,
                   static_cast<long long>(e.bad));
       EXPECT_EQ(e.bad, 0) << what;
       EXPECT_LE(e.out, kOutTol) << what;

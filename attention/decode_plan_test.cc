@@ -301,7 +301,8 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 
 // The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
-// with 4-bit values at D = 128 and 64 (D = 64: not yet measured for 3-bit keys). Everywhere else
+// with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 64 (D = 64: not
+// yet measured for 3-bit keys). Everywhere else
 // the choice is ignored, and the variant is the one without it. Groups 17-32 exist on the D = 128
 // kernels alone (four N tiles, 4-warp CTAs), and MaxSplitGroup says so. Every chosen variant is
 // instantiated (SplitVariantsOf) and survives its code.
@@ -321,9 +322,10 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
             const MaybeSplitVariant without =
                 ChooseSplitVariant(kind, bits, d, group, {staged, false, true, false, false});
             // (D = 64: groups 5-16 only; 4-bit keys' exact kernels staged too, 3-bit keys' on
-            // registers.)
-            const bool d64 = staged && bits == 4 && d == 64 &&
-                             (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+            // registers; 3-bit keys with 3-bit values too.)
+            const bool d64 = staged && d == 64 &&
+                             ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
+                              (bits == 3 && kind == KeyKind::kMse3));
             const bool half_kernels = d64 || (staged && bits == 4 && d == 128 &&
                                               (kind == KeyKind::kMse4 || kind == KeyKind::kMse3));
             const bool expected = half_kernels && group > 4;
@@ -376,65 +378,94 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
       }
     }
   }
-  // 4-bit and 3-bit keys, groups 5-32 at D = 128, 5-16 at D = 64
-  EXPECT_EQ(half_variants, 2 * 28 + 2 * 12);
+  // 4-bit and 3-bit keys with 4-bit values, groups 5-32 at D = 128, 5-16 at D = 64; 3-bit keys
+  // with 3-bit values, groups 5-16 at D = 64
+  EXPECT_EQ(half_variants, 2 * 28 + 3 * 12);
 }
 
-// 3-bit keys with 4-bit values at D = 64 (k3v4_nc at SmolLM2's head_dim; StagedPieceLayout):
-// GQA groups up to 4 on the packed 8-warp staged kernel and its hi-only twin, with no narrow
-// layout (neither a 4-warp nor a paired kernel: a narrow choice has no variant); groups 5-16 on
-// the half-precision staged kernels (8-warp, and the 4-warp narrow twin for 9-16), the exact ones
-// on the register kernels; the register kernels wherever staged = false.
+// 3-bit keys with 4-bit or 3-bit values at D = 64 (k3v4_nc and 3bit_nc at SmolLM2's head_dim;
+// StagedPieceLayout): GQA groups up to 4 on the packed 8-warp staged kernel and its hi-only twin,
+// with no narrow layout (neither a 4-warp nor a paired kernel: a narrow choice has no variant);
+// groups 5-16 on the half-precision staged kernels (8-warp, and the 4-warp narrow twin for 9-16),
+// the exact ones on the register kernels; the register kernels wherever staged = false.
 TEST(DecodePlanTest, ThreeBitKeysAtHeadDim64) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
   using decode_detail::SplitPipeline;
   using decode_detail::SplitVariant;
   const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(KeyKind::kMse3);
-  auto choose = [](int group, bool narrow, bool hi_only, bool half, bool staged = true) {
-    return ChooseSplitVariant(KeyKind::kMse3, 4, 64, group,
-                              {staged, narrow, hi_only, false, half, true});
-  };
-  for (int group = 1; group <= 16; ++group) {
-    const std::string what = fmt::format("group {}", group);
-    const MaybeSplitVariant exact = choose(group, false, false, false);
-    const MaybeSplitVariant hi = choose(group, false, true, false);
-    const MaybeSplitVariant half = choose(group, false, true, true);
-    const MaybeSplitVariant narrow = choose(group, true, true, false);
-    const MaybeSplitVariant narrow_half = choose(group, true, true, true);
-    const MaybeSplitVariant registers = choose(group, false, true, true, false);
-    ASSERT_TRUE(exact.ok && hi.ok && half.ok && registers.ok) << what;
-    EXPECT_FALSE(registers.variant.staged()) << what;
-    EXPECT_FALSE(narrow.ok) << what;
-    if (group <= 4) {
-      EXPECT_TRUE(exact.variant.packed) << what;
-      EXPECT_EQ(exact.variant.pipeline, SplitPipeline::kStaged) << what;
-      EXPECT_EQ(exact.variant.cta_warps(), 8) << what;
-      EXPECT_FALSE(exact.variant.hi_only) << what;
-      EXPECT_TRUE(hi.variant.hi_only) << what;
-      EXPECT_EQ(hi.variant.pipeline, SplitPipeline::kStaged) << what;
-      EXPECT_EQ(half.variant, hi.variant) << what;  // half: groups above 4 only
-      EXPECT_FALSE(narrow_half.ok) << what;
-    } else {
-      EXPECT_FALSE(exact.variant.staged()) << what;
-      EXPECT_EQ(hi.variant, exact.variant) << what;
-      EXPECT_TRUE(half.variant.half) << what;
-      EXPECT_EQ(half.variant.pipeline, SplitPipeline::kStaged) << what;
-      EXPECT_EQ(half.variant.n_tiles, group <= 8 ? 1 : 2) << what;
-      EXPECT_FALSE(half.variant.shared_o) << what;
-      EXPECT_EQ(narrow_half.ok, group > 8) << what;
-      if (narrow_half.ok) {
-        EXPECT_TRUE(narrow_half.variant.half) << what;
-        EXPECT_EQ(narrow_half.variant.pipeline, SplitPipeline::kStagedNarrow) << what;
-        EXPECT_EQ(narrow_half.variant.n_tiles, 2) << what;
+  for (int bits : {4, 3}) {
+    auto choose = [bits](int group, bool narrow, bool hi_only, bool half, bool staged = true) {
+      return ChooseSplitVariant(KeyKind::kMse3, bits, 64, group,
+                                {staged, narrow, hi_only, false, half, true});
+    };
+    for (int group = 1; group <= 16; ++group) {
+      const std::string what = fmt::format("value bits {} group {}", bits, group);
+      const MaybeSplitVariant exact = choose(group, false, false, false);
+      const MaybeSplitVariant hi = choose(group, false, true, false);
+      const MaybeSplitVariant half = choose(group, false, true, true);
+      const MaybeSplitVariant narrow = choose(group, true, true, false);
+      const MaybeSplitVariant narrow_half = choose(group, true, true, true);
+      const MaybeSplitVariant registers = choose(group, false, true, true, false);
+      ASSERT_TRUE(exact.ok && hi.ok && half.ok && registers.ok) << what;
+      EXPECT_FALSE(registers.variant.staged()) << what;
+      EXPECT_FALSE(narrow.ok) << what;
+      if (group <= 4) {
+        EXPECT_TRUE(exact.variant.packed) << what;
+        EXPECT_EQ(exact.variant.pipeline, SplitPipeline::kStaged) << what;
+        EXPECT_EQ(exact.variant.cta_warps(), 8) << what;
+        EXPECT_FALSE(exact.variant.hi_only) << what;
+        EXPECT_TRUE(hi.variant.hi_only) << what;
+        EXPECT_EQ(hi.variant.pipeline, SplitPipeline::kStaged) << what;
+        EXPECT_EQ(half.variant, hi.variant) << what;  // half: groups above 4 only
+        EXPECT_FALSE(narrow_half.ok) << what;
+      } else {
+        EXPECT_FALSE(exact.variant.staged()) << what;
+        EXPECT_EQ(hi.variant, exact.variant) << what;
+        EXPECT_TRUE(half.variant.half) << what;
+        EXPECT_EQ(half.variant.pipeline, SplitPipeline::kStaged) << what;
+        EXPECT_EQ(half.variant.n_tiles, group <= 8 ? 1 : 2) << what;
+        EXPECT_FALSE(half.variant.shared_o) << what;
+        EXPECT_EQ(narrow_half.ok, group > 8) << what;
+        if (narrow_half.ok) {
+          EXPECT_TRUE(narrow_half.variant.half) << what;
+          EXPECT_EQ(narrow_half.variant.pipeline, SplitPipeline::kStagedNarrow) << what;
+          EXPECT_EQ(narrow_half.variant.n_tiles, 2) << what;
+        }
+      }
+      for (const MaybeSplitVariant& m : {exact, hi, half, narrow_half, registers}) {
+        if (!m.ok) continue;
+        EXPECT_EQ(m.variant.value_bits, bits) << what;
+        EXPECT_EQ(SplitVariant::FromCode(m.variant.Code()), m.variant) << what;
+        bool instantiated = false;
+        for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == m.variant;
+        EXPECT_TRUE(instantiated) << what;
       }
     }
-    for (const MaybeSplitVariant& m : {exact, hi, half, narrow_half, registers}) {
-      if (!m.ok) continue;
-      EXPECT_EQ(SplitVariant::FromCode(m.variant.Code()), m.variant) << what;
-      bool instantiated = false;
-      for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == m.variant;
-      EXPECT_TRUE(instantiated) << what;
+  }
+}
+
+// 3bit_nc (3-bit keys and values) has staged kernels at D = 64 alone: at D = 128 and 256 every
+// choice of every group gets a register kernel, with no narrow or half-precision variant.
+TEST(DecodePlanTest, ThreeBitValuesStagedAtHeadDim64Only) {
+  using decode_detail::ChooseSplitVariant;
+  using decode_detail::MaybeSplitVariant;
+  for (int d : {128, 256}) {
+    EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, d, true, true), 16) << d;
+    for (int group = 1; group <= 16; ++group) {
+      for (int choice = 0; choice < 64; ++choice) {
+        const decode_detail::SplitChoice c{(choice & 1) != 0,  (choice & 2) != 0,
+                                           (choice & 4) != 0,  (choice & 8) != 0,
+                                           (choice & 16) != 0, (choice & 32) != 0};
+        const MaybeSplitVariant m = ChooseSplitVariant(KeyKind::kMse3, 3, d, group, c);
+        const std::string what = fmt::format("D {} group {} choice {}", d, group, choice);
+        ASSERT_EQ(m.ok, !c.narrow) << what;
+        if (!m.ok) continue;
+        EXPECT_FALSE(m.variant.staged()) << what;
+        EXPECT_FALSE(m.variant.half) << what;
+        EXPECT_FALSE(m.variant.hi_only) << what;
+        EXPECT_EQ(m.variant.packed, group <= 4) << what;
+      }
     }
   }
 }

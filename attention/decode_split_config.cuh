@@ -31,7 +31,8 @@ constexpr float kLn2 = 0.69314718055994530942f;
 
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128 and 64,
 // GQA group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, 5-16 at
-// D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; see kSplitMinCtas): 8 warps per
+// D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; 3bit_nc's packed and
+// half-precision kernels at D = 64, as k3v4_nc's there; see kSplitMinCtas): 8 warps per
 // CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also
 // a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
 // of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
@@ -117,6 +118,9 @@ struct StagedLayout<KeyKind::kMse3, kW> {
 //   makes the copy destinations XORs per instruction instead of immediate offsets.)
 // Per chunk and warp: 4 key and 4 value reads, 12 wavefronts (bank simulation). 52 KB per CTA
 // (8 warps), 34 KB (4 warps).
+// 3bit_nc at D = 64 (48-byte slots: 24 key + 24 value bytes, 16 bytes aligned) uses the same
+// layout with pieces 0-5: the same key reads, and its 3-byte value runs (at 24 + 3g) as two
+// 4-byte reads per token, each one wavefront (tools/bench/piece_banks.py): 16 per chunk.
 template <int kW>
 struct StagedPieceLayout {
   static constexpr uint32_t kFirst = 64 * 256;
@@ -385,7 +389,8 @@ struct SplitKernelConfig {
 // kernel of two N tiles takes 127 registers (two 8-warp CTAs) or 140 (three 4-warp ones), their
 // exact one 180 at one 8-warp CTA (two spilled 196 bytes) or 168 at three 4-warp ones; 3-bit keys'
 // half-precision one 125 (two 8-warp CTAs) or 136 (three 4-warp ones), their packed kernel 104 and
-// its hi-only twin 96 (two 8-warp CTAs).
+// its hi-only twin 96 (two 8-warp CTAs); with 3-bit values (3bit_nc) 128 / 137, 108 and 96, and
+// the half-precision kernel of one N tile 110.
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) {

@@ -41,6 +41,7 @@ struct SplitPipelines {
   using Traits = typename Config::Traits;
   using Chunk = SplitChunk<Traits>;
   static constexpr KeyKind kKind = V.kind;
+  static constexpr int kValueBits = V.value_bits;
   static constexpr int kD = V.head_dim;
   static constexpr int kW = Config::kCtaWarps / Config::kUnits;
   static constexpr int kSW = Config::kSW;
@@ -198,7 +199,7 @@ struct SplitPipelines {
     }
   }
 
-  // 4bit_nc and k3v4_nc at D = 128 and 64 (Config::kStaged, compressed).
+  // 4bit_nc and k3v4_nc at D = 128 and 64, 3bit_nc at D = 64 (Config::kStaged, compressed).
   template <typename FirstBlock, typename BlockOf, typename Finish, typename Compute>
   __device__ __forceinline__ static void Staged(const SplitPipelineFrame& f, uint32_t& lane_word,
                                                 FirstBlock& first_block, BlockOf& block_of,
@@ -222,6 +223,9 @@ struct SplitPipelines {
     // 3-bit keys at D = 64 (kPieces): 56-byte slots, 8 bytes aligned, copied as 8-byte pieces
     // into StagedPieceLayout: in copy instruction j lane l copies piece l mod 8 (none for 7) of
     // token j + 4·(l / 8 mod 2) + 8·(l / 16), so each 8-lane phase still moves one token's slot.
+    // 3bit_nc's 48-byte slots (24 key + 24 value bytes) take the same layout and copies, pieces
+    // 0-5 (6 and 7 idle): its key bytes and their reads are k3v4_nc's. (Its slots are 16 bytes
+    // aligned, so 16-byte copies into the same places would do too; not compared.)
     constexpr bool kPieces = kKind == KeyKind::kMse3 && kD == 64;
     using Layout = StagedLayoutOf<kKind, kSW, kD>;
     // Bytes from token 2m to token 2m + 1 of a stage.
@@ -234,7 +238,8 @@ struct SplitPipelines {
     }();
     constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
     constexpr uint32_t kValBytes = Traits::kValueBytes * 8;  // per token (8 lanes)
-    static_assert(kPieces ? kKeyBytes + kValBytes == 56
+    static_assert(kPieces ? kKeyBytes == 24 && (kKeyBytes + kValBytes == 56 ||
+                                                (kValueBits == 3 && kKeyBytes + kValBytes == 48))
                           : kKeyBytes % 16 == 0 && kKeyBytes + kValBytes <= kPitch);
     constexpr uint32_t kCopyBytes = kPieces ? 8 : 16;
     // Where byte `byte` of token `token`'s slot lies in a stage.
@@ -274,7 +279,7 @@ struct SplitPipelines {
     // 4 tokens (the piece layout: 1)
     const uint32_t copy_step = Pinned((kPieces ? 1u : 4u) * static_cast<uint32_t>(stride_token));
     // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing (piece 7
-    // of a 56-byte slot too).
+    // of a 56-byte slot too, pieces 6-7 of a 48-byte one).
     const bool copy_lane = kCopyBytes * copy_unit < kKeyBytes + kValBytes;
     const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
     const uint32_t copy_meta =
@@ -321,10 +326,21 @@ struct SplitPipelines {
                                    : kPieces               ? (6u * t) & ~3u
                                                            : 12u * t + 4u * w));
     }
-    const uint32_t read_v0 = Pinned(at(4 * t, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
+    // 3-bit values (3bit_nc: 3 bytes at 24 + 3g, not 4-byte aligned): the 4-byte words at 24 + 3g
+    // rounded down to 4 (read_v0) and after it (read_v0b; tokens 4t + 1..3 at the same offsets
+    // as above), joined by one byte permute with val_sel into the word whose bytes 0-2 are the
+    // thread's codes: the word LoadBytes<3, 1> gives the register pipeline (byte 3 differs; Rows
+    // reads bits 0-23 alone). Each of the 8 reads takes one wavefront (piece_banks.py).
+    constexpr bool kSplitValues = kValueBits == 3;
+    static_assert(!kSplitValues || (kPieces && Traits::kValueBytes == 3));
+    const uint32_t value_byte = kKeyBytes + uint32_t(Traits::kValueBytes) * g;
+    const uint32_t read_v0 = Pinned(at(4 * t, kSplitValues ? value_byte & ~3u : value_byte));
     const uint32_t read_v1 =
         kPieces ? read_v0 + at(2, 0)
                 : Pinned(at(4 * t + 2, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
+    // The second word may lie in another piece: its own address (token bits 0-1 still add).
+    const uint32_t read_v0b = kSplitValues ? Pinned(at(4 * t, (value_byte & ~3u) + 4u)) : 0u;
+    const uint32_t val_sel = kSplitValues ? Pinned(0x3210u + 0x1111u * (value_byte & 3u)) : 0u;
     // The piece layout's key bytes 6t .. 6t + 5 from the words A (at 6t rounded down) and B: in
     // kg[0] bytes 6t .. 6t + 3 (A's, or A's upper and B's lower halves for odd t), in kg[1]
     // bytes 6t + 4, 6t + 5 and two zero bytes: the words the register pipeline's LoadBytes gives.
@@ -360,6 +376,19 @@ struct SplitPipelines {
         SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
         SharedLoad8(st + read_v1, ck.v[1]);
         SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      } else if constexpr (kSplitValues) {
+        constexpr uint32_t kTwo = at(2, 0);  // token 4t + 2 from 4t
+        const uint32_t a0 = SharedLoad4(st + read_v0), b0 = SharedLoad4(st + read_v0b);
+        const uint32_t a2 = SharedLoad4(st + read_v0 + kPitch);
+        const uint32_t b2 = SharedLoad4(st + read_v0b + kPitch);
+        const uint32_t a1 = SharedLoad4(st + read_v0 + kTwo);
+        const uint32_t b1 = SharedLoad4(st + read_v0b + kTwo);
+        const uint32_t a3 = SharedLoad4(st + read_v0 + kTwo + kPitch);
+        const uint32_t b3 = SharedLoad4(st + read_v0b + kTwo + kPitch);
+        ck.v[0][0] = __byte_perm(a0, b0, val_sel);
+        ck.v[2][0] = __byte_perm(a2, b2, val_sel);
+        ck.v[1][0] = __byte_perm(a1, b1, val_sel);
+        ck.v[3][0] = __byte_perm(a3, b3, val_sel);
       } else {
         ck.v[0][0] = SharedLoad4(st + read_v0);
         ck.v[2][0] = SharedLoad4(st + read_v0 + kPitch);

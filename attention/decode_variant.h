@@ -45,8 +45,9 @@ struct SplitVariant {
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
-  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and 64 (GQA
-  // group > 4: speculative verify's passes, new tokens beside the GQA heads):
+  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and 64, and of
+  // 3-bit keys with 3-bit values at D = 64 (GQA group > 4: speculative verify's passes, new
+  // tokens beside the GQA heads):
   // the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one score MMA per
   // k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a
   // third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
@@ -110,11 +111,13 @@ struct MaybeSplitVariant {
 
 // Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
 // kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4). At
-// D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not.
+// D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not; 3-bit keys with
+// 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 64 alone.
 constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
                                bool half = false) {
   return ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 4 &&
           (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
+         ((packed || half) && head_dim == 64 && value_bits == 3 && kind == KeyKind::kMse3) ||
          (head_dim == 64 && value_bits == 4 && kind == KeyKind::kMse4) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
@@ -131,7 +134,8 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 // The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
 // narrow, which only 3-bit and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
-// 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64.
+// 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64 (3-bit values:
+// at D = 64, in half precision).
 // Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Shared-memory wavefronts of k3v4_nc's staged stage layout at head_dim 64 (no GPU needed).
+"""Shared-memory wavefronts of the staged stage layout of k3v4_nc and 3bit_nc at head_dim 64 (no GPU
+needed).
 
   python3 tools/bench/piece_banks.py
 
@@ -47,10 +48,21 @@ def main():
     for c in (0, 2, 1, 3):
         acc = [(byte(4 * t + c, 24 + 4 * g), 4) for g, t in lanes]
         rows.append((f"values of tokens 4t + {c}", wavefronts(acc), 1))
+    # 3bit_nc (3-bit values, 48-byte slots in the same layout): 3 bytes at 24 + 3g of tokens
+    # 4t + c, read as the word at 24 + 3g rounded down to 4 (lo) and the one after it (hi).
+    for c in (0, 2, 1, 3):
+        for word, off in (("lo", 0), ("hi", 4)):
+            acc = [(byte(4 * t + c, ((24 + 3 * g) & ~3) + off), 4) for g, t in lanes]
+            rows.append((f"3bit_nc values of tokens 4t + {c} ({word})", wavefronts(acc), 1))
     for name, w, least in rows:
         print(f"{name:45s} {w} wavefront(s) (least possible {least})")
-    reads = sum(w for name, w, _ in rows if not name.startswith("copy"))
-    print(f"reads per chunk and warp: {reads} wavefronts (keys and values; metadata as before)")
+    reads = sum(w for name, w, _ in rows if not name.startswith(("copy", "3bit")))
+    print(f"k3v4_nc reads per chunk and warp: {reads} wavefronts (keys and values; metadata as "
+          "before)")
+    reads = sum(w for name, w, _ in rows
+                if name.startswith(("key", "3bit")))
+    print(f"3bit_nc reads per chunk and warp: {reads} wavefronts (its copies: pieces 0-5 of the "
+          "same instructions)")
 
 
 if __name__ == "__main__":
