@@ -15,7 +15,7 @@
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc and
 // k3v4_nc at head_dim 128 in half precision), each column over the context up to its own token
 // (one split grid per pass, causal masks in its last chunks; those two at head_dim 128 and 64,
-// and 3bit_nc at 64, passes of more than 4 columns: in half precision,
+// and 3bit_nc (16 columns) at both, passes of more than 4 columns: in half precision,
 // AttentionOptions::verify_precision). Chunks
 // of 16 rows — new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill
 // kernel in half precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per
@@ -75,7 +75,8 @@ struct AttentionOptions {
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
-  // 128 and 64, and 3bit_nc at 64, wherever a pass has more than 4 decode columns per KV head:
+  // 128 and 64, and 3bit_nc (up to 16 columns), wherever a pass has more than 4 decode columns
+  // per KV head:
   // kHalf runs the decode
   // kernels' half-precision variant (DecodeOptions::half: one MMA per product, the query, the
   // centroids and P rounded once to fp16; a third of the hi + lo kernel's MMAs), kExact the

@@ -234,7 +234,7 @@ struct DecodeBounds {
   double lse = kLseTol, out = kOutTol;
 };
 DecodeBounds DecodeBoundsOf(std::string_view kind) {
-  // (3-bit keys' hi-only twin: k3v4_nc at head_dim 128 and 64, 3bit_nc at 64.)
+  // (3-bit keys' hi-only twin: k3v4_nc and 3bit_nc at head_dim 128 and 64.)
   if (kind == "turboquant_k3v4_nc" || kind == "turboquant_3bit_nc") return {1e-4, kOutTol};
   if (kind == "BF16") return {kLseTol, 8e-3};
   return {};
@@ -1019,10 +1019,11 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, seed);
     const bool wide_half = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
                                         std::string_view(preset) == "turboquant_k3v4_nc");
-    const bool half_kernels =
-        wide_half || (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
-                                  std::string_view(preset) == "turboquant_k3v4_nc" ||
-                                  std::string_view(preset) == "turboquant_3bit_nc"));
+    // (3bit_nc: half kernels at head_dim 128 too, up to 16 columns, no shared output.)
+    const bool half_kernels = wide_half ||
+                              (std::string_view(preset) == "turboquant_3bit_nc" && d <= 128) ||
+                              (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
+                                           std::string_view(preset) == "turboquant_k3v4_nc"));
     for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
@@ -1088,7 +1089,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     }
   }
   // ... and the half kernels at more GQA groups, with bf16 I/O too.
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {1, 3, 4, 8, 16}) {
       for (DType io : {DType::kF32, DType::kBF16}) {
         // A dense Πᵀ too: the query prep's rows instead of the kernels' own rotation.

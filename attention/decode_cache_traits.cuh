@@ -46,6 +46,37 @@ struct CompressedValues {
     row_g8 = ca1 | (cb1 << 16);
   }
 
+  // 3-bit codes, the staged kernels' decode (SplitCompute): both tokens' codes of m-tiles 2j and
+  // 2j + 1 in one word (window j: 16 bits of token a's run in the low half, of token b's in the
+  // high half, from bit kWindowBit[j]), built once per chunk; then per m-tile one shift of its
+  // window and two masks, row g + 8 masked in place (bits 3-5 of each half: 8·c · 2^-24, scaled
+  // back by kStagedOddRowScale). Rows' shift and mask per code and token took twice the
+  // instructions.
+  static constexpr int kWindows = kD / 32;
+  static constexpr int kWindowBit[4] = {0, 8, 24, 32};  // D = 64: the first two
+  static constexpr float kStagedOddRowScale = kSubnormalScale / 8.0f;
+  __device__ __forceinline__ static void RowWindows(const uint32_t (&wa)[kValueWords],
+                                                    const uint32_t (&wb)[kValueWords],
+                                                    uint32_t (&win)[kWindows]) {
+    static_assert(kValueBits == 3 && (kD == 64 || kD == 128));
+    win[0] = __byte_perm(wa[0], wb[0], 0x5410);  // bits 0-15
+    win[1] = __byte_perm(wa[0], wb[0], 0x6521);  // bits 8-23
+    if constexpr (kD == 128) {
+      const uint32_t xa = __funnelshift_r(wa[0], wa[1], 24), xb = __funnelshift_r(wb[0], wb[1], 24);
+      win[2] = __byte_perm(xa, xb, 0x5410);        // bits 24-39
+      win[3] = __byte_perm(wa[1], wb[1], 0x5410);  // bits 32-47
+    }
+  }
+  template <int kMt>
+  __device__ __forceinline__ static void RowsOfWindow(const uint32_t (&win)[kWindows],
+                                                      uint32_t& row_g, uint32_t& row_g8) {
+    constexpr int kShift = 6 * kMt - kWindowBit[kMt / 2];
+    static_assert(kShift >= 0 && kShift + 5 <= 15);
+    const uint32_t y = win[kMt / 2] >> kShift;
+    row_g = y & 0x00070007u;
+    row_g8 = y & 0x00380038u;
+  }
+
   __device__ __forceinline__ static int D0(int g, int mt) {
     return kValueBits == 4 ? 2 * ((kD / 16) * g + mt) : (kD / 8) * g + 2 * mt;
   }

@@ -518,10 +518,10 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {
     throw InvalidArgument(kWhere, "plan.narrow", "true",
                           "false for this cache and group (the narrow split kernels serve "
-                          "3-bit and 4-bit keys with 4-bit values: GQA groups up to 4 at "
+                          "3-bit keys and 4-bit keys with 4-bit values: GQA groups up to 4 at "
                           "D = 128, and for 4-bit keys at D = 64, 4-bit keys only with an even "
                           "number of KV heads; groups above 8 on the staged kernels, 3-bit keys' "
-                          "at D = 64 (with 4-bit or 3-bit values) in half precision only)");
+                          "at D = 64 in half precision only)");
   }
   if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
     throw InvalidArgument(kWhere, "plan.one_cta", "true",

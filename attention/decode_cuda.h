@@ -81,7 +81,7 @@ struct DecodeOptions {
   enum class Narrow { kAuto, kNever, kAlways };
   Narrow narrow = Narrow::kAuto;
   // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
-  // at head_dim 128 and 64, 3bit_nc at 64, with GQA groups up to 4, and above 4 with `half`;
+  // and 3bit_nc at head_dim 128 and 64 with GQA groups up to 4, and above 4 with `half`;
   // 4bit_nc at head_dim 64 for every group; bf16/fp16 at head_dim 64 and 128).
   bool staged = true;
   // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
@@ -90,8 +90,9 @@ struct DecodeOptions {
   // kernel before it.
   bool dependent_launch = true;
   // true: 4-bit and 3-bit keys with 4-bit values (4bit_nc, k3v4_nc) at head_dim 128 and GQA
-  // groups above 4, and those and 3bit_nc at head_dim 64 and groups 5-16 (speculative verify's
-  // passes put new tokens beside the GQA heads) run the staged half-precision kernels
+  // groups above 4, and those at head_dim 64 and 3bit_nc at 128 and 64 with groups 5-16
+  // (speculative verify's passes put new tokens beside the GQA heads) run the staged
+  // half-precision kernels
   // (decode_detail::SplitVariant::half: the query, the centroids and P' rounded once to fp16, as
   // FlashAttention rounds) instead of the hi + lo products' fp32-level scores; a third of the MMAs.
   // Elsewhere (and with staged = false) ignored.

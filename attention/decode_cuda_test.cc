@@ -53,8 +53,8 @@ const char* const kPresetNames[] = {"turboquant_k8v4", "turboquant_4bit_nc", "tu
 //    to 8e-3, fp16 (2^-12) to 1e-3 (PlainOutTol).
 constexpr double kOutTol = 1e-3;
 constexpr double kLseTol = 1e-5;
-// The hi-only twin of 3-bit keys' 8-warp staged kernel (k3v4_nc at D = 128 and 64, 3bit_nc at
-// 64; groups up to 4, where the plan's split grid holds at most one CTA per SM, as in most of
+// The hi-only twin of 3-bit keys' 8-warp staged kernel (k3v4_nc and 3bit_nc at D = 128 and 64;
+// groups up to 4, where the plan's split grid holds at most one CTA per SM, as in most of
 // these tests) reads the 3-bit codebook as scaled fp16 hi parts alone
 // (attention/codebook_fp16.h: within 2.5e-5 relative, which moves the LSE by up to ~4e-5
 // relative, measured on the CPU in codebook_fp16_test): held to the issue's 1e-4.
@@ -745,7 +745,7 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
 // the hi-only twin's paired CTAs (two KV heads per 8-warp CTA; LSE within kLseTolHiOnly),
 // otherwise on the exact 4-warp CTAs (kLseTol). At head_dim 64, which has no narrow layout, the
 // same shapes run the 8-warp staged kernel (StagedPieceLayout; exact: these grids hold more CTAs
-// than SMs, so no hi-only twin), for 3bit_nc (3-bit values) as for k3v4_nc.
+// than SMs, so no hi-only twin); 3bit_nc (3-bit values) at both head dims as k3v4_nc.
 TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
@@ -764,7 +764,8 @@ TEST(CudaDecodeTest, NarrowK3v4KernelMatchesTheReference) {
        {Case{8, 4, false}, Case{6, 2, false}, Case{3, 3, false}, Case{4, 3, false},
         Case{8, 1, false}, Case{8, 4, true}, Case{8, 4, false, 64}, Case{3, 3, false, 64},
         Case{6, 2, false, 64}, Case{4, 1, true, 64}, Case{3, 3, false, 64, k3bit},
-        Case{8, 4, false, 64, k3bit}, Case{4, 1, true, 64, k3bit}}) {
+        Case{8, 4, false, 64, k3bit}, Case{4, 1, true, 64, k3bit}, Case{8, 4, false, 128, k3bit},
+        Case{3, 3, false, 128, k3bit}, Case{6, 2, true, 128, k3bit}}) {
     const bool narrow = c.d == 128;
     const bool paired = narrow && c.hk % 2 == 0 && !c.unscalable;
     for (int bs : {16, 64}) {
@@ -848,14 +849,14 @@ TEST(CudaDecodeTest, Narrow4BitPairedKernelMatchesTheReference) {
 // layout on the twin's paired CTAs (two KV heads per CTA; 1e-4) at D = 128, the exact 8-warp
 // kernel at D = 64 (no narrow layout there); a table of eight distinct magnitudes does not scale
 // that closely, so its plans take the exact twin (1e-5), and a hi-only plan for it is refused.
-// 3bit_nc (3-bit values) at D = 64 the same way, on its own staged kernels.
+// 3bit_nc (3-bit values) at D = 128 and 64 the same way, on its own staged kernels.
 TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   TQKV_SKIP_WITHOUT_GPU();
   const uint64_t seed = std::random_device{}();
   constexpr int kHk = 2, kGroup = 4, kBs = 16;
   for (const auto& [preset, d] :
        {std::pair{"turboquant_k3v4_nc", 128}, std::pair{"turboquant_k3v4_nc", 64},
-        std::pair{"turboquant_3bit_nc", 64}}) {
+        std::pair{"turboquant_3bit_nc", 128}, std::pair{"turboquant_3bit_nc", 64}}) {
     const Quantizer builtin = Quantizer::Create(preset, d, kHk, kBs, RotationKind::kHadamard, seed);
     const std::vector<float> odd = UnscalableThreeBitCentroids(d);
     ASSERT_GT(ScaleCodebookForFp16(odd).max_rel_error, kMaxHiOnlyError);

@@ -301,11 +301,11 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 
 // The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
-// with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 64 (D = 64: not
-// yet measured for 3-bit keys). Everywhere else
-// the choice is ignored, and the variant is the one without it. Groups 17-32 exist on the D = 128
-// kernels alone (four N tiles, 4-warp CTAs), and MaxSplitGroup says so. Every chosen variant is
-// instantiated (SplitVariantsOf) and survives its code.
+// with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64
+// (D = 64: not yet measured for 3-bit keys; 3-bit values not at all). Everywhere else the choice
+// is ignored, and the variant is the one without it. Groups 17-32 exist on the D = 128 kernels of
+// 4-bit values alone (four N tiles, 4-warp CTAs), and MaxSplitGroup says so. Every chosen variant
+// is instantiated (SplitVariantsOf) and survives its code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -326,18 +326,20 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
             const bool d64 = staged && d == 64 &&
                              ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
                               (bits == 3 && kind == KeyKind::kMse3));
-            const bool half_kernels = d64 || (staged && bits == 4 && d == 128 &&
-                                              (kind == KeyKind::kMse4 || kind == KeyKind::kMse3));
+            const bool half_kernels =
+                d64 || (staged && d == 128 &&
+                        ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
+                         (bits == 3 && kind == KeyKind::kMse3)));
+            const bool wide = half_kernels && !d64 && bits == 4;  // groups 17-32
             const bool expected = half_kernels && group > 4;
             const std::string what = fmt::format("kind {} bits {} D {} group {} staged {}",
                                                  static_cast<int>(kind), bits, d, group, staged);
-            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true),
-                      half_kernels && !d64 ? 32 : 16)
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true), wide ? 32 : 16)
                 << what;
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
             EXPECT_FALSE(without.ok && group > 16) << what;
             if (group > 16) {
-              ASSERT_EQ(with.ok, expected && !d64 && group <= 32) << what;
+              ASSERT_EQ(with.ok, expected && wide && group <= 32) << what;
               if (!with.ok) continue;
               ++half_variants;
               EXPECT_TRUE(with.variant.half) << what;
@@ -379,8 +381,8 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
     }
   }
   // 4-bit and 3-bit keys with 4-bit values, groups 5-32 at D = 128, 5-16 at D = 64; 3-bit keys
-  // with 3-bit values, groups 5-16 at D = 64
-  EXPECT_EQ(half_variants, 2 * 28 + 3 * 12);
+  // with 3-bit values, groups 5-16 at D = 128 and 64
+  EXPECT_EQ(half_variants, 2 * 28 + 4 * 12);
 }
 
 // 3-bit keys with 4-bit or 3-bit values at D = 64 (k3v4_nc and 3bit_nc at SmolLM2's head_dim;
@@ -445,12 +447,50 @@ TEST(DecodePlanTest, ThreeBitKeysAtHeadDim64) {
   }
 }
 
-// 3bit_nc (3-bit keys and values) has staged kernels at D = 64 alone: at D = 128 and 256 every
-// choice of every group gets a register kernel, with no narrow or half-precision variant.
-TEST(DecodePlanTest, ThreeBitValuesStagedAtHeadDim64Only) {
+// 3bit_nc (3-bit keys and values) at D = 128 gets k3v4_nc's kernel for every choice and group up
+// to 16, with 3-bit values, except where k3v4_nc's is the shared-output one (4-bit values alone):
+// there the kernel k3v4_nc runs without shared_o; groups 17-32 none (MaxSplitGroup 16).
+TEST(DecodePlanTest, ThreeBitValuesAtHeadDim128TakeK3v4Kernels) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
-  for (int d : {128, 256}) {
+  const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(KeyKind::kMse3);
+  int staged = 0;
+  for (int group = 1; group <= 32; ++group) {
+    for (int choice = 0; choice < 64; ++choice) {
+      const decode_detail::SplitChoice c{(choice & 1) != 0, (choice & 2) != 0,  (choice & 4) != 0,
+                                         (choice & 8) != 0, (choice & 16) != 0, (choice & 32) != 0};
+      const MaybeSplitVariant m = ChooseSplitVariant(KeyKind::kMse3, 3, 128, group, c);
+      const std::string what = fmt::format("group {} choice {}", group, choice);
+      if (group > 16) {
+        EXPECT_FALSE(m.ok) << what;
+        continue;
+      }
+      decode_detail::SplitChoice k3v4_choice = c;
+      MaybeSplitVariant k3v4 = ChooseSplitVariant(KeyKind::kMse3, 4, 128, group, c);
+      if (k3v4.ok && k3v4.variant.shared_o) {
+        k3v4_choice.shared_o = false;
+        k3v4 = ChooseSplitVariant(KeyKind::kMse3, 4, 128, group, k3v4_choice);
+      }
+      ASSERT_EQ(m.ok, k3v4.ok) << what;
+      if (!m.ok) continue;
+      EXPECT_EQ(m.variant.value_bits, 3) << what;
+      k3v4.variant.value_bits = 3;
+      EXPECT_EQ(m.variant, k3v4.variant) << what;
+      staged += m.variant.staged();
+      bool instantiated = false;
+      for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == m.variant;
+      EXPECT_TRUE(instantiated) << what;
+    }
+  }
+  EXPECT_GT(staged, 0);
+}
+
+// 3bit_nc has no staged kernel at D = 256: every choice of every group gets a register kernel,
+// with no narrow or half-precision variant.
+TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
+  using decode_detail::ChooseSplitVariant;
+  using decode_detail::MaybeSplitVariant;
+  for (int d : {256}) {
     EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, d, true, true), 16) << d;
     for (int group = 1; group <= 16; ++group) {
       for (int choice = 0; choice < 64; ++choice) {

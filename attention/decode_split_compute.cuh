@@ -357,6 +357,22 @@ struct SplitCompute {
           }
         }
       });
+    } else if constexpr (!Traits::kPlain && kValueBits == 3 && kStaged) {
+      // (CompressedValues::RowWindows: rows g + 8 at 8x, Config::kOddRowScale.)
+      uint32_t w01[Traits::kWindows], w23[Traits::kWindows];
+      Traits::RowWindows(cur.v[0], cur.v[1], w01);
+      Traits::RowWindows(cur.v[2], cur.v[3], w23);
+      StaticFor<kMTiles>([&](auto mt_c) {
+        constexpr int mt = decltype(mt_c)::value;
+        uint32_t a[4];
+        Traits::template RowsOfWindow<mt>(w01, a[0], a[1]);
+        Traits::template RowsOfWindow<mt>(w23, a[2], a[3]);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          MmaF16(acc[mt][nt], a, pb[nt][0], pb[nt][1]);
+          if constexpr (!kPacked && !kHalf) MmaF16(acc[mt][nt], a, pb_lo[nt][0], pb_lo[nt][1]);
+        }
+      });
     } else {
       StaticFor<kMTiles>([&](auto mt_c) {
         constexpr int mt = decltype(mt_c)::value;

@@ -32,7 +32,8 @@ constexpr float kLn2 = 0.69314718055994530942f;
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128 and 64,
 // GQA group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, 5-16 at
 // D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; 3bit_nc's packed and
-// half-precision kernels at D = 64, as k3v4_nc's there; see kSplitMinCtas): 8 warps per
+// half-precision kernels at D = 128 and 64, as k3v4_nc's there, up to 16 columns; see
+// kSplitMinCtas): 8 warps per
 // CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also
 // a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
 // of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
@@ -75,7 +76,8 @@ struct StagedLayout<KeyKind::kMse4, kW> {
   }
 };
 
-// 3-bit keys: 112-byte slots (48 key + 64 value bytes) at a 128-byte pitch, all stages after the
+// 3-bit keys: 112-byte slots (48 key + 64 value bytes; 3bit_nc: 96, 48 + 48) at a 128-byte pitch,
+// all stages after the
 // 16 KB table: 84 KB per CTA (8 warps), 50 KB (4 warps). The swizzle is a bit permutation of token
 // / 2 (bits 2, 0, 1 -> unit bits 2, 1, 0): the 8 tokens of a key read (32 lanes, 4-byte words at
 // 12t + 4w) get 8 distinct unit masks, which tile the 32 banks exactly, and the four tokens of a
@@ -325,6 +327,15 @@ struct SplitKernelConfig {
   static constexpr int kSmemBytes = kRedOffset + (kSharedO ? kStagedWarps * 8 * kNTiles * 4 : 0);
   // Two shared-output CTAs per SM (kSplitMinCtas): 228 KB of shared memory, 1 KB reserved per CTA.
   static_assert(!kSharedO || 2 * (kSmemBytes + 1024) <= 228 * 1024);
+  // What the output accumulators' rows g + 8 (odd d) are scaled back by: the staged kernels of
+  // 3-bit values hold their codes at 8x (CompressedValues::RowsOfWindow).
+  static constexpr float kOddRowScale = [] {
+    if constexpr (!IsPlain(kKind) && kValueBits == 3 && kStaged) {
+      return Traits::kStagedOddRowScale;
+    } else {
+      return Traits::kOddRowScale;
+    }
+  }();
   // Scores from the codebook's hi parts alone (SplitVariant::hi_only).
   static constexpr bool kHiOnly = V.hi_only;
   // Half precision (SplitVariant::half): one fp16 query part, hi centroids, one fp16 P'.
@@ -389,8 +400,8 @@ struct SplitKernelConfig {
 // kernel of two N tiles takes 127 registers (two 8-warp CTAs) or 140 (three 4-warp ones), their
 // exact one 180 at one 8-warp CTA (two spilled 196 bytes) or 168 at three 4-warp ones; 3-bit keys'
 // half-precision one 125 (two 8-warp CTAs) or 136 (three 4-warp ones), their packed kernel 104 and
-// its hi-only twin 96 (two 8-warp CTAs); with 3-bit values (3bit_nc) 128 / 137, 108 and 96, and
-// the half-precision kernel of one N tile 110.
+// its hi-only twin 96 (two 8-warp CTAs); with 3-bit values (3bit_nc) 128 / 143, 112 and 96, and
+// the half-precision kernel of one N tile 106.
 template <SplitVariant V>
 constexpr int kSplitMinCtas = [] {
   if (!V.staged()) {

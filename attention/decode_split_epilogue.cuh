@@ -90,7 +90,7 @@ struct SplitEpilogue {
           if (kPacked && i % 2 == 1) continue;  // folded into i - 1
           const int head = kPacked ? t : 8 * nt + 2 * t + (i % 2);
           my_acc[Config::AccAt(head, d0 + i / 2)] =
-              acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Traits::kOddRowScale);
+              acc[mt][nt][i] * (i < 2 ? Traits::kEvenRowScale : Config::kOddRowScale);
         }
       }
     }

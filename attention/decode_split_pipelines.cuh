@@ -199,7 +199,7 @@ struct SplitPipelines {
     }
   }
 
-  // 4bit_nc and k3v4_nc at D = 128 and 64, 3bit_nc at D = 64 (Config::kStaged, compressed).
+  // 4bit_nc, k3v4_nc and 3bit_nc at D = 128 and 64 (Config::kStaged, compressed).
   template <typename FirstBlock, typename BlockOf, typename Finish, typename Compute>
   __device__ __forceinline__ static void Staged(const SplitPipelineFrame& f, uint32_t& lane_word,
                                                 FirstBlock& first_block, BlockOf& block_of,
@@ -326,21 +326,28 @@ struct SplitPipelines {
                                    : kPieces               ? (6u * t) & ~3u
                                                            : 12u * t + 4u * w));
     }
-    // 3-bit values (3bit_nc: 3 bytes at 24 + 3g, not 4-byte aligned): the 4-byte words at 24 + 3g
-    // rounded down to 4 (read_v0) and after it (read_v0b; tokens 4t + 1..3 at the same offsets
-    // as above), joined by one byte permute with val_sel into the word whose bytes 0-2 are the
-    // thread's codes: the word LoadBytes<3, 1> gives the register pipeline (byte 3 differs; Rows
-    // reads bits 0-23 alone). Each of the 8 reads takes one wavefront (piece_banks.py).
+    // 3-bit values (3bit_nc: D = 64, 3 bytes at 24 + 3g; D = 128, 6 bytes at 48 + 6g; not 4-byte
+    // aligned): the 4-byte words at that byte rounded down to 4 (read_v0, read_v1) and after it
+    // (read_v0b, read_v1b), joined by byte permutes with per-thread selectors into the words
+    // LoadBytes gives the register pipeline: in word 0 the run's bytes 0-3 (val_sel), at D = 128
+    // in word 1 its bytes 4-5 and two zeros (val_sel_hi; at D = 64 byte 3 of word 0 differs from
+    // LoadBytes' zero, and no decode reads it), so the compute code takes these and the masked
+    // last chunks' register loads alike (CompressedValues::RowWindows). At D = 64 each of the 8
+    // reads takes one wavefront (piece_banks.py), at D = 128 two (the 3-bit keys' swizzle,
+    // unchanged).
     constexpr bool kSplitValues = kValueBits == 3;
-    static_assert(!kSplitValues || (kPieces && Traits::kValueBytes == 3));
+    static_assert(!kSplitValues || Traits::kValueBytes == (kPieces ? 3 : 6));
     const uint32_t value_byte = kKeyBytes + uint32_t(Traits::kValueBytes) * g;
-    const uint32_t read_v0 = Pinned(at(4 * t, kSplitValues ? value_byte & ~3u : value_byte));
-    const uint32_t read_v1 =
-        kPieces ? read_v0 + at(2, 0)
-                : Pinned(at(4 * t + 2, kKeyBytes + uint32_t(Traits::kValueBytes) * g));
-    // The second word may lie in another piece: its own address (token bits 0-1 still add).
-    const uint32_t read_v0b = kSplitValues ? Pinned(at(4 * t, (value_byte & ~3u) + 4u)) : 0u;
+    const uint32_t value_at = kSplitValues ? value_byte & ~3u : value_byte;
+    const uint32_t read_v0 = Pinned(at(4 * t, value_at));
+    const uint32_t read_v1 = kPieces ? read_v0 + at(2, 0) : Pinned(at(4 * t + 2, value_at));
+    // The second word may lie in another piece or unit: its own addresses (the piece layout's
+    // token bits 0-1 still add).
+    const uint32_t read_v0b = kSplitValues ? Pinned(at(4 * t, value_at + 4u)) : 0u;
+    const uint32_t read_v1b = kSplitValues && !kPieces ? Pinned(at(4 * t + 2, value_at + 4u)) : 0u;
     const uint32_t val_sel = kSplitValues ? Pinned(0x3210u + 0x1111u * (value_byte & 3u)) : 0u;
+    const uint32_t val_sel_hi =
+        kSplitValues && !kPieces ? Pinned(0x54u + 0x11u * (value_byte & 3u)) : 0u;
     // The piece layout's key bytes 6t .. 6t + 5 from the words A (at 6t rounded down) and B: in
     // kg[0] bytes 6t .. 6t + 3 (A's, or A's upper and B's lower halves for odd t), in kg[1]
     // bytes 6t + 4, 6t + 5 and two zero bytes: the words the register pipeline's LoadBytes gives.
@@ -371,11 +378,25 @@ struct SplitPipelines {
           ck.k8[w] = SharedLoad4(st + read_k[w] + kPitch);
         }
       }
-      if constexpr (Traits::kValueWords == 2) {
+      if constexpr (Traits::kValueWords == 2 && !kSplitValues) {
         SharedLoad8(st + read_v0, ck.v[0]);
         SharedLoad8(st + read_v0 + kPitch, ck.v[2]);
         SharedLoad8(st + read_v1, ck.v[1]);
         SharedLoad8(st + read_v1 + kPitch, ck.v[3]);
+      } else if constexpr (kSplitValues && !kPieces) {
+        static_assert(Traits::kValueWords == 2);
+        // v[0..3] = tokens 4t, 4t + 2, 4t + 1, 4t + 3.
+        const uint32_t a[4] = {SharedLoad4(st + read_v0), SharedLoad4(st + read_v1),
+                               SharedLoad4(st + read_v0 + kPitch),
+                               SharedLoad4(st + read_v1 + kPitch)};
+        const uint32_t b[4] = {SharedLoad4(st + read_v0b), SharedLoad4(st + read_v1b),
+                               SharedLoad4(st + read_v0b + kPitch),
+                               SharedLoad4(st + read_v1b + kPitch)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          ck.v[i][0] = __byte_perm(a[i], b[i], val_sel);
+          ck.v[i][1] = __byte_perm(0u, b[i], val_sel_hi);
+        }
       } else if constexpr (kSplitValues) {
         constexpr uint32_t kTwo = at(2, 0);  // token 4t + 2 from 4t
         const uint32_t a0 = SharedLoad4(st + read_v0), b0 = SharedLoad4(st + read_v0b);

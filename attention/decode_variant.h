@@ -45,9 +45,9 @@ struct SplitVariant {
   bool hi_only = false;
   // 4-bit keys' 8-warp staged kernel compiled for one CTA per SM (more registers).
   bool one_cta = false;
-  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values at D = 128 and 64, and of
-  // 3-bit keys with 3-bit values at D = 64 (GQA group > 4: speculative verify's passes, new
-  // tokens beside the GQA heads):
+  // Unpacked staged kernels of 4-bit and 3-bit keys with 4-bit values, and of 3-bit keys with
+  // 3-bit values, at D = 128 and 64 (GQA group > 4: speculative verify's passes, new tokens
+  // beside the GQA heads):
   // the query, the centroids (their fp16 hi parts) and P' rounded once to fp16, one score MMA per
   // k-step and N tile over 16 tokens and one P·V MMA per m-tile, as FlashAttention rounds (a
   // third of the MMAs of the hi + lo products; ~2^-11 relative per operand).
@@ -112,20 +112,24 @@ struct MaybeSplitVariant {
 // Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
 // kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4). At
 // D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not; 3-bit keys with
-// 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 64 alone.
+// 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 128 and 64 (up to 16
+// columns: no kernel of four N tiles and no shared-output kernel, MaxSplitGroup and
+// ChooseSplitVariant).
 constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
                                bool half = false) {
   return ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 4 &&
           (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
-         ((packed || half) && head_dim == 64 && value_bits == 3 && kind == KeyKind::kMse3) ||
+         ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 3 &&
+          kind == KeyKind::kMse3) ||
          (head_dim == 64 && value_bits == 4 && kind == KeyKind::kMse4) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
 
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
-// where the half-precision staged kernels exist and are asked for, else 16.
+// where the half-precision staged kernels of four N tiles exist (4-bit values at D = 128) and are
+// asked for, else 16.
 constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half) {
-  return staged && half && !IsPlain(kind) && head_dim == 128 &&
+  return staged && half && !IsPlain(kind) && head_dim == 128 && value_bits == 4 &&
                  HasStagedKernel(kind, value_bits, head_dim, false, true)
              ? 32
              : 16;
@@ -133,9 +137,8 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 
 // The split kernel for (kind, value_bits, head_dim, GQA group) and the plan's choices. Choices a
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
-// narrow, which only 3-bit and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
-// 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64 (3-bit values:
-// at D = 64, in half precision).
+// narrow, which only 3-bit keys and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
+// 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64.
 // Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
@@ -148,8 +151,9 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
+  // (The shared-output kernel reads 4-bit values: SharedOSplit.)
   if (c.shared_o && c.half && c.staged && group > 8 && !IsPlain(kind) && head_dim == 128 &&
-      HasStagedKernel(kind, value_bits, head_dim, false, true)) {
+      value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) {
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;
     v.shared_o = true;
@@ -221,7 +225,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
 }
 
 // Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
-inline constexpr int kMaxVariantsPerKind = 40;
+inline constexpr int kMaxVariantsPerKind = 48;
 struct SplitVariantList {
   std::array<SplitVariant, kMaxVariantsPerKind> items{};
   int size = 0;
