@@ -349,7 +349,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
-  const int max_columns = std::min(options.verify_max_group, s.decoder.MaxGroup(decode));
+  // At head_dim 256 the compressed kinds' split kernel of 9-16 columns (two N tiles on the
+  // register pipeline) costs more per column than two passes of up to 8: H100, 16:8:256, 64 × 4k,
+  // 8 new tokens at GQA 2, one pass of 16 columns against two of 8: 4bit_nc 809 against 474 µs,
+  // k3v4_nc 764 / 461, k8v4 864 / 658 (the bf16 cache's kernel the other way: 943 / 1,534). A
+  // GQA group above 8 still takes one token of 9-16 columns per pass.
+  const int max_columns = std::min(
+      {options.verify_max_group, s.decoder.MaxGroup(decode), d == 256 && !s.plain ? 8 : 32});
   plan.verify_rows =
       decode_kernels && !plan.decode && max_q_len > 1 && options.verify_max_q_len > 0 &&
       (max_q_len <= options.verify_max_q_len || int64_t{max_q_len} * group <= max_columns) &&

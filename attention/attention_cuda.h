@@ -68,9 +68,10 @@ struct AttentionOptions {
   // the columns of verify_max_group; 0: never).
   int verify_max_q_len = 8;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
-  // other, 1 to 32 (16 at most but on the half-precision kernels: CudaDecoder::MaxGroup): a call
-  // of q_len new tokens per sequence runs ceil(q_len / rows) passes of rows = max(1, columns /
-  // group) tokens, each reading the cache once.
+  // other, 1 to 32 (16 at most but on the half-precision kernels: CudaDecoder::MaxGroup; 8 on the
+  // compressed caches at head_dim 256, whose 9-16-column kernel is slower per column): a call of
+  // q_len new tokens per sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group)
+  // tokens, each reading the cache once.
   int verify_max_group = 32;
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;

@@ -414,6 +414,36 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
   }
 }
 
+// Verify passes at head_dim 256 hold at most 8 columns on the compressed caches (their kernel of
+// 9-16 columns costs more per column than two passes of 8), up to 16 on the bf16 / fp16 caches; a
+// GQA group above 8 still runs one token per pass. Plans only; VerifyRowsOnTheDecodeKernels and
+// EveryPresetHeadDimGroupAndBlockSize run such passes against the reference.
+TEST(CudaAttentionTest, HeadDim256VerifyPassesHoldEightCompressedColumns) {
+  TQKV_SKIP_WITHOUT_GPU();
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
+    const CudaAttention attn(Quantizer::Create(preset, 256, 8, 16));
+    // 2 sequences of 8 new tokens each at GQA 2: two passes of 4 tokens (8 columns).
+    const AttentionPlan two = attn.Plan(2, 16, 16, 4, 8);
+    ASSERT_TRUE(two.verify_rows) << preset;
+    EXPECT_EQ(two.verify_pass_rows, 4) << preset;
+    EXPECT_EQ(two.verify_passes, 2) << preset;
+    EXPECT_EQ(two.decode_plan.num_q_heads, 8 * 8) << preset;
+    // GQA 16: one token of 16 columns per pass.
+    const AttentionPlan wide = attn.Plan(2, 8, 128, 4, 4);
+    ASSERT_TRUE(wide.verify_rows) << preset;
+    EXPECT_EQ(wide.verify_pass_rows, 1) << preset;
+    EXPECT_EQ(wide.verify_passes, 4) << preset;
+    // At head_dim 128 the same call is one pass.
+    const CudaAttention d128(Quantizer::Create(preset, 128, 8, 16));
+    EXPECT_EQ(d128.Plan(2, 16, 16, 4, 8).verify_passes, 1) << preset;
+  }
+  const CudaAttention plain(MakeBf16BlockFormat(256, 8, 16, DType::kBF16));
+  const AttentionPlan one = plain.Plan(2, 16, 16, 4, 8);
+  ASSERT_TRUE(one.verify_rows);
+  EXPECT_EQ(one.verify_pass_rows, 8);
+  EXPECT_EQ(one.verify_passes, 1);
+}
+
 TEST(CudaAttentionTest, SlidingWindow) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_k3v4_nc", 128, 2, 32);
