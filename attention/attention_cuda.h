@@ -13,7 +13,7 @@
 // first, AttentionOptions::leading_decode_seqs), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc and
-// k3v4_nc at head_dim 128 in half precision), each column over the context up to its own token
+// k3v4_nc at head_dim 128 in half precision; 8 on the compressed caches at head_dim 256), each column over the context up to its own token
 // (one split grid per pass, causal masks in its last chunks; those two at head_dim 128 and 64,
 // and 3bit_nc (16 columns) at both, passes of more than 4 columns: in half precision,
 // AttentionOptions::verify_precision). Chunks
