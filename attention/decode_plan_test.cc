@@ -301,11 +301,11 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 
 // The half-precision kernels (DecodeOptions::half, for verify passes) exist where they measured
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
-// with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64
-// (D = 64: not yet measured for 3-bit keys; 3-bit values not at all). Everywhere else the choice
-// is ignored, and the variant is the one without it. Groups 17-32 exist on the D = 128 kernels of
-// 4-bit values alone (four N tiles, 4-warp CTAs), and MaxSplitGroup says so. Every chosen variant
-// is instantiated (SplitVariantsOf) and survives its code.
+// with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64.
+// Everywhere else the choice is ignored, and the variant is the one without it. Groups 17-32
+// exist on the D = 128 kernels of 4-bit values alone (four N tiles, 4-warp CTAs), and
+// MaxSplitGroup says so. Every chosen variant is instantiated (SplitVariantsOf) and survives its
+// code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
