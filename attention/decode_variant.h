@@ -185,8 +185,8 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {true, v};
   }
   if (c.narrow) {
-    // (3-bit keys at D = 64: only the 8-warp kernels of groups up to 4 are built; narrow twins
-    // wait for their measurements.)
+    // (3-bit keys at D = 64: only the 8-warp kernels of groups up to 4 are built, no narrow or
+    // paired twins.)
     if (IsPlain(kind) || !packed_staged || !c.staged ||
         (kind == KeyKind::kMse3 && head_dim == 64)) {
       return {};
