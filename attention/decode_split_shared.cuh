@@ -591,6 +591,7 @@ struct SharedOSplit {
     const int num_steps = (num_chunks + kW - 1) / kW;
     int stage_index = 0;
     int i = 0;
+    static_assert(kS > 1);
     if (full_steps > 0) {  // the first step sets every column's maximum
       step(0, 0, span.end0, std::false_type{}, std::false_type{});
       stage_index = 1;
