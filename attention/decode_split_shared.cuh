@@ -368,8 +368,13 @@ struct SharedOSplit {
     float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset) + group * kCols * kGW;
 
     // One step: this warp's chunk c = kW·i + warp from stage s, P·V over its group's chunks.
-    auto step = [&](int i, int stage_index, int end0, auto tail_c) {
+    // kRel (a step after the first, no masks: every column has a finite maximum m): s holds
+    // s − m, the exponent of p, from one FFMA, and the lazy check reads it; the scores are
+    // recovered as (s − m) + m only where the maximum moves.
+    auto step = [&](int i, int stage_index, int end0, auto tail_c, auto rel_c) {
       constexpr bool kTail = decltype(tail_c)::value;
+      constexpr bool kRel = decltype(rel_c)::value;
+      static_assert(!(kTail && kRel));
       const int c = kW * i + warp;
       const int ahead = c + 2 * kW;
       const int following = block_of(ahead + kW);
@@ -452,19 +457,24 @@ struct SharedOSplit {
           vz[r] = valid[r] ? vz[r] : 0.0f;
         }
       }
-      // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2; a verify pass's column c sees
-      // c / group tokens past end0 (within the split's end).
+      // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2 (kRel: minus the column's maximum);
+      // a verify pass's column c sees c / group tokens past end0 (within the split's end).
       float s[kNT][4];
       float mx[kNT][2];
       bool need = false;
       const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      [[maybe_unused]] const float lazy = exact ? 0.0f : kLazyMax;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float sum = sp[0][nt][e];
           if constexpr (kChains > 1) sum += sp[1][nt][e];
-          s[nt][e] = sum * row_scale[e / 2];
+          if constexpr (kRel) {
+            s[nt][e] = fmaf(sum, row_scale[e / 2], -st.m[nt][e % 2]);
+          } else {
+            s[nt][e] = sum * row_scale[e / 2];
+          }
           if constexpr (kTail) {
             const int col = 8 * nt + 2 * t + e % 2;
             const int extra = p.verify.query_start_loc != nullptr ? col / p.verify.group : 0;
@@ -473,15 +483,28 @@ struct SharedOSplit {
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
           // Lazy: only past the maximum by kLazyMax, or by anything where a value scale is too
           // large for p ≤ 2^kLazyMax (then the maximum becomes exact).
-          need = need || mx[nt][j] > (exact ? st.m[nt][j] : st.m[nt][j] + kLazyMax);
+          if constexpr (kRel) {
+            need |= fmaxf(s[nt][j], s[nt][j + 2]) > lazy;
+          } else {
+            mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
+            need = need || mx[nt][j] > (exact ? st.m[nt][j] : st.m[nt][j] + kLazyMax);
+          }
         }
       }
       // The vote is also the barrier after which the stage that the previous step's P·V read
       // (every group warp's stage (s + 2) mod 3) is free.
       if (GroupAny(group, need)) {
+        if constexpr (kRel) {  // back to the scores
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] += st.m[nt][e % 2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
+          }
+        }
         // Every group warp's column maxima of this step, then the same new maximum in each.
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -511,6 +534,10 @@ struct SharedOSplit {
               st.acc[mi][nt][j] *= corr;
               st.acc[mi][nt][j + 2] *= corr;
             }
+            if constexpr (kRel) {  // the exponents against the new maximum
+              s[nt][j] -= m_new;
+              s[nt][j + 2] -= m_new;
+            }
           }
         }
       }
@@ -533,9 +560,9 @@ struct SharedOSplit {
             const int j = e % 2, r = e / 2;
             // Past the end s = -inf: p = 0 (m may be -inf too, for a column that has seen no
             // token yet).
-            const float pr = kTail && s[nt + k][e] == -INFINITY
-                                 ? 0.0f
-                                 : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
+            const float pr = kTail && s[nt + k][e] == -INFINITY ? 0.0f
+                             : kRel                             ? FastExp2(s[nt + k][e])
+                                    : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
             st.l[nt + k][j] += pr;
             st.z[nt + k][j] += pr * vz[r];
             pw[e] = pr * vs[r];
@@ -672,14 +699,20 @@ struct SharedOSplit {
     const int num_steps = (num_chunks + kW - 1) / kW;
     int stage_index = 0;
     int i = 0;
+    static_assert(kS > 1);
+    if (full_steps > 0) {  // the first step sets every column's maximum
+      step(0, 0, span.end0, std::false_type{}, std::false_type{});
+      stage_index = 1;
+      i = 1;
+    }
 #pragma unroll 1
     for (; i < full_steps; ++i) {
-      step(i, stage_index, span.end0, std::false_type{});
+      step(i, stage_index, span.end0, std::false_type{}, std::true_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
 #pragma unroll 1
     for (; i < num_steps; ++i) {
-      step(i, stage_index, span.end0, std::true_type{});
+      step(i, stage_index, span.end0, std::true_type{}, std::false_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
     CopyAsyncWait();  // (only empty or unread groups remain) before shared memory is reused
