@@ -368,6 +368,14 @@ int Main(int argc, char** argv) {
     shapes.push_back(Uniform(fmt::format("verify 64x4k q{}", q), 64, 4096, q));
     shapes.push_back(Uniform(fmt::format("verify 64x4k q{} chunk", q), 64, 4096, q, false));
   }
+  // Smaller batches of the same verify: at 32 × 4k the one-split plan's grid (a CTA per sequence
+  // and KV head at Llama-3-8B's 8 KV heads) is one round of two CTAs per SM on 132 SMs, at 64 × 4k
+  // two, so their difference is what a round costs beyond its share of the work.
+  for (int batch : {16, 32}) {
+    for (int q : {1, 4, 8}) {
+      shapes.push_back(Uniform(fmt::format("verify {}x4k q{}", batch, q), batch, 4096, q));
+    }
+  }
   // Verify passes of fewer rows beside the GQA heads (AttentionOptions::verify_max_group 4, 8 and
   // 16: one, two and four new tokens per pass at GQA 4).
   for (int q : {4, 8}) {
