@@ -1048,9 +1048,11 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
     const int hk = 2;
     const Quantizer q = Quantizer::Create(preset, d, hk, bs, rotation, seed);
     const AttentionScenario s = BuildAttention(q, verify.lens, verify.q_lens, hk * group, seed);
+    // (3bit_nc at head_dim 128: 17-32 columns on the shared-output kernel alone, so the kernels
+    // it replaces below take passes of at most 16.)
     const bool wide_half = d == 128 && (std::string_view(preset) == "turboquant_4bit_nc" ||
-                                        std::string_view(preset) == "turboquant_k3v4_nc");
-    // (3bit_nc: half kernels at head_dim 128 too, up to 16 columns, no shared output.)
+                                        std::string_view(preset) == "turboquant_k3v4_nc" ||
+                                        std::string_view(preset) == "turboquant_3bit_nc");
     const bool half_kernels = wide_half ||
                               (std::string_view(preset) == "turboquant_3bit_nc" && d <= 128) ||
                               (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
@@ -1143,7 +1145,8 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   // More new tokens than verify_max_q_len (8) still run as verify rows where one pass holds them
   // all (max_q_len · group up to 32 columns on the half kernels, 16 elsewhere); otherwise the
   // prefill kernel.
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"}) {
+  for (const char* preset :
+       {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
     for (const auto& [q_lens, group] :
          {std::pair{std::vector<int32_t>{32, 1, 9, 20, 0, 31}, 1},
           std::pair{std::vector<int32_t>{16, 1, 12, 9, 0, 16}, 2},
@@ -1188,7 +1191,7 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{5000, 2600, 9000, 130}, {8, 5, 8, 3}};
   int k = 0;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {2, 4}) {
       const int hk = 2, d = 128, bs = 16 << (k % 4);
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);

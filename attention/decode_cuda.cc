@@ -131,7 +131,7 @@ CudaDecoder& CudaDecoder::operator=(CudaDecoder&&) noexcept = default;
 int CudaDecoder::MaxGroup(const DecodeOptions& options) const {
   const int value_bits = state_->bf16 ? 16 : state_->format.value_bits;
   return decode_detail::MaxSplitGroup(state_->key_kind, value_bits, head_dim(), options.staged,
-                                      options.half);
+                                      options.half, options.shared_o);
 }
 
 decode_detail::MaybeSplitVariant CudaDecoder::Variant(int group, const DecodePlan& plan) const {
@@ -469,6 +469,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   DecodeOptions plan_options;
   plan_options.staged = plan.staged;
   plan_options.half = plan.half;
+  plan_options.shared_o = plan.shared_o;
   const int64_t plan_len = int64_t{plan.max_blocks_per_seq} * block_size();
   if (plan.num_seqs < 1 || plan.num_seqs > 65535 || plan.tokens_per_split < 64 ||
       plan.tokens_per_split > kMaxSplitTokens || plan.max_splits < 1 ||

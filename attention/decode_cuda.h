@@ -104,7 +104,8 @@ struct DecodeOptions {
   // kernels. H200, 64 × 4k at GQA 4 against the 4-warp kernels, one run: 4 new tokens
   // 110.4 -> 104.1 µs (4bit_nc) and 119.5 -> 113.8 (k3v4_nc), 8 new tokens 172.0 -> 165.9 and
   // 187.2 -> 171.7; on sm_90a its 17-32-column kernel runs both products as warpgroup MMAs (8 new
-  // tokens 163.0 -> 136.3 and 172.4 -> 145.4).
+  // tokens 163.0 -> 136.3 and 172.4 -> 145.4). 3bit_nc's passes of 17-32 columns run on it
+  // alone (MaxGroup).
   bool shared_o = true;
 };
 
@@ -193,8 +194,8 @@ class CudaDecoder {
   const CacheLayout& layout() const;
 
   // The largest GQA group Plan takes with these options: 32 for the half-precision kernels
-  // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128: verify
-  // passes of up to 32 columns), else 16.
+  // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128, and with
+  // ::shared_o on 3bit_nc's there: verify passes of up to 32 columns), else 16.
   int MaxGroup(const DecodeOptions& options = {}) const;
 
   // The longest context the decode kernels read: 256 splits of at most 8,192 tokens (a split's

@@ -693,18 +693,20 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
 
 // The half-precision kernels of GQA groups 9-32 (DecodeOptions::half; CudaAttention runs them for
 // verify passes, a decode with that many query heads per KV head reaches them too), and the
-// kernel whose warps share the output (DecodeOptions::shared_o), on plain decode rows: 4bit_nc
-// and k3v4_nc at D = 128, the edge lengths and an empty sequence, every block size, large value
-// scales, the plan's splits and forced ones (one split writes the output; several, merged
-// partials). Held to the half-precision bounds of attention_cuda_test (query, centroids and P'
-// rounded once to fp16: 2e-3 of the LSE, 6e-3 of a row's largest element).
+// kernel whose warps share the output (DecodeOptions::shared_o), on plain decode rows: 4bit_nc,
+// k3v4_nc and 3bit_nc (groups 17-32 on the shared-output kernel alone) at D = 128, the edge lengths
+// and an empty sequence, every block size, large value scales, the plan's splits and forced ones
+// (one split writes the output; several, merged partials). Held to the half-precision bounds of
+// attention_cuda_test (query, centroids and P' rounded once to fp16: 2e-3 of the LSE, 6e-3 of a
+// row's largest element).
 TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   int k = 0, shared_runs = 0;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc"}) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {9, 16, 24, 32}) {
       const int hk = 2, d = 128, bs = 16 << (k % 4);
       const bool large_values = k % 3 == 1;
+      const bool three_bit = std::string_view(preset) == "turboquant_3bit_nc";
       ++k;
       const uint64_t seed = 1300 + k;
       const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, seed);
@@ -715,6 +717,10 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
       const DeviceScenario dev = Upload(s, s.cache);
       const CudaDecoder decoder(q);
       for (bool shared_o : {false, true}) {
+        if (three_bit && group > 16 && !shared_o) {
+          EXPECT_EQ(decoder.MaxGroup({.half = true, .shared_o = false}), 16);
+          continue;
+        }
         for (int tps : {0, 64, 1024}) {
           DecodeOptions options{.tokens_per_split = tps, .half = true, .shared_o = shared_o};
           const DecodePlan plan = decoder.Plan(static_cast<int>(s.seq_lens.size()), s.num_q_heads,
@@ -734,7 +740,7 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
       }
     }
   }
-  EXPECT_EQ(shared_runs, 2 * 4 * 3);
+  EXPECT_EQ(shared_runs, 3 * 4 * 3);
 }
 
 // k3v4_nc's narrow layout (4-warp units, four per SM), which the plan picks where the 8-warp

@@ -304,8 +304,8 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 // with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64.
 // Everywhere else the choice is ignored, and the variant is the one without it. Groups 17-32
 // exist on the D = 128 kernels of 4-bit values alone (four N tiles, 4-warp CTAs), and
-// MaxSplitGroup says so. Every chosen variant is instantiated (SplitVariantsOf) and survives its
-// code.
+// MaxSplitGroup says so; with shared_o also 3bit_nc's at D = 128 (the shared-output kernel).
+// Every chosen variant is instantiated (SplitVariantsOf) and survives its code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -337,6 +337,12 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true), wide ? 32 : 16)
                 << what;
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
+            const bool shared_wide =
+                wide || (staged && d == 128 && bits == 3 && kind == KeyKind::kMse3);
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true, true),
+                      shared_wide ? 32 : 16)
+                << what;
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false, true), 16) << what;
             EXPECT_FALSE(without.ok && group > 16) << what;
             if (group > 16) {
               ASSERT_EQ(with.ok, expected && wide && group <= 32) << what;
@@ -447,32 +453,31 @@ TEST(DecodePlanTest, ThreeBitKeysAtHeadDim64) {
   }
 }
 
-// 3bit_nc (3-bit keys and values) at D = 128 gets k3v4_nc's kernel for every choice and group up
-// to 16, with 3-bit values, except where k3v4_nc's is the shared-output one (4-bit values alone):
-// there the kernel k3v4_nc runs without shared_o; groups 17-32 none (MaxSplitGroup 16).
+// 3bit_nc (3-bit keys and values) at D = 128 gets k3v4_nc's kernel for every choice and group, with
+// 3-bit values, except groups 17-32 off the shared-output kernel (k3v4_nc's kernel of four N tiles
+// with one output per warp has no 3-bit twin): those have none. MaxSplitGroup says 32 with
+// shared_o, 16 without.
 TEST(DecodePlanTest, ThreeBitValuesAtHeadDim128TakeK3v4Kernels) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
   const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(KeyKind::kMse3);
-  int staged = 0;
-  for (int group = 1; group <= 32; ++group) {
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, 128, true, true, true), 32);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, 128, true, true, false), 16);
+  int staged = 0, shared = 0;
+  for (int group = 1; group <= 33; ++group) {
     for (int choice = 0; choice < 64; ++choice) {
       const decode_detail::SplitChoice c{(choice & 1) != 0, (choice & 2) != 0,  (choice & 4) != 0,
                                          (choice & 8) != 0, (choice & 16) != 0, (choice & 32) != 0};
       const MaybeSplitVariant m = ChooseSplitVariant(KeyKind::kMse3, 3, 128, group, c);
       const std::string what = fmt::format("group {} choice {}", group, choice);
-      if (group > 16) {
-        EXPECT_FALSE(m.ok) << what;
-        continue;
-      }
-      decode_detail::SplitChoice k3v4_choice = c;
       MaybeSplitVariant k3v4 = ChooseSplitVariant(KeyKind::kMse3, 4, 128, group, c);
-      if (k3v4.ok && k3v4.variant.shared_o) {
-        k3v4_choice.shared_o = false;
-        k3v4 = ChooseSplitVariant(KeyKind::kMse3, 4, 128, group, k3v4_choice);
-      }
-      ASSERT_EQ(m.ok, k3v4.ok) << what;
+      ASSERT_EQ(m.ok, k3v4.ok && (group <= 16 || k3v4.variant.shared_o)) << what;
       if (!m.ok) continue;
+      shared += m.variant.shared_o;
+      if (m.variant.shared_o) {
+        EXPECT_TRUE(m.variant.half) << what;
+        EXPECT_EQ(m.variant.n_tiles, group <= 16 ? 2 : 4) << what;
+      }
       EXPECT_EQ(m.variant.value_bits, 3) << what;
       k3v4.variant.value_bits = 3;
       EXPECT_EQ(m.variant, k3v4.variant) << what;
@@ -483,6 +488,8 @@ TEST(DecodePlanTest, ThreeBitValuesAtHeadDim128TakeK3v4Kernels) {
     }
   }
   EXPECT_GT(staged, 0);
+  // groups 9-32; staged, half and shared_o, with or without narrow, hi_only and one_cta
+  EXPECT_EQ(shared, 24 * 8);
 }
 
 // 3bit_nc has no staged kernel at D = 256: every choice of every group gets a register kernel,
@@ -492,6 +499,7 @@ TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
   using decode_detail::MaybeSplitVariant;
   for (int d : {256}) {
     EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, d, true, true), 16) << d;
+    EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kMse3, 3, d, true, true, true), 16) << d;
     for (int group = 1; group <= 16; ++group) {
       for (int choice = 0; choice < 64; ++choice) {
         const decode_detail::SplitChoice c{(choice & 1) != 0,  (choice & 2) != 0,
@@ -511,9 +519,9 @@ TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
 }
 
 // The shared-output kernel (DecodeOptions::shared_o) serves exactly the half-precision kernels'
-// groups 9-32, on 8-warp CTAs (two N tiles up to 16 columns, four above), whatever the narrow
-// choice; everywhere else the choice is ignored. Each variant is instantiated and survives its
-// code.
+// groups 9-32 at D = 128 (4-bit values, and 3bit_nc's 3-bit ones: its groups 17-32 only here), on
+// 8-warp CTAs (two N tiles up to 16 columns, four above), whatever the narrow choice; everywhere
+// else the choice is ignored. Each variant is instantiated and survives its code.
 TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -531,9 +539,10 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                     kind, bits, d, group, {staged, narrow, true, false, half, true});
                 const MaybeSplitVariant without = ChooseSplitVariant(
                     kind, bits, d, group, {staged, narrow, true, false, half, false});
-                const bool expected = staged && half && bits == 4 && d == 128 && group > 8 &&
-                                      group <= 32 &&
-                                      (kind == KeyKind::kMse4 || kind == KeyKind::kMse3);
+                const bool three = bits == 3 && kind == KeyKind::kMse3;
+                const bool expected =
+                    staged && half && d == 128 && group > 8 && group <= 32 &&
+                    ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) || three);
                 const std::string what =
                     fmt::format("kind {} bits {} D {} group {} staged {} half {} narrow {}",
                                 static_cast<int>(kind), bits, d, group, staged, half, narrow);
@@ -545,14 +554,15 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                   continue;
                 }
                 ASSERT_TRUE(with.ok) << what;
-                ASSERT_TRUE(without.ok) << what;
+                // 3bit_nc's groups 17-32: no kernel without the shared output.
+                ASSERT_EQ(without.ok, !three || group <= 16) << what;
                 ++shared_variants;
                 EXPECT_TRUE(with.variant.shared_o) << what;
                 EXPECT_TRUE(with.variant.half) << what;
                 EXPECT_EQ(with.variant.pipeline, decode_detail::SplitPipeline::kStaged) << what;
                 EXPECT_EQ(with.variant.cta_warps(), 8) << what;
                 EXPECT_EQ(with.variant.n_tiles, group <= 16 ? 2 : 4) << what;
-                EXPECT_EQ(with.variant.n_tiles, without.variant.n_tiles) << what;
+                if (without.ok) EXPECT_EQ(with.variant.n_tiles, without.variant.n_tiles) << what;
                 EXPECT_EQ(SplitVariant::FromCode(with.variant.Code()), with.variant) << what;
                 bool instantiated = false;
                 for (int i = 0; i < listed.size; ++i)
@@ -565,7 +575,8 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
       }
     }
   }
-  EXPECT_EQ(shared_variants, 2 * 24 * 2);  // 4-bit and 3-bit keys, groups 9-32, narrow or not
+  // 4-bit and 3-bit keys with 4-bit values, 3bit_nc; groups 9-32, narrow or not
+  EXPECT_EQ(shared_variants, 3 * 24 * 2);
 }
 
 }  // namespace

@@ -32,8 +32,8 @@ constexpr float kLn2 = 0.69314718055994530942f;
 // Staged kernels (4-bit keys and 4-bit values, or 3-bit keys and 4-bit values; D = 128 and 64,
 // GQA group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, 5-16 at
 // D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; 3bit_nc's packed and
-// half-precision kernels at D = 128 and 64, as k3v4_nc's there, up to 16 columns; see
-// kSplitMinCtas): 8 warps per
+// half-precision kernels at D = 128 and 64, as k3v4_nc's there, up to 16 columns but on the
+// shared-output kernel; see kSplitMinCtas): 8 warps per
 // CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also
 // a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
 // of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
@@ -92,7 +92,7 @@ struct StagedLayout<KeyKind::kMse3, kW> {
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kStages * warp + s);
   }
-  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+  __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
     const uint32_t x = i >> 1;
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
   }
@@ -193,12 +193,13 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (HasStagedKernel)
   }
 };
 
-// The shared-output kernels (SplitVariant::shared_o: 8 warps, half precision, 4-bit values, D =
-// 128): three stages per warp (two steps of 8 chunks copied ahead), since each group of four warps
-// moves through the split in steps together (SharedOSplit). 4-bit keys: stages 0-1 of warp w in the
-// table rows' free halves (as StagedLayout<kMse4, 8>), stage 2 of warps 2i and 2i + 1 in the two
-// halves of rows 16i .. 16i + 15 of a 16 KB region after the table; 3-bit keys: all stages after
-// the table. Then the metadata cells, 128 bytes per stage. The swizzles are StagedLayout's.
+// The shared-output kernels (SplitVariant::shared_o: 8 warps, half precision, 4-bit values or
+// 3bit_nc's 3-bit ones, D = 128): three stages per warp (two steps of 8 chunks copied ahead), since
+// each group of four warps moves through the split in steps together (SharedOSplit). 4-bit keys:
+// stages 0-1 of warp w in the table rows' free halves (as StagedLayout<kMse4, 8>), stage 2 of warps
+// 2i and 2i + 1 in the two halves of rows 16i .. 16i + 15 of a 16 KB region after the table; 3-bit
+// keys: all stages after the table. Then the metadata cells, 128 bytes per stage. The swizzles are
+// StagedLayout's.
 inline constexpr int kSharedStages = 3;
 
 template <KeyKind kKind>
@@ -225,6 +226,8 @@ struct SharedOLayout<KeyKind::kMse3> {
   static constexpr uint32_t kFirst = 64 * 256;
   static constexpr uint32_t kMeta = kFirst + kStagedWarps * kSharedStages * 16 * 128;
   static constexpr int kBytes = kMeta + kStagedWarps * kSharedStages * 128;
+  // Stage(warp + 1, s) - Stage(warp, s)
+  static constexpr uint32_t kWarpStride = 2048u * kSharedStages;
   __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
     return kFirst + 2048u * (kSharedStages * warp + s);
   }

@@ -1,7 +1,8 @@
 // The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
-// columns (new tokens × GQA heads) on 4-bit and 3-bit keys with 4-bit values at D = 128, in half
-// precision. DecodeSplitKernel runs its own prologue (block ids, the group's rotated query rows
-// and the codebook table in shared memory), then SharedOSplit::Run for the chunks and the output.
+// columns (new tokens × GQA heads) on 4-bit and 3-bit keys with 4-bit values, and on 3-bit keys
+// with 3-bit values (3bit_nc), at D = 128, in half precision. DecodeSplitKernel runs its own
+// prologue (block ids, the group's rotated query rows and the codebook table in shared memory),
+// then SharedOSplit::Run for the chunks and the output.
 //
 // The other split kernels give each warp its own chunks and its own output Oᵀ[d, column] for
 // every d: at 32 columns that is 128 accumulator registers per thread, so only 8 warps fit an SM
@@ -36,6 +37,21 @@
 // (k-slots 2t + 8, 2t + 9), i.e. d = 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place
 // (CacheTraits::RowsPair's trick), rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile
 // 1 (the bytes shifted down by 8) d = 32u + 4g + 2 and + 3.
+//
+// 3-bit values (3bit_nc; 48 bytes per token, d's code at bit 3d) keep that assignment of d: thread
+// (g, t) of warp u needs the 12 bits at 96u + 12g of tokens 4t .. 4t + 3, which no ldmatrix gives
+// (its rows are 16-byte units, a thread's share 16 bits at 16g). So it reads them as 4-byte words:
+// per token the word holding the first bit and the next (the same word again where the 12 bits do
+// not cross it: all but g = 2, 5), one funnel shift, and per token pair (4t, 4t + 2 / 4t + 1,
+// 4t + 3) one byte permute puts both tokens' codes side by side; then per m-tile a shift and two
+// masks give rows g and g + 8 (row g + 8 in place at 8x, CompressedValues::RowsOfWindow's trick,
+// scaled back by Config::kOddRowScale). 8 reads per chunk, 32 per step, where 4-bit values take 2
+// ldmatrix; each one wavefront (the warp's 3 words of 4 tokens under the 3-bit keys' swizzle:
+// the masks {0, 1, 4, 5} or {2, 3, 6, 7} put the tokens' units on distinct banks). The fragments
+// are what the ldmatrix path holds; the 32-column kernel is at 128 registers either way, so the
+// reads' offsets and the shift share one register and the token 4t + 2 addresses are made per step
+// (ptxas then spills what k3v4_nc's kernel spills). About 60 instructions per step more than the
+// 4-bit path (the reads, funnel shifts and permutes).
 //
 // On sm_90a at four N tiles (17-32 columns; SplitKernelConfig::kSharedOWgmma) both products are
 // warpgroup MMAs of each group (wgmma, A from registers): per step 8 m64n32k16 MMAs for Sᵀ (the
@@ -133,6 +149,29 @@ struct SharedOSplit {
   static constexpr uint32_t kPitch = Layout::kPitch;
   static constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
   static constexpr uint32_t kValueUnit0 = kKeyBytes / 16;       // the first value unit of a slot
+  // 3-bit values (3bit_nc): 48 value bytes per token, read as words (module comment), not by
+  // ldmatrix.trans of nibbles.
+  static constexpr bool kV3 = V.value_bits == 3;
+  static constexpr uint32_t kSlotBytes = kKeyBytes + Traits::kValueBytes * 8;  // copied per token
+  // What takes a 3-bit value read of token 4t to token 4t + 2 (an XOR of bits 5 and 8: unit bit 1
+  // of the swizzle, and the pitch twice, bit 8 being clear in token 4t's address) and from one
+  // chunk of a group to the next (kV3Stride: its stage).
+  static constexpr uint32_t V3Two() {
+    if constexpr (kKind == KeyKind::kMse3) {
+      return 2u * kPitch | 16u * StagedLayout<KeyKind::kMse3, kStagedWarps>::Swizzle(2);
+    } else {
+      return 0u;
+    }
+  }
+  static constexpr uint32_t V3Stride() {
+    if constexpr (kKind == KeyKind::kMse3) {
+      return Layout::kWarpStride;
+    } else {
+      return 0u;
+    }
+  }
+  static constexpr uint32_t kV3Two = V3Two(), kV3Stride = V3Stride();
+  static_assert(!kV3 || kV3Two == 0x120u);
   // Both products as warpgroup MMAs (Config::kSharedOWgmma), else one m16n8k16 MMA per warp,
   // k-step and N tile.
   static constexpr bool kWg = Config::kSharedOWgmma;
@@ -141,9 +180,10 @@ struct SharedOSplit {
   static constexpr int kChains = kNT > 2 || kWg ? 1 : 2;
   // The cache copies with the L2 evict-first policy, except 3-bit keys' (as SplitPipelines).
   static constexpr bool kStreamCopies = kKind != KeyKind::kMse3;
-  static_assert(V.shared_o && V.half && kD == 128 && V.value_bits == 4 && !V.packed &&
+  static_assert(V.shared_o && V.half && kD == 128 && !V.packed &&
+                (V.value_bits == 4 || (kV3 && kKind == KeyKind::kMse3)) &&
                 Config::kCtaWarps == kW && Config::kUnits == 1 && (kNT == 2 || kNT == 4));
-  static_assert(kKeyBytes % 16 == 0 && kKeyBytes + 64 <= kPitch);
+  static_assert(kKeyBytes % 16 == 0 && kSlotBytes % 16 == 0 && kSlotBytes <= kPitch);
   static_assert(Config::kQueryInSmem && Config::kSharedO);
 
   // A thread's running state: accumulators of m-tiles 0-1 (d = 32u + 4g + 2·mi + row half) and
@@ -200,7 +240,7 @@ struct SharedOSplit {
     const uint32_t copy_src =
         Pinned((warp_pos + copy_tok) * stride_token + head_off + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));
-    const bool copy_lane = 16u * copy_unit < kKeyBytes + 64u;
+    const bool copy_lane = 16u * copy_unit < kSlotBytes;
     const bool meta_lane = lane < 6;
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
@@ -216,7 +256,7 @@ struct SharedOSplit {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        if constexpr (kKeyBytes + 64 == 128) {
+        if constexpr (kSlotBytes == 128) {
           CopyAsync16Fill<kStreamCopies>(to, from, bytes);
         } else {
           CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
@@ -280,8 +320,22 @@ struct SharedOSplit {
       read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
     }
     const uint32_t v_token = 2u * (lane & 7) + ((lane >> 3) & 1);
-    const uint32_t read_v =
-        Pinned(kPitch * v_token + 16u * ((kValueUnit0 + (warp & 3)) ^ Layout::Swizzle(v_token)));
+    const uint32_t read_v = kV3 ? 0u
+                                : Pinned(kPitch * v_token + 16u * ((kValueUnit0 + (warp & 3)) ^
+                                                                   Layout::Swizzle(v_token)));
+    // 3-bit values: the codes of d = 32u + 4g .. + 3 (u = warp mod 4) lie at bits 96u + 12g ..
+    // + 11 of a token's value bytes: the word holding the first bit and, where the 12 bits run
+    // past it (g = 2, 5), the next (else the same word again), of token 4t (4t + 1 at + kPitch;
+    // 4t + 2 and 4t + 3 at an XOR with kV3Two). One register (the 32-column kernel is at its
+    // limit) holds the first bit's place in the word in bits 0-4 (the funnel shift's amount,
+    // which reads those alone) and the two reads' offsets in a stage (< 2,048) in bits 5-15 and
+    // 16-26.
+    const uint32_t v3_bit = 96u * static_cast<uint32_t>(warp & 3) + 12u * static_cast<uint32_t>(g);
+    const uint32_t v3_lo = kKeyBytes + 4u * (v3_bit >> 5);
+    const uint32_t v3_hi = (v3_bit & 31u) > 20u ? v3_lo + 4u : v3_lo;
+    static_assert(!kV3 || kPitch * 16 <= 2048);
+    const uint32_t read_v3 =
+        kV3 ? Pinned((v3_bit & 31u) | at(4u * t, v3_lo) << 5 | at(4u * t, v3_hi) << 16) : 0u;
     const int v_chunk0 = 4 * (warp >> 2) + (lane >> 4);  // + 2 for the second ldmatrix
     // P' of a step. With warpgroup MMAs each group's P'ᵀ (Config::kPOffset + 128·kCols·group):
     // row c (column c; 8-row groups 1,024 bytes apart) holds the 64 token slots of the group's 4
@@ -314,8 +368,13 @@ struct SharedOSplit {
     float* const red = reinterpret_cast<float*>(smem + Config::kRedOffset) + group * kCols * kGW;
 
     // One step: this warp's chunk c = kW·i + warp from stage s, P·V over its group's chunks.
-    auto step = [&](int i, int stage_index, int end0, auto tail_c) {
+    // kRel (a step after the first, no masks: every column has a finite maximum m): s holds
+    // s − m, the exponent of p, from one FFMA, and the lazy check reads it; the scores are
+    // recovered as (s − m) + m only where the maximum moves.
+    auto step = [&](int i, int stage_index, int end0, auto tail_c, auto rel_c) {
       constexpr bool kTail = decltype(tail_c)::value;
+      constexpr bool kRel = decltype(rel_c)::value;
+      static_assert(!(kTail && kRel));
       const int c = kW * i + warp;
       const int ahead = c + 2 * kW;
       const int following = block_of(ahead + kW);
@@ -398,19 +457,24 @@ struct SharedOSplit {
           vz[r] = valid[r] ? vz[r] : 0.0f;
         }
       }
-      // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2; a verify pass's column c sees
-      // c / group tokens past end0 (within the split's end).
+      // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2 (kRel: minus the column's maximum);
+      // a verify pass's column c sees c / group tokens past end0 (within the split's end).
       float s[kNT][4];
       float mx[kNT][2];
       bool need = false;
       const bool exact = fmaxf(vs[0], vs[1]) > kMaxLazyValueScale;
+      [[maybe_unused]] const float lazy = exact ? 0.0f : kLazyMax;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float sum = sp[0][nt][e];
           if constexpr (kChains > 1) sum += sp[1][nt][e];
-          s[nt][e] = sum * row_scale[e / 2];
+          if constexpr (kRel) {
+            s[nt][e] = fmaf(sum, row_scale[e / 2], -st.m[nt][e % 2]);
+          } else {
+            s[nt][e] = sum * row_scale[e / 2];
+          }
           if constexpr (kTail) {
             const int col = 8 * nt + 2 * t + e % 2;
             const int extra = p.verify.query_start_loc != nullptr ? col / p.verify.group : 0;
@@ -419,15 +483,28 @@ struct SharedOSplit {
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
           // Lazy: only past the maximum by kLazyMax, or by anything where a value scale is too
           // large for p ≤ 2^kLazyMax (then the maximum becomes exact).
-          need = need || mx[nt][j] > (exact ? st.m[nt][j] : st.m[nt][j] + kLazyMax);
+          if constexpr (kRel) {
+            need |= fmaxf(s[nt][j], s[nt][j + 2]) > lazy;
+          } else {
+            mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
+            need = need || mx[nt][j] > (exact ? st.m[nt][j] : st.m[nt][j] + kLazyMax);
+          }
         }
       }
       // The vote is also the barrier after which the stage that the previous step's P·V read
       // (every group warp's stage (s + 2) mod 3) is free.
       if (GroupAny(group, need)) {
+        if constexpr (kRel) {  // back to the scores
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] += st.m[nt][e % 2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
+          }
+        }
         // Every group warp's column maxima of this step, then the same new maximum in each.
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -457,6 +534,10 @@ struct SharedOSplit {
               st.acc[mi][nt][j] *= corr;
               st.acc[mi][nt][j + 2] *= corr;
             }
+            if constexpr (kRel) {  // the exponents against the new maximum
+              s[nt][j] -= m_new;
+              s[nt][j + 2] -= m_new;
+            }
           }
         }
       }
@@ -479,9 +560,9 @@ struct SharedOSplit {
             const int j = e % 2, r = e / 2;
             // Past the end s = -inf: p = 0 (m may be -inf too, for a column that has seen no
             // token yet).
-            const float pr = kTail && s[nt + k][e] == -INFINITY
-                                 ? 0.0f
-                                 : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
+            const float pr = kTail && s[nt + k][e] == -INFINITY ? 0.0f
+                             : kRel                             ? FastExp2(s[nt + k][e])
+                                    : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
             st.l[nt + k][j] += pr;
             st.z[nt + k][j] += pr * vz[r];
             pw[e] = pr * vs[r];
@@ -504,26 +585,46 @@ struct SharedOSplit {
       // warpgroup MMAs per chunk (m-tiles 0 and 1 of the 4 warps: all of head_dim), or four MMAs
       // per chunk and pair of N tiles.
       [[maybe_unused]] uint32_t va[4][2][4];  // [chunk][m-tile], for the warpgroup MMAs
+      if constexpr (kV3) {
+        // The group's chunks' stages lie kV3Stride apart; token 4t + 2's address is token 4t's
+        // XOR kV3Two, also after adding a multiple of 512 (the stages, in a shared window that
+        // starts 1,024-byte aligned, as the warpgroup MMAs' operands need). Computed per step, so
+        // that two loop invariants fewer hold registers.
+        const uint32_t v3_stage = smem_base + Layout::Stage(4 * group, stage_index);
+        const uint32_t v3_lo_at = v3_stage + ((read_v3 >> 5) & 2047u);
+        const uint32_t v3_hi_at = v3_stage + (read_v3 >> 16);
+        const uint32_t v3_at[2][2] = {{v3_lo_at, v3_lo_at ^ kV3Two}, {v3_hi_at, v3_hi_at ^ kV3Two}};
 #pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        uint32_t v[4];  // chunk q, q + 1: even tokens, odd tokens
-        SharedLdsmX4Trans(smem_base + Layout::Stage(v_chunk0 + 2 * pair, stage_index) + read_v, v);
+        for (int k = 0; k < 4; ++k) {  // chunk 4·group + k
+          // w[o]: the 12 code bits of token 4t + o in the low half, of 4t + 2 + o in the high.
+          uint32_t w[2];
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const uint32_t ve = v[2 * k], vo = v[2 * k + 1];
-          const uint32_t ve8 = ve >> 8, vo8 = vo >> 8;
-          const uint32_t a0[4] = {ve & 0x000F000Fu, ve & 0x00F000F0u, vo & 0x000F000Fu,
-                                  vo & 0x00F000F0u};
-          const uint32_t a1[4] = {ve8 & 0x000F000Fu, ve8 & 0x00F000F0u, vo8 & 0x000F000Fu,
-                                  vo8 & 0x00F000F0u};
+          for (int o = 0; o < 2; ++o) {
+            uint32_t x[2];
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              const uint32_t off = kV3Stride * k + kPitch * o;
+              const uint32_t lo = SharedLoad4(v3_at[0][b] + off);
+              const uint32_t hi = SharedLoad4(v3_at[1][b] + off);
+              x[b] = __funnelshift_r(lo, hi, read_v3);  // by bits 0-4
+            }
+            w[o] = __byte_perm(x[0], x[1], 0x5410);
+          }
+          // Row g: the first code of each pair (c · 2^-24), row g + 8 the second in place (bits
+          // 3-5: 8·c · 2^-24, Config::kOddRowScale); m-tile 1 the next two codes.
+          const uint32_t y0 = w[0] >> 6, y1 = w[1] >> 6;
+          const uint32_t a0[4] = {w[0] & 0x00070007u, w[0] & 0x00380038u, w[1] & 0x00070007u,
+                                  w[1] & 0x00380038u};
+          const uint32_t a1[4] = {y0 & 0x00070007u, y0 & 0x00380038u, y1 & 0x00070007u,
+                                  y1 & 0x00380038u};
           if constexpr (kWg) {
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
-              va[2 * pair + k][0][x] = a0[x];
-              va[2 * pair + k][1][x] = a1[x];
+              va[k][0][x] = a0[x];
+              va[k][1][x] = a1[x];
             }
           } else {
-            const int q = 4 * group + 2 * pair + k;
+            const int q = 4 * group + k;
 #pragma unroll
             for (int nt = 0; nt < kNT; nt += 2) {
               uint32_t b[4];  // N tile nt: b0, b1; nt + 1: b0, b1
@@ -532,6 +633,40 @@ struct SharedOSplit {
               MmaF16(st.acc[1][nt], a1, b[0], b[1]);
               MmaF16(st.acc[0][nt + 1], a0, b[2], b[3]);
               MmaF16(st.acc[1][nt + 1], a1, b[2], b[3]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          uint32_t v[4];  // chunk q, q + 1: even tokens, odd tokens
+          SharedLdsmX4Trans(smem_base + Layout::Stage(v_chunk0 + 2 * pair, stage_index) + read_v,
+                            v);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const uint32_t ve = v[2 * k], vo = v[2 * k + 1];
+            const uint32_t ve8 = ve >> 8, vo8 = vo >> 8;
+            const uint32_t a0[4] = {ve & 0x000F000Fu, ve & 0x00F000F0u, vo & 0x000F000Fu,
+                                    vo & 0x00F000F0u};
+            const uint32_t a1[4] = {ve8 & 0x000F000Fu, ve8 & 0x00F000F0u, vo8 & 0x000F000Fu,
+                                    vo8 & 0x00F000F0u};
+            if constexpr (kWg) {
+#pragma unroll
+              for (int x = 0; x < 4; ++x) {
+                va[2 * pair + k][0][x] = a0[x];
+                va[2 * pair + k][1][x] = a1[x];
+              }
+            } else {
+              const int q = 4 * group + 2 * pair + k;
+#pragma unroll
+              for (int nt = 0; nt < kNT; nt += 2) {
+                uint32_t b[4];  // N tile nt: b0, b1; nt + 1: b0, b1
+                SharedLdsmX4(p_lane + 256u * (kNT * q + nt), b);
+                MmaF16(st.acc[0][nt], a0, b[0], b[1]);
+                MmaF16(st.acc[1][nt], a1, b[0], b[1]);
+                MmaF16(st.acc[0][nt + 1], a0, b[2], b[3]);
+                MmaF16(st.acc[1][nt + 1], a1, b[2], b[3]);
+              }
             }
           }
         }
@@ -564,14 +699,20 @@ struct SharedOSplit {
     const int num_steps = (num_chunks + kW - 1) / kW;
     int stage_index = 0;
     int i = 0;
+    static_assert(kS > 1);
+    if (full_steps > 0) {  // the first step sets every column's maximum
+      step(0, 0, span.end0, std::false_type{}, std::false_type{});
+      stage_index = 1;
+      i = 1;
+    }
 #pragma unroll 1
     for (; i < full_steps; ++i) {
-      step(i, stage_index, span.end0, std::false_type{});
+      step(i, stage_index, span.end0, std::false_type{}, std::true_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
 #pragma unroll 1
     for (; i < num_steps; ++i) {
-      step(i, stage_index, span.end0, std::true_type{});
+      step(i, stage_index, span.end0, std::true_type{}, std::false_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
     CopyAsyncWait();  // (only empty or unread groups remain) before shared memory is reused
@@ -607,7 +748,7 @@ struct SharedOSplit {
     float2* const lz = reinterpret_cast<float2*>(acc_s + 4 * kCols * kAS);
     float* const fin = reinterpret_cast<float*>(lz + kW * kCols);
     const int u = warp & 3;
-    constexpr float kEven = Traits::kEvenRowScale, kOdd = Traits::kOddRowScale;
+    constexpr float kEven = Traits::kEvenRowScale, kOdd = Config::kOddRowScale;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll

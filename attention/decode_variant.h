@@ -112,9 +112,9 @@ struct MaybeSplitVariant {
 // Whether a kind has staged kernels at this head_dim and value width (packed: the compressed
 // kinds' packed layout, GQA group <= 4; half: their half-precision kernels, groups above 4). At
 // D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not; 3-bit keys with
-// 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 128 and 64 (up to 16
-// columns: no kernel of four N tiles and no shared-output kernel, MaxSplitGroup and
-// ChooseSplitVariant).
+// 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 128 and 64 (no kernel
+// of four N tiles with its own output per warp: 17-32 columns only on the shared-output kernel at
+// D = 128, MaxSplitGroup and ChooseSplitVariant).
 constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
                                bool half = false) {
   return ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 4 &&
@@ -125,12 +125,23 @@ constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool 
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
 
+// Whether the shared-output kernel (SplitVariant::shared_o, groups 9-32) reads this cache: D =
+// 128, 4-bit values, or 3-bit keys with 3-bit values (3bit_nc).
+constexpr bool HasSharedOKernel(KeyKind kind, int value_bits, int head_dim) {
+  return !IsPlain(kind) && head_dim == 128 &&
+         (value_bits == 4 || (value_bits == 3 && kind == KeyKind::kMse3)) &&
+         HasStagedKernel(kind, value_bits, head_dim, false, true);
+}
+
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
 // where the half-precision staged kernels of four N tiles exist (4-bit values at D = 128) and are
-// asked for, else 16.
-constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half) {
-  return staged && half && !IsPlain(kind) && head_dim == 128 && value_bits == 4 &&
-                 HasStagedKernel(kind, value_bits, head_dim, false, true)
+// asked for, or the shared-output one (3bit_nc at D = 128: its accumulators and 3-bit decode do
+// not fit the kernel of four N tiles that keeps one output per warp), else 16.
+constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half,
+                            bool shared_o = false) {
+  return staged && half && !IsPlain(kind) && head_dim == 128 &&
+                 ((value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) ||
+                  (shared_o && HasSharedOKernel(kind, value_bits, head_dim)))
              ? 32
              : 16;
 }
@@ -139,21 +150,21 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 // variant does not have are ignored (one_cta for 3-bit keys, hi_only for 4-bit keys, ...), except
 // narrow, which only 3-bit keys and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
 // 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64.
-// Groups 17-32 have one kernel (the half-precision one of four N tiles), narrow or not.
+// Groups 17-32 have one kernel (the half-precision one of four N tiles, or with shared_o the
+// shared-output one), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
   const bool valid_bits = IsPlain(kind)            ? value_bits == 16
                           : kind == KeyKind::kMse3 ? (value_bits == 3 || value_bits == 4)
                                                    : value_bits == 4;
   if (!valid_bits || group < 1 ||
-      group > MaxSplitGroup(kind, value_bits, head_dim, c.staged, c.half) ||
+      group > MaxSplitGroup(kind, value_bits, head_dim, c.staged, c.half, c.shared_o) ||
       (head_dim != 64 && head_dim != 128 && head_dim != 256)) {
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
-  // (The shared-output kernel reads 4-bit values: SharedOSplit.)
-  if (c.shared_o && c.half && c.staged && group > 8 && !IsPlain(kind) && head_dim == 128 &&
-      value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) {
+  if (c.shared_o && c.half && c.staged && group > 8 &&
+      HasSharedOKernel(kind, value_bits, head_dim)) {
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;
     v.shared_o = true;
