@@ -349,7 +349,8 @@ StoreDeviceState::StoreDeviceState(const Quantizer& quantizer, const StoreOption
   tables_.CopyFromHost(tables.get(), sizeof(store::DeviceTables), 0, nullptr);
 
   if (path_ == StorePath::kMma) {
-    // 2^8 · Πᵀ must stay inside fp16's range (any orthogonal Πᵀ has entries ≤ 1).
+    // 2^8 · Πᵀ must stay inside fp16's range. Any orthogonal Πᵀ has entries ≤ 1 and the Quantizer
+    // takes no other rotation, so this only guards that contract.
     float largest = 0;
     for (float x : pit) largest = std::isfinite(x) ? std::max(largest, std::abs(x)) : INFINITY;
     if (!(largest <= 255.0f)) {

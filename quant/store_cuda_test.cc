@@ -905,29 +905,33 @@ TEST(StoreCudaTest, CloseMidpointsBucketizeByBinarySearch) {
 // The MMA path holds 2^8 · Πᵀ in fp16: a rotation filled by a caller (its id computed as
 // rotation.h defines it; only RotationFromMatrix checks orthogonality) with larger entries is
 // refused with a message that names the way out (the cuBLAS path), which takes it.
-TEST(StoreCudaTest, MmaPathRefusesRotationsBeyondFp16) {
+TEST(StoreCudaTest, OnlyOrthogonalRotationsReachTheMmaPath) {
   TQKV_SKIP_WITHOUT_GPU();
+  // The tensor-core path needs 2^8 · Πᵀ inside fp16's range, which every orthogonal Πᵀ is: the
+  // Quantizer refuses any other rotation (here 1000 · I) before a store path is chosen.
   Rotation r;
   r.kind = RotationKind::kCustom;
   r.head_dim = 128;
   r.matrix.assign(128 * 128, 0.0f);
   for (int i = 0; i < 128; ++i) r.matrix[size_t(i) * 128 + i] = 1000.0f;
   r.id = RotationMatrixId(128, r.matrix);
-  const Quantizer q(PresetByName("turboquant_4bit_nc"), 128, 8, 16, r);
-  for (StoreRotationPath path : {StoreRotationPath::kAuto, StoreRotationPath::kMma}) {
-    StoreOptions o;
-    o.rotation_path = path;
-    try {
-      const StoreDeviceState state(q, o);
-      ADD_FAILURE() << "no throw";
-    } catch (const Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("entries up to 1000"));
-      EXPECT_THAT(e.what(), HasSubstr("gemm"));
-    }
+  try {
+    const Quantizer q(PresetByName("turboquant_4bit_nc"), 128, 8, 16, r);
+    ADD_FAILURE() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("must be orthogonal"));
   }
-  StoreOptions gemm;
-  gemm.rotation_path = StoreRotationPath::kGemm;
-  EXPECT_NO_THROW({ const StoreDeviceState state(q, gemm); });
+  // A custom orthogonal rotation with entries of magnitude 1 (a signed permutation) takes it.
+  for (int i = 0; i < 128; ++i) {
+    r.matrix[size_t(i) * 128 + i] = 0.0f;
+    r.matrix[size_t(i) * 128 + (i * 37 + 5) % 128] = i % 3 == 0 ? -1.0f : 1.0f;
+  }
+  r.id = RotationMatrixId(128, r.matrix);
+  const Quantizer q(PresetByName("turboquant_4bit_nc"), 128, 8, 16, r);
+  StoreOptions o;
+  o.rotation_path = StoreRotationPath::kMma;
+  const StoreDeviceState state(q, o);
+  EXPECT_EQ(state.path(), StorePath::kMma);
 }
 
 TEST(StoreCudaTest, SmallWorkspaceAndEmptyStores) {
