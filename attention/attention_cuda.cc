@@ -320,8 +320,9 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   if (plan.decode_rows) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
   }
-  if (options.verify_max_q_len < 0) {
-    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len, ">= 0");
+  if (options.verify_max_q_len < -1) {
+    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
+                          ">= 0, or -1 (the plan's choice)");
   }
   if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
       options.leading_decode_seqs > num_tokens ||
@@ -356,10 +357,18 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // GQA group above 8 still takes one token of 9-16 columns per pass.
   const int max_columns = std::min(
       {options.verify_max_group, s.decoder.MaxGroup(decode), d == 256 && !s.plain ? 8 : 32});
-  plan.verify_rows =
-      decode_kernels && !plan.decode && max_q_len > 1 && options.verify_max_q_len > 0 &&
-      (max_q_len <= options.verify_max_q_len || int64_t{max_q_len} * group <= max_columns) &&
-      group <= 16;
+  // The plan's choice (verify_max_q_len -1): at head_dim 64 the compressed caches' verify passes
+  // beat the prefill kernel up to 16 new tokens in 4 passes: H100, SmolLM2's 9:3:64, 64 × 4k, 16
+  // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
+  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254 (the bf16 cache's the other way: 323 / 213).
+  int verify_q = options.verify_max_q_len;
+  if (verify_q < 0) {
+    const int rows = std::max(1, max_columns / group);
+    verify_q = d == 64 && !s.plain && (16 + rows - 1) / rows <= 4 ? 16 : 8;
+  }
+  plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
+                     (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&
+                     group <= 16;
   if (plan.verify_rows) {
     plan.decode_rows = false;
     plan.verify_pass_rows = std::min(max_q_len, std::max(1, max_columns / group));

@@ -64,8 +64,10 @@ struct AttentionOptions {
   // Calls whose sequences have at most this many new tokens each (speculative verify) run every
   // query row on the decode kernels, as a sequence of its own whose context ends at the row's
   // position; so do calls with more whose new tokens all fit one pass (max_q_len · group up to
-  // the columns of verify_max_group; 0: never).
-  int verify_max_q_len = 8;
+  // the columns of verify_max_group; 0: never). -1, the default: the plan's choice, 16 at
+  // head_dim 64 on the compressed caches where that takes at most 4 passes (SmolLM2's GQA 3: 5
+  // new tokens per pass), else 8.
+  int verify_max_q_len = -1;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
   // other, 1 to 32 (16 at most but on the half-precision kernels: CudaDecoder::MaxGroup; 8 on the
   // compressed caches at head_dim 256, whose 9-16-column kernel is slower per column): a call of
@@ -116,7 +118,7 @@ struct AttentionPlan {
   // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
   // chunk kernel).
   int leading_decodes = 0;
-  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len): the decode kernels in
+  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len's): the decode kernels in
   // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
   // verify_pass_rows · G, each column over the context up to its own token); unless Run gets a
   // sliding window.

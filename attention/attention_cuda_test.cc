@@ -1027,6 +1027,54 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
   }
 }
 
+// At head_dim 64 the plan's choice (verify_max_q_len -1) runs up to 16 new tokens as verify passes
+// on the compressed caches where they take at most 4 passes (SmolLM2's GQA 3: 4 passes of 5); 17
+// tokens, more passes, an explicit 8, head_dim 128 and the bf16 cache keep the prefill kernel.
+// The passes match the reference.
+TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
+  TQKV_SKIP_WITHOUT_GPU();
+  int k = 0;
+  for (const char* preset :
+       {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
+    const CudaAttention attn(Quantizer::Create(preset, 64, 3, 16));
+    // 2 sequences of 16 new tokens at GQA 3.
+    const AttentionPlan p = attn.Plan(2, 32, 9, 4, 16);
+    ASSERT_TRUE(p.verify_rows) << preset;
+    EXPECT_EQ(p.verify_pass_rows, 5) << preset;
+    EXPECT_EQ(p.verify_passes, 4) << preset;
+    EXPECT_FALSE(attn.Plan(2, 34, 9, 4, 17).verify_rows) << preset;
+    EXPECT_FALSE(attn.Plan(2, 32, 15, 4, 16).verify_rows) << preset;  // GQA 5: 6 passes
+    AttentionOptions eight;
+    eight.verify_max_q_len = 8;
+    EXPECT_FALSE(attn.Plan(2, 32, 9, 4, 16, eight).verify_rows) << preset;
+    const CudaAttention d128(Quantizer::Create(preset, 128, 3, 16));
+    EXPECT_FALSE(d128.Plan(2, 32, 9, 4, 16).verify_rows) << preset;
+
+    const int hk = 2, group = 3;
+    const Quantizer q = Quantizer::Create(preset, 64, hk, 16 << (k % 4));
+    const AttentionScenario s = BuildAttention(q, {300, 77, 1000, 150, 0, 65},
+                                               {16, 1, 12, 9, 0, 16}, hk * group, 1200 + k++);
+    for (ChunkPrecision precision : {ChunkPrecision::kExact, ChunkPrecision::kHalf}) {
+      Case c{.quantizer = &q};
+      c.options.verify_precision = precision;
+      const Errors e = RunAndCompare(c, s, s.base.cache);
+      const bool half =
+          std::string_view(preset) != "turboquant_k8v4" && precision == ChunkPrecision::kHalf;
+      const std::string what = fmt::format("{} {}: out {:.2e} lse {:.2e}", preset,
+                                           half ? "half" : "exact", e.decode_out, e.decode_lse);
+      EXPECT_EQ(e.verify_columns, 5 * group) << what;
+      EXPECT_EQ(e.half_verify, half) << what;
+      EXPECT_EQ(e.bad, 0) << what;
+      const HalfBounds b = HalfBoundsOf(false);
+      const DecodeBounds db = half ? DecodeBounds{b.lse, b.out} : DecodeBoundsOf(preset);
+      EXPECT_LE(e.decode_lse, db.lse) << what;
+      EXPECT_LE(e.decode_out, db.out) << what;
+    }
+  }
+  const CudaAttention plain(MakeBf16BlockFormat(64, 3, 16, DType::kBF16));
+  EXPECT_FALSE(plain.Plan(2, 32, 9, 4, 16).verify_rows);
+}
+
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
 // passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64 run
 // the decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
