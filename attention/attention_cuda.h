@@ -118,10 +118,10 @@ struct AttentionPlan {
   // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
   // chunk kernel).
   int leading_decodes = 0;
-  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len's): the decode kernels in
-  // passes of verify_pass_rows new tokens per sequence beside the GQA heads (a decode of group
-  // verify_pass_rows · G, each column over the context up to its own token); unless Run gets a
-  // sliding window.
+  // Few new tokens per sequence (max_q_len up to options.verify_max_q_len, or the plan's choice of
+  // it): the decode kernels in passes of verify_pass_rows new tokens per sequence beside the GQA
+  // heads (a decode of group verify_pass_rows · G, each column over the context up to its own
+  // token); unless Run gets a sliding window.
   bool verify_rows = false;
   int verify_pass_rows = 0;
   int verify_passes = 0;
