@@ -62,11 +62,12 @@ void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
   }
   // What the call writes (output, lse, workspace) must not overlap what it reads or other writes:
   // an lse over the query had overwritten query rows still to be read on the CPU; on CUDA, CTAs
-  // race. (The cache's bytes are not known here: its layout gives no block size in bytes.)
+  // race; an output over the cache would change the cache.
   const int64_t rows = int64_t{a.num_tokens} * a.num_q_heads;
   const int64_t d = layout.head_dim;
   CheckDisjoint(where,
                 {{"output", a.output, rows * d * DTypeSize(a.output_dtype)},
+                 {"cache", a.cache.data, a.cache.num_blocks * BlockBytesOf(layout)},
                  {"lse", a.lse, rows * 4},
                  {"workspace", a.workspace, a.workspace_bytes},
                  {"query", a.query, rows * d * DTypeSize(a.query_dtype)},

@@ -50,8 +50,9 @@ struct AttentionArgs {
 
 // Checks what can be checked without reading the per-sequence arrays: the cache's layout is
 // `layout` (the one the call was made for: Quantizer::layout(), Bf16BlockFormat::layout()),
-// counts, dtypes, the scale, the window and null pointers (the arrays may be device memory).
-// Throws tqkv::Error naming the argument, its value and what is allowed.
+// counts, dtypes, the scale, the window, null pointers (the arrays may be device memory), and
+// that what the call writes (output, lse, workspace) overlaps nothing it reads or writes, the
+// cache included. Throws tqkv::Error naming the argument, its value and what is allowed.
 void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
                              const AttentionArgs& args);
 

@@ -396,6 +396,26 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
     EXPECT_EQ(shared, s.queries);
   }
+  // An output or lse over the cache would change the cache: refused, the cache bytes unchanged.
+  {
+    std::vector<uint8_t> cache(good.cache.data,
+                               good.cache.data + good.cache.num_blocks * q.format().block_bytes);
+    const std::vector<uint8_t> before = cache;
+    a = good;
+    a.cache.data = cache.data();
+    a.output = cache.data() + cache.size() - 64;  // its last bytes under the first output row
+    a.lse = lse.data();
+    EXPECT_THAT([&] { AttentionCpu(q, a); },
+                ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                    HasSubstr("output ("), HasSubstr("cache ("), HasSubstr("overlap"))));
+    a.output = out.data();
+    a.lse = reinterpret_cast<float*>(cache.data());
+    EXPECT_THAT([&] { AttentionCpu(q, a); },
+                ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                    HasSubstr("cache ("), HasSubstr("lse ("), HasSubstr("overlap"))));
+    EXPECT_EQ(cache, before);
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+  }
   // A start that decreases after a valid one is named, not the length it makes look wrong.
   AttentionScenario three = BuildAttention(q, {30, 20, 12}, {5, 2, 3}, 4, 12);
   std::vector<int32_t> loc3 = three.query_start_loc;  // {0, 5, 7, 10}

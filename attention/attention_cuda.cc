@@ -217,9 +217,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
         fmt::format("1 to {} (contexts up to {} tokens at block size {})",
                     kMaxContextTokens / block_size(), kMaxContextTokens, block_size()));
   }
-  if (max_q_len < 1 || max_q_len > num_tokens) {
-    throw InvalidArgument(kWhere, "max_q_len", max_q_len,
-                          fmt::format("1 to num_tokens = {}", num_tokens));
+  if (max_q_len < 1 || max_q_len > num_tokens ||
+      max_q_len > int64_t{max_blocks_per_seq} * block_size()) {
+    throw InvalidArgument(
+        kWhere, "max_q_len", max_q_len,
+        fmt::format("1 to min(num_tokens = {}, max_blocks_per_seq · block_size = {}) (a "
+                    "sequence's new tokens are part of its context)",
+                    num_tokens, int64_t{max_blocks_per_seq} * block_size()));
   }
   if (int64_t{num_tokens} > int64_t{num_seqs} * max_q_len) {
     throw InvalidArgument(
@@ -238,6 +242,22 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "options.tokens_per_split", options.tokens_per_split,
                           fmt::format("0 (the plan chooses) or a positive multiple of 64 up to {}",
                                       kMaxContextTokens));
+  }
+  // The decode kernels' options, under their names: the decode plans below see them only where
+  // a decode path is chosen (and would name them as their own).
+  if (options.decode.tokens_per_split != 0 &&
+      (options.decode.tokens_per_split < 64 || options.decode.tokens_per_split % 64 != 0 ||
+       options.decode.tokens_per_split > CudaDecoder::kMaxSplitTokens)) {
+    throw InvalidArgument(kWhere, "options.decode.tokens_per_split",
+                          options.decode.tokens_per_split,
+                          fmt::format("0 (the plan chooses) or a multiple of 64 from 64 to {}",
+                                      CudaDecoder::kMaxSplitTokens));
+  }
+  if (options.decode.narrow != DecodeOptions::Narrow::kAuto &&
+      options.decode.narrow != DecodeOptions::Narrow::kNever &&
+      options.decode.narrow != DecodeOptions::Narrow::kAlways) {
+    throw InvalidArgument(kWhere, "options.decode.narrow", static_cast<int>(options.decode.narrow),
+                          "Narrow::kAuto (0), kNever (1) or kAlways (2)");
   }
   const int group = num_q_heads / hk;
   AttentionPlan plan;
@@ -331,6 +351,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                           fmt::format("0 to min(num_seqs, num_tokens) = {} (num_seqs only where "
                                       "num_tokens = num_seqs = {})",
                                       std::min(num_seqs, num_tokens), num_tokens));
+  }
+  if (const int lead = options.leading_decode_seqs;
+      lead > 0 && int64_t{num_tokens} - lead > int64_t{num_seqs - lead} * max_q_len) {
+    throw InvalidArgument(
+        kWhere, "num_tokens", num_tokens,
+        fmt::format("at most leading_decode_seqs + (num_seqs - leading_decode_seqs) · max_q_len "
+                    "= {} (the leading sequences have one new token each)",
+                    lead + int64_t{num_seqs - lead} * max_q_len));
   }
   if (options.verify_max_group < 1 || options.verify_max_group > 32) {
     throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
@@ -454,8 +482,27 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                    dp.num_q_heads == num_kv_heads() * plan.verify_pass_rows * group &&
                    int64_t{plan.verify_pass_rows} * plan.verify_passes >= plan.max_q_len
              : true);
-    if (plan.max_q_len < 1 || plan.max_q_len > plan.num_tokens || decode_paths > 1 ||
-        plan.leading_decodes < 0 || plan.leading_decodes > plan.num_seqs || !decode_plan_ok ||
+    const bool prefill_ok = !plan.prefill || head_dim() == 64 || head_dim() == 128;
+    bool prefill_options_ok = plan.prefill || (!plan.prefill_tiles && !plan.prefill_rotates);
+#if TQKV_HAVE_CUDA
+    if (plan.prefill) {
+      attention_detail::ChunkParams layout;
+      SetCacheLayout(s, layout);
+      const int d = head_dim();
+      prefill_options_ok =
+          (!plan.prefill_tiles ||
+           attention_detail::PrefillTakesTiles(s.key_kind, s.value_bits, d, layout)) &&
+          (!plan.prefill_rotates ||
+           (s.fwht && attention_detail::PrefillRotatesQuery(s.key_kind, s.value_bits, d, layout)));
+    }
+#endif
+    if (plan.num_seqs > kMaxSeqs ||
+        int64_t{plan.num_tokens} * plan.num_q_heads > std::numeric_limits<int32_t>::max() ||
+        int64_t{plan.row_tiles} * plan.max_splits * num_kv_heads() >
+            std::numeric_limits<int32_t>::max() ||
+        !prefill_ok || !prefill_options_ok || plan.max_q_len > max_len || plan.max_q_len < 1 ||
+        plan.max_q_len > plan.num_tokens || decode_paths > 1 || plan.leading_decodes < 0 ||
+        plan.leading_decodes > plan.num_seqs || !decode_plan_ok ||
         (plan.row_warps != 1 && plan.row_warps != 2 && plan.row_warps != 4) ||
         plan.row_tiles < RowTileSlots(plan.num_tokens, plan.num_seqs, group, cta_rows) ||
         plan.max_splits > kMaxSplits || plan.tokens_per_split < 64 ||
@@ -483,6 +530,19 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     throw InvalidArgument(kWhere, "cache.data",
                           fmt::format("{}", static_cast<const void*>(a.cache.data)),
                           "a 16-byte aligned device pointer");
+  }
+  CheckRowAlignment(kWhere, a.query, a.query_dtype, a.output, a.output_dtype, a.lse);
+  // The kernels' fp32 score scales: scale · log2(e) (the chunk and prefill kernels), over the
+  // codebook's scale too where the decode kernels run.
+  if (const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(head_dim()));
+      !std::isfinite(scale * static_cast<float>(std::numbers::log2e))) {
+    throw InvalidArgument(
+        kWhere, "scale", scale,
+        fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
+                    std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
+  }
+  if (plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) {
+    s.decoder.CheckScale(kWhere, a.scale);
   }
   if (plan.decode && a.sliding_window == 0) {
     CudaDecodeArgs da;

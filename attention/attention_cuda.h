@@ -177,14 +177,17 @@ class CudaAttention {
   // query_start_loc[b]); Run reads no more rows per sequence than that. Throws tqkv::Error for
   // num_seqs outside 1..65535, num_tokens < 1, a num_q_heads that is not a multiple of
   // num_kv_heads, max_blocks_per_seq · block_size past kMaxContextTokens, max_q_len outside
-  // 1..num_tokens, or options out of range.
+  // 1..min(num_tokens, max_blocks_per_seq · block_size), more tokens than the leading one-token
+  // sequences and max_q_len allow, or options out of range (options.decode's too).
   AttentionPlan Plan(int num_seqs, int num_tokens, int num_q_heads, int max_blocks_per_seq,
                      int max_q_len, const AttentionOptions& options = {}) const;
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches
-  // on `stream`. The per-sequence arrays are device memory and are not read on the host: they
-  // must hold what ValidateAttentionArrays accepts, with query lengths up to plan.max_q_len (a
-  // one-token plan: query_start_loc[b] = b).
+  // on `stream`: ValidateAttentionShapes (outputs over the cache or any input too), the query,
+  // output and lse aligned to their elements, the cache and workspace to 16 bytes, a scale whose
+  // fp32 score scale is finite. The per-sequence arrays are device memory and are not read on the
+  // host: they must hold what ValidateAttentionArrays accepts, with query lengths up to
+  // plan.max_q_len (a one-token plan: query_start_loc[b] = b).
   void Run(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
 
  private:

@@ -483,6 +483,27 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
         EXPECT_EQ(e.bad, 0) << what;
         EXPECT_LE(lse, lse_tol) << what;
         EXPECT_LE(out, out_tol) << what;
+        if (io != DType::kBF16) continue;
+        // The query and output one bf16 element off 4-byte alignment: the decode kernels' first
+        // query row, loaded early as 4-byte words, is loaded element by element then (a word at
+        // a 2-byte address faults the context), with the same outputs; the chunk kernel's query
+        // prep takes its scalar path then (fp32 instead of tensor cores): within the bounds.
+        std::vector<float> aligned_out, aligned_lse, off_out, off_lse;
+        c.keep_out = &aligned_out;
+        c.keep_lse = &aligned_lse;
+        RunAndCompare(c, s, s.base.cache);
+        c.misalign = 1;
+        c.keep_out = &off_out;
+        c.keep_lse = &off_lse;
+        const Errors off = RunAndCompare(c, s, s.base.cache);
+        EXPECT_EQ(off.bad, 0) << what;
+        if (decode) {
+          EXPECT_EQ(off_out, aligned_out) << what << ", one element off";
+          EXPECT_EQ(off_lse, aligned_lse) << what << ", one element off";
+        } else {
+          EXPECT_LE(std::max(off.lse, off.decode_lse), lse_tol) << what << ", one element off";
+          EXPECT_LE(std::max(off.out, off.decode_out), out_tol) << what << ", one element off";
+        }
       }
     }
   }
@@ -1368,6 +1389,30 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   EXPECT_FALSE(attn.Plan(2, 2, 32, past, 1).decode);
   EXPECT_TRUE(attn.Plan(2, 8, 32, past - 1, 4).verify_rows);
   EXPECT_FALSE(attn.Plan(2, 8, 32, past, 4).verify_rows);
+  // The decode kernels' options are checked at Plan under their names, whatever path the plan
+  // takes (a prefill-only shape had accepted them).
+  for (const auto& [max_q_len, tokens] : {std::pair{3, 5}, std::pair{64, 64}}) {
+    AttentionOptions decode_split;
+    decode_split.decode.tokens_per_split = 100;
+    EXPECT_THAT([&] { attn.Plan(2, tokens, 32, 4, max_q_len, decode_split); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::HasSubstr("invalid options.decode.tokens_per_split = 100")));
+    AttentionOptions narrow;
+    narrow.decode.narrow = static_cast<DecodeOptions::Narrow>(7);
+    EXPECT_THAT(
+        [&] { attn.Plan(2, tokens, 32, 4, max_q_len, narrow); },
+        ::testing::ThrowsMessage<Error>(::testing::HasSubstr("invalid options.decode.narrow = 7")));
+  }
+  // Shapes no arrays can have: more new tokens than the context holds, and more tokens than the
+  // leading one-token sequences and max_q_len allow.
+  EXPECT_THAT([&] { attn.Plan(1, 70, 32, 4, 70); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("invalid max_q_len = 70")));
+  AttentionOptions one_lead;
+  one_lead.leading_decode_seqs = 1;
+  EXPECT_NO_THROW(attn.Plan(3, 7, 32, 4, 3, one_lead));
+  EXPECT_THAT([&] { attn.Plan(3, 8, 32, 4, 3, one_lead); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr("invalid num_tokens = 8"), ::testing::HasSubstr("= 7"))));
   AttentionOptions precision;
   precision.verify_precision = static_cast<ChunkPrecision>(7);
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, precision); },
@@ -1419,8 +1464,10 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
            [](AttentionPlan& p) { p.decode_plan.num_seqs += 1; },
            [](AttentionPlan& p) { p.row_warps = 3; },
            [](AttentionPlan& p) { p.tokens_per_split = 0; },
-           [](AttentionPlan& p) { p.verify_passes = 0; },
-           [](AttentionPlan& p) { p.decode = true; }}) {
+           [](AttentionPlan& p) { p.verify_passes = 0; }, [](AttentionPlan& p) { p.decode = true; },
+           [](AttentionPlan& p) { p.prefill_tiles = true; },
+           [](AttentionPlan& p) { p.prefill_rotates = true; },
+           [](AttentionPlan& p) { p.row_tiles = 1 << 30; }}) {
     AttentionPlan changed = plan;
     edit(changed);
     EXPECT_THAT([&] { attn.Run(changed, a, nullptr); },
@@ -1436,6 +1483,33 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   over.workspace_bytes = 256;
   EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("overlap")));
+  // An output over the cache would change the cache.
+  over = a;
+  over.output = cache.data() + 8 * q.format().block_bytes - 256;
+  EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(::testing::HasSubstr("output ("),
+                                                               ::testing::HasSubstr("cache ("),
+                                                               ::testing::HasSubstr("overlap"))));
+  // Rows not aligned to their elements (here fp32: 4 bytes; lse too) are refused; a misaligned
+  // access would have faulted the context.
+  DeviceBuffer<uint8_t> roomy(rows * 128 * 4 + 256);  // room past the rows for every shift below
+  for (const char* name : {"query", "output", "lse"}) {
+    over = a;
+    uint8_t* const shifted = roomy.data() + 2;
+    if (std::string_view(name) == "query") over.query = shifted;
+    if (std::string_view(name) == "output") over.output = shifted;
+    if (std::string_view(name) == "lse") over.lse = reinterpret_cast<float*>(shifted);
+    EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr(fmt::format("invalid {} = ", name)),
+                                     ::testing::HasSubstr("a 4-byte aligned device pointer"))))
+        << name;
+  }
+  // A scale whose fp32 score scale (scale · log2(e)) overflows: the kernels' softmax would be NaN.
+  over = a;
+  over.scale = 3e38f;
+  EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("invalid scale = ")));
 }
 
 #else

@@ -46,6 +46,7 @@ void Validate(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInput
   const int64_t rows = int64_t{in.num_seqs} * in.num_q_heads;
   CheckDisjoint(kWhere, {{"output", out.output, rows * f.head_dim * 4},
                          {"lse", out.lse, rows * 4},
+                         {"cache", cache.data, std::max<int64_t>(num_blocks, 0) * f.block_bytes},
                          {"query", in.query, rows * f.head_dim * 4},
                          {"seq_lens", in.seq_lens, int64_t{in.num_seqs} * 4},
                          {"block_tables", in.block_tables,

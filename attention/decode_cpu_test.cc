@@ -180,6 +180,17 @@ TEST(DecodeCpuTest, InvalidInputsAreErrorsNamingTheArgument) {
       ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("DecodeCpu: invalid cache.layout = ("),
                                             HasSubstr("block 32); allowed: the layout"))));
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+  // An output over the cache would change the cache: refused, nothing written.
+  std::vector<uint8_t> cache = s.cache;
+  auto* cache_rows = reinterpret_cast<float*>(cache.data());
+  EXPECT_THAT(
+      [&] {
+        DecodeCpu(q, {cache.data(), s.num_blocks, q.layout()}, Inputs(s),
+                  {cache_rows + 16, lse.data()});
+      },
+      ::testing::ThrowsMessage<Error>(
+          AllOf(HasSubstr("output ("), HasSubstr("cache ("), HasSubstr("overlap"))));
+  EXPECT_EQ(cache, s.cache);
 }
 
 // What compression costs: cosine similarity of the decode output to fp64 attention over the

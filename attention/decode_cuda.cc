@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <numbers>
+#include <tuple>
 
 #include "attention/codebook_fp16.h"
 #include "runtime/error.h"
@@ -57,6 +59,10 @@ int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 // Workspace bytes for the query prep kernel's fp32 q·Πᵀ: only a dense Πᵀ needs that launch.
 int64_t QueryPrepBytes(bool dense_rotation, int64_t rows, int head_dim) {
   return dense_rotation ? AlignUp(rows * head_dim * 4) : 0;
+}
+
+bool Misaligned(const void* p, uintptr_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment != 0;
 }
 
 int DeviceSmCount() {
@@ -216,9 +222,9 @@ int CudaDecoder::block_size() const {
 
 namespace {
 // Split limits (ChooseSplitLayout says why): at most this many splits per sequence, and
-// tokens per split.
-constexpr int64_t kMaxSplits = 256, kMaxSplitTokens = 8192;  // decode_launch.h's too
-static_assert(kMaxSplits * kMaxSplitTokens == CudaDecoder::kMaxContextTokens);
+// tokens per split (decode_launch.h's too).
+constexpr int64_t kMaxSplits = CudaDecoder::kMaxSplits;
+constexpr int64_t kMaxSplitTokens = CudaDecoder::kMaxSplitTokens;
 #if TQKV_HAVE_CUDA
 static_assert(kMaxSplitTokens == decode_detail::kMaxSplitTokens);
 #endif
@@ -373,6 +379,32 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   return with_scores(best);
 }
 
+void CheckRowAlignment(std::string_view where, const void* query, DType query_dtype,
+                       const void* output, DType output_dtype, const float* lse) {
+  for (const auto& [name, pointer, alignment] :
+       {std::tuple{"query", query, std::max<int64_t>(1, DTypeSize(query_dtype))},
+        std::tuple{"output", output, std::max<int64_t>(1, DTypeSize(output_dtype))},
+        std::tuple{"lse", static_cast<const void*>(lse), int64_t{4}}}) {
+    if (Misaligned(pointer, alignment)) {
+      throw InvalidArgument(where, name, fmt::format("{}", pointer),
+                            fmt::format("a {}-byte aligned device pointer", alignment));
+    }
+  }
+}
+
+void CudaDecoder::CheckScale(std::string_view where, std::optional<float> scale) const {
+  const float x = scale ? *scale : 1.0f / std::sqrt(static_cast<float>(head_dim()));
+  const float score_scale = x * static_cast<float>(std::numbers::log2e) / state_->codebook_scale;
+  if (!std::isfinite(score_scale)) {
+    throw InvalidArgument(
+        where, "scale", x,
+        fmt::format("at most {:g} (scale · log2(e) / {:g}, the kernels' fp32 score scale, finite)",
+                    std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e) *
+                        std::min(1.0f, state_->codebook_scale),
+                    state_->codebook_scale));
+  }
+}
+
 DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_seq,
                              const DecodeOptions& options) const {
   constexpr const char* kWhere = "CudaDecoder::Plan";
@@ -391,6 +423,12 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
         kWhere, "max_blocks_per_seq", max_blocks_per_seq,
         fmt::format("1 to {} ({} tokens at block size {})", kMaxContextTokens / block_size(),
                     kMaxContextTokens, block_size()));
+  }
+  if (options.narrow != DecodeOptions::Narrow::kAuto &&
+      options.narrow != DecodeOptions::Narrow::kNever &&
+      options.narrow != DecodeOptions::Narrow::kAlways) {
+    throw InvalidArgument(kWhere, "narrow", static_cast<int>(options.narrow),
+                          "Narrow::kAuto (0), kNever (1) or kAlways (2)");
   }
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   const int tokens_per_split = options.tokens_per_split;
@@ -442,13 +480,18 @@ int64_t CudaDecoder::WorkspaceBytes(const DecodePlan& plan) const {
 
 void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHandle stream) const {
   // What the call writes (output, lse, workspace) must not overlap what it reads or other writes
-  // (its CTAs race). Sized by the plan's shape (a plan out of range is left to RunColumns, which
-  // refuses it).
+  // (its CTAs race; an output over the cache would change the cache). Sized by the plan's shape (a
+  // plan out of range is left to RunColumns, which refuses it).
   const int64_t rows = int64_t{std::max(plan.num_seqs, 0)} * std::max(plan.num_q_heads, 0);
   const int64_t d = head_dim();
   if (plan.num_seqs >= 1 && plan.num_seqs <= 65535 && plan.max_blocks_per_seq >= 1) {
+    const int64_t cache_bytes =
+        a.cache.layout == state_->layout
+            ? std::max<int64_t>(a.cache.num_blocks, 0) * BlockBytesOf(state_->layout)
+            : 0;  // (another layout: refused by RunColumns, naming it)
     CheckDisjoint("CudaDecoder::Run", {{"output", a.output, rows * d * DTypeSize(a.output_dtype)},
                                        {"lse", a.lse, rows * 4},
+                                       {"cache", a.cache.data, cache_bytes},
                                        {"workspace", a.workspace, a.workspace_bytes},
                                        {"query", a.query, rows * d * DTypeSize(a.query_dtype)},
                                        {"seq_lens", a.seq_lens, int64_t{plan.num_seqs} * 4},
@@ -511,9 +554,11 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                           fmt::format("{}", static_cast<const void*>(a.cache.data)),
                           "a 16-byte aligned device pointer");
   }
+  CheckRowAlignment(kWhere, a.query, a.query_dtype, a.output, a.output_dtype, a.lse);
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
+  CheckScale(kWhere, a.scale);
   const SplitKernelOccupancy variants =
       SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half, plan.shared_o);
   if (plan.narrow && variants.narrow_resident_per_sm == 0) {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string_view>
 
 #include "attention/decode_variant.h"
 #include "quant/block_format.h"
@@ -175,6 +176,12 @@ struct CudaDecodeArgs {
   int64_t workspace_bytes = 0;
 };
 
+// The alignment the CUDA attention kernels need of a call's rows: query and output their
+// elements' (the kernels take 16-byte vectors only where the pointer allows them), lse 4 bytes.
+// Throws tqkv::Error naming the pointer, its value and the alignment.
+void CheckRowAlignment(std::string_view where, const void* query, DType query_dtype,
+                       const void* output, DType output_dtype, const float* lse);
+
 class CudaDecoder {
  public:
   // For a compressed cache written by `quantizer` (its format, rotation and codebook). A 3-bit
@@ -200,7 +207,9 @@ class CudaDecoder {
 
   // The longest context the decode kernels read: 256 splits of at most 8,192 tokens (a split's
   // block ids are staged in shared memory, and its softmax sums stay within their accuracy).
-  static constexpr int64_t kMaxContextTokens = int64_t{256} * 8192;
+  static constexpr int64_t kMaxSplits = 256;
+  static constexpr int64_t kMaxSplitTokens = 8192;
+  static constexpr int64_t kMaxContextTokens = kMaxSplits * kMaxSplitTokens;
 
   // Host only. Throws tqkv::Error for shapes the kernels do not support (num_q_heads must be a
   // multiple of num_kv_heads with a group of at most MaxGroup(options); num_seqs 1..65535;
@@ -211,7 +220,8 @@ class CudaDecoder {
 
   // Validates the arguments against the plan (throws tqkv::Error, nothing launched) and launches.
   // The cache must be of this decoder's layout (CacheRef::layout: the quantizer's or the bf16
-  // format's). The workspace must be 16-byte aligned (a device allocation is).
+  // format's). The workspace must be 16-byte aligned (a device allocation is); the query, output
+  // and lse aligned to their elements (CheckRowAlignment).
   // seq_lens and block_tables are not read on the host: they must hold lengths <= max_blocks ·
   // block_size and block ids < num_blocks (as the CPU reference checks).
   void Run(const DecodePlan& plan, const CudaDecodeArgs& args, StreamHandle stream) const;
@@ -229,6 +239,9 @@ class CudaDecoder {
   void RunColumns(const DecodePlan& plan, const CudaDecodeArgs& args,
                   const decode_detail::VerifyColumns* verify, StreamHandle stream,
                   Launch launch = Launch::kAll) const;
+  // Throws tqkv::Error unless the kernels' fp32 score scale, scale · log2(e) over the codebook's
+  // fp16 scale (default scale 1/√D), is finite.
+  void CheckScale(std::string_view where, std::optional<float> scale) const;
   // How the split kernel for a GQA group occupies an SM (cached), staged or not.
   SplitKernelOccupancy SplitOccupancy(int group, bool staged, bool half, bool shared_o) const;
   // The split kernel of a GQA group for a plan's choices (ok = false where there is none).

@@ -966,12 +966,12 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   a.cache.layout = decoder.layout();
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
   // Each argument its own buffer, large enough for every plan below: Run refuses overlapping
-  // buffers before the checks this test is after.
+  // buffers before the checks this test is after (the cache one block, and room to misalign it).
   const size_t rows = 4 * 32;
   DeviceBuffer<uint8_t> small(16), query(rows * 128 * 4), output(rows * 128 * 4), lse(rows * 4),
-      seq_lens(4 * 4), tables(4 * 10 * 4);
+      seq_lens(4 * 4), tables(4 * 10 * 4), cache(q.format().block_bytes + 256);
   a.query = query.data();
-  a.cache = {small.data(), 1, q.layout()};
+  a.cache = {cache.data(), 1, q.layout()};
   a.seq_lens = reinterpret_cast<const int32_t*>(seq_lens.data());
   a.block_tables = reinterpret_cast<const int32_t*>(tables.data());
   a.output = output.data();
@@ -1007,7 +1007,7 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   a.workspace = ws.data();
   a.workspace_bytes = plan.workspace_bytes;
-  a.cache.data = small.data() + 4;
+  a.cache.data = cache.data() + 4;
   try {
     decoder.Run(plan, a, nullptr);
     FAIL();
@@ -1017,7 +1017,7 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   }
   // A plan for the narrow split kernel is refused where there is none: 4bit_nc's runs on paired
   // CTAs (two KV heads each), so not with an odd number of KV heads.
-  a.cache.data = ws.data();
+  a.cache.data = cache.data();
   // So is a cache of another layout than the decoder's (its blocks would be read at other
   // offsets).
   a.cache.layout = Quantizer::Create("turboquant_k3v4_nc", 128, 8, 16).layout();
@@ -1103,6 +1103,41 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
               ::testing::ThrowsMessage<Error>(::testing::AllOf(
                   ::testing::HasSubstr("output ("), ::testing::HasSubstr("and lse ("),
                   ::testing::HasSubstr("overlap; allowed: disjoint buffers"))));
+  // So are outputs over the cache (they would change it), and rows not aligned to their elements
+  // (a misaligned access would fault the context).
+  a.lse = reinterpret_cast<float*>(lse.data());
+  a.output = cache.data() + 64;
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(::testing::HasSubstr("output ("),
+                                                               ::testing::HasSubstr("and cache ("),
+                                                               ::testing::HasSubstr("overlap"))));
+  // (A buffer with room past the rows, so that no shifted range reaches another allocation.)
+  DeviceBuffer<uint8_t> roomy(rows * 128 * 4 + 256);
+  a.output = roomy.data() + 2;  // fp32 rows
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::AllOf(::testing::HasSubstr("invalid output = "),
+                                   ::testing::HasSubstr("a 4-byte aligned device pointer"))));
+  a.output = output.data();
+  a.query = roomy.data() + 1;  // bf16 rows
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::AllOf(::testing::HasSubstr("invalid query = "),
+                                   ::testing::HasSubstr("a 2-byte aligned device pointer"))));
+  a.query = query.data();
+  a.lse = reinterpret_cast<float*>(roomy.data() + 2);
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::AllOf(::testing::HasSubstr("invalid lse = "),
+                                   ::testing::HasSubstr("a 4-byte aligned device pointer"))));
+  a.lse = reinterpret_cast<float*>(lse.data());
+  // A scale whose fp32 score scale overflows (the softmax would be NaN).
+  a.scale = 3e38f;
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("invalid scale = ")));
+  // An out-of-range narrow choice is an error, not kAuto.
+  EXPECT_THAT([&] { decoder.Plan(4, 32, 10, {.narrow = static_cast<DecodeOptions::Narrow>(5)}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("invalid narrow = 5")));
 }
 
 #else

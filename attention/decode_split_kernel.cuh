@@ -168,8 +168,10 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
   // the warps waited as long for the query as for the first block ids).
   uint32_t q_pre[kE / 2];
-  // (A verify pass's rows depend on query_start_loc: loaded in finish_prologue.)
+  // (A verify pass's rows depend on query_start_loc: loaded in finish_prologue; a query aligned to
+  // its 2-byte elements alone, element by element there.)
   const bool q_prefetched = p.wait_at_start && p.query_dtype != DType::kF32 &&
+                            (reinterpret_cast<uintptr_t>(p.query) & 3u) == 0 &&
                             p.verify.query_start_loc == nullptr &&
                             warp < p.num_q_heads / p.num_kv_heads && warp < Config::kQueryHeads;
   if (q_prefetched) {

@@ -66,6 +66,17 @@ BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads
   return f;
 }
 
+int64_t BlockBytesOf(const CacheLayout& layout) {
+  if (layout.format == kBf16FormatName || layout.format == kFp16FormatName) {
+    return MakeBf16BlockFormat(layout.head_dim, layout.num_kv_heads, layout.block_size,
+                               layout.format == kFp16FormatName ? DType::kF16 : DType::kBF16)
+        .block_bytes;
+  }
+  return MakeBlockFormat(PresetByName(layout.format), layout.head_dim, layout.num_kv_heads,
+                         layout.block_size)
+      .block_bytes;
+}
+
 std::string DescribeLayout(const CacheLayout& layout) {
   return fmt::format("{}, head_dim {}, {} KV heads, block {}",
                      layout.format.empty() ? "no format" : layout.format, layout.head_dim,

@@ -106,6 +106,10 @@ Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_si
 // 3-bit codes need head_dim % 8 == 0.
 BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size);
 
+// The bytes of one block of a cache in `layout` (a preset's name, "bf16" or "fp16"; the
+// validation of MakeBlockFormat / MakeBf16BlockFormat, and an unknown format, throw).
+int64_t BlockBytesOf(const CacheLayout& layout);
+
 // "turboquant_4bit_nc, head_dim 128, 8 KV heads, block 16", for messages.
 std::string DescribeLayout(const CacheLayout& layout);
 

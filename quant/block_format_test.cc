@@ -131,6 +131,26 @@ TEST(BlockFormatTest, RejectsUnsupportedShapesWithClearMessages) {
 namespace tqkv {
 namespace {
 
+TEST(BlockFormatTest, BlockBytesOfEveryLayout) {
+  for (const char* name :
+       {"turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+    const BlockFormat f = MakeBlockFormat(PresetByName(name), 64, 3, 32);
+    EXPECT_EQ(BlockBytesOf({PresetByName(name).name, 64, 3, 32}), f.block_bytes) << name;
+  }
+  EXPECT_EQ(BlockBytesOf(MakeBf16BlockFormat(128, 8, 16).layout()), 16 * 8 * 512);
+  EXPECT_EQ(BlockBytesOf(MakeBf16BlockFormat(256, 2, 64, DType::kF16).layout()), 64 * 2 * 1024);
+  EXPECT_THAT(
+      [] {
+        BlockBytesOf({"int8", 128, 8, 16});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("int8")));
+  EXPECT_THAT(
+      [] {
+        BlockBytesOf({"bf16", 96, 8, 16});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("head_dim = 96")));
+}
+
 TEST(Bf16BlockFormatTest, KeysThenValuesTokenMajor) {
   const Bf16BlockFormat f = MakeBf16BlockFormat(128, 8, 16);
   EXPECT_EQ(f.block_bytes, 16 * 8 * 512);

@@ -79,6 +79,7 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
   }
   ValidateAttentionShapes("tqkv decode", q.layout(), a);
   ValidateAttentionArrays("tqkv decode", q.layout(), a);
+  if (t.num_tokens == 0) return;  // nothing to attend (CudaAttention::Plan takes >= 1 sequence)
   int max_q_len = 1;
   for (int b = 0; b < t.batch; ++b) {
     max_q_len = std::max(max_q_len, a.query_start_loc[b + 1] - a.query_start_loc[b]);
@@ -93,9 +94,8 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
   d_lens.CopyFromHost(t.seq_lens->values<int32_t>());
   d_loc.CopyFromHost(query_start_loc);
   const CudaAttention attention(q);
-  const AttentionPlan plan = attention.Plan(t.batch, std::max(1, t.num_tokens), t.num_q_heads,
-                                            std::max(1, t.max_blocks_per_seq),
-                                            std::min(max_q_len, std::max(1, t.num_tokens)));
+  const AttentionPlan plan =
+      attention.Plan(t.batch, t.num_tokens, t.num_q_heads, t.max_blocks_per_seq, max_q_len);
   DeviceBuffer<uint8_t> workspace(std::max<int64_t>(1, plan.workspace_bytes));
   DeviceBuffer<float> d_out(static_cast<int64_t>(std::max<size_t>(1, output.size()))),
       d_lse(static_cast<int64_t>(std::max<size_t>(1, lse.size())));
@@ -108,7 +108,6 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
   a.lse = d_lse.data();
   a.workspace = workspace.data();
   a.workspace_bytes = workspace.size_bytes();
-  if (t.num_tokens == 0) return;
   attention.Run(plan, a, nullptr);
   d_out.CopyToHost(std::span<float>(output));  // synchronous: waits for the attention
   d_lse.CopyToHost(std::span<float>(lse));
