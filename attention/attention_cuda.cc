@@ -573,6 +573,52 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
 #endif
 }
 
+void CudaAttention::CheckArrays(const AttentionPlan& plan, const AttentionArgs& a,
+                                StreamHandle stream) const {
+  constexpr const char* kWhere = "CudaAttention::CheckArrays";
+  const State& s = *state_;
+  ValidateAttentionShapes(kWhere, s.layout, a);
+  if (a.num_seqs != plan.num_seqs || a.num_tokens != plan.num_tokens ||
+      a.max_blocks_per_seq != plan.max_blocks_per_seq) {
+    throw Error(
+        fmt::format("{}: the arguments' shape (num_seqs {}, num_tokens {}, "
+                    "max_blocks_per_seq {}) differs from the plan's ({}, {}, {})",
+                    kWhere, a.num_seqs, a.num_tokens, a.max_blocks_per_seq, plan.num_seqs,
+                    plan.num_tokens, plan.max_blocks_per_seq));
+  }
+#if TQKV_HAVE_CUDA
+  const int64_t b = a.num_seqs;
+  std::vector<int32_t> loc(b + 1), lens(b), tables(b * a.max_blocks_per_seq);
+  for (const auto& [to, from] : {std::pair{&loc, a.query_start_loc}, std::pair{&lens, a.seq_lens},
+                                 std::pair{&tables, a.block_tables}}) {
+    if (to->empty()) continue;
+    TQKV_CUDA_CHECK(cudaMemcpyAsync(to->data(), from, to->size() * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream));
+  }
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  AttentionArgs host = a;
+  host.query_start_loc = loc.data();
+  host.seq_lens = lens.data();
+  host.block_tables = tables.data();
+  ValidateAttentionArrays(kWhere, s.layout, host);
+  for (int i = 0; i < a.num_seqs; ++i) {
+    const int32_t q_len = loc[i + 1] - loc[i];
+    const bool one = plan.decode || i < plan.leading_decodes;
+    if (one ? q_len != 1 : q_len > plan.max_q_len) {
+      throw InvalidArgument(
+          kWhere, fmt::format("query_start_loc[{}]", i + 1), loc[i + 1],
+          one ? fmt::format("{} (query_start_loc[{}] + 1: {})", loc[i] + 1, i,
+                            plan.decode ? "a one-token plan" : "a leading decode sequence")
+              : fmt::format("at most {} (query_start_loc[{}] + plan.max_q_len {})",
+                            int64_t{loc[i]} + plan.max_q_len, i, plan.max_q_len));
+    }
+  }
+#else
+  (void)stream;
+  throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kWhere));
+#endif
+}
+
 #if TQKV_HAVE_CUDA
 // Verify rows (AttentionPlan::verify_rows), in passes of verify_pass_rows new tokens per sequence:
 // a pass's rows ride beside the GQA heads as the columns of one decode launch over the context

@@ -190,6 +190,14 @@ class CudaAttention {
   // plan.max_q_len (a one-token plan: query_start_loc[b] = b).
   void Run(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
 
+  // A debugging aid for engines, not for the step loop: copies the call's per-sequence arrays
+  // from the device (synchronizing `stream` after the copies) and throws tqkv::Error, naming the
+  // entry, where they break Run's contract: ValidateAttentionArrays (query starts, lengths, the
+  // block ids each sequence reads), query lengths up to plan.max_q_len, one new token per
+  // sequence for a one-token plan and for the plan's leading decode sequences. Run itself never
+  // reads the arrays on the host (they may not exist there yet, as in a captured graph).
+  void CheckArrays(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
+
  private:
   // Run's device paths: verify passes on the decode kernels, and the chunk or prefill kernel with
   // the call's one-token rows on the decode kernels.

@@ -1327,6 +1327,73 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
   }
 }
 
+// CheckArrays (a debugging aid: Run never reads the device arrays on the host) names the entry
+// that breaks Run's contract, and accepts arrays that keep it.
+TEST(CudaAttentionTest, CheckArraysNamesTheBrokenEntry) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
+  const CudaAttention attn(q);
+  const AttentionScenario s = BuildAttention(q, {40, 33, 20}, {1, 4, 3}, 32, 5);
+  const int rows = 54 * 32;  // the most rows below (the mixed call's)
+  DeviceBuffer<float> query(rows * 128), output(rows * 128), lse(rows);
+  DeviceBuffer<uint8_t> cache(static_cast<int64_t>(s.base.cache.size()));
+  cache.CopyFromHost(s.base.cache);
+  DeviceBuffer<int32_t> tables(static_cast<int64_t>(s.base.block_tables.size())), lens(3), loc(4);
+  AttentionArgs a;
+  a.query = query.data();
+  a.num_seqs = 3;
+  a.num_tokens = s.num_tokens;
+  a.num_q_heads = 32;
+  a.query_start_loc = loc.data();
+  a.seq_lens = lens.data();
+  a.block_tables = tables.data();
+  a.max_blocks_per_seq = s.base.max_blocks;
+  a.cache = {cache.data(), s.base.num_blocks, q.layout()};
+  a.output = output.data();
+  a.lse = lse.data();
+  auto check = [&](const AttentionPlan& plan, std::vector<int32_t> t, std::vector<int32_t> l,
+                   std::vector<int32_t> starts) {
+    tables.CopyFromHost(t);
+    lens.CopyFromHost(l);
+    loc.CopyFromHost(starts);
+    attn.CheckArrays(plan, a, nullptr);
+  };
+  const AttentionPlan plan = attn.Plan(3, s.num_tokens, 32, s.base.max_blocks, 4);
+  EXPECT_NO_THROW(check(plan, s.base.block_tables, s.base.seq_lens, s.query_start_loc));
+  std::vector<int32_t> bad_tables = s.base.block_tables;
+  bad_tables[s.base.max_blocks] = static_cast<int32_t>(s.base.num_blocks);  // sequence 1, block 0
+  EXPECT_THAT(
+      [&] { check(plan, bad_tables, s.base.seq_lens, s.query_start_loc); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr(fmt::format(
+          "CudaAttention::CheckArrays: invalid block_tables[1, 0] = {}", s.base.num_blocks))));
+  std::vector<int32_t> long_lens = s.base.seq_lens;
+  long_lens[2] = s.base.max_blocks * 16 + 1;
+  EXPECT_THAT([&] { check(plan, s.base.block_tables, long_lens, s.query_start_loc); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr(fmt::format("invalid seq_lens[2] = {}", long_lens[2]))));
+  // Sequence 1 has 4 new tokens: past a plan for at most 3.
+  const AttentionPlan three = attn.Plan(3, s.num_tokens, 32, s.base.max_blocks, 3);
+  EXPECT_THAT([&] { check(three, s.base.block_tables, s.base.seq_lens, s.query_start_loc); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::AllOf(::testing::HasSubstr("invalid query_start_loc[2] = 5"),
+                                   ::testing::HasSubstr("at most 4"))));
+  // A leading decode sequence (a mixed call on the prefill kernel) with two new tokens.
+  const AttentionScenario m = BuildAttention(q, {40, 33, 20}, {1, 33, 20}, 32, 6);
+  a.num_tokens = m.num_tokens;
+  AttentionOptions lead;
+  lead.leading_decode_seqs = 1;
+  const AttentionPlan led = attn.Plan(3, m.num_tokens, 32, m.base.max_blocks, 33, lead);
+  ASSERT_EQ(led.leading_decodes, 1);
+  EXPECT_NO_THROW(check(led, m.base.block_tables, m.base.seq_lens, m.query_start_loc));
+  EXPECT_THAT(
+      [&] {
+        check(led, m.base.block_tables, m.base.seq_lens, {0, 2, 34, 54});
+      },
+      ::testing::ThrowsMessage<Error>(
+          ::testing::AllOf(::testing::HasSubstr("invalid query_start_loc[1] = 2"),
+                           ::testing::HasSubstr("a leading decode sequence"))));
+}
+
 TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
