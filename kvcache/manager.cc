@@ -120,6 +120,15 @@ size_t KVCacheManager::ReserveSlot(size_t tokens, size_t blocks) {
 // Tokens and hashes
 
 void KVCacheManager::AppendTokens(Sequence& s, std::span<const int32_t> tokens) {
+  // Tokens from the sequence's own (Tokens(id)): copied first, since growing the vector would
+  // free what the span reads.
+  std::vector<int32_t> own;
+  const auto* const begin = s.tokens.data();
+  if (!tokens.empty() && !s.tokens.empty() && std::less_equal<>()(begin, tokens.data()) &&
+      std::less<>()(tokens.data(), begin + s.tokens.size())) {
+    own.assign(tokens.begin(), tokens.end());
+    tokens = own;
+  }
   const size_t bs = static_cast<size_t>(block_size_);
   // Both vectors grown first (their only allocations), so that a std::bad_alloc leaves the
   // sequence as it was; geometrically, as insert would.

@@ -444,6 +444,24 @@ TEST(ManagerTest, CommittingMoreThanScheduledThrowsAndChangesNothing) {
   ExpectErrorAndUnchanged(m, [&] { m.Commit(s, std::vector<int32_t>{2}); }, {"at most 0 more"});
 }
 
+// A commit of tokens read from the sequence's own (Tokens(id), which Commit grows): the span was
+// left dangling where the vector reallocated (AddressSanitizer's heap-use-after-free).
+TEST(ManagerTest, CommitOfTheSequencesOwnTokens) {
+  KVCacheManager m(Options(16));
+  const SeqId s = m.AddSequence(Range(0, 6));
+  StepBatch b;
+  Step(m, b, s, 6);
+  std::vector<int32_t> want = Range(0, 6);
+  for (int i = 0; i < 40; ++i) {  // the token vector grows several times meanwhile
+    const std::span<const int32_t> last = m.Tokens(s).last(1);
+    want.push_back(last[0]);
+    m.Commit(s, last);
+    Step(m, b, s, 1);
+  }
+  EXPECT_THAT(m.Tokens(s), ::testing::ElementsAreArray(want));
+  m.CheckInvariants();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Speculative decoding: Rewind
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <unordered_map>
 #include <vector>
 
@@ -179,6 +180,22 @@ void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const Cac
       (in.key == nullptr || in.value == nullptr || in.slot_mapping == nullptr ||
        (cache.data == nullptr && cache.num_blocks > 0))) {
     throw Error(fmt::format("{}: key, value, slot_mapping and cache must not be null", where));
+  }
+  // What the store reads must not lie in the cache it writes: slots written early would change
+  // inputs still to be read (a slot_mapping inside the cache could send a later token past it).
+  const int64_t row_bytes = int64_t{layout.num_kv_heads} * layout.head_dim * 4;
+  if (in.num_tokens > std::numeric_limits<int64_t>::max() / row_bytes) {
+    throw InvalidArgument(where, "num_tokens", in.num_tokens,
+                          fmt::format("at most {} (the inputs' bytes within int64)",
+                                      std::numeric_limits<int64_t>::max() / row_bytes));
+  }
+  const int64_t rows = in.num_tokens * int64_t{layout.num_kv_heads} * layout.head_dim;
+  const ByteRange written{"cache", cache.data, cache.num_blocks * BlockBytesOf(layout)};
+  for (const ByteRange& read :
+       {ByteRange{"key", in.key, rows * DTypeSize(in.dtype)},
+        ByteRange{"value", in.value, rows * DTypeSize(in.dtype)},
+        ByteRange{"slot_mapping", in.slot_mapping, in.num_tokens * DTypeSize(in.slot_dtype)}}) {
+    CheckDisjoint(where, {written, read});
   }
 }
 

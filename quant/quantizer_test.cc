@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <set>
@@ -230,6 +231,28 @@ TEST(QuantizerTest, OutOfRangeSlotIsAnErrorAndWritesNothing) {
   bad.slot_dtype = DType::kF32;
   EXPECT_THROW(q.StoreCpu(bad, {cache.data(), 10, q.layout()}), Error);
   EXPECT_EQ(cache, before);
+  // Inputs inside the cache the call writes: a slot_mapping there could be rewritten by an
+  // earlier token and send a later one past the cache after the checks.
+  const std::vector<int64_t> slots = {0, 1};
+  std::memcpy(cache.data() + cache.size() - 16, slots.data(), 16);
+  const std::vector<uint8_t> with_slots = cache;
+  bad = Inputs(k, v, slots);
+  bad.slot_mapping = cache.data() + cache.size() - 16;
+  EXPECT_THAT(
+      [&] {
+        q.StoreCpu(bad, {cache.data(), 10, q.layout()});
+      },
+      ::testing::ThrowsMessage<Error>(
+          AllOf(HasSubstr("cache ("), HasSubstr("slot_mapping ("), HasSubstr("overlap"))));
+  bad = Inputs(k, v, slots);
+  bad.value = reinterpret_cast<const float*>(cache.data());
+  EXPECT_THAT(
+      [&] {
+        q.StoreCpu(bad, {cache.data(), 10, q.layout()});
+      },
+      ::testing::ThrowsMessage<Error>(
+          AllOf(HasSubstr("cache ("), HasSubstr("value ("), HasSubstr("overlap"))));
+  EXPECT_EQ(cache, with_slots);
 }
 
 // A cache of another layout (another preset, or the same preset sized for other shapes) is

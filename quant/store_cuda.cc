@@ -191,6 +191,17 @@ void ValidateStoreArguments(const Quantizer& quantizer, const StoreOptions& opti
   if (workspace.data == nullptr || Misaligned(workspace.data, kAlign)) {
     throw Error(fmt::format("{}: workspace must be non-null and {}-byte aligned", kWhere, kAlign));
   }
+  // The workspace is written (the status, the GEMM path's rows): not over the cache or the
+  // inputs.
+  const int64_t rows = in.num_tokens * int64_t{f.num_kv_heads} * f.head_dim;
+  const ByteRange written{"workspace", workspace.data, workspace.size_bytes};
+  for (const ByteRange& other :
+       {ByteRange{"cache", cache.data, cache.num_blocks * f.block_bytes},
+        ByteRange{"key", in.key, rows * DTypeSize(in.dtype)},
+        ByteRange{"value", in.value, rows * DTypeSize(in.dtype)},
+        ByteRange{"slot_mapping", in.slot_mapping, in.num_tokens * DTypeSize(in.slot_dtype)}}) {
+    CheckDisjoint(kWhere, {written, other});
+  }
   if (in.num_tokens == 0) return;
   if (Misaligned(in.key, 16) || Misaligned(in.value, 16)) {
     throw Error(
@@ -520,6 +531,12 @@ StoreStatus StoreDeviceState::ReadStatus(DeviceWorkspace workspace, const StoreI
   out.num_bad_tokens = static_cast<int64_t>(s.num_bad_tokens);
   if (s.inverted_first_bad_token != 0) {
     out.first_bad_token = static_cast<int64_t>(~s.inverted_first_bad_token);
+    if (out.first_bad_token >= in.num_tokens) {  // the status of another call's inputs
+      throw InvalidArgument("StoreDeviceState::ReadStatus", "inputs.num_tokens", in.num_tokens,
+                            fmt::format("more than {} (the stored call's first bad token): the "
+                                        "inputs of the Store call that wrote this workspace",
+                                        out.first_bad_token));
+    }
     const int64_t size = DTypeSize(in.slot_dtype);
     int64_t slot64 = 0;
     int32_t slot32 = 0;

@@ -701,6 +701,12 @@ void RunOutOfRangeCase(bool validate) {
           EXPECT_THAT(e.what(), HasSubstr(fmt::format("slot_mapping[37] = {}", num_slots)));
           EXPECT_THAT(e.what(), HasSubstr("4 token(s)"));
         }
+        // Read with the inputs of a shorter call, the first bad token (37) would lie past their
+        // slot_mapping: refused, not read.
+        StoreInputs shorter = call.inputs;
+        shorter.num_tokens = 37;
+        EXPECT_THAT([&] { state.ReadStatus(call.ws, shorter, stream.get()); },
+                    ::testing::ThrowsMessage<Error>(HasSubstr("invalid inputs.num_tokens = 37")));
       } else {
         EXPECT_TRUE(s.ok());
       }
@@ -951,6 +957,19 @@ TEST(StoreCudaTest, SmallWorkspaceAndEmptyStores) {
   StoreInputs empty = call.inputs;
   empty.num_tokens = 0;
   state.Store(empty, call.cache_ref, call.ws, stream.get());
+  // A workspace over the cache (the store writes both) and inputs inside the cache are refused
+  // before anything is written.
+  DeviceWorkspace over_cache{call.cache_ref.data, call.ws.size_bytes};
+  EXPECT_THAT([&] { state.Store(call.inputs, call.cache_ref, over_cache, stream.get()); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(::testing::HasSubstr("workspace ("),
+                                                               ::testing::HasSubstr("cache ("),
+                                                               ::testing::HasSubstr("overlap"))));
+  StoreInputs slots_in_cache = call.inputs;
+  slots_in_cache.slot_mapping = call.cache_ref.data;
+  EXPECT_THAT([&] { state.Store(slots_in_cache, call.cache_ref, call.ws, stream.get()); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr("cache ("), ::testing::HasSubstr("slot_mapping ("),
+                  ::testing::HasSubstr("overlap"))));
   stream.Synchronize();
   const std::vector<uint8_t> after = call.Download();
   const std::vector<uint8_t> poison = PoisonedCache(call.cache.size_bytes());

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <random>
 
 #include "quant/codebook.h"
@@ -593,20 +594,23 @@ TEST(StoreHostTest, ThreePartBf16RotationIsFp32Accurate) {
 }
 
 struct FakeCall {
-  // Addresses are never dereferenced by the validation; they only need the right alignment.
-  alignas(256) uint8_t storage[4096];
+  // Addresses are never dereferenced by the validation; they only need the right alignment and
+  // disjoint ranges (key and value 20,480 bytes each, the cache 4 blocks of 17,152).
+  static constexpr size_t kBytes = 160 * 1024;
+  std::unique_ptr<uint8_t[]> memory = std::make_unique<uint8_t[]>(kBytes + 256);
+  uint8_t* const storage = memory.get() + (256 - reinterpret_cast<uintptr_t>(memory.get()) % 256);
   StoreInputs inputs;
   CacheRef cache;
   DeviceWorkspace workspace;
   FakeCall() {
     inputs.key = storage;
-    inputs.value = storage + 1024;
+    inputs.value = storage + 32768;
     inputs.dtype = DType::kBF16;
-    inputs.slot_mapping = storage + 2048;
+    inputs.slot_mapping = storage + 65536;
     inputs.slot_dtype = DType::kI32;
     inputs.num_tokens = 10;
-    cache = {storage + 3072, 4, {"turboquant_4bit_nc", 128, 8, 16}};  // the tests' quantizer's
-    workspace = {storage, 256};
+    cache = {storage + 81920, 4, {"turboquant_4bit_nc", 128, 8, 16}};  // the tests' quantizer's
+    workspace = {storage + 69632, 256};
   }
 };
 
@@ -682,12 +686,12 @@ TEST(StoreHostTest, ValidationNamesTheBadArgument) {
   }
   {
     FakeCall c;
-    c.inputs.slot_mapping = c.storage + 2;
+    c.inputs.slot_mapping = c.storage + 65538;
     EXPECT_THAT(ValidationError(q, options, c), HasSubstr("slot_mapping must be aligned"));
   }
   {
     FakeCall c;
-    c.cache.data = c.storage + 3080;
+    c.cache.data = c.storage + 81928;
     EXPECT_THAT(ValidationError(q, options, c), HasSubstr("cache must be 16-byte aligned"));
   }
   {
@@ -698,7 +702,7 @@ TEST(StoreHostTest, ValidationNamesTheBadArgument) {
   }
   {
     FakeCall c;
-    c.workspace.data = c.storage + 16;
+    c.workspace.data = c.storage + 69648;
     EXPECT_THAT(ValidationError(q, options, c), HasSubstr("256-byte aligned"));
   }
   {
