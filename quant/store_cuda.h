@@ -145,7 +145,7 @@ class StoreDeviceState {
 
   // Synchronizes `stream`, then returns the slot check of the last Store that used `workspace`
   // (with validate_slots; otherwise ok()). `inputs` must be that store's (to read the offending
-  // slot).
+  // slot); inputs with fewer tokens than the recorded first bad token throw tqkv::Error.
   StoreStatus ReadStatus(DeviceWorkspace workspace, const StoreInputs& inputs,
                          StreamHandle stream) const;
   // ReadStatus, then throws tqkv::Error naming the first offending token and slot if any.
