@@ -20,7 +20,10 @@
 // A request's tokens do not depend on what else is in the batch, on prefix hits, on preemption
 // or on its drafts: every row's computation depends only on its own sequence (Engine::Compute),
 // a cached block holds the bytes the request would have written itself, and each position's token
-// is drawn from its request's random stream as it would be without drafts (AcceptDraft).
+// is drawn from its request's random stream as it would be without drafts (AcceptDraft). Bit for
+// bit on CpuEngine; on CudaEngine up to rounding (Engine::Compute; draft rows run attention as
+// half-precision verify passes, AttentionOptions::verify_precision), so a near-tie may go either
+// way.
 #pragma once
 
 #include <cstdint>
