@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A small bundle for one device call (the device tool carries at most 64 MiB; the full bundle of
 # tools/gpu_bundle.sh is larger): builds the given targets (default: the attention GPU tests,
-# attention_bench and model_bench: 49 MB packed), strips them, copies their non-system shared
-# libraries and the attention run scripts, and packs everything as
-# .gpu_bundle_pack/b.tar.xz with a runner. On the GPU machine (carry .gpu_bundle_pack):
+# attention_bench and model_bench: 62 MB packed, near the limit; name fewer in TARGETS to add
+# others), strips them, copies their non-system shared libraries and the attention run scripts,
+# and packs everything as .gpu_bundle_pack/b.tar.xz with a runner. On the GPU machine (carry .gpu_bundle_pack):
 #   bash .gpu_bundle_pack/run.sh 'bash attention_gpu_run.sh --only verify'
 #   bash .gpu_bundle_pack/run.sh 'bin/attention/attention_cuda_test --gtest_filter=*Shared*'
 #   bash .gpu_bundle_pack/run.sh 'bin/tools/bench/model_bench --spec-tokens 4'
