@@ -199,30 +199,36 @@ void ValidateStoreInputs(const StoreInputs& in, const CacheRef& cache, const Cac
   }
 }
 
+void ValidateSlotMapping(const void* slot_mapping, DType slot_dtype, int64_t num_tokens,
+                         int64_t num_blocks, int block_size, const char* where) {
+  const int64_t num_slots = num_blocks * block_size;
+  std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes
+  // (At most one entry per slot: a huge num_tokens of mostly -1 slots reserves no more.)
+  first_token.reserve(static_cast<size_t>(std::min<int64_t>(num_tokens, num_slots)));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = LoadSlot(slot_mapping, slot_dtype, t);
+    if (slot < 0) continue;
+    if (slot >= num_slots) {
+      throw InvalidArgument(where, fmt::format("slot_mapping[{}]", t), slot,
+                            fmt::format("negative (skip) or 0 to {} ({} blocks x {} tokens)",
+                                        num_slots - 1, num_blocks, block_size));
+    }
+    const auto [it, inserted] = first_token.emplace(slot, t);
+    if (!inserted) {
+      throw InvalidArgument(
+          where, fmt::format("slot_mapping[{}]", t), slot,
+          fmt::format("a slot no other token writes (token {} writes it too)", it->second));
+    }
+  }
+}
+
 void Quantizer::StoreCpu(const StoreInputs& in, CacheRef cache) const {
   constexpr const char* kWhere = "Quantizer::StoreCpu";
   const BlockFormat& f = format_;
   ValidateStoreInputs(in, cache, layout(), kWhere);
   if (in.num_tokens == 0) return;
-  const int64_t num_slots = cache.num_blocks * f.block_size;
-  std::unordered_map<int64_t, int64_t> first_token;  // slot -> token, to reject double writes
-  // (At most one entry per slot: a huge num_tokens of mostly -1 slots reserves no more.)
-  first_token.reserve(static_cast<size_t>(std::min<int64_t>(in.num_tokens, num_slots)));
-  for (int64_t t = 0; t < in.num_tokens; ++t) {
-    const int64_t slot = LoadSlot(in.slot_mapping, in.slot_dtype, t);
-    if (slot < 0) continue;
-    if (slot >= num_slots) {
-      throw InvalidArgument(kWhere, fmt::format("slot_mapping[{}]", t), slot,
-                            fmt::format("negative (skip) or 0 to {} ({} blocks x {} tokens)",
-                                        num_slots - 1, cache.num_blocks, f.block_size));
-    }
-    const auto [it, inserted] = first_token.emplace(slot, t);
-    if (!inserted) {
-      throw InvalidArgument(
-          kWhere, fmt::format("slot_mapping[{}]", t), slot,
-          fmt::format("a slot no other token writes (token {} writes it too)", it->second));
-    }
-  }
+  ValidateSlotMapping(in.slot_mapping, in.slot_dtype, in.num_tokens, cache.num_blocks, f.block_size,
+                      kWhere);
 
   const int d = f.head_dim;
   std::vector<float> k(d), v(d);

@@ -34,6 +34,13 @@ struct StoreInputs {
 void ValidateStoreInputs(const StoreInputs& inputs, const CacheRef& cache,
                          const CacheLayout& layout, const char* where);
 
+// The slot checks of Quantizer::StoreCpu over a host copy of a store's slot_mapping
+// (`slot_mapping`, `slot_dtype`, `num_tokens` as in StoreInputs): every slot negative (skip) or
+// below num_blocks · block_size, and none written by two tokens. Throws tqkv::Error naming the
+// entry, its value and what is allowed, prefixed with `where`.
+void ValidateSlotMapping(const void* slot_mapping, DType slot_dtype, int64_t num_tokens,
+                         int64_t num_blocks, int block_size, const char* where);
+
 // One (token slot, head) decoded back to fp32.
 struct DequantizedSlot {
   std::vector<float> key_rotated;  // [D] k_norm · c[idx] in the rotated space (FP8: = key)

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "quant/numerics.h"
 #include "quant/store_launch.h"
@@ -565,6 +566,25 @@ void StoreDeviceState::CheckStatus(DeviceWorkspace workspace, const StoreInputs&
                   "out of range and were not written",
                   cache.num_blocks * f.block_size - 1, cache.num_blocks, f.block_size,
                   s.num_bad_tokens));
+}
+
+void StoreDeviceState::CheckSlots(const StoreInputs& in, CacheRef cache,
+                                  StreamHandle stream) const {
+  constexpr const char* kCheckSlots = "StoreDeviceState::CheckSlots";
+  ValidateStoreInputs(in, cache, quantizer_.layout(), kCheckSlots);
+  if (in.num_tokens == 0) return;
+#if TQKV_HAVE_CUDA
+  const int64_t bytes = in.num_tokens * DTypeSize(in.slot_dtype);
+  std::vector<uint8_t> slots(static_cast<size_t>(bytes));
+  TQKV_CUDA_CHECK(cudaMemcpyAsync(slots.data(), in.slot_mapping, static_cast<size_t>(bytes),
+                                  cudaMemcpyDeviceToHost, stream));
+  TQKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  ValidateSlotMapping(slots.data(), in.slot_dtype, in.num_tokens, cache.num_blocks,
+                      quantizer_.format().block_size, kCheckSlots);
+#else
+  (void)stream;
+  throw Error(fmt::format("{}: this build of tqkv has no CUDA support", kCheckSlots));
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -151,6 +151,12 @@ class StoreDeviceState {
   // ReadStatus, then throws tqkv::Error naming the first offending token and slot if any.
   void CheckStatus(DeviceWorkspace workspace, const StoreInputs& inputs, CacheRef cache,
                    StreamHandle stream) const;
+  // A debugging aid for engines, not for the step loop: before a Store, copies `inputs`'
+  // slot_mapping from the device (synchronizing `stream` after the copy) and applies the CPU
+  // store's slot checks (ValidateSlotMapping: in range, no slot written twice), so that a bad
+  // mapping is refused before any byte of the cache is written (Store itself never reads the
+  // slots on the host; it skips out-of-range ones, and two tokens of one slot race).
+  void CheckSlots(const StoreInputs& inputs, CacheRef cache, StreamHandle stream) const;
 
  private:
   Quantizer quantizer_;

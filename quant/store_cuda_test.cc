@@ -688,6 +688,10 @@ void RunOutOfRangeCase(bool validate) {
       SetSlots(in, slots, c.slot_dtype);
       DeviceCall call(state, in, c);
       Stream stream;
+      // CheckSlots (the debugging aid) refuses the mapping before any store, naming token 37.
+      EXPECT_THAT([&] { state.CheckSlots(call.inputs, call.cache_ref, stream.get()); },
+                  ::testing::ThrowsMessage<Error>(HasSubstr(fmt::format(
+                      "StoreDeviceState::CheckSlots: invalid slot_mapping[37] = {}", num_slots))));
       state.Store(call.inputs, call.cache_ref, call.ws, stream.get());
       const StoreStatus s = state.ReadStatus(call.ws, call.inputs, stream.get());  // synchronizes
       if (validate) {
@@ -957,6 +961,23 @@ TEST(StoreCudaTest, SmallWorkspaceAndEmptyStores) {
   StoreInputs empty = call.inputs;
   empty.num_tokens = 0;
   state.Store(empty, call.cache_ref, call.ws, stream.get());
+  // CheckSlots accepts this call's slots and refuses two tokens of one slot (a race in Store).
+  EXPECT_NO_THROW(state.CheckSlots(call.inputs, call.cache_ref, stream.get()));
+  std::vector<int64_t> twice = in.slots;
+  size_t first = 0;  // the first token written (padding tokens have slot -1)
+  while (twice[first] < 0) ++first;
+  ASSERT_LT(first + 1, twice.size());
+  twice.back() = twice[first];
+  DeviceBuffer<int64_t> twice_dev(static_cast<int64_t>(twice.size()));
+  twice_dev.CopyFromHost(twice);
+  StoreInputs duplicate = call.inputs;
+  duplicate.slot_mapping = twice_dev.data();
+  duplicate.slot_dtype = DType::kI64;
+  EXPECT_THAT([&] { state.CheckSlots(duplicate, call.cache_ref, stream.get()); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr(
+                      fmt::format("invalid slot_mapping[{}] = {}", twice.size() - 1, twice[first])),
+                  ::testing::HasSubstr(fmt::format("token {} writes it too", first)))));
   // A workspace over the cache (the store writes both) and inputs inside the cache are refused
   // before anything is written.
   DeviceWorkspace over_cache{call.cache_ref.data, call.ws.size_bytes};
