@@ -30,8 +30,9 @@ void ValidateAttentionShapes(std::string_view where, const CacheLayout& layout,
   if (a.max_blocks_per_seq < 0) {
     throw InvalidArgument(where, "max_blocks_per_seq", a.max_blocks_per_seq, ">= 0");
   }
-  if (a.cache.num_blocks < 0) {
-    throw InvalidArgument(where, "cache.num_blocks", a.cache.num_blocks, ">= 0");
+  if (a.cache.num_blocks < 0 || a.cache.num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument(where, "cache.num_blocks", a.cache.num_blocks,
+                          fmt::format("0 to {} (32-bit block ids)", kMaxCacheBlocks));
   }
   if (a.scale && !(std::isfinite(*a.scale) && *a.scale > 0.0f)) {
     throw InvalidArgument(where, "scale", *a.scale, "finite and > 0");

@@ -363,6 +363,9 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
   a = good;
   a.scale = -1.0f;
   expect_throw(a, "scale = -1");
+  a = good;  // past 32-bit block ids (the cache's byte size would overflow int64 further on)
+  a.cache.num_blocks = int64_t{1} << 60;
+  expect_throw(a, "cache.num_blocks = 1152921504606846976");
   // A cache of another layout: its blocks would be read at the wrong offsets.
   const CacheLayout own = q.layout();
   for (const CacheLayout& other :

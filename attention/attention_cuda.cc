@@ -541,7 +541,8 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
                     std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
   }
-  if (plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) {
+  if ((plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
+      a.sliding_window == 0) {  // (a window runs every row on the chunk kernel)
     s.decoder.CheckScale(kWhere, a.scale);
   }
   if (plan.decode && a.sliding_window == 0) {

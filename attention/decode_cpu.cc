@@ -21,6 +21,10 @@ void Validate(const Quantizer& quantizer, ConstCacheRef cache, const DecodeInput
   const BlockFormat& f = quantizer.format();
   CheckCacheLayout(kWhere, quantizer.layout(), cache.layout);
   const int64_t num_blocks = cache.num_blocks;
+  if (num_blocks < 0 || num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument(kWhere, "cache.num_blocks", num_blocks,
+                          fmt::format("0 to {} (32-bit block ids)", kMaxCacheBlocks));
+  }
   if (in.num_seqs < 0) throw InvalidArgument(kWhere, "num_seqs", in.num_seqs, ">= 0");
   if (in.num_q_heads < 1 || in.num_q_heads % f.num_kv_heads != 0) {
     throw InvalidArgument(kWhere, "num_q_heads", in.num_q_heads,

@@ -485,10 +485,11 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   const int64_t rows = int64_t{std::max(plan.num_seqs, 0)} * std::max(plan.num_q_heads, 0);
   const int64_t d = head_dim();
   if (plan.num_seqs >= 1 && plan.num_seqs <= 65535 && plan.max_blocks_per_seq >= 1) {
-    const int64_t cache_bytes =
-        a.cache.layout == state_->layout
-            ? std::max<int64_t>(a.cache.num_blocks, 0) * BlockBytesOf(state_->layout)
-            : 0;  // (another layout: refused by RunColumns, naming it)
+    // (Another layout, or a block count out of range: refused by RunColumns, naming it.)
+    const int64_t cache_bytes = a.cache.layout == state_->layout && a.cache.num_blocks >= 0 &&
+                                        a.cache.num_blocks <= kMaxCacheBlocks
+                                    ? a.cache.num_blocks * BlockBytesOf(state_->layout)
+                                    : 0;
     CheckDisjoint("CudaDecoder::Run", {{"output", a.output, rows * d * DTypeSize(a.output_dtype)},
                                        {"lse", a.lse, rows * 4},
                                        {"cache", a.cache.data, cache_bytes},
@@ -546,8 +547,9 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     throw InvalidArgument(kWhere, "workspace", fmt::format("{}", a.workspace),
                           "a 16-byte aligned device pointer");
   }
-  if (a.cache.num_blocks < 1) {
-    throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks, ">= 1");
+  if (a.cache.num_blocks < 1 || a.cache.num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument(kWhere, "cache.num_blocks", a.cache.num_blocks,
+                          fmt::format("1 to {} (32-bit block ids)", kMaxCacheBlocks));
   }
   if (reinterpret_cast<uintptr_t>(a.cache.data) % 16 != 0) {  // slots are read in 16-byte copies
     throw InvalidArgument(kWhere, "cache.data",

@@ -966,10 +966,11 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   a.cache.layout = decoder.layout();
   EXPECT_THROW(decoder.Run(plan, a, nullptr), Error);  // null pointers
   // Each argument its own buffer, large enough for every plan below: Run refuses overlapping
-  // buffers before the checks this test is after (the cache one block, and room to misalign it).
+  // buffers before the checks this test is after (the cache: one block, and room to misalign it
+  // and to hold a whole output inside it below).
   const size_t rows = 4 * 32;
   DeviceBuffer<uint8_t> small(16), query(rows * 128 * 4), output(rows * 128 * 4), lse(rows * 4),
-      seq_lens(4 * 4), tables(4 * 10 * 4), cache(q.format().block_bytes + 256);
+      seq_lens(4 * 4), tables(4 * 10 * 4), cache(4 * q.format().block_bytes + 256);
   a.query = query.data();
   a.cache = {cache.data(), 1, q.layout()};
   a.seq_lens = reinterpret_cast<const int32_t*>(seq_lens.data());
