@@ -133,12 +133,16 @@ void Server::Check(const Request& request) const {
   }
 }
 
-const Completion& Server::completion(int id) const {
+void Server::CheckId(const char* where, int id) const {
   if (id < 0 || id >= static_cast<int>(completions_.size())) {
-    throw InvalidArgument("Server::completion", "id", id,
+    throw InvalidArgument(where, "id", id,
                           completions_.empty() ? std::string("none: no request was submitted")
                                                : fmt::format("0 to {}", completions_.size() - 1));
   }
+}
+
+const Completion& Server::completion(int id) const {
+  CheckId("Server::completion", id);
   return completions_[static_cast<size_t>(id)];
 }
 
@@ -382,6 +386,24 @@ bool Server::Step() {
   }
   std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t1).count();
+  return true;
+}
+
+bool Server::Cancel(int id) {
+  CheckId("Server::Cancel", id);
+  Completion& c = completions_[static_cast<size_t>(id)];
+  if (c.finished) return false;
+  auto is_id = [id](const Live& r) { return r.id == id; };
+  if (auto it = std::find_if(waiting_.begin(), waiting_.end(), is_id); it != waiting_.end()) {
+    Finish(*it);  // never admitted, or preempted: no sequence to free
+    waiting_.erase(it);
+  } else {
+    auto run = std::find_if(running_.begin(), running_.end(), is_id);
+    TQKV_CHECK(run != running_.end());  // an unfinished request waits or runs
+    Finish(*run);
+    running_.erase(run);  // the rest keep their admission order (Preempt takes the last)
+  }
+  c.cancelled = true;
   return true;
 }
 

@@ -51,6 +51,7 @@ struct Request {
 
 struct Completion {
   bool finished = false;
+  bool cancelled = false;         // ended by Server::Cancel (tokens: those generated until then)
   std::string error;              // set when the request can never fit the block pool
   std::vector<int32_t> tokens;    // the new tokens (the stop token included if reached)
   int64_t prefix_hit_tokens = 0;  // prompt tokens served from the prefix cache (first admission)
@@ -124,6 +125,13 @@ class Server {
   bool Step();
   // Steps until every submitted request has finished.
   void RunToCompletion();
+  // Ends request `id` between Steps, as a server does when its client goes away: a waiting
+  // request never runs; a running one frees its sequence at once (its full blocks stay in the
+  // prefix cache for other requests), and its place goes to a waiting request at the next Step.
+  // Its completion is finished and cancelled, with the tokens generated until now. The other
+  // requests' tokens do not change. Returns false, changing nothing, for a request that has
+  // already finished; throws tqkv::Error naming an id that Submit did not return.
+  bool Cancel(int id);
 
   // Throws tqkv::Error naming an id that Submit did not return.
   const Completion& completion(int id) const;
@@ -140,6 +148,8 @@ class Server {
     bool admitted_before = false;
     std::mt19937_64 rng;
   };
+  // Throws tqkv::Error (from `where`) for an id that Submit did not return.
+  void CheckId(const char* where, int id) const;
   // Admits waiting requests (front first) while fewer than max_running are in flight.
   void Admit();
   // The step's requests: every sequence at its last known token decodes one row and (with

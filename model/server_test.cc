@@ -179,6 +179,74 @@ TEST(ServerTest, SpeculativeDecodingDraftsARepeatedTokenWhole) {
   EXPECT_EQ(spec_stats.accepted_drafts, 16);
 }
 
+// Cancel ends a running request (its blocks leave use at once) and a waiting one (never
+// computed); the other requests produce the tokens they produce without the cancellations, and
+// the cancelled running request keeps the tokens it had, the start of its uncancelled ones.
+TEST(ServerTest, CancelEndsARequestAndLeavesTheOthersAlone) {
+  const LlamaModel model = RepeatingModel();
+  constexpr int kRequests = 5;
+  auto submit_all = [](Server& server) {
+    for (int i = 0; i < kRequests; ++i) {
+      std::mt19937_64 rng(400 + i);
+      Request r;
+      for (int j = 0; j < 30 + 5 * i; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
+      r.max_new_tokens = 12;
+      r.sampling = {i % 2 == 0 ? 0.0f : 1.2f, static_cast<uint64_t>(i)};
+      server.Submit(std::move(r));
+    }
+  };
+  std::vector<std::vector<int32_t>> reference;
+  {
+    CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 64});
+    Server server(engine, ServerOptions{3, 48});
+    submit_all(server);
+    server.RunToCompletion();
+    for (int i = 0; i < kRequests; ++i) reference.push_back(server.completion(i).tokens);
+  }
+  CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 64});
+  Server server(engine, ServerOptions{3, 48});  // requests 3 and 4 wait for a place
+  submit_all(server);
+  while (server.completion(1).tokens.size() < 3) ASSERT_TRUE(server.Step());
+  for (int i = 0; i < kRequests; ++i) ASSERT_FALSE(server.completion(i).finished) << i;
+  ASSERT_TRUE(server.completion(4).tokens.empty());
+  const size_t had = server.completion(1).tokens.size();
+  const int64_t in_use = engine.manager().Stats().blocks_in_use;
+  EXPECT_TRUE(server.Cancel(1));  // running
+  EXPECT_LT(engine.manager().Stats().blocks_in_use, in_use);
+  EXPECT_TRUE(server.Cancel(4));  // waiting
+  EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+  for (int id : {1, 4}) {
+    EXPECT_TRUE(server.completion(id).finished) << id;
+    EXPECT_TRUE(server.completion(id).cancelled) << id;
+    EXPECT_EQ(server.completion(id).error, "") << id;
+  }
+  server.RunToCompletion();
+  EXPECT_EQ(server.completion(1).tokens,
+            std::vector<int32_t>(reference[1].begin(), reference[1].begin() + had));
+  EXPECT_TRUE(server.completion(4).tokens.empty());
+  for (int id : {0, 2, 3}) {
+    EXPECT_EQ(server.completion(id).tokens, reference[id]) << id;
+    EXPECT_FALSE(server.completion(id).cancelled) << id;
+  }
+  EXPECT_EQ(engine.manager().Stats().blocks_in_use, 0);
+  EXPECT_EQ(engine.manager().FindInvariantViolation(), "");
+  // Finished requests (cancelled or not) stay as they are; an unknown id is refused.
+  const int64_t finish_step = server.completion(0).finish_step;
+  EXPECT_FALSE(server.Cancel(0));
+  EXPECT_FALSE(server.Cancel(1));
+  EXPECT_FALSE(server.completion(0).cancelled);
+  EXPECT_EQ(server.completion(0).finish_step, finish_step);
+  for (int id : {-1, kRequests}) {
+    try {
+      server.Cancel(id);
+      ADD_FAILURE() << "Cancel(" << id << ") did not throw";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(fmt::format(
+                                "Server::Cancel: invalid id = {}; allowed: 0 to 4", id)));
+    }
+  }
+}
+
 // Bad options and requests are refused, naming the field and what is allowed, with nothing
 // queued: a step budget below the running sequences (each needs its decode row), a stop token
 // outside the vocabulary, a prompt longer than the whole block pool holds (while one that fits,
