@@ -172,17 +172,11 @@ void AttentionCpu(const Quantizer& quantizer, const AttentionArgs& args) {
 }
 
 void AttentionCpu(const Bf16BlockFormat& format, const AttentionArgs& args) {
-  // A format not made by MakeBf16BlockFormat is checked as it would have been.
-  const Bf16BlockFormat checked =
-      MakeBf16BlockFormat(format.head_dim, format.num_kv_heads, format.block_size, format.dtype);
-  if (checked.block_bytes != format.block_bytes) {
-    throw InvalidArgument(kWhere, "format.block_bytes", format.block_bytes,
-                          fmt::format("{} (MakeBf16BlockFormat)", checked.block_bytes));
-  }
-  const CacheLayout layout = format.layout();
+  const Bf16BlockFormat checked = CheckBf16BlockFormat(kWhere, format);
+  const CacheLayout layout = checked.layout();
   ValidateAttentionShapes(kWhere, layout, args);
   ValidateAttentionArrays(kWhere, layout, args);
-  Attend(PlainCache{format}, layout, args);
+  Attend(PlainCache{checked}, layout, args);
 }
 
 }  // namespace tqkv

@@ -440,6 +440,12 @@ TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
   Bf16BlockFormat f32 = MakeBf16BlockFormat(64, 2, 16, DType::kBF16);
   f32.dtype = DType::kF32;
   EXPECT_THAT([&] { AttentionCpu(f32, a); }, ::testing::ThrowsMessage<Error>(HasSubstr("F32")));
+  // Right sizes, but the values where the keys are: it read keys as values.
+  Bf16BlockFormat moved = MakeBf16BlockFormat(64, 2, 16, DType::kBF16);
+  moved.value_offset = 0;
+  EXPECT_THAT([&] { AttentionCpu(moved, a); },
+              ::testing::ThrowsMessage<Error>(
+                  HasSubstr(fmt::format("format.value_offset = 0; allowed: {}", 2 * 16 * 2 * 64))));
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
 }
 

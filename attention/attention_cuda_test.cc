@@ -1398,6 +1398,10 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
   const CudaAttention attn(q);
+  Bf16BlockFormat moved = MakeBf16BlockFormat(128, 8, 16);  // values where the keys are
+  moved.value_offset = 0;
+  EXPECT_THAT([&] { CudaAttention plain(moved); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("format.value_offset = 0")));
   EXPECT_THAT([&] { attn.Plan(2, 5, 30, 4, 3); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_q_heads = 30")));
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 6); },

@@ -124,7 +124,7 @@ CudaDecoder::CudaDecoder(const Bf16BlockFormat& format) : state_(std::make_uniqu
     throw InvalidArgument("CudaDecoder", "format.dtype", DTypeName(format.dtype), "BF16 or F16");
   }
   state_->bf16 = true;
-  state_->bf16_format = format;
+  state_->bf16_format = CheckBf16BlockFormat("CudaDecoder", format);
   state_->layout = format.layout();
   state_->key_kind = format.key_kind();
   state_->sm_count = DeviceSmCount();

@@ -1004,6 +1004,12 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("format.dtype = F32"));
   }
+  // An edited format (values where the keys are) is refused.
+  Bf16BlockFormat moved = MakeBf16BlockFormat(128, 8, 16);
+  moved.value_offset = 0;
+  EXPECT_THAT([&] { CudaDecoder plain(moved); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("CudaDecoder: invalid format.value_offset = 0")));
   // The kernels read slots with 16-byte copies: a cache that is not 16-byte aligned is refused.
   DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
   a.workspace = ws.data();

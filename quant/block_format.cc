@@ -40,6 +40,20 @@ Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_si
   return f;
 }
 
+Bf16BlockFormat CheckBf16BlockFormat(std::string_view where, const Bf16BlockFormat& format) {
+  const Bf16BlockFormat made =
+      MakeBf16BlockFormat(format.head_dim, format.num_kv_heads, format.block_size, format.dtype);
+  if (format.value_offset != made.value_offset) {
+    throw InvalidArgument(where, "format.value_offset", format.value_offset,
+                          fmt::format("{} (MakeBf16BlockFormat)", made.value_offset));
+  }
+  if (format.block_bytes != made.block_bytes) {
+    throw InvalidArgument(where, "format.block_bytes", format.block_bytes,
+                          fmt::format("{} (MakeBf16BlockFormat)", made.block_bytes));
+  }
+  return made;
+}
+
 BlockFormat MakeBlockFormat(const Preset& preset, int head_dim, int num_kv_heads, int block_size) {
   constexpr const char* kWhere = "MakeBlockFormat";
   ValidateShape(kWhere, head_dim, num_kv_heads, block_size);

@@ -151,6 +151,30 @@ TEST(BlockFormatTest, BlockBytesOfEveryLayout) {
       ::testing::ThrowsMessage<Error>(::testing::HasSubstr("head_dim = 96")));
 }
 
+// A caller's format is taken only as MakeBf16BlockFormat makes it: an edited value offset would
+// read keys as values, an edited block size past a block.
+TEST(Bf16BlockFormatTest, CheckRefusesAnEditedFormat) {
+  const Bf16BlockFormat f = MakeBf16BlockFormat(64, 2, 16, DType::kF16);
+  const Bf16BlockFormat same = CheckBf16BlockFormat("Caller", f);
+  EXPECT_EQ(same.value_offset, f.value_offset);
+  EXPECT_EQ(same.block_bytes, f.block_bytes);
+  EXPECT_EQ(same.dtype, DType::kF16);
+  Bf16BlockFormat moved = f;
+  moved.value_offset = 0;
+  EXPECT_THAT([&] { CheckBf16BlockFormat("Caller", moved); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("Caller: invalid format.value_offset = 0; allowed: 4096")));
+  Bf16BlockFormat longer = f;
+  longer.block_bytes += 16;
+  EXPECT_THAT([&] { CheckBf16BlockFormat("Caller", longer); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("format.block_bytes = 8208; allowed: 8192")));
+  Bf16BlockFormat odd = f;
+  odd.head_dim = 96;
+  EXPECT_THAT([&] { CheckBf16BlockFormat("Caller", odd); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("head_dim = 96")));
+}
+
 TEST(Bf16BlockFormatTest, KeysThenValuesTokenMajor) {
   const Bf16BlockFormat f = MakeBf16BlockFormat(128, 8, 16);
   EXPECT_EQ(f.block_bytes, 16 * 8 * 512);
