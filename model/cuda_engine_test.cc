@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "model/engine.h"
@@ -140,6 +141,43 @@ TEST(CudaEngineTest, MatchesTheCpuEngine) {
     EXPECT_LT(d.rel_rms, c.bound);
     EXPECT_GE(d.agree, 0.9);
     EXPECT_TRUE(d.argmax_consistent);
+  }
+}
+
+// Engine::Forward (tqkv eval's teacher forcing) runs on the CUDA engine through its Compute:
+// every row's logits, within MatchesTheCpuEngine's bounds of the CPU engine's; layer errors are
+// the CPU engine's alone, refused before anything changes.
+TEST(CudaEngineTest, ForwardMatchesTheCpuEngine) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const LlamaModel model = LlamaModel::RandomInit(SmallConfig(), 13);
+  const std::vector<int32_t> ids = Tokens(300, 5);
+  for (const char* preset : {"bf16", "turboquant_4bit_nc"}) {
+    SCOPED_TRACE(preset);
+    CpuEngine cpu(model, {preset, 0, 16, 0});
+    CudaEngine gpu(model, {preset, 0, 16, 0});
+    LayerErrors errors;
+    EXPECT_THAT([&] { gpu.Forward(ids, 64, &errors); },
+                ::testing::ThrowsMessage<Error>(::testing::HasSubstr("Engine::Forward")));
+    const std::vector<float> a = cpu.Forward(ids, 64);
+    const std::vector<float> b = gpu.Forward(ids, 100);  // (a row's logits do not depend on chunks)
+    ASSERT_EQ(a.size(), b.size());
+    double diff = 0, norm = 0;
+    int agree = 0;
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const float* x = a.data() + r * 1000;
+      const float* y = b.data() + r * 1000;
+      for (int v = 0; v < 1000; ++v) {
+        diff += (double{y[v]} - x[v]) * (double{y[v]} - x[v]);
+        norm += double{x[v]} * x[v];
+      }
+      agree += std::max_element(x, x + 1000) - x == std::max_element(y, y + 1000) - y;
+    }
+    const double rel_rms = std::sqrt(diff / norm);
+    std::printf("%s: Forward logits relative RMS difference %.4f, top-1 agreement %.3f\n", preset,
+                rel_rms, agree / 300.0);
+    EXPECT_LT(rel_rms, std::string(preset) == "bf16" ? 0.02 : 0.08);
+    EXPECT_GE(agree, 270);
+    EXPECT_EQ(gpu.manager().Stats().num_sequences, 0);  // freed
   }
 }
 

@@ -186,6 +186,83 @@ void Engine::AbandonStep() {
   step_pending_ = false;
 }
 
+std::vector<float> Engine::Forward(std::span<const int32_t> tokens, int chunk,
+                                   LayerErrors* errors) {
+  constexpr const char* kWhere = "Engine::Forward";
+  const LlamaConfig& c = model_.config();
+  if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw InvalidArgument(kWhere, "tokens.size()", tokens.size(),
+                          fmt::format("at most {}", std::numeric_limits<int32_t>::max()));
+  }
+  const int n = static_cast<int>(tokens.size());
+  if (chunk < 1) throw InvalidArgument(kWhere, "chunk", chunk, ">= 1");
+  if (errors != nullptr && !MeasuresLayerErrors()) {
+    throw InvalidArgument(kWhere, "errors", "a LayerErrors",
+                          "null on this engine (CpuEngine measures layer errors)");
+  }
+  if (step_pending_) {
+    throw Error(fmt::format("{}: a scheduled step is not computed yet (Compute it first)", kWhere));
+  }
+  if (n < 1) return {};
+  if (n > c.context) {
+    throw InvalidArgument(kWhere, "tokens.size()", n,
+                          fmt::format("at most the model's context_length = {}", c.context));
+  }
+  const int32_t blocks_needed =
+      static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
+  for (int i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
+      throw InvalidArgument(kWhere, fmt::format("tokens[{}]", i), tokens[i],
+                            fmt::format("0 to {}", c.vocab - 1));
+    }
+  }
+  Prepare(blocks_needed, kWhere, n);
+  KVCacheManager& m = *manager_;
+  const SeqId seq = m.AddSequence(tokens);
+  // Freed on every exit, and no step left to compute: a throw below left it live, holding blocks
+  // the next call then missed.
+  struct FreeOnExit {
+    KVCacheManager& m;
+    SeqId seq;
+    bool& step_pending;
+    ~FreeOnExit() {
+      m.Free(seq);
+      step_pending = false;
+    }
+  } free_on_exit{m, seq, step_pending_};
+  std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
+  int done = 0;
+  while (done < n) {
+    const SequenceInfo info = m.GetSequenceInfo(seq);
+    const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(seq).num_tokens;
+    const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
+    if (step <= 0) break;  // (the manager always leaves a prompt's last token to compute)
+    // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
+    const int first = static_cast<int>(start);
+    if (errors != nullptr && done == 0 && first > 0) {  // before Schedule takes the hit
+      throw Error(fmt::format(
+          "{}: layer errors need the whole sequence, but {} tokens came from the prefix cache",
+          kWhere, first));
+    }
+    const StepRequest request{seq, step, 0};
+    const ScheduleResult r = Schedule(std::span<const StepRequest>(&request, 1));
+    if (!r.admitted) throw Error(fmt::format("{}: {} blocks missing", kWhere, r.blocks_missing));
+    std::vector<int32_t> rows(static_cast<size_t>(step));
+    for (int t = 0; t < step; ++t) rows[t] = t;
+    ForwardStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), rows,
+                logits.data() + int64_t{first} * c.vocab, errors, first, n);
+    done = first + step;
+    m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
+  }
+  return logits;
+}
+
+void Engine::ForwardStep(std::span<const int32_t> tokens, std::span<const int32_t> rows,
+                         float* logits, LayerErrors* errors, int /*first*/, int /*n*/) {
+  TQKV_CHECK(errors == nullptr);  // (Forward refused them here)
+  Compute(tokens, rows, logits, nullptr);
+}
+
 void Engine::CheckStep(const char* where, std::span<const int32_t> tokens,
                        std::span<const int32_t> logit_rows) {
   // A step is computed once: again after its Commit it would overwrite committed K/V.
@@ -436,83 +513,23 @@ void CpuEngine::RunStep(std::span<const int32_t> step_tokens, std::span<const in
   }
 }
 
-std::vector<float> CpuEngine::Forward(std::span<const int32_t> tokens, int chunk,
-                                      LayerErrors* errors) {
+void CpuEngine::ForwardStep(std::span<const int32_t> tokens, std::span<const int32_t> rows,
+                            float* logits, LayerErrors* errors, int first, int n) {
+  if (errors == nullptr) {
+    RunStep(tokens, rows, logits, nullptr, nullptr);
+    return;
+  }
   const LlamaConfig& c = model_.config();
-  if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    throw InvalidArgument("CpuEngine::Forward", "tokens.size()", tokens.size(),
-                          fmt::format("at most {}", std::numeric_limits<int32_t>::max()));
-  }
-  const int n = static_cast<int>(tokens.size());
-  if (chunk < 1) throw InvalidArgument("CpuEngine::Forward", "chunk", chunk, ">= 1");
-  if (step_pending_) {
-    throw Error("CpuEngine::Forward: a scheduled step is not computed yet (Compute it first)");
-  }
-  if (n < 1) return {};
-  if (n > c.context) {
-    throw InvalidArgument("CpuEngine::Forward", "tokens.size()", n,
-                          fmt::format("at most the model's context_length = {}", c.context));
-  }
-  const int32_t blocks_needed =
-      static_cast<int32_t>((n + policy_.block_size - 1) / policy_.block_size) + 1;
-  for (int i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
-      throw InvalidArgument("CpuEngine::Forward", fmt::format("tokens[{}]", i), tokens[i],
-                            fmt::format("0 to {}", c.vocab - 1));
-    }
-  }
-  Prepare(blocks_needed, "CpuEngine::Forward", n);
-  KVCacheManager& m = *manager_;
-  const SeqId seq = m.AddSequence(tokens);
-  // Freed on every exit, and no step left to compute: a throw below left it live, holding blocks
-  // the next call then missed.
-  struct FreeOnExit {
-    KVCacheManager& m;
-    SeqId seq;
-    bool& step_pending;
-    ~FreeOnExit() {
-      m.Free(seq);
-      step_pending = false;
-    }
-  } free_on_exit{m, seq, step_pending_};
-  const int d = c.head_dim, hk = c.num_kv_heads;
-  std::vector<float> logits(static_cast<size_t>(n) * c.vocab, std::nanf(""));
-  ExactState exact_state;
-  if (errors != nullptr) {
+  if (first == 0) {
     errors->Resize(c.num_layers);
-    exact_state.errors = errors;
-    exact_state.k_hist.assign(static_cast<size_t>(c.num_layers),
-                              std::vector<float>(static_cast<size_t>(n) * hk * d, 0.0f));
-    exact_state.v_hist = exact_state.k_hist;
+    exact_.errors = errors;
+    exact_.k_hist.assign(
+        static_cast<size_t>(c.num_layers),
+        std::vector<float>(static_cast<size_t>(n) * c.num_kv_heads * c.head_dim, 0.0f));
+    exact_.v_hist = exact_.k_hist;
   }
-  int done = 0;
-  while (done < n) {
-    const SequenceInfo info = m.GetSequenceInfo(seq);
-    const int64_t start = info.num_scheduled > 0 ? info.num_scheduled : m.Lookup(seq).num_tokens;
-    const int step = static_cast<int>(std::min<int64_t>(chunk, n - start));
-    if (step <= 0) break;  // (the manager always leaves a prompt's last token to compute)
-    // Positions [start, start + step): the cached prefix (a prefix hit) is never recomputed.
-    const int first = static_cast<int>(start);
-    if (errors != nullptr && done == 0 && first > 0) {  // before Schedule takes the hit
-      throw Error(fmt::format(
-          "CpuEngine::Forward: layer errors need the whole sequence, but {} tokens came from "
-          "the prefix cache",
-          first));
-    }
-    const StepRequest request{seq, step, 0};
-    const ScheduleResult r = Schedule(std::span<const StepRequest>(&request, 1));
-    if (!r.admitted) {
-      throw Error(fmt::format("CpuEngine::Forward: {} blocks missing", r.blocks_missing));
-    }
-    std::vector<int32_t> rows(static_cast<size_t>(step));
-    for (int t = 0; t < step; ++t) rows[t] = t;
-    RunStep(tokens.subspan(static_cast<size_t>(first), static_cast<size_t>(step)), rows,
-            logits.data() + int64_t{first} * c.vocab, nullptr,
-            errors == nullptr ? nullptr : &exact_state);
-    done = first + step;
-    m.Commit(seq, {});  // the step completed: its full blocks join the prefix cache
-  }
-  return logits;
+  RunStep(tokens, rows, logits, nullptr, &exact_);
+  if (first + static_cast<int>(rows.size()) == n) exact_ = {};  // the sequence is done
 }
 
 }  // namespace tqkv::model

@@ -83,6 +83,16 @@ class Engine {
   virtual void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                        float* logits, int32_t* argmax) = 0;
 
+  // Teacher-forced logits [n, vocab] of one sequence of `tokens` (at most the model's
+  // context_length), prefilled `chunk` tokens per step (each step: Schedule, then Compute of every
+  // row with its logits). The sequence is freed afterwards; its full blocks stay in the prefix
+  // cache, and a later call's positions served from there are not recomputed: their rows are NaN.
+  // With `errors` (CpuEngine alone; the others throw, changing nothing), also measures each
+  // layer's errors (slower: every stored slot is decoded again and exact attention runs beside
+  // the cache's); the sequence must not hit the prefix cache.
+  std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,
+                             LayerErrors* errors = nullptr);
+
   // The most sequences and rows one step may have here (CudaEngine: its attention kernels'); a
   // Server refuses options past them.
   virtual int MaxStepSequences() const { return std::numeric_limits<int32_t>::max(); }
@@ -101,6 +111,13 @@ class Engine {
   // Creates the manager and caches on first use (num_blocks from the policy, or blocks_needed);
   // throws if a sequence of n tokens needs more blocks than there are.
   void Prepare(int32_t blocks_needed, const char* where, int n);
+  // Whether Forward measures LayerErrors here.
+  virtual bool MeasuresLayerErrors() const { return false; }
+  // Forward's step: Compute of the scheduled step, each row's logits into `logits`. With `errors`
+  // (MeasuresLayerErrors), also the layer errors, the sequence's exact K/V kept from step to step:
+  // `first` is the step's first position (0 starts them), `n` the sequence's length.
+  virtual void ForwardStep(std::span<const int32_t> tokens, std::span<const int32_t> rows,
+                           float* logits, LayerErrors* errors, int first, int n);
   // Checks Compute's arguments against the scheduled step and fills positions_ (each row's
   // position in its sequence).
   void CheckStep(const char* where, std::span<const int32_t> tokens,
@@ -134,18 +151,13 @@ class CpuEngine : public Engine {
  public:
   CpuEngine(const LlamaModel& model, KvPolicy policy);
 
-  // Teacher-forced logits [n, vocab] of one sequence of `tokens` (at most the model's
-  // context_length), prefilled `chunk` tokens per step (each step: Schedule, per layer store +
-  // attention over the cache, then the rest of the layer). The sequence is freed afterwards; its
-  // full blocks stay in the prefix cache, and a later call's positions served from there are not
-  // recomputed: their rows are NaN.
-  // With `errors`, also measures each layer's errors (slower: every stored slot is decoded again
-  // and exact attention runs beside the cache's); the sequence must not hit the prefix cache.
-  std::vector<float> Forward(std::span<const int32_t> tokens, int chunk,
-                             LayerErrors* errors = nullptr);
-
   void Compute(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,
                float* logits, int32_t* argmax) override;
+
+ protected:
+  bool MeasuresLayerErrors() const override { return true; }
+  void ForwardStep(std::span<const int32_t> tokens, std::span<const int32_t> rows, float* logits,
+                   LayerErrors* errors, int first, int n) override;
 
  private:
   // Exact K/V of the sequence so far, for LayerErrors.
@@ -153,6 +165,7 @@ class CpuEngine : public Engine {
     LayerErrors* errors = nullptr;
     std::vector<std::vector<float>> k_hist, v_hist;  // [layer][position · kv heads · head_dim]
   };
+  ExactState exact_;  // Forward's, while it measures errors
   // Compute, with the exact-attention comparison of LayerErrors when `exact` is set (one
   // sequence whose positions all ran through this engine).
   void RunStep(std::span<const int32_t> tokens, std::span<const int32_t> logit_rows,

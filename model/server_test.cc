@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <random>
 #include <utility>
@@ -340,6 +341,38 @@ TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
   const std::vector<int32_t> last = {8};
   engine.Compute(tokens, last, nullptr, next.data());
   EXPECT_EQ(m.FindInvariantViolation(), "");
+}
+
+// Engine::Forward's step on an engine without layer errors: Compute of every row (what the CUDA
+// engine runs), bit for bit CpuEngine's own step; layer errors asked of it are refused before
+// anything changes.
+struct ComputeOnlyEngine : CpuEngine {
+  using CpuEngine::CpuEngine;
+  bool MeasuresLayerErrors() const override { return false; }
+  void ForwardStep(std::span<const int32_t> tokens, std::span<const int32_t> rows, float* logits,
+                   LayerErrors* errors, int first, int n) override {
+    Engine::ForwardStep(tokens, rows, logits, errors, first, n);
+  }
+};
+
+TEST(ServerTest, ForwardThroughComputeIsTheCpuEnginesForward) {
+  const LlamaModel model = RepeatingModel();
+  std::vector<int32_t> ids(70);
+  for (int i = 0; i < 70; ++i) ids[i] = (37 * i + 11) % 1000;
+  CpuEngine cpu(model, {"turboquant_4bit_nc", 0, 16, 0});
+  ComputeOnlyEngine generic(model, {"turboquant_4bit_nc", 0, 16, 0});
+  LayerErrors errors;
+  EXPECT_THAT(
+      [&] { generic.Forward(ids, 16, &errors); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+          "Engine::Forward: invalid errors = a LayerErrors; allowed: null on this engine")));
+  EXPECT_TRUE(errors.outputs.empty());
+  const std::vector<float> a = cpu.Forward(ids, 16);
+  const std::vector<float> b = generic.Forward(ids, 24);
+  ASSERT_EQ(a.size(), size_t{70} * 1000);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  EXPECT_EQ(generic.manager().Stats().num_sequences, 0);
+  EXPECT_EQ(generic.manager().FindInvariantViolation(), "");
 }
 
 // Positions past the model's context_length are not served by the engine either (Server::Submit

@@ -1,6 +1,7 @@
-// `tqkv eval`: a GGUF Llama model teacher-forced over a text through tqkv's KV cache (CPU), per
-// cache policy: perplexity and its change against the exact fp32 reference and against the same
-// model with a bf16 cache, top-1 next-token agreement with each, and KV bytes per token.
+// `tqkv eval`: a GGUF Llama model teacher-forced over a text through tqkv's KV cache (CPU or
+// CUDA engine; the fp32 reference on the CPU), per cache policy: perplexity and its change against
+// the exact fp32 reference and against the same model with a bf16 cache, top-1 next-token agreement
+// with each, and KV bytes per token.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <span>
@@ -15,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "model/cuda_engine.h"
 #include "model/engine.h"
 #include "model/gguf.h"
 #include "model/llama.h"
@@ -38,6 +41,7 @@ struct EvalFlags {
                                       "turboquant_3bit_nc"};
   std::vector<int> boundary_layers = {0, 2};
   bool diagnose = false;
+  std::string device = "cpu";
   std::string json;
 };
 
@@ -65,6 +69,10 @@ void RunEval(const EvalFlags& flags) {
   const model::GgufFile file =
       model::GgufFile::Open(ResolveModelPath(flags.model, "tqkv eval"));
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
+  if (flags.diagnose && flags.device != "cpu") {
+    throw InvalidArgument("tqkv eval", "--device", flags.device,
+                          "cpu with --diagnose (the layer errors are the CPU engine's)");
+  }
   if (flags.window > llama.config().context) {
     throw InvalidArgument(
         "tqkv eval", "--window", flags.window,
@@ -124,14 +132,16 @@ void RunEval(const EvalFlags& flags) {
     scored += ref.back().nll.size();
   }
   const double ref_ppl = std::exp(ref_nll / static_cast<double>(scored));
-  fmt::print("{}: {} tokens of {} in {} windows of {}, prefill chunks of {}\n", flags.model,
-             flags.tokens, flags.text, windows, flags.window, flags.chunk);
+  fmt::print("{}: {} tokens of {} in {} windows of {}, prefill chunks of {}, on {}\n", flags.model,
+             flags.tokens, flags.text, windows, flags.window, flags.chunk,
+             flags.device == "cuda" ? "CUDA" : "the CPU");
   fmt::print("{:<28} {:>10} {:>9} {:>8} {:>14} {:>13} {:>12} {:>8}\n", "KV cache", "perplexity",
              "change", "top-1", "change (bf16)", "top-1 (bf16)", "KV B/token", "vs bf16");
   fmt::print("{:<28} {:>10.4f}\n", "fp32 (reference)", ref_ppl);
-  nlohmann::json report = {{"model", flags.model},     {"text", flags.text},
-                           {"tokens", flags.tokens},   {"window", flags.window},
-                           {"reference_ppl", ref_ppl}, {"runs", nlohmann::json::array()}};
+  nlohmann::json report = {{"model", flags.model},           {"text", flags.text},
+                           {"tokens", flags.tokens},         {"window", flags.window},
+                           {"device", flags.device},         {"reference_ppl", ref_ppl},
+                           {"runs", nlohmann::json::array()}};
   std::vector<std::pair<std::string, int>> policies = {{"bf16", 0}};
   for (const std::string& p : flags.presets) {
     for (int b : flags.boundary_layers) policies.emplace_back(p, b);
@@ -140,7 +150,13 @@ void RunEval(const EvalFlags& flags) {
   double bf16_ppl = 0.0;
   std::vector<std::vector<int32_t>> bf16_top1;  // the bf16 cache's argmax per window and position
   for (const auto& [preset, boundary] : policies) {
-    model::CpuEngine engine(llama, {preset, boundary, 16, 0});
+    std::unique_ptr<model::Engine> owned;
+    if (flags.device == "cuda") {
+      owned = std::make_unique<model::CudaEngine>(llama, model::KvPolicy{preset, boundary, 16, 0});
+    } else {
+      owned = std::make_unique<model::CpuEngine>(llama, model::KvPolicy{preset, boundary, 16, 0});
+    }
+    model::Engine& engine = *owned;
     double nll = 0.0;
     size_t agree = 0, agree_bf16 = 0;
     const bool is_bf16 = preset == "bf16";
@@ -221,8 +237,8 @@ void AddEvalCommand(CLI::App& app) {
   auto flags = std::make_shared<EvalFlags>();
   CLI::App* cmd = app.add_subcommand(
       "eval",
-      "Teacher-force a GGUF Llama model over a text through tqkv's KV cache on the CPU: "
-      "perplexity, top-1 agreement with the fp32 reference and KV bytes per token, per policy");
+      "Teacher-force a GGUF Llama model over a text through tqkv's KV cache: perplexity, top-1 "
+      "agreement with the fp32 reference and KV bytes per token, per policy");
   cmd->add_option("--model", flags->model,
                   "GGUF file (tools/setup.sh fetches SmolLM2-135M-Instruct)")
       ->capture_default_str();
@@ -245,6 +261,11 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_flag("--diagnose", flags->diagnose,
                 "also each layer's key and value relative MSE and attention-output cosine "
                 "against exact fp32 attention (slower)");
+  cmd->add_option("--device", flags->device,
+                  "cpu or cuda: the engine of the cache policies (the fp32 reference runs on "
+                  "the CPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   cmd->add_option("--json", flags->json, "write the results as JSON");
   cmd->callback([flags] { RunEval(*flags); });
 }

@@ -40,6 +40,11 @@ for bad in "--presets bogus" "--presets bf16" "--presets turboquant_4bit_nc turb
   fi
   grep -q -- "$flag = " <<<"$err" || { echo "FAIL: eval $bad: $err"; exit 1; }
 done
+# Layer errors are the CPU engine's: --diagnose on CUDA is refused before anything runs.
+if err=$("$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 8 --window 8 --diagnose --device cuda 2>&1 >/dev/null); then
+  echo "FAIL: eval --diagnose --device cuda exited 0"; exit 1
+fi
+grep -q -- "--device = cuda; allowed: cpu with --diagnose" <<<"$err" || { echo "FAIL: $err"; exit 1; }
 odd=${TEST_TMPDIR:-/tmp}/$(printf 'odd\xff.txt')
 printf 'The history of the city begins in the Roman period, when a small settlement grew up.\n' >"$odd"
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --text "$odd" --tokens 8 --window 8 \
