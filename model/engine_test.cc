@@ -153,7 +153,7 @@ Completion GenerateOne(CpuEngine& engine, const std::vector<int32_t>& prompt, in
                        int chunk, Sampling sampling = {}, int32_t stop = -1) {
   Server server(engine, {1, chunk});
   Request r = Req(prompt, max_new, sampling);
-  r.stop_token = stop;
+  if (stop >= 0) r.stop_tokens = {stop};
   const int id = server.Submit(std::move(r));
   server.RunToCompletion();
   return server.completion(id);
@@ -325,9 +325,9 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
 
   // A stop token within the drafts, and max_new_tokens below a step's drafts.
   Request stop = Req(copy, 24);
-  stop.stop_token = plain.tokens[0][9];
+  stop.stop_tokens = {plain.tokens[0][9]};
   const size_t stop_at =
-      std::find(plain.tokens[0].begin(), plain.tokens[0].end(), stop.stop_token) -
+      std::find(plain.tokens[0].begin(), plain.tokens[0].end(), plain.tokens[0][9]) -
       plain.tokens[0].begin();
   const Run stopped = serve(4, {stop, Req(copy, 3)});
   EXPECT_EQ(stopped.tokens[0],
@@ -338,7 +338,7 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheTokens) {
   // Drafts reach past what a small pool holds (they are capped by max_new_tokens only) where the
   // request ends at its stop token first: the step runs without them, nothing fails.
   Request near = Req(copy, 40);
-  near.stop_token = plain.tokens[0][10];
+  near.stop_tokens = {plain.tokens[0][10]};
   const Run edge_plain = serve(0, {near}, 5);
   const Run edge = serve(8, {near}, 5);
   EXPECT_LE(edge_plain.tokens[0].size(), 11u);

@@ -17,6 +17,10 @@ double Seconds(Clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
 }
 
+bool IsStop(const Request& r, int32_t token) {
+  return std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end();
+}
+
 }  // namespace
 
 std::vector<int32_t> ProposeDrafts(std::span<const int32_t> context, int max_ngram,
@@ -116,9 +120,11 @@ void Server::Check(const Request& request) const {
     throw InvalidArgument("Server::Submit", "sampling.temperature", request.sampling.temperature,
                           "finite and >= 0");
   }
-  if (request.stop_token < -1 || request.stop_token >= vocab) {
-    throw InvalidArgument("Server::Submit", "stop_token", request.stop_token,
-                          fmt::format("-1 (none) or 0 to {}", vocab - 1));
+  for (size_t i = 0; i < request.stop_tokens.size(); ++i) {
+    if (request.stop_tokens[i] < 0 || request.stop_tokens[i] >= vocab) {
+      throw InvalidArgument("Server::Submit", fmt::format("stop_tokens[{}]", i),
+                            request.stop_tokens[i], fmt::format("a token, 0 to {}", vocab - 1));
+    }
   }
   // A prompt the whole pool cannot hold can never run. (Its generated tokens are not counted: a
   // request may stop before it runs out of blocks; one that does not fails then, alone.)
@@ -366,7 +372,7 @@ bool Server::Step() {
               : SampleToken(lg, vocab, req.sampling.temperature, argmax[row], r.rng);
       next.push_back(t);
       stats_.accepted_drafts += kept ? 1 : 0;
-      done = !kept || t == req.stop_token ||
+      done = !kept || IsStop(req, t) ||
              r.generated + static_cast<int>(next.size()) == req.max_new_tokens;
     }
     stats_.draft_tokens += static_cast<int64_t>(d.size());
@@ -382,7 +388,7 @@ bool Server::Step() {
     const int64_t rejected = static_cast<int64_t>(d.size()) + 1 - static_cast<int64_t>(next.size());
     if (rejected > 0) m.Rewind(r.seq, rejected);
     m.Commit(r.seq, next);
-    if (next.back() == req.stop_token || r.generated == req.max_new_tokens) Finish(r);
+    if (IsStop(req, next.back()) || r.generated == req.max_new_tokens) Finish(r);
   }
   std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t1).count();

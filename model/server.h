@@ -46,7 +46,9 @@ struct Request {
   std::vector<int32_t> prompt;  // >= 1 token
   int max_new_tokens = 32;      // >= 1
   Sampling sampling;
-  int32_t stop_token = -1;  // generation ends after this token (-1: none)
+  // Generation ends after any of these tokens (an end of turn, end of text; none: after
+  // max_new_tokens).
+  std::vector<int32_t> stop_tokens;
 };
 
 struct Completion {
@@ -114,7 +116,7 @@ class Server {
 
   // Throws tqkv::Error naming the field where Submit would refuse the request: an empty prompt, a
   // token outside the vocabulary, max_new_tokens < 1, prompt and max_new_tokens past the model's
-  // context, a negative or non-finite temperature, a stop_token other than -1 or a token, or a
+  // context, a negative or non-finite temperature, a stop token outside the vocabulary, or a
   // prompt longer than the whole block pool holds. (A request whose generated tokens outgrow the
   // pool is accepted: it may stop before; if not, it fails then, alone, with Completion::error.)
   void Check(const Request& request) const;

@@ -180,6 +180,38 @@ TEST(ServerTest, SpeculativeDecodingDraftsARepeatedTokenWhole) {
   EXPECT_EQ(spec_stats.accepted_drafts, 16);
 }
 
+// Generation ends after the first token that is any of the request's stop tokens (an end of
+// turn, an end of text), with drafts too.
+TEST(ServerTest, AnyStopTokenEndsARequest) {
+  const LlamaModel model = RepeatingModel();
+  auto run = [&](std::vector<int32_t> stops, int spec) {
+    CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 64});
+    ServerOptions options{2, 48};
+    options.spec_tokens = spec;
+    Server server(engine, options);
+    Request r;
+    std::mt19937_64 rng(77);
+    for (int j = 0; j < 30; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
+    r.max_new_tokens = 16;
+    r.sampling = {1.5f, 3};
+    r.stop_tokens = std::move(stops);
+    server.Submit(std::move(r));
+    server.RunToCompletion();
+    return server.completion(0).tokens;
+  };
+  const std::vector<int32_t> plain = run({}, 0);
+  ASSERT_EQ(plain.size(), 16u);
+  const int32_t late = plain[12], early = plain[5];
+  const size_t end = std::min(std::find(plain.begin(), plain.end(), late) - plain.begin(),
+                              std::find(plain.begin(), plain.end(), early) - plain.begin());
+  ASSERT_LE(end, 5u);
+  const std::vector<int32_t> expected(plain.begin(), plain.begin() + end + 1);
+  EXPECT_EQ(run({late, early}, 0), expected);
+  EXPECT_EQ(run({late, early}, 4), expected);
+  EXPECT_EQ(run({late}, 0).size(),
+            static_cast<size_t>(std::find(plain.begin(), plain.end(), late) - plain.begin()) + 1);
+}
+
 // Cancel ends a running request (its blocks leave use at once) and a waiting one (never
 // computed); the other requests produce the tokens they produce without the cancellations, and
 // the cancelled running request keeps the tokens it had, the start of its uncancelled ones.
@@ -274,12 +306,12 @@ TEST(ServerTest, RefusesBadOptionsAndRequestsBeforeAnythingChanges) {
   r.prompt.assign(128, 7);
   r.max_new_tokens = 200;  // past the pool: accepted (a stop token may end it first)
   EXPECT_EQ(error([&] { server.Check(r); }), "no error");
-  for (int32_t stop : {-2, 1000}) {
+  for (int32_t stop : {-1, 1000}) {
     Request bad = r;
-    bad.stop_token = stop;
+    bad.stop_tokens = {5, stop};
     EXPECT_THAT(
         error([&] { server.Submit(bad); }),
-        ::testing::HasSubstr(fmt::format("stop_token = {}; allowed: -1 (none) or 0 to 999", stop)));
+        ::testing::HasSubstr(fmt::format("stop_tokens[1] = {}; allowed: a token, 0 to 999", stop)));
   }
   Request longer = r;
   longer.prompt.push_back(7);

@@ -58,12 +58,16 @@ void RunGenerate(const GenerateFlags& flags) {
   const model::LlamaModel llama = model::LlamaModel::FromGguf(file);
   const model::Tokenizer tokenizer = model::Tokenizer::FromGguf(file);
   const bool chat = !flags.raw;
-  const int32_t stop = chat ? tokenizer.Find("<|im_end|>") : tokenizer.eos_id();
-  if (stop < 0) {
+  // A chat turn ends at <|im_end|> or, should the model end its text there, at end-of-text.
+  std::vector<int32_t> stops;
+  for (const int32_t t : {chat ? tokenizer.Find("<|im_end|>") : -1, tokenizer.eos_id()}) {
+    if (t >= 0 && std::find(stops.begin(), stops.end(), t) == stops.end()) stops.push_back(t);
+  }
+  if (stops.empty()) {
     Logger().warn(
-        "tqkv generate: the model's tokenizer has no {} token: every request runs to "
+        "tqkv generate: the model's tokenizer has no {}end-of-text token: every request runs to "
         "--max-tokens",
-        chat ? "<|im_end|>" : "end-of-text");
+        chat ? "<|im_end|> or " : "");
   }
 
   std::vector<model::Request> requests;
@@ -79,7 +83,7 @@ void RunGenerate(const GenerateFlags& flags) {
     r.prompt = tokenizer.Encode(text, /*parse_special=*/chat);
     r.max_new_tokens = flags.max_tokens;
     r.sampling = {flags.temperature, flags.seed + i};
-    r.stop_token = stop;
+    r.stop_tokens = stops;
     blocks += static_cast<int32_t>((r.prompt.size() + flags.max_tokens + 15) / 16);
     requests.push_back(std::move(r));
   }
@@ -127,7 +131,9 @@ void RunGenerate(const GenerateFlags& flags) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const model::Completion& done = server.completion(static_cast<int>(i));
     std::vector<int32_t> shown = done.tokens;
-    if (!shown.empty() && shown.back() == stop) shown.pop_back();
+    if (!shown.empty() && std::find(stops.begin(), stops.end(), shown.back()) != stops.end()) {
+      shown.pop_back();
+    }
     fmt::print("\n> {}\n{}{}\n", flags.prompts[i], chat ? "" : flags.prompts[i],
                done.error.empty() ? tokenizer.Decode(shown) : "[failed: " + done.error + "]");
     fmt::print(
