@@ -56,7 +56,7 @@ class Engine {
 
   const LlamaModel& model() const { return model_; }
   // The block manager over this engine's caches, created on first use with policy.num_blocks
-  // blocks (throws when that is 0: a server sizes its pool; CpuEngine::Forward sizes it to the
+  // blocks (throws when that is 0: a server sizes its pool; Forward sizes it to the
   // sequence).
   KVCacheManager& manager();
   // Schedules a step into the engine's batch (KVCacheManager::Schedule); when admitted, the caches
