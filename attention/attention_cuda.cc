@@ -176,7 +176,7 @@ CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State
 }
 
 CudaAttention::CudaAttention(const Bf16BlockFormat& format)
-    : state_(std::make_unique<State>(CudaDecoder(format))) {
+    : state_(std::make_unique<State>(CudaDecoder(CheckBf16BlockFormat("CudaAttention", format)))) {
   State& s = *state_;
   s.plain = true;
   s.plain_format = format;

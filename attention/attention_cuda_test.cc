@@ -1401,7 +1401,8 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   Bf16BlockFormat moved = MakeBf16BlockFormat(128, 8, 16);  // values where the keys are
   moved.value_offset = 0;
   EXPECT_THAT([&] { CudaAttention plain(moved); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("format.value_offset = 0")));
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("CudaAttention: invalid format.value_offset = 0")));
   EXPECT_THAT([&] { attn.Plan(2, 5, 30, 4, 3); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_q_heads = 30")));
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 6); },

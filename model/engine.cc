@@ -528,7 +528,12 @@ void CpuEngine::ForwardStep(std::span<const int32_t> tokens, std::span<const int
         std::vector<float>(static_cast<size_t>(n) * c.num_kv_heads * c.head_dim, 0.0f));
     exact_.v_hist = exact_.k_hist;
   }
-  RunStep(tokens, rows, logits, nullptr, &exact_);
+  try {
+    RunStep(tokens, rows, logits, nullptr, &exact_);
+  } catch (...) {
+    exact_ = {};  // (the caller's LayerErrors and the sequence's K/V are not kept)
+    throw;
+  }
   if (first + static_cast<int>(rows.size()) == n) exact_ = {};  // the sequence is done
 }
 

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iterator>
 #include <random>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -181,7 +182,8 @@ TEST(ServerTest, SpeculativeDecodingDraftsARepeatedTokenWhole) {
 }
 
 // Generation ends after the first token that is any of the request's stop tokens (an end of
-// turn, an end of text), with drafts too.
+// turn, an end of text), with drafts too. The random model repeats its last token unless the
+// temperature is high; at 35 it repeats some and moves on at others.
 TEST(ServerTest, AnyStopTokenEndsARequest) {
   const LlamaModel model = RepeatingModel();
   auto run = [&](std::vector<int32_t> stops, int spec) {
@@ -193,23 +195,26 @@ TEST(ServerTest, AnyStopTokenEndsARequest) {
     std::mt19937_64 rng(77);
     for (int j = 0; j < 30; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
     r.max_new_tokens = 16;
-    r.sampling = {1.5f, 3};
+    r.sampling = {35.0f, 3};
     r.stop_tokens = std::move(stops);
     server.Submit(std::move(r));
     server.RunToCompletion();
-    return server.completion(0).tokens;
+    return std::pair{server.completion(0).tokens, server.stats()};
   };
-  const std::vector<int32_t> plain = run({}, 0);
+  const std::vector<int32_t> plain = run({}, 0).first;
   ASSERT_EQ(plain.size(), 16u);
   const int32_t late = plain[12], early = plain[5];
-  const size_t end = std::min(std::find(plain.begin(), plain.end(), late) - plain.begin(),
-                              std::find(plain.begin(), plain.end(), early) - plain.begin());
-  ASSERT_LE(end, 5u);
-  const std::vector<int32_t> expected(plain.begin(), plain.begin() + end + 1);
-  EXPECT_EQ(run({late, early}, 0), expected);
-  EXPECT_EQ(run({late, early}, 4), expected);
-  EXPECT_EQ(run({late}, 0).size(),
-            static_cast<size_t>(std::find(plain.begin(), plain.end(), late) - plain.begin()) + 1);
+  const auto first_of = [&](int32_t x) {
+    return static_cast<size_t>(std::find(plain.begin(), plain.end(), x) - plain.begin());
+  };
+  ASSERT_LT(first_of(early), first_of(late));  // the premise: two tokens, one before the other
+  const std::vector<int32_t> to_early(plain.begin(), plain.begin() + first_of(early) + 1);
+  EXPECT_EQ(run({late, early}, 0).first, to_early);
+  const auto [drafted, stats] = run({late, early}, 4);
+  EXPECT_EQ(drafted, to_early);
+  EXPECT_GT(stats.draft_tokens, 0);
+  EXPECT_EQ(run({late}, 0).first,
+            std::vector<int32_t>(plain.begin(), plain.begin() + first_of(late) + 1));
 }
 
 // Cancel ends a running request (its blocks leave use at once) and a waiting one (never
@@ -224,7 +229,8 @@ TEST(ServerTest, CancelEndsARequestAndLeavesTheOthersAlone) {
       Request r;
       for (int j = 0; j < 30 + 5 * i; ++j) r.prompt.push_back(static_cast<int32_t>(rng() % 900));
       r.max_new_tokens = 12;
-      r.sampling = {i % 2 == 0 ? 0.0f : 1.2f, static_cast<uint64_t>(i)};
+      // (At 35 the random model's sampled tokens follow its logits: some repeat, some move on.)
+      r.sampling = {i % 2 == 0 ? 0.0f : 35.0f, static_cast<uint64_t>(i)};
       server.Submit(std::move(r));
     }
   };
@@ -236,6 +242,7 @@ TEST(ServerTest, CancelEndsARequestAndLeavesTheOthersAlone) {
     server.RunToCompletion();
     for (int i = 0; i < kRequests; ++i) reference.push_back(server.completion(i).tokens);
   }
+  ASSERT_GT(std::set<int32_t>(reference[3].begin(), reference[3].end()).size(), 3u);
   CpuEngine engine(model, {"turboquant_4bit_nc", 0, 16, 64});
   Server server(engine, ServerOptions{3, 48});  // requests 3 and 4 wait for a place
   submit_all(server);
@@ -375,9 +382,9 @@ TEST(ServerTest, EngineStepRefusesMisuseBeforeAnythingChanges) {
   EXPECT_EQ(m.FindInvariantViolation(), "");
 }
 
-// Engine::Forward's step on an engine without layer errors: Compute of every row (what the CUDA
-// engine runs), bit for bit CpuEngine's own step; layer errors asked of it are refused before
-// anything changes.
+// Engine::Forward through the base class's step, Compute of every row (as on the CUDA engine),
+// in other chunks: CpuEngine's logits bit for bit; layer errors asked of an engine without them
+// are refused before anything changes.
 struct ComputeOnlyEngine : CpuEngine {
   using CpuEngine::CpuEngine;
   bool MeasuresLayerErrors() const override { return false; }

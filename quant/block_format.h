@@ -101,10 +101,11 @@ struct Bf16BlockFormat {
 Bf16BlockFormat MakeBf16BlockFormat(int head_dim, int num_kv_heads, int block_size,
                                     DType dtype = DType::kBF16);
 
-// `format` as MakeBf16BlockFormat makes it for its head_dim, num_kv_heads, block_size and dtype
-// (validated as there): the constructors and calls that take a caller's format check it with this,
-// since an edited value_offset or block_bytes would read keys as values or past a block. Throws
-// tqkv::Error from `where` naming the first field that differs and the value it must have.
+// `format` as MakeBf16BlockFormat makes it for its head_dim, num_kv_heads, block_size and dtype:
+// the constructors and calls that take a caller's format check it with this, since an edited
+// value_offset or block_bytes would read keys as values or past a block. Throws tqkv::Error as
+// MakeBf16BlockFormat does for those four, and from `where` naming value_offset or block_bytes
+// where it differs, with the value it must have.
 Bf16BlockFormat CheckBf16BlockFormat(std::string_view where, const Bf16BlockFormat& format);
 
 // Validates and computes a format. Throws tqkv::Error naming the argument and the allowed values:

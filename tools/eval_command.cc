@@ -23,6 +23,7 @@
 #include "model/llama.h"
 #include "model/tokenizer.h"
 #include "quant/preset.h"
+#include "runtime/device.h"
 #include "runtime/error.h"
 #include "runtime/safetensors.h"
 #include "tools/cli_util.h"
@@ -73,6 +74,8 @@ void RunEval(const EvalFlags& flags) {
     throw InvalidArgument("tqkv eval", "--device", flags.device,
                           "cpu with --diagnose (the layer errors are the CPU engine's)");
   }
+  // A missing device is said before the reference runs (minutes at the default length).
+  if (flags.device == "cuda") RequireCudaDevice("tqkv eval --device cuda");
   if (flags.window > llama.config().context) {
     throw InvalidArgument(
         "tqkv eval", "--window", flags.window,
@@ -260,7 +263,7 @@ void AddEvalCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--diagnose", flags->diagnose,
                 "also each layer's key and value relative MSE and attention-output cosine "
-                "against exact fp32 attention (slower)");
+                "against exact fp32 attention (slower; CPU only)");
   cmd->add_option("--device", flags->device,
                   "cpu or cuda: the engine of the cache policies (the fp32 reference runs on "
                   "the CPU)")

@@ -45,6 +45,13 @@ if err=$("$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --tokens 8 --window 8 --diagn
   echo "FAIL: eval --diagnose --device cuda exited 0"; exit 1
 fi
 grep -q -- "--device = cuda; allowed: cpu with --diagnose" <<<"$err" || { echo "FAIL: $err"; exit 1; }
+# Without a GPU, --device cuda fails at once (before the minutes of the fp32 reference).
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  if err=$(timeout 60 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --device cuda 2>&1 >/dev/null); then
+    echo "FAIL: eval --device cuda without a device exited 0"; exit 1
+  fi
+  grep -Eq "tqkv eval --device cuda: (no CUDA device|this build of tqkv has no CUDA)" <<<"$err" || { echo "FAIL: $err"; exit 1; }
+fi
 odd=${TEST_TMPDIR:-/tmp}/$(printf 'odd\xff.txt')
 printf 'The history of the city begins in the Roman period, when a small settlement grew up.\n' >"$odd"
 "$tqkv" eval --model "$TQKV_SMOLLM2_GGUF" --text "$odd" --tokens 8 --window 8 \
