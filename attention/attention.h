@@ -40,7 +40,9 @@ struct AttentionArgs {
   ConstCacheRef cache;         // the layer's cache
   std::optional<float> scale;  // softmax scale; default 1/√D
   int32_t sliding_window = 0;  // 0: none; else a query at position p reads (p − window, p]
-  void* output = nullptr;      // [num_tokens, num_q_heads, head_dim]: F32, F16 or BF16
+  // [num_tokens, num_q_heads, head_dim]: F32, F16 or BF16, rounded to nearest from fp32; F16
+  // saturates at ±65504 (4-bit values dequantize up to ~60 past it) and keeps NaN.
+  void* output = nullptr;
   DType output_dtype = DType::kF32;
   float* lse = nullptr;  // [num_tokens, num_q_heads], natural log
   // CUDA only: device scratch of at least the plan's workspace_bytes.

@@ -129,8 +129,9 @@ __global__ void ScatterDecodeRowsKernel(const DecodeRowsParams p, bool vec) {
       uint32_t w[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        w[j] = p.out_dtype == DType::kF16 ? decode_detail::PackPlain<true>(x[2 * j], x[2 * j + 1])
-                                          : decode_detail::PackPlain<false>(x[2 * j], x[2 * j + 1]);
+        w[j] = p.out_dtype == DType::kF16
+                   ? decode_detail::PackOutput<true>(x[2 * j], x[2 * j + 1])
+                   : decode_detail::PackOutput<false>(x[2 * j], x[2 * j + 1]);
       }
       *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.output) + to) =
           uint4{w[0], w[1], w[2], w[3]};

@@ -30,8 +30,8 @@ float LoadElement(const void* base, DType t, int64_t i) {
 
 void StoreElement(void* base, DType t, int64_t i, double x) {
   switch (t) {
-    case DType::kF16:
-      static_cast<uint16_t*>(base)[i] = FloatToHalfBits(static_cast<float>(x));
+    case DType::kF16:  // saturating: 4-bit values dequantize up to ~60 past fp16's largest
+      static_cast<uint16_t*>(base)[i] = FloatToHalfBitsClamped(static_cast<float>(x));
       break;
     case DType::kBF16:
       static_cast<uint16_t*>(base)[i] = FloatToBFloat16Bits(static_cast<float>(x));

@@ -310,6 +310,54 @@ TEST(AttentionCpuTest, HalfPrecisionQueriesAndOutputs) {
   }
 }
 
+// A token's values spanning fp16's whole range dequantize past its largest finite value (the fp16
+// value scale rounds up: −65504 + 15 · 8736 = 65536). F16 outputs saturate to ±65504 rather than
+// becoming inf; NaN stays NaN.
+TEST(AttentionCpuTest, F16OutputsSaturateAtTheLargestFiniteValue) {
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_3bit_nc"}) {
+    const int d = 64, bs = 16;
+    const Quantizer q = Quantizer::Create(preset, d, 1, bs);
+    std::vector<uint8_t> cache(2 * q.format().block_bytes, 0);
+    std::vector<float> k(d), v(d), query(d, 0.0f);
+    for (int i = 0; i < d; ++i) {
+      k[i] = static_cast<float>(i % 7) - 3.0f;
+      v[i] = i % 2 == 0 ? 65504.0f : -65504.0f;
+    }
+    q.EncodeSlot(k.data(), v.data(), cache.data() + q.format().block_bytes, 0, 0);
+    const std::vector<float> dequantized = q.Dequantize({cache.data(), 2, q.layout()}, bs, 0).value;
+    ASSERT_GT(*std::max_element(dequantized.begin(), dequantized.end()), 65520.0f)
+        << preset << ": the premise (a value fp16 rounds to inf) no longer holds";
+    const int32_t table[] = {1}, lens[] = {1}, starts[] = {0, 1};
+    for (const bool nan_query : {false, true}) {
+      if (nan_query) query[0] = NAN;
+      std::vector<uint16_t> out(d, 0);
+      float lse = 0.0f;
+      AttentionArgs a;
+      a.query = query.data();
+      a.query_dtype = DType::kF32;
+      a.num_seqs = 1;
+      a.num_tokens = 1;
+      a.num_q_heads = 1;
+      a.query_start_loc = starts;
+      a.seq_lens = lens;
+      a.block_tables = table;
+      a.max_blocks_per_seq = 1;
+      a.cache = {cache.data(), 2, q.layout()};
+      a.output = out.data();
+      a.output_dtype = DType::kF16;
+      a.lse = &lse;
+      AttentionCpu(q, a);
+      for (int i = 0; i < d; ++i) {
+        if (nan_query) {
+          ASSERT_TRUE(std::isnan(HalfBitsToFloat(out[i]))) << preset << " " << i;
+        } else {
+          ASSERT_EQ(out[i], FloatToHalfBitsClamped(dequantized[i])) << preset << " " << i;
+          ASSERT_TRUE(std::isfinite(HalfBitsToFloat(out[i]))) << preset << " " << i;
+        }
+      }
+    }
+  }
+}
 // Bad input throws, naming the argument, its value and what is allowed, and writes nothing.
 TEST(AttentionCpuTest, InvalidArgumentsThrowAndWriteNothing) {
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 64, 2, 16);

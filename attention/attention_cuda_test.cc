@@ -995,6 +995,55 @@ TEST(CudaAttentionTest, PrefillKernelKeepsValuesPastFp16) {
   }
 }
 
+// Every token's values at 65504 + 16 · code (value zero 65504, scale 16: what the store writes
+// for values spanning fp16's range dequantizes up to ~60 past 65504): each output element, an
+// average of such values, lies past fp16's largest finite value, where a plain conversion gives
+// inf. F16 outputs saturate to 65504 on every kernel: the decode plan (one split per sequence,
+// or merged splits), verify passes (exact and half precision), the chunk and prefill kernels
+// and the leading decode rows of a mixed step.
+TEST(CudaAttentionTest, F16OutputsSaturateOnEveryKernel) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step steps[] = {{{700, 4000, 33}, {1, 1, 1}},
+                        {{700, 900, 40}, {4, 8, 4}},
+                        {{300, 1, 1000, 150}, {300, 1, 200, 65}},
+                        MixedStep()};
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128}) {
+      const int hk = 2, group = 4, bs = 16;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const BlockFormat& f = q.format();
+      const uint16_t scale = FloatToHalfBits(16.0f), zero = FloatToHalfBits(65504.0f);
+      int k = 0;
+      for (const Step& step : steps) {
+        AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 1200 + k);
+        for (size_t b = 0; b < s.base.seq_lens.size(); ++b) {
+          for (int t = 0; t < s.base.seq_lens[b]; ++t) {
+            const int32_t block = s.base.block_tables[b * s.base.max_blocks + t / bs];
+            uint8_t* base = s.base.cache.data() + int64_t{block} * f.block_bytes;
+            for (int h = 0; h < hk; ++h) {
+              std::memcpy(base + f.MetaOffset(MetaField::kValueScale, t % bs, h), &scale, 2);
+              std::memcpy(base + f.MetaOffset(MetaField::kValueZero, t % bs, h), &zero, 2);
+            }
+          }
+        }
+        for (const bool exact : {true, false}) {
+          std::vector<float> out;
+          Case c{.quantizer = &q, .io = DType::kF16, .keep_out = &out};
+          if (!exact) c.options = AttentionOptions{};
+          if (k == 3) c.options.leading_decode_seqs = 2;  // MixedStep's two decode rows
+          const Errors e = RunAndCompare(c, s, s.base.cache);
+          const std::string what = fmt::format("{} D={} step {} exact {}", preset, d, k, exact);
+          const int64_t not_max =
+              std::count_if(out.begin(), out.end(), [](float x) { return x != 65504.0f; });
+          EXPECT_EQ(not_max, 0) << what << ": elements other than 65504 (inf before saturating)";
+          EXPECT_EQ(e.bad, 0) << what;
+        }
+        ++k;
+      }
+    }
+  }
+}
+
 // A prompt whose keys from token 256 on include some 8 times as long, so that many rows' scores
 // pass the maximum of their first tile by more than 2^8: the wgmma prefill kernel moves its lazy
 // softmax reference (and rescales O) only then, on a path random K/V alone rarely take. The

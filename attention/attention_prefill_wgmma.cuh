@@ -141,16 +141,15 @@ struct WgLayout {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// out[i], out[i + 1] = x0, x1 in the output dtype (i even): one store.
+// out[i], out[i + 1] = x0, x1 in the output dtype (i even; F16 saturating): one store.
 __device__ __forceinline__ void StoreOutputPair(void* out, DType dtype, int64_t i, float x0,
                                                 float x1) {
   if (dtype == DType::kF32) {
     *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x0, x1);
-  } else if (dtype == DType::kF16) {
-    *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x0, x1);
   } else {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
-        __floats2bfloat162_rn(x0, x1);
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + i) =
+        dtype == DType::kF16 ? decode_detail::PackOutput<true>(x0, x1)
+                             : decode_detail::PackOutput<false>(x0, x1);
   }
 }
 
@@ -1078,8 +1077,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
         const float x0 = o[4 * n + 2 * k] * inv, x1 = o[4 * n + 2 * k + 1] * inv;
-        const uint32_t w = out_f16 ? decode_detail::PackPlain<true>(x0, x1)
-                                   : decode_detail::PackPlain<false>(x0, x1);
+        const uint32_t w = out_f16 ? decode_detail::PackOutput<true>(x0, x1)
+                                   : decode_detail::PackOutput<false>(x0, x1);
         *reinterpret_cast<uint32_t*>(smem + L::kQ + (n >> 3) * L::kAtom +
                                      wgmma::SwizzledChunk(rw, n & 7) + 4 * tq) = w;
       }

@@ -54,6 +54,12 @@ __device__ __forceinline__ void MmaPlain(float (&c)[4], const uint32_t (&a)[4], 
   }
 }
 
+// x clamped to fp16's finite range, NaN kept (numerics.h's FloatToHalfBitsClamped): 4-bit values
+// dequantize up to ~60 past 65504, where a plain conversion rounds to inf.
+__device__ __forceinline__ float SaturateToHalfRange(float x) {
+  return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x;
+}
+
 // (x, y) rounded to fp16 or bf16, x in the low half.
 template <bool kFp16>
 __device__ __forceinline__ uint32_t PackPlain(float x, float y) {
@@ -64,6 +70,13 @@ __device__ __forceinline__ uint32_t PackPlain(float x, float y) {
     const __nv_bfloat162 r = __floats2bfloat162_rn(x, y);
     return *reinterpret_cast<const uint32_t*>(&r);
   }
+}
+
+// PackPlain for an attention output: fp16 saturating (SaturateToHalfRange).
+template <bool kFp16>
+__device__ __forceinline__ uint32_t PackOutput(float x, float y) {
+  if constexpr (kFp16) return PackPlain<true>(SaturateToHalfRange(x), SaturateToHalfRange(y));
+  return PackPlain<false>(x, y);
 }
 
 // Transpose of an 8x8 matrix of 16-bit elements held as an MMA fragment (thread 4·g + t holds row
@@ -249,12 +262,12 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
   return out;
 }
 
-// out[i] = x in the output dtype (F32, F16 or BF16).
+// out[i] = x in the output dtype (F32, F16 or BF16; F16 saturating).
 __device__ __forceinline__ void StoreOutput(void* out, DType dtype, int64_t i, float x) {
   if (dtype == DType::kF32) {
     static_cast<float*>(out)[i] = x;
   } else if (dtype == DType::kF16) {
-    static_cast<__half*>(out)[i] = __float2half_rn(x);
+    static_cast<__half*>(out)[i] = __float2half_rn(SaturateToHalfRange(x));
   } else {
     static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
   }
