@@ -511,6 +511,8 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
       throw Error(
           fmt::format("{}: the plan was not made by CudaAttention::Plan (or was changed)", kWhere));
     }
+    // The decode sub-plan's kernel choices too, before any kernel of the call is queued.
+    if (decode_paths > 0) s.decoder.CheckPlan("CudaAttention::Run (decode_plan)", dp);
   }
   const int64_t workspace_bytes = std::max(plan.workspace_bytes, WorkspaceBytes(plan));
   if (workspace_bytes > 0 && (a.workspace == nullptr || a.workspace_bytes < workspace_bytes)) {

@@ -1595,6 +1595,18 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
                 ::testing::ThrowsMessage<Error>(
                     ::testing::HasSubstr("the plan was not made by CudaAttention::Plan")));
   }
+  // The decode sub-plan's kernel choices, checked before the call queues any kernel (a query
+  // prep or dequantization pass ahead of the verify or leading decode grid).
+  for (const auto& edit : std::initializer_list<void (*)(AttentionPlan&)>{
+           [](AttentionPlan& p) { p.decode_plan.narrow = !p.decode_plan.narrow; },
+           [](AttentionPlan& p) { p.decode_plan.variant.half = !p.decode_plan.variant.half; },
+           [](AttentionPlan& p) { p.decode_plan.max_splits = 0; }}) {
+    AttentionPlan changed = plan;
+    edit(changed);
+    EXPECT_THAT([&] { attn.Run(changed, a, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::HasSubstr("CudaAttention::Run (decode_plan): ")));
+  }
   AttentionArgs over = a;
   over.lse = output.data() + 5;
   EXPECT_THAT([&] { attn.Run(plan, over, nullptr); },

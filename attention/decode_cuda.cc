@@ -502,11 +502,7 @@ void CudaDecoder::Run(const DecodePlan& plan, const CudaDecodeArgs& a, StreamHan
   RunColumns(plan, a, nullptr, stream);
 }
 
-void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
-                             const decode_detail::VerifyColumns* verify, StreamHandle stream,
-                             [[maybe_unused]] Launch launch) const {
-  constexpr const char* kWhere = "CudaDecoder::Run";
-  const State& s = *state_;
+SplitKernelOccupancy CudaDecoder::CheckPlan(std::string_view where, const DecodePlan& plan) const {
   // A plan carries its shape; one made by another decoder of a different cache shape, or edited,
   // must not index the tables below or size a launch past the workspace.
   const int group = plan.num_q_heads / num_kv_heads();
@@ -520,8 +516,49 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
       plan.max_splits > kMaxSplits || plan.max_blocks_per_seq < 1 ||
       plan_len > int64_t{plan.max_splits} * plan.tokens_per_split ||
       plan.num_q_heads % num_kv_heads() != 0 || group < 1 || group > MaxGroup(plan_options)) {
-    throw Error(fmt::format("{}: the plan was not made by this decoder's Plan", kWhere));
+    throw Error(fmt::format("{}: the plan was not made by this decoder's Plan", where));
   }
+  const SplitKernelOccupancy variants =
+      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half, plan.shared_o);
+  if (plan.narrow && variants.narrow_resident_per_sm == 0) {
+    throw InvalidArgument(where, "plan.narrow", "true",
+                          "false for this cache and group (the narrow split kernels serve "
+                          "3-bit keys and 4-bit keys with 4-bit values: GQA groups up to 4 at "
+                          "D = 128, and for 4-bit keys at D = 64, 4-bit keys only with an even "
+                          "number of KV heads; groups above 8 on the staged kernels, 3-bit keys' "
+                          "at D = 64 in half precision only)");
+  }
+  if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
+    throw InvalidArgument(where, "plan.one_cta", "true",
+                          "false for this cache, group and variant (only 4-bit keys' 8-warp "
+                          "staged kernel, D = 128 and GQA groups up to 4, has a one-CTA-per-SM "
+                          "twin)");
+  }
+  if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
+    throw InvalidArgument(where, "plan.hi_only", "true",
+                          "false for this cache, group, codebook and variant (only 3-bit keys' "
+                          "8-warp staged kernel, GQA groups up to 4, has a hi-only twin, only "
+                          "for a codebook within kMaxHiOnlyError of fp16, and its paired CTAs "
+                          "for the narrow variant only at D = 128 with an even number of KV "
+                          "heads)");
+  }
+  const decode_detail::MaybeSplitVariant variant = Variant(plan.num_q_heads / num_kv_heads(), plan);
+  if (!variant.ok || !(variant.variant == plan.variant)) {
+    throw Error(
+        fmt::format("{}: the plan's variant does not match its choices (narrow {}, "
+                    "hi_only {}, one_cta {}, staged {}, half {}); make plans with "
+                    "CudaDecoder::Plan",
+                    where, plan.narrow, plan.hi_only, plan.one_cta, plan.staged, plan.half));
+  }
+  return variants;
+}
+
+void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
+                             const decode_detail::VerifyColumns* verify, StreamHandle stream,
+                             [[maybe_unused]] Launch launch) const {
+  constexpr const char* kWhere = "CudaDecoder::Run";
+  const State& s = *state_;
+  const SplitKernelOccupancy variants = CheckPlan(kWhere, plan);
   CheckCacheLayout(kWhere, s.layout, a.cache.layout);
   if (a.query_dtype != DType::kF32 && a.query_dtype != DType::kF16 &&
       a.query_dtype != DType::kBF16) {
@@ -561,38 +598,6 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
   CheckScale(kWhere, a.scale);
-  const SplitKernelOccupancy variants =
-      SplitOccupancy(plan.num_q_heads / num_kv_heads(), plan.staged, plan.half, plan.shared_o);
-  if (plan.narrow && variants.narrow_resident_per_sm == 0) {
-    throw InvalidArgument(kWhere, "plan.narrow", "true",
-                          "false for this cache and group (the narrow split kernels serve "
-                          "3-bit keys and 4-bit keys with 4-bit values: GQA groups up to 4 at "
-                          "D = 128, and for 4-bit keys at D = 64, 4-bit keys only with an even "
-                          "number of KV heads; groups above 8 on the staged kernels, 3-bit keys' "
-                          "at D = 64 in half precision only)");
-  }
-  if (plan.one_cta && (plan.narrow || !variants.one_cta_twin)) {
-    throw InvalidArgument(kWhere, "plan.one_cta", "true",
-                          "false for this cache, group and variant (only 4-bit keys' 8-warp "
-                          "staged kernel, D = 128 and GQA groups up to 4, has a one-CTA-per-SM "
-                          "twin)");
-  }
-  if (plan.hi_only && (plan.narrow ? !variants.narrow_hi_only : !variants.hi_only)) {
-    throw InvalidArgument(kWhere, "plan.hi_only", "true",
-                          "false for this cache, group, codebook and variant (only 3-bit keys' "
-                          "8-warp staged kernel, GQA groups up to 4, has a hi-only twin, only "
-                          "for a codebook within kMaxHiOnlyError of fp16, and its paired CTAs "
-                          "for the narrow variant only at D = 128 with an even number of KV "
-                          "heads)");
-  }
-  const decode_detail::MaybeSplitVariant variant = Variant(plan.num_q_heads / num_kv_heads(), plan);
-  if (!variant.ok || !(variant.variant == plan.variant)) {
-    throw Error(
-        fmt::format("{}: the plan's variant does not match its choices (narrow {}, "
-                    "hi_only {}, one_cta {}, staged {}, half {}); make plans with "
-                    "CudaDecoder::Plan",
-                    kWhere, plan.narrow, plan.hi_only, plan.one_cta, plan.staged, plan.half));
-  }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
   const int d = head_dim();

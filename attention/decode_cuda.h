@@ -239,6 +239,10 @@ class CudaDecoder {
   void RunColumns(const DecodePlan& plan, const CudaDecodeArgs& args,
                   const decode_detail::VerifyColumns* verify, StreamHandle stream,
                   Launch launch = Launch::kAll) const;
+  // Throws tqkv::Error (from `where`) for a plan this decoder's Plan would not make: its shape
+  // (sizes, splits, group) and kernel choices (narrow, one_cta, hi_only, the variant). Returns the
+  // occupancy of the plan's split kernels.
+  SplitKernelOccupancy CheckPlan(std::string_view where, const DecodePlan& plan) const;
   // Throws tqkv::Error unless the kernels' fp32 score scale, scale · log2(e) over the codebook's
   // fp16 scale (default scale 1/√D), is finite.
   void CheckScale(std::string_view where, std::optional<float> scale) const;
