@@ -25,6 +25,9 @@
 //                                                   default: the plan's choice)
 //                   [--decode-narrow auto|never|always]  (DecodeOptions::narrow: the narrow
 //                                                   split kernels, for a comparison)
+//                   [--blocks shuffled|ordered] [--seed N]  (where each shape's blocks lie in
+//                                   the pool: a fresh shuffle per shape from one generator of
+//                                   seed N, default 3; or in order, as a fresh pool hands out)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -38,6 +41,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "attention/attention_cuda.h"
@@ -133,7 +137,8 @@ struct Row {
 };
 
 std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
-                         const std::vector<Shape>& shapes, double read_gbs, Stream& stream) {
+                         const std::vector<Shape>& shapes, double read_gbs, bool shuffled,
+                         uint32_t seed, Stream& stream) {
   const int hq = heads.q, hk = heads.kv, dim = heads.dim;
   const bool plain = kind == "bf16";
   std::optional<Quantizer> q;
@@ -168,7 +173,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
                        kBlock, f.key_data_bytes, f.data_per_slot, f.fp8_keys, stream.get());
   }
   std::vector<Row> rows;
-  std::mt19937 rng(3);
+  std::mt19937 rng(seed);
   for (const Shape& s : shapes) {
     const int batch = static_cast<int>(s.lens.size());
     int max_len = 0, max_q = 0, tokens = 0;
@@ -192,7 +197,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
         pool_blocks / set_blocks));
     std::vector<int32_t> ids(pool_blocks);
     std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
+    if (shuffled) std::shuffle(ids.begin(), ids.end(), rng);
     std::vector<int32_t> tables(static_cast<size_t>(sets) * batch * width, 0);
     int next = 0;
     for (int set = 0; set < sets; ++set) {
@@ -275,6 +280,8 @@ int Main(int argc, char** argv) {
   std::string json_out, only_kind, only_shape;
   int decode_tokens_per_split = 0;
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
+  bool shuffled = true;
+  uint32_t seed = 3;
   Heads heads;
   std::vector<int> extra_q;
   // A whole decimal number from lo to hi, or nullopt.
@@ -297,6 +304,12 @@ int Main(int argc, char** argv) {
       json_out = argv[++i];
     } else if (arg == "--kind" && i + 1 < argc) {
       only_kind = argv[++i];
+    } else if (arg == "--blocks" && i + 1 < argc &&
+               (std::string_view(argv[i + 1]) == "shuffled" ||
+                std::string_view(argv[i + 1]) == "ordered")) {
+      shuffled = std::string_view(argv[++i]) == "shuffled";
+    } else if (arg == "--seed" && i + 1 < argc && parse_int(argv[i + 1], 0, 1 << 30)) {
+      seed = static_cast<uint32_t>(*parse_int(argv[++i], 0, 1 << 30));
     } else if (arg == "--only" && i + 1 < argc) {
       only_shape = argv[++i];
     } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
@@ -352,7 +365,7 @@ int Main(int argc, char** argv) {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
                  "[--heads HQ:HK:D] [--verify-q N]... [--decode-tokens-per-split N] "
-                 "[--decode-narrow auto|never|always]\n");
+                 "[--decode-narrow auto|never|always] [--blocks shuffled|ordered] [--seed N]\n");
       return 2;
     }
   }
@@ -472,7 +485,7 @@ int Main(int argc, char** argv) {
   if (!only_kind.empty()) kinds = {only_kind};
   nlohmann::json all = nlohmann::json::array();
   for (const std::string& kind : kinds) {
-    for (const Row& r : RunKind(kind, heads, shapes, read_gbs, stream)) {
+    for (const Row& r : RunKind(kind, heads, shapes, read_gbs, shuffled, seed, stream)) {
       all.push_back({{"kind", r.kind},
                      {"shape", r.shape},
                      {"us", r.us},
