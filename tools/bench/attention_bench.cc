@@ -28,6 +28,7 @@
 //                   [--blocks shuffled|ordered] [--seed N]  (where each shape's blocks lie in
 //                                   the pool: a fresh shuffle per shape from one generator of
 //                                   seed N, default 3; or in order, as a fresh pool hands out)
+//                   [--repeat N]  (the whole run N times in one process, the same placements)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -282,6 +283,7 @@ int Main(int argc, char** argv) {
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shuffled = true;
   uint32_t seed = 3;
+  int repeat = 1;
   Heads heads;
   std::vector<int> extra_q;
   // A whole decimal number from lo to hi, or nullopt.
@@ -310,6 +312,8 @@ int Main(int argc, char** argv) {
       shuffled = std::string_view(argv[++i]) == "shuffled";
     } else if (arg == "--seed" && i + 1 < argc && parse_int(argv[i + 1], 0, 1 << 30)) {
       seed = static_cast<uint32_t>(*parse_int(argv[++i], 0, 1 << 30));
+    } else if (arg == "--repeat" && i + 1 < argc && parse_int(argv[i + 1], 1, 100)) {
+      repeat = *parse_int(argv[++i], 1, 100);
     } else if (arg == "--only" && i + 1 < argc) {
       only_shape = argv[++i];
     } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
@@ -365,7 +369,8 @@ int Main(int argc, char** argv) {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
                  "[--heads HQ:HK:D] [--verify-q N]... [--decode-tokens-per-split N] "
-                 "[--decode-narrow auto|never|always] [--blocks shuffled|ordered] [--seed N]\n");
+                 "[--decode-narrow auto|never|always] [--blocks shuffled|ordered] [--seed N] "
+                 "[--repeat N]\n");
       return 2;
     }
   }
@@ -484,7 +489,8 @@ int Main(int argc, char** argv) {
                                     "bf16"};
   if (!only_kind.empty()) kinds = {only_kind};
   nlohmann::json all = nlohmann::json::array();
-  for (const std::string& kind : kinds) {
+  for (int i = 0; i < repeat * static_cast<int>(kinds.size()); ++i) {
+    const std::string& kind = kinds[i % kinds.size()];
     for (const Row& r : RunKind(kind, heads, shapes, read_gbs, shuffled, seed, stream)) {
       all.push_back({{"kind", r.kind},
                      {"shape", r.shape},
