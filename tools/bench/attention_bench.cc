@@ -272,6 +272,51 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
                          : "chunk kernel, ",
         r.splits);
     std::fflush(stdout);
+    if (s.leading_decode_seqs <= 0 || s.leading_decode_seqs >= batch) continue;
+    // A mixed step's two parts, each a call of its own over the same rows, blocks and buffers as
+    // the mixed call (block placement alone moves a decode by up to ~15 %, so parts timed as
+    // shapes of their own, with blocks of their own, do not add up to this call's work): its
+    // leading decode rows, then the rest.
+    const int lead = s.leading_decode_seqs;
+    std::vector<int32_t> rest_loc;
+    for (int b = lead; b <= batch; ++b) rest_loc.push_back(loc[b] - loc[lead]);
+    DeviceBuffer<int32_t> d_rest_loc(batch - lead + 1);
+    d_rest_loc.CopyFromHost(rest_loc);
+    double parts_us = 0;
+    for (const bool decode_part : {true, false}) {
+      const int b0 = decode_part ? 0 : lead, nb = decode_part ? lead : batch - lead;
+      const int row0 = loc[b0], nt = loc[b0 + nb] - row0;
+      int part_max_q = 0;
+      for (int b = b0; b < b0 + nb; ++b) part_max_q = std::max(part_max_q, s.q_lens[b]);
+      AttentionOptions part_options = options;
+      part_options.leading_decode_seqs = 0;
+      const AttentionPlan part_plan = attn->Plan(nb, nt, hq, width, part_max_q, part_options);
+      DeviceBuffer<uint8_t> part_ws(std::max<int64_t>(1, part_plan.workspace_bytes));
+      AttentionArgs pa = a;
+      pa.num_seqs = nb;
+      pa.num_tokens = nt;
+      pa.query = query.data() + int64_t{row0} * hq * dim;
+      pa.output = out.data() + int64_t{row0} * hq * dim;
+      pa.lse = lse.data() + int64_t{row0} * hq;
+      pa.query_start_loc = decode_part ? d_loc.data() : d_rest_loc.data();
+      pa.seq_lens = d_lens.data() + b0;
+      pa.workspace = part_ws.data();
+      pa.workspace_bytes = part_ws.size_bytes();
+      auto run_part = [&](int i) {
+        pa.block_tables = d_tables.data() + (static_cast<int64_t>(i % sets) * batch + b0) * width;
+        attn->Run(part_plan, pa, stream.get());
+      };
+      for (int i = 0; i < 2; ++i) run_part(i);
+      const double us = GraphUs(run_part, std::max(4, std::min(16, sets)), stream.get());
+      parts_us += us;
+      fmt::print("  {:<20} {:<24} {:9.1f} us  ({} alone, the same rows and blocks)\n", kind,
+                 s.name + (decode_part ? " | decode" : " | rest"), us,
+                 decode_part ? fmt::format("its {} leading decode rows", lead)
+                             : fmt::format("its other {} sequences", nb));
+    }
+    fmt::print("  {:<20} {:<24} {:9.1f} us  (its parts' sum; the call takes {:.3f}x it)\n", kind,
+               s.name + " | sum", parts_us, r.us / parts_us);
+    std::fflush(stdout);
   }
   return rows;
 }
