@@ -239,16 +239,27 @@ void Server::Preempt() {
 }
 
 void Server::Finish(Live& r, std::string error) {
+  if (r.seq >= 0) engine_.manager().Free(r.seq);  // first: it changes nothing when it throws
+  r.seq = -1;
   Completion& c = completions_[r.id];
   c.finished = true;
   c.error = std::move(error);
   c.finish_step = stats_.steps;
   c.finish_seconds = Seconds(Clock::now()) - submit_time_[r.id];
-  if (r.seq >= 0) engine_.manager().Free(r.seq);
-  r.seq = -1;
+}
+
+void Server::FinishDone() {
+  for (Live& r : running_) {
+    const Request& req = requests_[r.id];
+    if (r.generated > 0 && (IsStop(req, r.tokens.back()) || r.generated == req.max_new_tokens)) {
+      Finish(r);
+    }
+  }
+  std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
 }
 
 bool Server::Step() {
+  FinishDone();  // (requests a Step that threw left finished but running)
   if (idle()) return false;
   ++stats_.steps;
   KVCacheManager& m = engine_.manager();
@@ -341,56 +352,79 @@ bool Server::Step() {
   stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
   stats_.computed_tokens += static_cast<int64_t>(tokens.size());
 
-  for (int k = 0; k < num_req; ++k) {
-    Live& r = running_[live[k]];
-    Completion& c = completions_[r.id];
-    if (r.fresh) {  // its first step began after its prefix hit
-      const int64_t hit = batch.seq_lens()[k] - requests[k].num_new_tokens;
-      if (!r.admitted_before) c.prefix_hit_tokens = hit;
-      stats_.prefix_hit_tokens += hit;
-      r.fresh = false;
-      r.admitted_before = true;
+  // Each request commits as a unit: its tokens are drawn from a copy of its random stream and its
+  // token vectors are grown before the manager's Commit (which changes nothing when it throws), so
+  // that nothing after it can fail. A throw (an allocation) leaves the requests before it
+  // committed and rewinds this step's positions of the others: a later step recomputes them, as
+  // after a preemption, with the same tokens.
+  int k = 0;
+  try {
+    for (; k < num_req; ++k) {
+      Live& r = running_[live[k]];
+      Completion& c = completions_[r.id];
+      const Request& req = requests_[r.id];
+      // Each position's token as without drafts (AcceptDraft), while its draft was that token; up
+      // to the first position whose draft was not (or the one after the last draft), the stop
+      // token or max_new_tokens.
+      const std::vector<int32_t>& d = drafts[k];
+      std::vector<int32_t> next;
+      std::mt19937_64 rng = r.rng;
+      int64_t accepted = 0;
+      if (samples[k] >= 0) {
+        bool done = false;
+        for (size_t i = 0; i <= d.size() && !done; ++i) {
+          const int row = samples[k] + static_cast<int>(i);
+          const float* lg =
+              need_logits ? logits.data() + static_cast<int64_t>(row) * vocab : nullptr;
+          bool kept = false;
+          const int32_t t =
+              i < d.size()
+                  ? AcceptDraft(lg, vocab, req.sampling.temperature, argmax[row], d[i], rng, &kept)
+                  : SampleToken(lg, vocab, req.sampling.temperature, argmax[row], rng);
+          next.push_back(t);
+          accepted += kept ? 1 : 0;
+          done = !kept || IsStop(req, t) ||
+                 r.generated + static_cast<int>(next.size()) == req.max_new_tokens;
+        }
+        r.tokens.reserve(r.tokens.size() + next.size());
+        c.tokens.reserve(c.tokens.size() + next.size());
+        // The positions of drafts not committed (the last committed token has no K/V yet).
+        const int64_t rejected =
+            static_cast<int64_t>(d.size()) + 1 - static_cast<int64_t>(next.size());
+        if (rejected > 0) m.Rewind(r.seq, rejected);
+      }
+      m.Commit(r.seq, next);
+      // Committed: nothing below throws.
+      r.rng = rng;
+      if (r.fresh) {  // its first step began after its prefix hit
+        const int64_t hit = batch.seq_lens()[k] - requests[k].num_new_tokens;
+        if (!r.admitted_before) c.prefix_hit_tokens = hit;
+        stats_.prefix_hit_tokens += hit;
+        r.fresh = false;
+        r.admitted_before = true;
+      }
+      if (samples[k] < 0) continue;
+      stats_.accepted_drafts += accepted;
+      stats_.draft_tokens += static_cast<int64_t>(d.size());
+      stats_.generated_tokens += static_cast<int64_t>(next.size());
+      r.tokens.insert(r.tokens.end(), next.begin(), next.end());
+      r.generated += static_cast<int>(next.size());
+      c.tokens.insert(c.tokens.end(), next.begin(), next.end());
+      if (c.first_token_step < 0) {
+        c.first_token_step = stats_.steps;
+        c.first_token_seconds = Seconds(Clock::now()) - submit_time_[r.id];
+      }
     }
-    if (samples[k] < 0) {
-      m.Commit(r.seq, {});
-      continue;
+  } catch (...) {
+    for (int j = k; j < num_req; ++j) {
+      const Live& r = running_[live[j]];
+      const int64_t start = batch.seq_lens()[j] - requests[j].num_new_tokens;
+      const int64_t scheduled = m.GetSequenceInfo(r.seq).num_scheduled;
+      if (scheduled > start) m.Rewind(r.seq, scheduled - start);
     }
-    // Each position's token as without drafts (AcceptDraft), while its draft was that token; up to
-    // the first position whose draft was not (or the one after the last draft), the stop token or
-    // max_new_tokens.
-    const Request& req = requests_[r.id];
-    const std::vector<int32_t>& d = drafts[k];
-    std::vector<int32_t> next;
-    bool done = false;
-    for (size_t i = 0; i <= d.size() && !done; ++i) {
-      const int row = samples[k] + static_cast<int>(i);
-      const float* lg = need_logits ? logits.data() + static_cast<int64_t>(row) * vocab : nullptr;
-      bool kept = false;
-      const int32_t t =
-          i < d.size()
-              ? AcceptDraft(lg, vocab, req.sampling.temperature, argmax[row], d[i], r.rng, &kept)
-              : SampleToken(lg, vocab, req.sampling.temperature, argmax[row], r.rng);
-      next.push_back(t);
-      stats_.accepted_drafts += kept ? 1 : 0;
-      done = !kept || IsStop(req, t) ||
-             r.generated + static_cast<int>(next.size()) == req.max_new_tokens;
-    }
-    stats_.draft_tokens += static_cast<int64_t>(d.size());
-    stats_.generated_tokens += static_cast<int64_t>(next.size());
-    r.tokens.insert(r.tokens.end(), next.begin(), next.end());
-    r.generated += static_cast<int>(next.size());
-    c.tokens.insert(c.tokens.end(), next.begin(), next.end());
-    if (c.first_token_step < 0) {
-      c.first_token_step = stats_.steps;
-      c.first_token_seconds = Seconds(Clock::now()) - submit_time_[r.id];
-    }
-    // The positions of drafts not committed (the last committed token has no K/V yet).
-    const int64_t rejected = static_cast<int64_t>(d.size()) + 1 - static_cast<int64_t>(next.size());
-    if (rejected > 0) m.Rewind(r.seq, rejected);
-    m.Commit(r.seq, next);
-    if (IsStop(req, next.back()) || r.generated == req.max_new_tokens) Finish(r);
+    throw;
   }
-  std::erase_if(running_, [](const Live& r) { return r.seq < 0; });
+  FinishDone();
   stats_.manager_seconds += std::chrono::duration<double>(Clock::now() - t1).count();
   return true;
 }

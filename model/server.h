@@ -124,6 +124,9 @@ class Server {
   int Submit(Request request);
   // One step: admits waiting requests, schedules (preempting while blocks are short), computes,
   // samples and commits. Returns false, doing nothing, when no request is waiting or running.
+  // When it throws (a device error, std::bad_alloc), every request keeps what it had committed and
+  // the step's uncommitted positions are rewound: a later Step recomputes them and each request
+  // still produces exactly its tokens (server_alloc_test fails allocations throughout Step).
   bool Step();
   // Steps until every submitted request has finished.
   void RunToCompletion();
@@ -161,7 +164,11 @@ class Server {
                 std::vector<std::vector<int32_t>>& drafts, bool with_drafts) const;
   // Frees the sequence admitted last and requeues it at the front of the queue.
   void Preempt();
+  // Frees r's sequence (first: a throw changes nothing) and marks its completion finished.
   void Finish(Live& r, std::string error = {});
+  // Finishes the running requests whose last token is a stop token or that have all their tokens,
+  // and drops every finished one from running_.
+  void FinishDone();
 
   Engine& engine_;
   ServerOptions options_;
