@@ -26,8 +26,8 @@
 //                   [--decode-narrow auto|never|always]  (DecodeOptions::narrow: the narrow
 //                                                   split kernels, for a comparison)
 //                   [--blocks shuffled|ordered] [--seed N]  (where each shape's blocks lie in
-//                                   the pool: a fresh shuffle per shape from one generator of
-//                                   seed N, default 3; or in order, as a fresh pool hands out)
+//                                   the pool: shuffled by the seed, default 3, and the shape's
+//                                   name; or in order, as a fresh pool hands them out)
 //                   [--repeat N]  (the whole run N times in one process, the same placements)
 #if TQKV_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -174,7 +174,6 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
                        kBlock, f.key_data_bytes, f.data_per_slot, f.fp8_keys, stream.get());
   }
   std::vector<Row> rows;
-  std::mt19937 rng(seed);
   for (const Shape& s : shapes) {
     const int batch = static_cast<int>(s.lens.size());
     int max_len = 0, max_q = 0, tokens = 0;
@@ -198,7 +197,11 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
         pool_blocks / set_blocks));
     std::vector<int32_t> ids(pool_blocks);
     std::iota(ids.begin(), ids.end(), 0);
-    if (shuffled) std::shuffle(ids.begin(), ids.end(), rng);
+    if (shuffled) {  // from the seed and the shape's name: the same whatever runs before it
+      std::seed_seq from{seed, static_cast<uint32_t>(std::hash<std::string>{}(s.name))};
+      std::mt19937 rng(from);
+      std::shuffle(ids.begin(), ids.end(), rng);
+    }
     std::vector<int32_t> tables(static_cast<size_t>(sets) * batch * width, 0);
     int next = 0;
     for (int set = 0; set < sets; ++set) {
