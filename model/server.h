@@ -124,9 +124,9 @@ class Server {
   int Submit(Request request);
   // One step: admits waiting requests, schedules (preempting while blocks are short), computes,
   // samples and commits. Returns false, doing nothing, when no request is waiting or running.
-  // When it throws (a device error, std::bad_alloc), every request keeps what it had committed and
-  // the step's uncommitted positions are rewound: a later Step recomputes them and each request
-  // still produces exactly its tokens (server_alloc_test fails allocations throughout Step).
+  // When it throws (std::bad_alloc, an engine's error), every request keeps what it had committed
+  // and the step's uncommitted positions are rewound: a later Step recomputes them, and each
+  // request still produces its tokens (server_alloc_test fails allocations throughout Step).
   bool Step();
   // Steps until every submitted request has finished.
   void RunToCompletion();
