@@ -83,7 +83,8 @@ struct DecodeOptions {
   Narrow narrow = Narrow::kAuto;
   // false: the register-buffered split kernels even where staged ones exist (4bit_nc and k3v4_nc
   // and 3bit_nc at head_dim 128 and 64 with GQA groups up to 4, and above 4 with `half`;
-  // 4bit_nc at head_dim 64 for every group; bf16/fp16 at head_dim 64 and 128).
+  // 4bit_nc at head_dim 64 for every group; k8v4 at head_dim 128 with GQA groups up to 4;
+  // bf16/fp16 at head_dim 64 and 128).
   bool staged = true;
   // false: never 4bit_nc's one-CTA-per-SM twin (SplitLayout::one_cta).
   bool one_cta_twin = true;

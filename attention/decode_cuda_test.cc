@@ -370,14 +370,16 @@ TEST(CudaDecodeTest, LargeValueScalesStayFiniteAndAccurate) {
 // kernel finished would see the NaN poison of the next output buffer, or corrupt the partials
 // the previous merge still reads. Planned splits (a merge kernel between split kernels) and one
 // split per sequence (split kernel after split kernel), in a stream and captured in a graph; a
-// staged (4bit_nc) and a register-buffered (k8v4) kernel.
+// staged (4bit_nc, k8v4) and a register-buffered (k8v4, DecodeOptions::staged off) kernel.
 TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
   TQKV_SKIP_WITHOUT_GPU();
   constexpr int kSteps = 4, kD = 128, kHk = 8, kHq = 32;
   const std::vector<int32_t> lens = {4097, 700, 1, 8000};
   const int num_seqs = static_cast<int>(lens.size());
   const int64_t rows = int64_t{num_seqs} * kHq;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4"}) {
+  const std::pair<const char*, bool> kernels[] = {
+      {"turboquant_4bit_nc", true}, {"turboquant_k8v4", true}, {"turboquant_k8v4", false}};
+  for (const auto& [preset, staged] : kernels) {
     const uint64_t seed = std::random_device{}();
     const Quantizer q = Quantizer::Create(preset, kD, kHk, 16, RotationKind::kHadamard, seed);
     const Scenario s = Build(q, lens, kHq, seed);
@@ -386,9 +388,11 @@ TEST(CudaDecodeTest, ChainedCallsReadThePreviousOutput) {
     for (const int tps : {0, 8192}) {
       for (const bool graph : {false, true}) {
         const std::string what =
-            fmt::format("{} tokens_per_split {} {}", preset, tps, graph ? "graph" : "stream");
+            fmt::format("{} {} tokens_per_split {} {}", preset, staged ? "staged" : "registers",
+                        tps, graph ? "graph" : "stream");
         const DecodePlan plan =
-            decoder.Plan(num_seqs, kHq, s.max_blocks, {.tokens_per_split = tps});
+            decoder.Plan(num_seqs, kHq, s.max_blocks, {.tokens_per_split = tps, .staged = staged});
+        ASSERT_EQ(plan.variant.staged(), staged) << what;
         ASSERT_EQ(plan.max_splits > 1, tps == 0) << what;
         DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
         ws.FillBytes(0xFF);

@@ -94,10 +94,11 @@ struct SplitCompute {
     // both, in the consecutive registers an MMA operand needs), so S = C[row g] + C[row g + 8].
     // (Three chains c_hi·q_hi, c_hi·q_lo, c_lo·q_hi with token rows would save a quarter of these
     // MMAs but cost 8 register moves per k-step to regroup the loaded pairs: measured in SASS.)
-    // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8.)
+    // (Staged: each token half's chain split in two by k-step parity, chains of 4 MMAs, not 8;
+    // FP8 keys' one chain likewise.)
     // (Half precision: rows g, g + 8 = tokens 2g, 2g + 1, chains k = k-step parity; one chain
     // per N tile where there are four of them.)
-    constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : 1)
+    constexpr int kParts = kPacked          ? (kCodebook ? (kStaged ? 4 : 2) : (kStaged ? 2 : 1))
                            : Traits::kPlain ? 1
                            : kHalf          ? (kNTiles > 2 ? 1 : 2)
                                             : (kCodebook ? 4 : 2);
@@ -164,8 +165,8 @@ struct SplitCompute {
         for (int nt = 0; nt < kNTiles; ++nt) {
           if constexpr (Traits::kPlain) {
             MmaPlain<Traits::kFp16>(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
-          } else if constexpr (kPacked) {
-            MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
+          } else if constexpr (kPacked) {  // (staged: chains k = k-step parity)
+            MmaF16(sp[kParts > 1 ? ks & 1 : 0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
           } else {
             MmaF16(sp[0][nt], a, qf[0][nt][ks][0], qf[0][nt][ks][1]);
             MmaF16(sp[1][nt], a, qf[1][nt][ks][0], qf[1][nt][ks][1]);
@@ -204,6 +205,7 @@ struct SplitCompute {
         } else {
           sum = kCodebook ? (sp[r][0][0] + sp[r][0][1]) + (sp[r][0][2] + sp[r][0][3])
                           : sp[0][0][2 * r] + sp[0][0][2 * r + 1];
+          if constexpr (!kCodebook && kParts == 2) sum += sp[1][0][2 * r] + sp[1][0][2 * r + 1];
           if constexpr (kCodebook && kParts == 4) {
             sum += (sp[r + 2][0][0] + sp[r + 2][0][1]) + (sp[r + 2][0][2] + sp[r + 2][0][3]);
           }

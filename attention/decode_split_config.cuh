@@ -33,17 +33,18 @@ constexpr float kLn2 = 0.69314718055994530942f;
 // GQA group <= 4: 4bit_nc and k3v4_nc; and their half-precision kernels for groups 5-32, 5-16 at
 // D = 64; 4bit_nc's exact kernels at D = 64 for groups 5-16 too; 3bit_nc's packed and
 // half-precision kernels at D = 128 and 64, as k3v4_nc's there, up to 16 columns but on the
-// shared-output kernel; see kSplitMinCtas): 8 warps per
-// CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for 3-bit keys, also
+// shared-output kernel; FP8 keys with 4-bit values, k8v4, packed at D = 128; see kSplitMinCtas):
+// 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for
+// 3-bit keys, also
 // a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
 // of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
 // the plan picks the variant; the half-precision kernels of groups 9-32 have one of 4 warps at 2
 // CTAs per SM), and each warp copies its next chunks into shared memory by cp.async, kStages - 1
 // chunks ahead, instead of holding the next chunk in registers. A stage holds the 16 slots of a
 // chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3 runs of 16
-// fp16). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that the lanes' key
-// and value reads hit distinct banks. StagedLayout says where everything is (StagedPieceLayout for
-// k3v4_nc's 56-byte slots at D = 64).
+// fp16; FP8 keys 2). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
+// the lanes' key and value reads hit distinct banks. StagedLayout says where everything is
+// (StagedPieceLayout for k3v4_nc's 56-byte slots at D = 64).
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -95,6 +96,31 @@ struct StagedLayout<KeyKind::kMse3, kW> {
   __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
     const uint32_t x = i >> 1;
     return (x & 4u) | ((x & 1u) << 1) | ((x >> 1) & 1u);
+  }
+};
+
+// FP8 keys with 4-bit values at D = 128 (k8v4): 192-byte slots (128 key + 64 value bytes) at a
+// 192-byte pitch, no table: 96 KB of stages and 4 KB of metadata cells per 8-warp CTA, two CTAs
+// per SM. The swizzle XORs unit bits 0-1 only, so key units stay in 0-7 and value units in 8-11:
+// bit 0 from token bit 1 (the two tokens of an 8-lane key read phase, 2g and 2g + 2, start on the
+// same bank, since 384 ≡ 0 mod 128: their 16-byte units 2t (+1) then fill the 32 banks), bit 1
+// from token bit 2 (the four tokens 4t of a half-warp's 8-byte value reads all start on bank 0:
+// two of them on units 8-9, two on 10-11, two wavefronts, the least for 128 bytes over the 64
+// bytes of banks that a value run of an even token covers). Never from token bit 0: token 2m + 1
+// is token 2m plus the pitch. A copy phase of 8 lanes moves one token's 8 key units, or the 4
+// value units of two tokens (banks 0-15 and 16-31): conflict-free.
+template <int kW>
+struct StagedLayout<KeyKind::kFp8, kW> {
+  static_assert(kW == kStagedWarps);
+  static constexpr uint32_t kPitch = 192;
+  static constexpr uint32_t kStageBytes = 16 * kPitch;
+  static constexpr uint32_t kMeta = kW * kStages * kStageBytes;
+  static constexpr int kBytes = kMeta + kW * kStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kStageBytes * (kStages * warp + s);
+  }
+  __host__ __device__ static constexpr uint32_t Swizzle(uint32_t i) {
+    return ((i >> 1) & 1u) | (((i >> 2) & 1u) << 1);
   }
 };
 

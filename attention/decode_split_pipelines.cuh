@@ -258,8 +258,9 @@ struct SplitPipelines {
     const uint32_t copy_tok = kPieces ? 4u * ((lane >> 3) & 1) + 8u * (lane >> 4) : lane >> 3,
                    copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
-    // Swizzle(4j) applied (kPitch is a multiple of 128: the XOR touches only the unit bits). The
-    // piece layout adds token j's offset instead.
+    // Swizzle(4j) applied (pitch · token has no bit where a mask XORs: the masks reach byte bits
+    // 4-6 where the pitch is a multiple of 128, bits 4-5 at FP8 keys' pitch of 192). The piece
+    // layout adds token j's offset instead.
     const uint32_t copy_dst = Pinned([&] {
       if constexpr (kPieces) {
         return at(copy_tok, kCopyBytes * copy_unit);
@@ -281,7 +282,24 @@ struct SplitPipelines {
     // Unit 7 of a 112-byte slot (3-bit keys) is past the slot: that lane copies nothing (piece 7
     // of a 56-byte slot too, pieces 6-7 of a 48-byte one).
     const bool copy_lane = kCopyBytes * copy_unit < kKeyBytes + kValBytes;
-    const bool meta_lane = lane < 6;  // field lane / 2, half lane % 2
+    // FP8 keys (k8v4: 192-byte slots): the copies above take a token's 8 key units; two more
+    // instructions take the 4 value units of 8 tokens each: lane l unit 8 + l mod 4 of token
+    // 8j + l / 4 (an 8-lane phase: two tokens' 64 value bytes).
+    constexpr bool kFp8 = kKind == KeyKind::kFp8;
+    static_assert(!kFp8 || (kKeyBytes == 128 && kValBytes == 64 && kPitch == 192));
+    const uint32_t value_tok = lane >> 2, value_unit = 8u + (lane & 3u);
+    const uint32_t value_dst = Pinned([&] {
+      if constexpr (kFp8) {
+        return kPitch * value_tok + 16u * (value_unit ^ Layout::Swizzle(value_tok));
+      } else {
+        return 0u;
+      }
+    }());
+    const uint32_t value_src =
+        kFp8 ? Pinned((warp_pos + value_tok) * stride_token + copy_head + 16u * value_unit) : 0u;
+    // One lane per field and 16-byte half of the chunk's metadata runs (MSE keys: k_norm,
+    // v_scale, v_zero; FP8 keys: v_scale, v_zero).
+    const bool meta_lane = lane < (Traits::kHasNorm ? 6 : 4);
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
                (lane >> 1) * meta_field + 16 * (lane & 1) + 2 * warp_pos);
@@ -303,13 +321,23 @@ struct SplitPipelines {
           CopyAsync8FillIf(copy_lane, dst + copy_dst + at(j, 0), from, cc < num_full ? 8u : 0u);
         } else {
           const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-          if constexpr (kKeyBytes + kValBytes == 128) {
+          if constexpr (kKeyBytes + kValBytes == 128 || kFp8) {
             CopyAsync16Fill<kStreamCopies>(to, from, bytes);
           } else {
             CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
           }
         }
         from += copy_step;
+      }
+      if constexpr (kFp8) {
+        const uint8_t* vfrom = base + (pos0 * stride_token + value_src);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // Tokens 8j + r: r's destination with Swizzle(8j) applied (as above).
+          const uint32_t to = dst + 8u * kPitch * j + (value_dst ^ (16u * Layout::Swizzle(8u * j)));
+          CopyAsync16Fill<kStreamCopies>(to, vfrom, bytes);
+          vfrom += 8u * static_cast<uint32_t>(stride_token);
+        }
       }
       CopyAsync16FillIf<kStreamCopies>(meta_lane, meta_dst, base + (copy_meta + 2 * pos0), bytes);
     };
@@ -318,12 +346,14 @@ struct SplitPipelines {
     // kKeyBytes + 8g; metadata of tokens 2g, 2g + 1.
     // 16-byte, 8-byte or 4-byte reads; the piece layout: the 4-byte words at 6t rounded down to
     // 4 and after it, and byte permutes with key_sel (below).
-    constexpr int kKeyReads = kKind == KeyKind::kMse4 || kPieces ? 1 : 3;
+    // FP8 keys: a thread's 32 key bytes of a token as two 16-byte reads (units 2t and 2t + 1).
+    constexpr int kKeyReads = kKind == KeyKind::kMse4 || kPieces ? 1 : kFp8 ? 2 : 3;
     uint32_t read_k[kKeyReads];
 #pragma unroll
     for (int w = 0; w < kKeyReads; ++w) {
       read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? uint32_t(Traits::kKeyBytes) * t
                                    : kPieces               ? (6u * t) & ~3u
+                                   : kFp8                  ? 32u * t + 16u * w
                                                            : 12u * t + 4u * w));
     }
     // 3-bit values (3bit_nc: D = 64, 3 bytes at 24 + 3g; D = 128, 6 bytes at 48 + 6g; not 4-byte
@@ -362,6 +392,18 @@ struct SplitPipelines {
         } else {
           SharedLoad8(st + read_k[0], ck.kg);
           SharedLoad8(st + read_k[0] + kPitch, ck.k8);
+        }
+      } else if constexpr (kFp8) {
+        static_assert(Traits::kKeyWords == 8);
+        uint32_t w[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          SharedLoad16(st + read_k[r], w);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ck.kg[4 * r + i] = w[i];
+          SharedLoad16(st + read_k[r] + kPitch, w);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ck.k8[4 * r + i] = w[i];
         }
       } else if constexpr (kPieces) {
         const uint32_t a0 = SharedLoad4(st + read_k[0]), b0 = SharedLoad4(st + read_k[0] + 4);
@@ -416,9 +458,15 @@ struct SplitPipelines {
         ck.v[1][0] = SharedLoad4(st + read_v1);
         ck.v[3][0] = SharedLoad4(st + read_v1 + kPitch);
       }
-      ck.norm = SharedLoad4(meta);
-      ck.vscale = SharedLoad4(meta + 32);
-      ck.vzero = SharedLoad4(meta + 64);
+      if constexpr (Traits::kHasNorm) {
+        ck.norm = SharedLoad4(meta);
+        ck.vscale = SharedLoad4(meta + 32);
+        ck.vzero = SharedLoad4(meta + 64);
+      } else {  // FP8 keys' fields: v_scale, v_zero
+        ck.norm = 0u;
+        ck.vscale = SharedLoad4(meta);
+        ck.vzero = SharedLoad4(meta + 32);
+      }
     };
     int first_blocks[kStages];  // all read before any copy waits for one
 #pragma unroll

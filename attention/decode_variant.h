@@ -114,7 +114,8 @@ struct MaybeSplitVariant {
 // D = 64 4-bit keys' exact unpacked kernels are staged too, 3-bit keys' are not; 3-bit keys with
 // 3-bit values (3bit_nc) have the packed and half-precision kernels at D = 128 and 64 (no kernel
 // of four N tiles with its own output per warp: 17-32 columns only on the shared-output kernel at
-// D = 128, MaxSplitGroup and ChooseSplitVariant).
+// D = 128, MaxSplitGroup and ChooseSplitVariant); FP8 keys with 4-bit values (k8v4) the packed
+// kernel alone, at D = 128 (no narrow, paired or one-CTA twins).
 constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool packed,
                                bool half = false) {
   return ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 4 &&
@@ -122,6 +123,7 @@ constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool 
          ((packed || half) && (head_dim == 128 || head_dim == 64) && value_bits == 3 &&
           kind == KeyKind::kMse3) ||
          (head_dim == 64 && value_bits == 4 && kind == KeyKind::kMse4) ||
+         (packed && !half && head_dim == 128 && value_bits == 4 && kind == KeyKind::kFp8) ||
          (!packed && head_dim <= 128 && IsPlain(kind));
 }
 
@@ -198,7 +200,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
   if (c.narrow) {
     // (3-bit keys at D = 64: only the 8-warp kernels of groups up to 4 are built, no narrow or
     // paired twins.)
-    if (IsPlain(kind) || !packed_staged || !c.staged ||
+    if (IsPlain(kind) || kind == KeyKind::kFp8 || !packed_staged || !c.staged ||
         (kind == KeyKind::kMse3 && head_dim == 64)) {
       return {};
     }
