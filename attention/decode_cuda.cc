@@ -256,8 +256,9 @@ SplitLayout ChooseSplitLayout(int64_t max_len, int64_t seq_heads, int sm_count,
   //   (fixed 736-2,048, merge 150-750, pair 1.4-1.65). The half-precision kernels (groups 5-16,
   //   verify passes) take the same terms, not fitted to them (64 × 4k with 16 columns gets one
   //   split, as measured: 1, 2 and 4 splits of the 8-warp kernel 122.9, 168.2 and 222.7 µs), and
-  //   so does k8v4's staged kernel (its plans measured faster than or as fast as the register
-  //   kernel's at every shape run: tools/bench/README.md).
+  //   so does k8v4's staged kernel (on an H100 its plans measured 3-12 % faster than the register
+  //   kernel's at batch 1 to 64 × 4k and 1 × 32k, and within 0.4 % at 16 × 32k and 64 × 32k:
+  //   commit 8ec4670, tools/bench/README.md).
   // - The narrow variant (4-warp units of one KV head, up to four per SM: the same 16 warps;
   // k3v4_nc
   //   as 4-warp CTAs or paired in 8-warp CTAs, 4bit_nc paired only): a unit of tps tokens gives

@@ -35,16 +35,15 @@ constexpr float kLn2 = 0.69314718055994530942f;
 // half-precision kernels at D = 128 and 64, as k3v4_nc's there, up to 16 columns but on the
 // shared-output kernel; FP8 keys with 4-bit values, k8v4, packed at D = 128; see kSplitMinCtas):
 // 8 warps per CTA at 2 CTAs per SM (<= 128 registers, 16 warps per SM instead of 12) or, for
-// 3-bit keys, also
-// a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that needs two rounds
-// of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and epilogue are paid once;
-// the plan picks the variant; the half-precision kernels of groups 9-32 have one of 4 warps at 2
-// CTAs per SM), and each warp copies its next chunks into shared memory by cp.async, kStages - 1
-// chunks ahead, instead of holding the next chunk in registers. A stage holds the 16 slots of a
-// chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per stage (3 runs of 16
-// fp16; FP8 keys 2). Within a slot the 16-byte units are XOR-swizzled by token (Swizzle) so that
-// the lanes' key and value reads hit distinct banks. StagedLayout says where everything is
-// (StagedPieceLayout for k3v4_nc's 56-byte slots at D = 64).
+// 3-bit keys, also a narrow variant of 4 warps at 4 CTAs per SM (the same 16 warps; a batch that
+// needs two rounds of 8-warp CTAs fits one round of these, so the CTAs' fixed prologue and
+// epilogue are paid once; the plan picks the variant; the half-precision kernels of groups 9-32
+// have one of 4 warps at 2 CTAs per SM), and each warp copies its next chunks into shared memory
+// by cp.async, kStages - 1 chunks ahead, instead of holding the next chunk in registers. A stage
+// holds the 16 slots of a chunk (one KV head) at a fixed pitch, then a 128-byte metadata cell per
+// stage (3 runs of 16 fp16; FP8 keys 2). Within a slot the 16-byte units are XOR-swizzled by
+// token (Swizzle) so that the lanes' key and value reads hit distinct banks. StagedLayout says
+// where everything is (StagedPieceLayout for k3v4_nc's 56-byte slots at D = 64).
 constexpr int kStagedWarps = 8;
 constexpr int kStages = 4;
 
@@ -105,8 +104,8 @@ struct StagedLayout<KeyKind::kMse3, kW> {
 // bit 0 from token bit 1 (the two tokens of an 8-lane key read phase, 2g and 2g + 2, start on the
 // same bank, since 384 ≡ 0 mod 128: their 16-byte units 2t (+1) then fill the 32 banks), bit 1
 // from token bit 2 (the four tokens 4t of a half-warp's 8-byte value reads all start on bank 0:
-// two of them on units 8-9, two on 10-11, two wavefronts, the least for 128 bytes over the 64
-// bytes of banks that a value run of an even token covers). Never from token bit 0: token 2m + 1
+// two of them on units 8-9, two on 10-11, two wavefronts per half-warp, the least while an even
+// token's value run covers banks 0-15 alone). Never from token bit 0: token 2m + 1
 // is token 2m plus the pitch. A copy phase of 8 lanes moves one token's 8 key units, or the 4
 // value units of two tokens (banks 0-15 and 16-31): conflict-free.
 template <int kW>
@@ -355,7 +354,9 @@ struct SplitKernelConfig {
   static constexpr int kRedOffset = kPOffset + kPBytes;
   static constexpr int kSmemBytes = kRedOffset + (kSharedO ? kStagedWarps * 8 * kNTiles * 4 : 0);
   // Two shared-output CTAs per SM (kSplitMinCtas): 228 KB of shared memory, 1 KB reserved per CTA.
+  // FP8 keys' staged kernel, whose stages have no table rows to share, likewise.
   static_assert(!kSharedO || 2 * (kSmemBytes + 1024) <= 228 * 1024);
+  static_assert(!(kStaged && kKind == KeyKind::kFp8) || 2 * (kSmemBytes + 1024) <= 228 * 1024);
   // What the output accumulators' rows g + 8 (odd d) are scaled back by: the staged kernels of
   // 3-bit values hold their codes at 8x (CompressedValues::RowsOfWindow).
   static constexpr float kOddRowScale = [] {

@@ -199,7 +199,8 @@ struct SplitPipelines {
     }
   }
 
-  // 4bit_nc, k3v4_nc and 3bit_nc at D = 128 and 64 (Config::kStaged, compressed).
+  // 4bit_nc, k3v4_nc and 3bit_nc at D = 128 and 64, k8v4 at D = 128 (Config::kStaged,
+  // compressed).
   template <typename FirstBlock, typename BlockOf, typename Finish, typename Compute>
   __device__ __forceinline__ static void Staged(const SplitPipelineFrame& f, uint32_t& lane_word,
                                                 FirstBlock& first_block, BlockOf& block_of,
@@ -219,7 +220,9 @@ struct SplitPipelines {
     // line), where lane pairs over 16 tokens (v7y) made four per line, and twice that for the
     // 3-bit slots at 112·h: that request rate held k3v4_nc's copies to 57 % of the read ceiling
     // (v8a). A phase writes one token's 8 units of one stage row, conflict-free under any
-    // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each.
+    // swizzle. Lanes 0-5 also copy one 16-byte half of a metadata run each (FP8 keys: lanes 0-3,
+    // two fields; their 192-byte slots take two more copy instructions for the value units,
+    // below, so these four move the key units alone).
     // 3-bit keys at D = 64 (kPieces): 56-byte slots, 8 bytes aligned, copied as 8-byte pieces
     // into StagedPieceLayout: in copy instruction j lane l copies piece l mod 8 (none for 7) of
     // token j + 4·(l / 8 mod 2) + 8·(l / 16), so each 8-lane phase still moves one token's slot.
@@ -258,9 +261,10 @@ struct SplitPipelines {
     const uint32_t copy_tok = kPieces ? 4u * ((lane >> 3) & 1) + 8u * (lane >> 4) : lane >> 3,
                    copy_unit = lane & 7u;
     // The swizzles are XOR-linear in the token's bits, so token 4j + r's destination is r's with
-    // Swizzle(4j) applied (pitch · token has no bit where a mask XORs: the masks reach byte bits
-    // 4-6 where the pitch is a multiple of 128, bits 4-5 at FP8 keys' pitch of 192). The piece
-    // layout adds token j's offset instead.
+    // Swizzle(4j) applied: pitch · token has no set bit at or below the masks' top bit, so the
+    // XOR touches only the unit bits and carries nothing (the masks reach byte bits 4-6 where the
+    // pitch is a multiple of 128, bits 4-5 at FP8 keys' pitch of 192). The piece layout adds token
+    // j's offset instead.
     const uint32_t copy_dst = Pinned([&] {
       if constexpr (kPieces) {
         return at(copy_tok, kCopyBytes * copy_unit);
@@ -288,13 +292,13 @@ struct SplitPipelines {
     constexpr bool kFp8 = kKind == KeyKind::kFp8;
     static_assert(!kFp8 || (kKeyBytes == 128 && kValBytes == 64 && kPitch == 192));
     const uint32_t value_tok = lane >> 2, value_unit = 8u + (lane & 3u);
-    const uint32_t value_dst = Pinned([&] {
+    const uint32_t value_dst = [&] {
       if constexpr (kFp8) {
-        return kPitch * value_tok + 16u * (value_unit ^ Layout::Swizzle(value_tok));
+        return Pinned(kPitch * value_tok + 16u * (value_unit ^ Layout::Swizzle(value_tok)));
       } else {
         return 0u;
       }
-    }());
+    }();
     const uint32_t value_src =
         kFp8 ? Pinned((warp_pos + value_tok) * stride_token + copy_head + 16u * value_unit) : 0u;
     // One lane per field and 16-byte half of the chunk's metadata runs (MSE keys: k_norm,
@@ -333,7 +337,8 @@ struct SplitPipelines {
         const uint8_t* vfrom = base + (pos0 * stride_token + value_src);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          // Tokens 8j + r: r's destination with Swizzle(8j) applied (as above).
+          // Tokens 8j + r: r's destination with Swizzle(8j) applied (as above; it is 0, since
+          // the swizzle takes token bits 1-2 alone).
           const uint32_t to = dst + 8u * kPitch * j + (value_dst ^ (16u * Layout::Swizzle(8u * j)));
           CopyAsync16Fill<kStreamCopies>(to, vfrom, bytes);
           vfrom += 8u * static_cast<uint32_t>(stride_token);
