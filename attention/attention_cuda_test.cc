@@ -1146,9 +1146,10 @@ TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
 }
 
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
-// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64 run
-// the decode kernels' half-precision variant, held to the prefill kernel's fp16 bounds (the same
-// roundings: query, centroids and P' once to fp16); every other case keeps the decode bounds. Every
+// passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64, and
+// k8v4's of more than 8 at head_dim 128, run the decode kernels' half-precision variant, held to
+// the prefill kernel's fp16 bounds (the same roundings: query, centroids and P' once to fp16);
+// every other case keeps the decode bounds. Every
 // preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16, 8 and 4
 // (passes of up to 32 columns where the half kernels run at head_dim 128, 8 at head_dim 256, 16
 // elsewhere), bf16 I/O.
@@ -1175,22 +1176,26 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
                               (std::string_view(preset) == "turboquant_3bit_nc" && d <= 128) ||
                               (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
                                            std::string_view(preset) == "turboquant_k3v4_nc"));
+    // k8v4 at head_dim 128: passes of 9-32 columns on the shared-output kernel, its only
+    // half-precision one (fewer columns, or shared_o off: the exact kernels, up to 16).
+    const bool fp8_shared = d == 128 && std::string_view(preset) == "turboquant_k8v4";
     for (int max_group : {32, 16, 8, 4}) {
       Case c{.quantizer = &q, .io = io};
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.verify_max_group = max_group;
       const Errors e = RunAndCompare(c, s, s.base.cache);
       // (Head_dim 256: the plan caps a pass at 8 columns on every compressed kind, ba7ed2e.)
-      const int max_columns = std::min({max_group, wide_half ? 32 : 16, d == 256 ? 8 : 32});
+      const int max_columns =
+          std::min({max_group, wide_half || fp8_shared ? 32 : 16, d == 256 ? 8 : 32});
       const int columns = group * std::min(8, std::max(1, max_columns / group));
       const std::string what =
           fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset, d,
                       group, bs, columns, DTypeName(io), e.decode_out, e.decode_lse);
-      const bool half = columns > 4 && half_kernels;
+      const bool half = (columns > 4 && half_kernels) || (columns > 8 && fp8_shared);
       EXPECT_EQ(e.verify_columns, columns) << what;
       wide_passes += columns > 16;
       EXPECT_EQ(e.half_verify, half) << what;
-      EXPECT_EQ(e.shared_verify, half && wide_half && columns > 8) << what;
+      EXPECT_EQ(e.shared_verify, half && (wide_half || fp8_shared) && columns > 8) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const double io_out = io == DType::kBF16 ? 0.0039 : 0.0;
       if (half) {
@@ -1201,7 +1206,17 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         if (io == DType::kF32) worst_out = std::max(worst_out, e.decode_out);
         // The narrow twin of the 9-16-column kernel, wherever the plan would not take it (17-32
         // columns: the only kernel, narrow either way).
-        if (columns > 8) {
+        if (columns > 8 && fp8_shared) {  // shared_o off: the exact kernels
+          Case own = c;
+          own.options.decode.shared_o = false;
+          const Errors se = RunAndCompare(own, s, s.base.cache);
+          EXPECT_FALSE(se.half_verify) << what;
+          EXPECT_EQ(se.bad, 0) << what;
+          const DecodeBounds db = DecodeBoundsOf(preset);
+          EXPECT_LE(se.decode_lse, db.lse) << what << " (exact kernels)";
+          EXPECT_LE(se.decode_out, db.out + io_out) << what << " (exact kernels)";
+          ++shared_passes;
+        } else if (columns > 8) {
           Case narrow = c;
           narrow.options.decode.narrow = DecodeOptions::Narrow::kAlways;
           narrow.options.decode.shared_o = false;
@@ -1251,6 +1266,13 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       }
     }
   }
+  // ... and k8v4's shared-output kernel at head_dim 128 (9-16 and 17-32 columns).
+  for (int group : {2, 3, 4, 8, 16}) {
+    for (DType io : {DType::kF32, DType::kBF16}) {
+      check("turboquant_k8v4", 128, group, 16 << (k % 4), io, 1030 + k);
+      ++k;
+    }
+  }
   // ... and at head_dim 64 (SmolLM2's: GQA 3, 15 columns with 4 drafts).
   for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     for (int group : {3, 5, 16}) {
@@ -1277,8 +1299,9 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.chunk_precision = ChunkPrecision::kHalf;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      const bool half = std::string_view(preset) != "turboquant_k8v4";
-      const bool one_pass = max_q * group <= (half ? 32 : 16);
+      // (Every one-pass case here has 16 or 32 columns: k8v4's on the shared-output kernel too.)
+      const bool half = true;
+      const bool one_pass = max_q * group <= 32;
       const std::string what = fmt::format("{} group={} max_q_len={}: out {:.2e} lse {:.2e}",
                                            preset, group, max_q, e.out, e.lse);
       EXPECT_EQ(e.verify_columns, one_pass ? max_q * group : 0) << what;
@@ -1301,15 +1324,18 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
 
 // The shared-output kernel over long contexts: many whole steps of 128 tokens, one split per
 // sequence or several (64 tokens: every step masked), and the CTA's shared maximum moving
-// mid-split. Some tokens' key norms are raised 6x, so that later steps' scores pass the maximum
-// by more than 2^6 (every warp rescales its accumulators to the new maximum), and some value
-// scales and zero points are raised past kMaxLazyValueScale (those steps rescale to the exact
-// maximum, so that P' stays within fp16). Against the reference at the half kernels' bounds.
+// mid-split. Some tokens' key norms are raised 6x (k8v4, which has none: their FP8 keys 4x), so
+// that later steps' scores pass the maximum by more than 2^6 (every warp rescales its
+// accumulators to the new maximum), and some value scales and zero points are raised past
+// kMaxLazyValueScale (those steps rescale to the exact maximum, so that P' stays within fp16).
+// Against the reference at the half kernels' bounds.
 TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{5000, 2600, 9000, 130}, {8, 5, 8, 3}};
   int k = 0;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+  for (const char* preset :
+       {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
+    const bool fp8 = std::string_view(preset) == "turboquant_k8v4";
     for (int group : {2, 4}) {
       const int hk = 2, d = 128, bs = 16 << (k % 4);
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);
@@ -1327,7 +1353,15 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
               const int32_t block = s.base.block_tables[b * s.base.max_blocks + t / bs];
               uint8_t* base = cache.data() + int64_t{block} * f.block_bytes;
               for (int h = 0; h < hk; ++h) {
-                if (t % 577 == 300) {
+                if (t % 577 == 300 && fp8) {
+                  // 4x each key element: E4M3's exponent two higher (zero, subnormals and the
+                  // largest exponents left as they are).
+                  uint8_t* key = base + f.KeyCodesOffset(t % bs, h);
+                  for (int i = 0; i < d; ++i) {
+                    const int e = (key[i] >> 3) & 15;
+                    if (e >= 1 && e <= 12) key[i] = static_cast<uint8_t>(key[i] + 16);
+                  }
+                } else if (t % 577 == 300) {
                   uint16_t norm;
                   std::memcpy(&norm, base + f.MetaOffset(MetaField::kKeyNorm, t % bs, h), 2);
                   norm = FloatToHalfBits(6.0f * HalfBitsToFloat(norm));
@@ -1364,8 +1398,11 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
           EXPECT_EQ(e.verify_columns, 8 * group) << what;
           EXPECT_EQ(e.bad, 0) << what;
           const HalfBounds b = HalfBoundsOf(false);
+          // (k8v4's kernel without shared_o is the exact one, 4.5-4.9e-5 with the jumps: its
+          // half-precision pass is held to 1.25x the bound instead; H200 6.79-6.81e-3.)
+          const double twin_out = fp8 ? b.out : eo.decode_out;
           EXPECT_LE(e.decode_lse, std::max<double>(b.lse, 1.25 * eo.decode_lse)) << what;
-          EXPECT_LE(e.decode_out, std::max<double>(b.out, 1.25 * eo.decode_out)) << what;
+          EXPECT_LE(e.decode_out, std::max<double>(b.out, 1.25 * twin_out)) << what;
           if (!jumps) {
             EXPECT_LE(e.decode_lse, b.lse) << what;
             EXPECT_LE(e.decode_out, b.out) << what;

@@ -187,8 +187,8 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
                                                  uint32_t (&a)[4]) {
     a[0] = E4M3x2ToHalf2(kg[kS] & 0xFFFFu);
     a[1] = E4M3x2ToHalf2(k8[kS] & 0xFFFFu);
-    a[2] = E4M3x2ToHalf2(kg[kS] >> 16);
-    a[3] = E4M3x2ToHalf2(k8[kS] >> 16);
+    a[2] = E4M3x2HiToHalf2(kg[kS]);
+    a[3] = E4M3x2HiToHalf2(k8[kS]);
   }
 };
 

@@ -698,7 +698,8 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
 // The half-precision kernels of GQA groups 9-32 (DecodeOptions::half; CudaAttention runs them for
 // verify passes, a decode with that many query heads per KV head reaches them too), and the
 // kernel whose warps share the output (DecodeOptions::shared_o), on plain decode rows: 4bit_nc,
-// k3v4_nc and 3bit_nc (groups 17-32 on the shared-output kernel alone) at D = 128, the edge lengths
+// k3v4_nc and 3bit_nc (groups 17-32 on the shared-output kernel alone), and k8v4 (the
+// shared-output kernel alone: without it the exact kernels, up to 16) at D = 128, the edge lengths
 // and an empty sequence, every block size, large value scales, the plan's splits and forced ones
 // (one split writes the output; several, merged partials). Held to the half-precision bounds of
 // attention_cuda_test (query, centroids and P' rounded once to fp16: 2e-3 of the LSE, 6e-3 of a
@@ -706,11 +707,13 @@ TEST(CudaDecodeTest, ForcedSplitLengthsMatchTheReference) {
 TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
   TQKV_SKIP_WITHOUT_GPU();
   int k = 0, shared_runs = 0;
-  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+  for (const char* preset :
+       {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
     for (int group : {9, 16, 24, 32}) {
       const int hk = 2, d = 128, bs = 16 << (k % 4);
       const bool large_values = k % 3 == 1;
       const bool three_bit = std::string_view(preset) == "turboquant_3bit_nc";
+      const bool fp8 = std::string_view(preset) == "turboquant_k8v4";
       ++k;
       const uint64_t seed = 1300 + k;
       const Quantizer q = Quantizer::Create(preset, d, hk, bs, RotationKind::kHadamard, seed);
@@ -721,7 +724,7 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
       const DeviceScenario dev = Upload(s, s.cache);
       const CudaDecoder decoder(q);
       for (bool shared_o : {false, true}) {
-        if (three_bit && group > 16 && !shared_o) {
+        if ((three_bit || fp8) && group > 16 && !shared_o) {
           EXPECT_EQ(decoder.MaxGroup({.half = true, .shared_o = false}), 16);
           continue;
         }
@@ -732,19 +735,21 @@ TEST(CudaDecodeTest, HalfPrecisionWideGroupsMatchTheReference) {
           const std::string what =
               fmt::format("{} group {} bs {} large values {} shared_o {} tps {}", preset, group, bs,
                           large_values, shared_o, tps);
-          EXPECT_TRUE(plan.variant.half) << what;
+          // (k8v4 without shared_o: the exact kernels, at the decode bounds.)
+          const bool half = !fp8 || shared_o;
+          EXPECT_EQ(plan.variant.half, half) << what;
           EXPECT_EQ(plan.variant.shared_o, shared_o) << what;
           shared_runs += shared_o;
           const Errors e = RunPlanAndCompare(decoder, plan, dev, s.num_blocks, ref_out, ref_lse, d);
           std::printf("%s: out %.2e lse %.2e\n", what.c_str(), e.out, e.lse);
           EXPECT_EQ(e.bad, 0) << what;
-          EXPECT_LE(e.lse, 2e-3) << what;
-          EXPECT_LE(e.out, 6e-3) << what;
+          EXPECT_LE(e.lse, half ? 2e-3 : kLseTol) << what;
+          EXPECT_LE(e.out, half ? 6e-3 : kOutTol) << what;
         }
       }
     }
   }
-  EXPECT_EQ(shared_runs, 3 * 4 * 3);
+  EXPECT_EQ(shared_runs, 4 * 4 * 3);
 }
 
 // k3v4_nc's narrow layout (4-warp units, four per SM), which the plan picks where the 8-warp

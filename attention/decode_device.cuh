@@ -261,6 +261,14 @@ __device__ __forceinline__ uint32_t E4M3x2ToHalf2(uint32_t two_bytes) {
       : "r"(two_bytes));
   return out;
 }
+// The same for bytes 2-3 of `word`: a conversion of the register's upper half (no shift).
+__device__ __forceinline__ uint32_t E4M3x2HiToHalf2(uint32_t word) {
+  uint32_t out;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}\n"
+      : "=r"(out)
+      : "r"(word));
+  return out;
+}
 
 // out[i] = x in the output dtype (F32, F16 or BF16; F16 saturating).
 __device__ __forceinline__ void StoreOutput(void* out, DType dtype, int64_t i, float x) {

@@ -304,7 +304,8 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 // with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64.
 // Everywhere else the choice is ignored, and the variant is the one without it. Groups 17-32
 // exist on the D = 128 kernels of 4-bit values alone (four N tiles, 4-warp CTAs), and
-// MaxSplitGroup says so; with shared_o also 3bit_nc's at D = 128 (the shared-output kernel).
+// MaxSplitGroup says so; with shared_o also 3bit_nc's and k8v4's at D = 128 (the shared-output
+// kernel).
 // Every chosen variant is instantiated (SplitVariantsOf) and survives its code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
@@ -337,8 +338,9 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true), wide ? 32 : 16)
                 << what;
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
-            const bool shared_wide =
-                wide || (staged && d == 128 && bits == 3 && kind == KeyKind::kMse3);
+            const bool shared_wide = wide ||
+                                     (staged && d == 128 && bits == 3 && kind == KeyKind::kMse3) ||
+                                     (staged && d == 128 && bits == 4 && kind == KeyKind::kFp8);
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true, true),
                       shared_wide ? 32 : 16)
                 << what;
@@ -492,6 +494,57 @@ TEST(DecodePlanTest, ThreeBitValuesAtHeadDim128TakeK3v4Kernels) {
   EXPECT_EQ(shared, 24 * 8);
 }
 
+// FP8 keys (k8v4) have one half-precision kernel, the shared-output one at D = 128: groups 9-32
+// with staged, half and shared_o (narrow or not) take it, two N tiles up to 16 columns and four
+// above; groups 5-8, and 9-16 without shared_o, keep the exact register kernels (no narrow
+// layout); groups above 16 exist only on it. Other head dims have none.
+TEST(DecodePlanTest, Fp8KeysVerifyOnTheSharedOutputKernel) {
+  using decode_detail::ChooseSplitVariant;
+  using decode_detail::MaybeSplitVariant;
+  const decode_detail::SplitVariantList listed = decode_detail::SplitVariantsOf(KeyKind::kFp8);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kFp8, 4, 128, true, true, true), 32);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kFp8, 4, 128, true, true, false), 16);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kFp8, 4, 128, false, true, true), 16);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kFp8, 4, 64, true, true, true), 16);
+  EXPECT_EQ(decode_detail::MaxSplitGroup(KeyKind::kFp8, 4, 256, true, true, true), 16);
+  int shared = 0;
+  for (int d : {64, 128, 256}) {
+    for (int group = 5; group <= 32; ++group) {
+      for (bool narrow : {false, true}) {
+        const std::string what = fmt::format("D {} group {} narrow {}", d, group, narrow);
+        const MaybeSplitVariant with =
+            ChooseSplitVariant(KeyKind::kFp8, 4, d, group, {true, narrow, true, false, true, true});
+        const MaybeSplitVariant without =
+            ChooseSplitVariant(KeyKind::kFp8, 4, d, group, {true, false, true, false, true, false});
+        const bool on_shared = d == 128 && group > 8;
+        // (FP8 keys have no narrow layout: a narrow choice off the shared kernel has no variant.)
+        ASSERT_EQ(with.ok, on_shared || (group <= 16 && !narrow)) << what;
+        ASSERT_EQ(without.ok, group <= 16) << what;
+        if (without.ok) {
+          EXPECT_FALSE(without.variant.half) << what;
+          EXPECT_FALSE(without.variant.staged()) << what;
+        }
+        if (!with.ok) continue;
+        EXPECT_EQ(with.variant.shared_o, on_shared) << what;
+        EXPECT_EQ(with.variant.half, on_shared) << what;
+        if (on_shared) {
+          ++shared;
+          EXPECT_EQ(with.variant.pipeline, decode_detail::SplitPipeline::kStaged) << what;
+          EXPECT_EQ(with.variant.cta_warps(), 8) << what;
+          EXPECT_EQ(with.variant.n_tiles, group <= 16 ? 2 : 4) << what;
+          EXPECT_FALSE(with.variant.packed) << what;
+        } else {
+          EXPECT_EQ(with.variant, without.variant) << what;
+        }
+        bool instantiated = false;
+        for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == with.variant;
+        EXPECT_TRUE(instantiated) << what;
+      }
+    }
+  }
+  EXPECT_EQ(shared, 2 * 24);
+}
+
 // 3bit_nc has no staged kernel at D = 256: every choice of every group gets a register kernel,
 // with no narrow or half-precision variant.
 TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
@@ -519,9 +572,11 @@ TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
 }
 
 // The shared-output kernel (DecodeOptions::shared_o) serves exactly the half-precision kernels'
-// groups 9-32 at D = 128 (4-bit values, and 3bit_nc's 3-bit ones: its groups 17-32 only here), on
-// 8-warp CTAs (two N tiles up to 16 columns, four above), whatever the narrow choice; everywhere
-// else the choice is ignored. Each variant is instantiated and survives its code.
+// groups 9-32 at D = 128 (4-bit values, and 3bit_nc's 3-bit ones: its groups 17-32 only here), and
+// k8v4's (FP8 keys: the only half-precision kernel they have; without it their groups 9-16 run the
+// exact kernels, which have no narrow layout), on 8-warp CTAs (two N tiles up to 16 columns, four
+// above), whatever the narrow choice; everywhere else the choice is ignored. Each variant is
+// instantiated and survives its code.
 TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -540,9 +595,11 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                 const MaybeSplitVariant without = ChooseSplitVariant(
                     kind, bits, d, group, {staged, narrow, true, false, half, false});
                 const bool three = bits == 3 && kind == KeyKind::kMse3;
+                const bool fp8 = bits == 4 && kind == KeyKind::kFp8;
                 const bool expected =
                     staged && half && d == 128 && group > 8 && group <= 32 &&
-                    ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) || three);
+                    ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) || three ||
+                     fp8);
                 const std::string what =
                     fmt::format("kind {} bits {} D {} group {} staged {} half {} narrow {}",
                                 static_cast<int>(kind), bits, d, group, staged, half, narrow);
@@ -554,8 +611,8 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                   continue;
                 }
                 ASSERT_TRUE(with.ok) << what;
-                // 3bit_nc's groups 17-32: no kernel without the shared output.
-                ASSERT_EQ(without.ok, !three || group <= 16) << what;
+                // 3bit_nc's and k8v4's groups 17-32: no kernel without the shared output.
+                ASSERT_EQ(without.ok, fp8 ? group <= 16 && !narrow : !three || group <= 16) << what;
                 ++shared_variants;
                 EXPECT_TRUE(with.variant.shared_o) << what;
                 EXPECT_TRUE(with.variant.half) << what;
@@ -575,8 +632,8 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
       }
     }
   }
-  // 4-bit and 3-bit keys with 4-bit values, 3bit_nc; groups 9-32, narrow or not
-  EXPECT_EQ(shared_variants, 3 * 24 * 2);
+  // 4-bit, 3-bit and FP8 keys with 4-bit values, 3bit_nc; groups 9-32, narrow or not
+  EXPECT_EQ(shared_variants, 4 * 24 * 2);
 }
 
 }  // namespace

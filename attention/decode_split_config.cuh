@@ -223,8 +223,8 @@ struct Bf16StagedLayout {  // instantiated for D = 64 and 128 (HasStagedKernel)
 // each group of four warps moves through the split in steps together (SharedOSplit). 4-bit keys:
 // stages 0-1 of warp w in the table rows' free halves (as StagedLayout<kMse4, 8>), stage 2 of warps
 // 2i and 2i + 1 in the two halves of rows 16i .. 16i + 15 of a 16 KB region after the table; 3-bit
-// keys: all stages after the table. Then the metadata cells, 128 bytes per stage. The swizzles are
-// StagedLayout's.
+// keys: all stages after the table; FP8 keys (no table): all stages from the start. Then the
+// metadata cells, 128 bytes per stage. The swizzles are StagedLayout's.
 inline constexpr int kSharedStages = 3;
 
 template <KeyKind kKind>
@@ -258,6 +258,25 @@ struct SharedOLayout<KeyKind::kMse3> {
   }
   __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
     return StagedLayout<KeyKind::kMse3, kStagedWarps>::Swizzle(i);
+  }
+};
+
+// FP8 keys with 4-bit values (k8v4): StagedLayout<kFp8>'s 192-byte slots and swizzle, 3 stages per
+// warp: 72 KB of stages, 3 KB of metadata cells. The value reads (ldmatrix.trans of one value unit
+// of a chunk's 8 even or 8 odd tokens) take two wavefronts per matrix: those tokens start on the
+// same bank (384 ≡ 0 mod 128) and the swizzle, which keeps value units in 8-11, gives them four
+// distinct units.
+template <>
+struct SharedOLayout<KeyKind::kFp8> {
+  static constexpr uint32_t kPitch = StagedLayout<KeyKind::kFp8, kStagedWarps>::kPitch;
+  static constexpr uint32_t kStageBytes = 16 * kPitch;
+  static constexpr uint32_t kMeta = kStagedWarps * kSharedStages * kStageBytes;
+  static constexpr int kBytes = kMeta + kStagedWarps * kSharedStages * 128;
+  __device__ __forceinline__ static uint32_t Stage(int warp, int s) {
+    return kStageBytes * (kSharedStages * warp + s);
+  }
+  __device__ __forceinline__ static uint32_t Swizzle(uint32_t i) {
+    return StagedLayout<KeyKind::kFp8, kStagedWarps>::Swizzle(i);
   }
 };
 

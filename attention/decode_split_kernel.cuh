@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   constexpr bool kPaired = Config::kPaired;
   constexpr int kSW = Config::kSW;
   static_assert(!kPacked || (kNTiles == 1 && !IsPlain(kKind)));
-  static_assert(!kStaged || HasStagedKernel(kKind, kValueBits, kD, kPacked, V.half));
+  static_assert(!kStaged || HasStagedKernel(kKind, kValueBits, kD, kPacked, V.half) ||
+                (V.shared_o && HasSharedOKernel(kKind, kValueBits, kD)));
   static_assert(kSW == kStagedWarps || (kStaged && kKind == KeyKind::kMse3 && kSW == 4) ||
                 (V.half && kSW == 4) || (kD == 64 && kSW == 4));
   static_assert(!V.half || (!kPacked && kStaged && !IsPlain(kKind)));

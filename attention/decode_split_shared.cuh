@@ -1,6 +1,6 @@
 // The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
-// columns (new tokens × GQA heads) on 4-bit and 3-bit keys with 4-bit values, and on 3-bit keys
-// with 3-bit values (3bit_nc), at D = 128, in half precision. DecodeSplitKernel runs its own
+// columns (new tokens × GQA heads) on 4-bit, 3-bit and FP8 keys with 4-bit values, and on 3-bit
+// keys with 3-bit values (3bit_nc), at D = 128, in half precision. DecodeSplitKernel runs its own
 // prologue (block ids, the group's rotated query rows and the codebook table in shared memory),
 // then SharedOSplit::Run for the chunks and the output.
 //
@@ -148,6 +148,9 @@ struct SharedOSplit {
   static constexpr int kS = kSharedStages;
   static constexpr uint32_t kPitch = Layout::kPitch;
   static constexpr uint32_t kKeyBytes = Traits::kKeyBytes * 4;  // per token (4 lanes)
+  // FP8 keys (k8v4): 128 key bytes per token, no table (a key fragment is two conversions of its
+  // e4m3 pairs), no key norm (metadata fields v_scale, v_zero).
+  static constexpr bool kFp8 = kKind == KeyKind::kFp8;
   static constexpr uint32_t kValueUnit0 = kKeyBytes / 16;       // the first value unit of a slot
   // 3-bit values (3bit_nc): 48 value bytes per token, read as words (module comment), not by
   // ldmatrix.trans of nibbles.
@@ -184,6 +187,7 @@ struct SharedOSplit {
                 (V.value_bits == 4 || (kV3 && kKind == KeyKind::kMse3)) &&
                 Config::kCtaWarps == kW && Config::kUnits == 1 && (kNT == 2 || kNT == 4));
   static_assert(kKeyBytes % 16 == 0 && kSlotBytes % 16 == 0 && kSlotBytes <= kPitch);
+  static_assert(!kFp8 || (kKeyBytes == 128 && kSlotBytes == 192 && kPitch == 192));
   static_assert(Config::kQueryInSmem && Config::kSharedO);
 
   // A thread's running state: accumulators of m-tiles 0-1 (d = 32u + 4g + 2·mi + row half) and
@@ -204,6 +208,20 @@ struct SharedOSplit {
     const int32_t* table;  // the sequence's block table
     int block_shift;
   };
+
+  // The score MMA's A fragment of k-step s for tokens 2g (words wg) and 2g + 1 (w8): the fp16 hi
+  // centroids of the codes (a table lookup per code byte), or FP8 keys' values converted (exact in
+  // fp16).
+  template <int kS>
+  __device__ __forceinline__ static void KeyFrag(const uint32_t (&wg)[Traits::kKeyWords],
+                                                 const uint32_t (&w8)[Traits::kKeyWords],
+                                                 uint32_t lane_word, uint32_t (&a)[4]) {
+    if constexpr (kFp8) {
+      Traits::template KeyFrag<kS>(wg, w8, a);
+    } else {
+      Traits::template KeyFragHi<kS>(wg, w8, lane_word, a);
+    }
+  }
 
   __device__ __forceinline__ static uint32_t SharedAddr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -230,9 +248,11 @@ struct SharedOSplit {
     const int num_chunks = (end - begin + kChunk - 1) / kChunk;
 
     // Copies, as SplitPipelines::Staged's 8-warp kernels: in copy instruction j lane l copies
-    // unit l mod 8 of token 4j + l / 8; lanes 0-5 one 16-byte half of a metadata run each. A
-    // warp's chunks lie 128 tokens apart, a multiple of every block size, so each sits at the
-    // same position in its block. Chunks past the split's last (partial) one are zero-filled.
+    // unit l mod 8 of token 4j + l / 8 (FP8 keys: their 8 key units; two more instructions copy
+    // the value units 8-11, lane l unit 8 + l mod 4 of token 8j + l / 4); lanes 0-5 (FP8: 0-3)
+    // one 16-byte half of a metadata run each. A warp's chunks lie 128 tokens apart, a multiple
+    // of every block size, so each sits at the same position in its block. Chunks past the
+    // split's last (partial) one are zero-filled.
     const uint32_t copy_tok = lane >> 3, copy_unit = lane & 7u;
     const uint32_t copy_dst =
         Pinned(kPitch * copy_tok + 16u * (copy_unit ^ Layout::Swizzle(copy_tok)));
@@ -241,7 +261,12 @@ struct SharedOSplit {
         Pinned((warp_pos + copy_tok) * stride_token + head_off + 16u * copy_unit);
     const uint32_t copy_step = Pinned(4u * static_cast<uint32_t>(stride_token));
     const bool copy_lane = 16u * copy_unit < kSlotBytes;
-    const bool meta_lane = lane < 6;
+    const uint32_t value_tok = lane >> 2, value_unit = 8u + (lane & 3u);
+    const uint32_t value_dst =
+        kFp8 ? Pinned(kPitch * value_tok + 16u * (value_unit ^ Layout::Swizzle(value_tok))) : 0u;
+    const uint32_t value_src =
+        kFp8 ? Pinned((warp_pos + value_tok) * stride_token + head_off + 16u * value_unit) : 0u;
+    const bool meta_lane = lane < (Traits::kHasNorm ? 6 : 4);
     const uint32_t copy_meta =
         Pinned(static_cast<uint32_t>(p.meta_offset) + 2 * h * p.num_meta * p.block_size +
                (lane >> 1) * meta_field + 16 * (lane & 1) + 2 * warp_pos);
@@ -256,12 +281,20 @@ struct SharedOSplit {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t to = dst + 4u * kPitch * j + (copy_dst ^ (16u * Layout::Swizzle(4u * j)));
-        if constexpr (kSlotBytes == 128) {
+        if constexpr (kSlotBytes == 128 || kFp8) {
           CopyAsync16Fill<kStreamCopies>(to, from, bytes);
         } else {
           CopyAsync16FillIf<kStreamCopies>(copy_lane, to, from, bytes);
         }
         from += copy_step;
+      }
+      if constexpr (kFp8) {  // (Swizzle(8j) is 0: the swizzle takes token bits 1-2 alone)
+        const uint8_t* vfrom = base + value_src;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          CopyAsync16Fill<kStreamCopies>(dst + 8u * kPitch * j + value_dst, vfrom, bytes);
+          vfrom += 8u * static_cast<uint32_t>(stride_token);
+        }
       }
       CopyAsync16FillIf<kStreamCopies>(meta_lane, meta_own + 128u * s + 16u * lane,
                                        base + copy_meta, bytes);
@@ -313,11 +346,15 @@ struct SharedOSplit {
     auto at = [](uint32_t token, uint32_t byte) {
       return kPitch * token + 16u * ((byte >> 4) ^ Layout::Swizzle(token)) + (byte & 15u);
     };
-    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : 3;  // 16-byte or 4-byte reads
+    // 16-byte reads (4-bit keys: one per token, FP8 keys: two, units 2t and 2t + 1) or 4-byte ones
+    // (3-bit keys).
+    constexpr int kKeyReads = kKind == KeyKind::kMse4 ? 1 : kFp8 ? 2 : 3;
     uint32_t read_k[kKeyReads];
 #pragma unroll
     for (int w = 0; w < kKeyReads; ++w) {
-      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t : 12u * t + 4u * w));
+      read_k[w] = Pinned(at(2 * g, kKind == KeyKind::kMse4 ? 16u * t
+                                   : kFp8                  ? 32u * t + 16u * w
+                                                           : 12u * t + 4u * w));
     }
     const uint32_t v_token = 2u * (lane & 7) + ((lane >> 3) & 1);
     const uint32_t read_v = kV3 ? 0u
@@ -385,6 +422,13 @@ struct SharedOSplit {
       if constexpr (kKind == KeyKind::kMse4) {
         SharedLoad16(stage + read_k[0], kg);
         SharedLoad16(stage + read_k[0] + kPitch, k8);
+      } else if constexpr (kFp8) {
+        static_assert(Traits::kKeyWords == 8);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          SharedLoad16(stage + read_k[w], reinterpret_cast<uint32_t(&)[4]>(kg[4 * w]));
+          SharedLoad16(stage + read_k[w] + kPitch, reinterpret_cast<uint32_t(&)[4]>(k8[4 * w]));
+        }
       } else {
 #pragma unroll
         for (int w = 0; w < kKeyReads; ++w) {
@@ -393,8 +437,10 @@ struct SharedOSplit {
         }
       }
       const uint32_t meta = meta_own + 128u * stage_index + 4u * g;
-      const uint32_t norm = SharedLoad4(meta), vscale = SharedLoad4(meta + 32);
-      const uint32_t vzero = SharedLoad4(meta + 64);
+      constexpr uint32_t kScaleField = Traits::kHasNorm ? 32u : 0u;  // FP8 keys: no norm field
+      const uint32_t norm = Traits::kHasNorm ? SharedLoad4(meta) : 0u;
+      const uint32_t vscale = SharedLoad4(meta + kScaleField);
+      const uint32_t vzero = SharedLoad4(meta + kScaleField + 32);
 
       // Scores (half precision: c_hi · q once), Sᵀ[token, column] as m16n8 fragments: one
       // warpgroup MMA per k-step (its 64 rows the group's 4 chunks, the query rows in shared
@@ -405,7 +451,7 @@ struct SharedOSplit {
         uint32_t a[kKSteps][4];
         StaticFor<kKSteps>([&](auto ks_c) {
           constexpr int ks = decltype(ks_c)::value;
-          Traits::template KeyFragHi<ks>(kg, k8, lane_word, a[ks]);
+          KeyFrag<ks>(kg, k8, lane_word, a[ks]);
         });
         auto& d = reinterpret_cast<float(&)[kCols / 2]>(sp[0]);
         wgmma::Fence();
@@ -436,7 +482,7 @@ struct SharedOSplit {
             }
           }
           uint32_t a[4];
-          Traits::template KeyFragHi<ks>(kg, k8, lane_word, a);
+          KeyFrag<ks>(kg, k8, lane_word, a);
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) {
             MmaF16(sp[ks % kChains][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
@@ -448,7 +494,9 @@ struct SharedOSplit {
       const int t0 = begin + c * kChunk;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        row_scale[r] = HalfBitsToFloat(static_cast<uint16_t>(norm >> (16 * r))) * p.score_scale;
+        row_scale[r] = Traits::kHasNorm ? HalfBitsToFloat(static_cast<uint16_t>(norm >> (16 * r))) *
+                                              p.score_scale
+                                        : p.score_scale;
         vs[r] = HalfBitsToFloat(static_cast<uint16_t>(vscale >> (16 * r)));
         vz[r] = HalfBitsToFloat(static_cast<uint16_t>(vzero >> (16 * r)));
         if constexpr (kTail) {  // metadata past the end may be NaN garbage (0 · NaN = NaN)

@@ -128,11 +128,12 @@ constexpr bool HasStagedKernel(KeyKind kind, int value_bits, int head_dim, bool 
 }
 
 // Whether the shared-output kernel (SplitVariant::shared_o, groups 9-32) reads this cache: D =
-// 128, 4-bit values, or 3-bit keys with 3-bit values (3bit_nc).
+// 128, 4-bit values, or 3-bit keys with 3-bit values (3bit_nc); FP8 keys (k8v4) too, though they
+// have no other half-precision kernel (their groups 5-16 without shared_o run the exact ones).
 constexpr bool HasSharedOKernel(KeyKind kind, int value_bits, int head_dim) {
   return !IsPlain(kind) && head_dim == 128 &&
          (value_bits == 4 || (value_bits == 3 && kind == KeyKind::kMse3)) &&
-         HasStagedKernel(kind, value_bits, head_dim, false, true);
+         (HasStagedKernel(kind, value_bits, head_dim, false, true) || kind == KeyKind::kFp8);
 }
 
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
