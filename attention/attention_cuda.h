@@ -13,10 +13,11 @@
 // first, AttentionOptions::leading_decode_seqs), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc,
-// k3v4_nc and 3bit_nc at head_dim 128 in half precision; 8 on the compressed caches at head_dim
-// 256), each column over the context up to its own token (one split grid per pass, causal masks in
-// its last chunks; those two at head_dim 128 and 64, and 3bit_nc at both, passes of more than 4
-// columns: in half precision, AttentionOptions::verify_precision). Chunks of 16 rows — new tokens ×
+// k3v4_nc, 3bit_nc and k8v4 at head_dim 128 in half precision; 8 on the compressed caches at
+// head_dim 256), each column over the context up to its own token (one split grid per pass, causal
+// masks in its last chunks; the first two at head_dim 128 and 64, and 3bit_nc at both, passes of
+// more than 4 columns, k8v4 at head_dim 128 passes of more than 8: in half precision,
+// AttentionOptions::verify_precision). Chunks of 16 rows — new tokens ×
 // GQA heads — or more per sequence (head_dim 64 or 128) run the prefill kernel in half precision
 // (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product; from 16 rows on it beat
 // the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the H200, its tiles mostly empty), unless
@@ -77,8 +78,8 @@ struct AttentionOptions {
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
-  // 128 and 64, and 3bit_nc, wherever a pass has more than 4 decode columns
-  // per KV head:
+  // 128 and 64, and 3bit_nc, wherever a pass has more than 4 decode columns per KV head, and on
+  // k8v4 caches at head_dim 128 wherever it has more than 8 (the shared-output kernel):
   // kHalf runs the decode
   // kernels' half-precision variant (DecodeOptions::half: one MMA per product, the query, the
   // centroids and P rounded once to fp16; a third of the hi + lo kernel's MMAs), kExact the

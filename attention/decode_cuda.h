@@ -107,7 +107,9 @@ struct DecodeOptions {
   // 110.4 -> 104.1 µs (4bit_nc) and 119.5 -> 113.8 (k3v4_nc), 8 new tokens 172.0 -> 165.9 and
   // 187.2 -> 171.7; on sm_90a its 17-32-column kernel runs both products as warpgroup MMAs (8 new
   // tokens 163.0 -> 136.3 and 172.4 -> 145.4). 3bit_nc's passes of 17-32 columns run on it
-  // alone (MaxGroup).
+  // alone (MaxGroup), and so do k8v4's of 9-32 (FP8 keys have no other half-precision kernel:
+  // without shared_o their groups 9-16 run the exact kernels; H200, 64 × 4k at GQA 4, 4 / 8 new
+  // tokens 153.1 / 305.5 µs on those, 118.1 / 180.4 on it).
   bool shared_o = true;
 };
 
@@ -203,7 +205,7 @@ class CudaDecoder {
 
   // The largest GQA group Plan takes with these options: 32 for the half-precision kernels
   // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128, and with
-  // ::shared_o on 3bit_nc's there: verify passes of up to 32 columns), else 16.
+  // ::shared_o on 3bit_nc's and k8v4's there: verify passes of up to 32 columns), else 16.
   int MaxGroup(const DecodeOptions& options = {}) const;
 
   // The longest context the decode kernels read: 256 splits of at most 8,192 tokens (a split's
