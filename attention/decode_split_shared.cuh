@@ -1,8 +1,8 @@
 // The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
 // columns (new tokens × GQA heads) on 4-bit, 3-bit and FP8 keys with 4-bit values, and on 3-bit
 // keys with 3-bit values (3bit_nc), at D = 128, in half precision. DecodeSplitKernel runs its own
-// prologue (block ids, the group's rotated query rows and the codebook table in shared memory),
-// then SharedOSplit::Run for the chunks and the output.
+// prologue (block ids, the group's rotated query rows and, for codebook keys, the table in shared
+// memory), then SharedOSplit::Run for the chunks and the output.
 //
 // The other split kernels give each warp its own chunks and its own output Oᵀ[d, column] for
 // every d: at 32 columns that is 128 accumulator registers per thread, so only 8 warps fit an SM
@@ -32,7 +32,8 @@
 // score fragment's 8 x 8 tiles (rows: tokens 2g or 2g + 1; columns: 8 query columns) stores
 // P'ᵀ[column][k-slot] rows, which ldmatrix hands back as the P·V MMA's B fragments; the
 // ldmatrix.trans of the even and odd tokens' 16-byte value units (one matrix per parity; its 8
-// tokens differ in token bits 1-3, so their swizzles differ: conflict-free) gives thread (g, t) the
+// tokens differ in token bits 1-3, so their swizzles differ: conflict-free; FP8 keys' swizzle takes
+// token bits 1-2 alone, two wavefronts per matrix: SharedOLayout<kFp8>) gives thread (g, t) the
 // code bytes 2g, 2g + 1 of the unit for tokens 4t, 4t + 2 (k-slots 2t, 2t + 1) and 4t + 1, 4t + 3
 // (k-slots 2t + 8, 2t + 9), i.e. d = 32·u + 4g .. + 3 of both: masked to fp16 subnormals in place
 // (CacheTraits::RowsPair's trick), rows g and g + 8 of m-tile 0 are d = 32u + 4g and + 1, of m-tile
