@@ -1149,10 +1149,9 @@ TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
 // passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64, and
 // k8v4's of more than 8 at head_dim 128, run the decode kernels' half-precision variant, held to
 // the prefill kernel's fp16 bounds (the same roundings: query, centroids and P' once to fp16);
-// every other case keeps the decode bounds. Every
-// preset, head_dim 64/128/256, GQA groups 1-16, every block size, verify_max_group 32, 16, 8 and 4
-// (passes of up to 32 columns where the half kernels run at head_dim 128, 8 at head_dim 256, 16
-// elsewhere), bf16 I/O.
+// every other case keeps the decode bounds. Every preset, head_dim 64/128/256, GQA groups 1-16,
+// every block size, verify_max_group 32, 16, 8 and 4 (passes of up to 32 columns where the half
+// kernels run at head_dim 128, 8 at head_dim 256, 16 elsewhere), bf16 I/O.
 // Passes of 9-32 columns at head_dim 128 run on the kernel whose warps share the output
 // (DecodeOptions::shared_o, the default), and also on the kernels it replaced, to the same bounds;
 // at head_dim 64 the 8-warp and 4-warp (narrow) kernels.
@@ -1299,20 +1298,19 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.chunk_precision = ChunkPrecision::kHalf;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      // (Every one-pass case here has 16 or 32 columns: k8v4's on the shared-output kernel too.)
-      const bool half = true;
+      // One pass holds up to 32 columns, in half precision (every one-pass case here has 16 or 32
+      // columns: k8v4's on the shared-output kernel too).
       const bool one_pass = max_q * group <= 32;
       const std::string what = fmt::format("{} group={} max_q_len={}: out {:.2e} lse {:.2e}",
                                            preset, group, max_q, e.out, e.lse);
       EXPECT_EQ(e.verify_columns, one_pass ? max_q * group : 0) << what;
       if (!one_pass) EXPECT_TRUE(e.prefill) << what;  // (a verify plan keeps one for windows)
-      EXPECT_EQ(e.half_verify, one_pass && half) << what;
+      EXPECT_EQ(e.half_verify, one_pass) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const HalfBounds b = HalfBoundsOf(false);
       if (one_pass) {
-        const DecodeBounds db = half ? DecodeBounds{b.lse, b.out} : DecodeBoundsOf(preset);
-        EXPECT_LE(e.decode_lse, db.lse) << what;
-        EXPECT_LE(e.decode_out, db.out) << what;
+        EXPECT_LE(e.decode_lse, b.lse) << what;
+        EXPECT_LE(e.decode_out, b.out) << what;
       } else {
         EXPECT_LE(e.lse, b.lse) << what;
         EXPECT_LE(e.out, b.out) << what;
