@@ -31,6 +31,7 @@
 
 namespace tqkv::attention_detail {
 
+using decode_detail::E4M3x2HiToHalf2;
 using decode_detail::E4M3x2ToHalf2;
 using decode_detail::FastExp2;
 using decode_detail::IsPlain;

@@ -170,10 +170,10 @@ struct PrefillCta {
       const int j = j0 + k * (kWarps * 32 / kGroups);
       uint4 key;
       if constexpr (kKind == KeyKind::kFp8) {
-        key.x = E4M3x2ToHalf2(raw.key[k][0] & 0xFFFFu);
-        key.y = E4M3x2ToHalf2(raw.key[k][0] >> 16);
-        key.z = E4M3x2ToHalf2(raw.key[k][1] & 0xFFFFu);
-        key.w = E4M3x2ToHalf2(raw.key[k][1] >> 16);
+        key.x = E4M3x2ToHalf2(raw.key[k][0]);
+        key.y = E4M3x2HiToHalf2(raw.key[k][0]);
+        key.z = E4M3x2ToHalf2(raw.key[k][1]);
+        key.w = E4M3x2HiToHalf2(raw.key[k][1]);
       } else {
         constexpr int kKeyBits = kKind == KeyKind::kMse4 ? 4 : 3;
         constexpr uint32_t kMask = (1u << kKeyBits) - 1u;

@@ -404,10 +404,10 @@ struct WgProducer {
         uint32_t q[4];
         if constexpr (kKind == KeyKind::kFp8) {
           const uint32_t(&w)[kWords] = code[k];
-          q[0] = E4M3x2ToHalf2(w[0] & 0xFFFFu);
-          q[1] = E4M3x2ToHalf2(w[0] >> 16);
-          q[2] = E4M3x2ToHalf2(w[1] & 0xFFFFu);
-          q[3] = E4M3x2ToHalf2(w[1] >> 16);
+          q[0] = E4M3x2ToHalf2(w[0]);
+          q[1] = E4M3x2HiToHalf2(w[0]);
+          q[2] = E4M3x2ToHalf2(w[1]);
+          q[3] = E4M3x2HiToHalf2(w[1]);
         } else {
           constexpr int kBits = kKind == KeyKind::kMse4 ? 4 : 3;
           Centroids8<kBits>(code[k][0], q);

@@ -15,6 +15,7 @@
 
 namespace tqkv::attention_detail {
 
+using decode_detail::E4M3x2HiToHalf2;
 using decode_detail::E4M3x2ToHalf2;
 using decode_detail::GridDependencyWait;
 using decode_detail::IsPlain;
@@ -180,10 +181,10 @@ __device__ __forceinline__ void LoadKvTile(const ChunkParams& p, uint8_t* smem,
             block + (int64_t{pos} * p.num_kv_heads + h) * p.data_per_slot;
         if constexpr (kKind == KeyKind::kFp8) {
           const uint2 w = __ldg(reinterpret_cast<const uint2*>(slot) + e8);
-          k_hi.x = E4M3x2ToHalf2(w.x & 0xFFFFu);
-          k_hi.y = E4M3x2ToHalf2(w.x >> 16);
-          k_hi.z = E4M3x2ToHalf2(w.y & 0xFFFFu);
-          k_hi.w = E4M3x2ToHalf2(w.y >> 16);
+          k_hi.x = E4M3x2ToHalf2(w.x);
+          k_hi.y = E4M3x2HiToHalf2(w.x);
+          k_hi.z = E4M3x2ToHalf2(w.y);
+          k_hi.w = E4M3x2HiToHalf2(w.y);
         } else {
           constexpr int kKeyBits = kKind == KeyKind::kMse4 ? 4 : 3;
           const uint32_t codes = LoadCodes8<kKeyBits>(slot, e8);
@@ -303,10 +304,10 @@ struct RawTile {
       const int j = j0 + k * (kWarps * 32 / kGroups);
       uint4 k_hi, k_lo = {0, 0, 0, 0};
       if constexpr (kKind == KeyKind::kFp8) {
-        k_hi.x = E4M3x2ToHalf2(key[k][0] & 0xFFFFu);
-        k_hi.y = E4M3x2ToHalf2(key[k][0] >> 16);
-        k_hi.z = E4M3x2ToHalf2(key[k][1] & 0xFFFFu);
-        k_hi.w = E4M3x2ToHalf2(key[k][1] >> 16);
+        k_hi.x = E4M3x2ToHalf2(key[k][0]);
+        k_hi.y = E4M3x2HiToHalf2(key[k][0]);
+        k_hi.z = E4M3x2ToHalf2(key[k][1]);
+        k_hi.w = E4M3x2HiToHalf2(key[k][1]);
       } else {
         constexpr int kKeyBits = kKind == KeyKind::kMse4 ? 4 : 3;
         const uint32_t* cb = reinterpret_cast<const uint32_t*>(smem + L::kCodebook);

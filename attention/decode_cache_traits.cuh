@@ -185,8 +185,8 @@ struct CacheTraits<KeyKind::kFp8, kValueBits, kD> : CompressedValues<kValueBits,
   __device__ __forceinline__ static void KeyFrag(const uint32_t (&kg)[kKeyWords],
                                                  const uint32_t (&k8)[kKeyWords],
                                                  uint32_t (&a)[4]) {
-    a[0] = E4M3x2ToHalf2(kg[kS] & 0xFFFFu);
-    a[1] = E4M3x2ToHalf2(k8[kS] & 0xFFFFu);
+    a[0] = E4M3x2ToHalf2(kg[kS]);
+    a[1] = E4M3x2ToHalf2(k8[kS]);
     a[2] = E4M3x2HiToHalf2(kg[kS]);
     a[3] = E4M3x2HiToHalf2(k8[kS]);
   }
