@@ -1147,14 +1147,15 @@ TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
 
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
 // passes of more than 4 columns (new tokens × GQA heads per KV head) at head_dim 128 and 64, and
-// k8v4's of more than 8 at head_dim 128, run the decode kernels' half-precision variant, held to
+// k8v4's at head_dim 128 too, run the decode kernels' half-precision variant, held to
 // the prefill kernel's fp16 bounds (the same roundings: query, centroids and P' once to fp16);
 // every other case keeps the decode bounds. Every preset, head_dim 64/128/256, GQA groups 1-16,
 // every block size, verify_max_group 32, 16, 8 and 4 (passes of up to 32 columns where the half
 // kernels run at head_dim 128, 8 at head_dim 256, 16 elsewhere), bf16 I/O.
-// Passes of 9-32 columns at head_dim 128 run on the kernel whose warps share the output
-// (DecodeOptions::shared_o, the default), and also on the kernels it replaced, to the same bounds;
-// at head_dim 64 the 8-warp and 4-warp (narrow) kernels.
+// Passes of 9-32 columns at head_dim 128 (k8v4's of 5-32) run on the kernel whose warps share the
+// output (DecodeOptions::shared_o, the default), and also on the kernels it replaced, to the same
+// bounds (k8v4's: the exact kernels, to the decode bounds); at head_dim 64 the 8-warp and 4-warp
+// (narrow) kernels.
 TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
@@ -1175,7 +1176,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
                               (std::string_view(preset) == "turboquant_3bit_nc" && d <= 128) ||
                               (d == 64 && (std::string_view(preset) == "turboquant_4bit_nc" ||
                                            std::string_view(preset) == "turboquant_k3v4_nc"));
-    // k8v4 at head_dim 128: passes of 9-32 columns on the shared-output kernel, its only
+    // k8v4 at head_dim 128: passes of 5-32 columns on the shared-output kernel, its only
     // half-precision one (fewer columns, or shared_o off: the exact kernels, up to 16).
     const bool fp8_shared = d == 128 && std::string_view(preset) == "turboquant_k8v4";
     for (int max_group : {32, 16, 8, 4}) {
@@ -1190,11 +1191,11 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       const std::string what =
           fmt::format("{} D={} group={} bs={} {} columns io {}: out {:.2e} lse {:.2e}", preset, d,
                       group, bs, columns, DTypeName(io), e.decode_out, e.decode_lse);
-      const bool half = (columns > 4 && half_kernels) || (columns > 8 && fp8_shared);
+      const bool half = columns > 4 && (half_kernels || fp8_shared);
       EXPECT_EQ(e.verify_columns, columns) << what;
       wide_passes += columns > 16;
       EXPECT_EQ(e.half_verify, half) << what;
-      EXPECT_EQ(e.shared_verify, half && (wide_half || fp8_shared) && columns > 8) << what;
+      EXPECT_EQ(e.shared_verify, half && ((wide_half && columns > 8) || fp8_shared)) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const double io_out = io == DType::kBF16 ? 0.0039 : 0.0;
       if (half) {
@@ -1205,7 +1206,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
         if (io == DType::kF32) worst_out = std::max(worst_out, e.decode_out);
         // The narrow twin of the 9-16-column kernel, wherever the plan would not take it (17-32
         // columns: the only kernel, narrow either way).
-        if (columns > 8 && fp8_shared) {  // shared_o off: the exact kernels
+        if (fp8_shared) {  // shared_o off: the exact kernels
           Case own = c;
           own.options.decode.shared_o = false;
           const Errors se = RunAndCompare(own, s, s.base.cache);
@@ -1265,7 +1266,7 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       }
     }
   }
-  // ... and k8v4's shared-output kernel at head_dim 128 (9-16 and 17-32 columns).
+  // ... and k8v4's shared-output kernel at head_dim 128 (5-8, 9-16 and 17-32 columns).
   for (int group : {2, 3, 4, 8, 16}) {
     for (DType io : {DType::kF32, DType::kBF16}) {
       check("turboquant_k8v4", 128, group, 16 << (k % 4), io, 1030 + k);
@@ -1334,7 +1335,8 @@ TEST(CudaAttentionTest, SharedOutputVerifyOverLongContexts) {
   for (const char* preset :
        {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
     const bool fp8 = std::string_view(preset) == "turboquant_k8v4";
-    for (int group : {2, 4}) {
+    for (int group : {1, 2, 4}) {
+      if (group == 1 && !fp8) continue;  // (8 columns: on the shared-output kernel for k8v4 alone)
       const int hk = 2, d = 128, bs = 16 << (k % 4);
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);
       const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 1200 + k);

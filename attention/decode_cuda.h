@@ -107,9 +107,10 @@ struct DecodeOptions {
   // 110.4 -> 104.1 µs (4bit_nc) and 119.5 -> 113.8 (k3v4_nc), 8 new tokens 172.0 -> 165.9 and
   // 187.2 -> 171.7; on sm_90a its 17-32-column kernel runs both products as warpgroup MMAs (8 new
   // tokens 163.0 -> 136.3 and 172.4 -> 145.4). 3bit_nc's passes of 17-32 columns run on it
-  // alone (MaxGroup), and so do k8v4's of 9-32 (FP8 keys have no other half-precision kernel:
-  // without shared_o their groups 9-16 run the exact kernels; H200, 64 × 4k at GQA 4, 4 / 8 new
-  // tokens 153.1 / 305.5 µs on those, 118.1 / 180.4 on it).
+  // alone (MaxGroup), and so do k8v4's of 5-32 (FP8 keys have no other half-precision kernel:
+  // without shared_o their groups 5-16 run the exact kernels; H200, 64 × 4k at GQA 4, 4 / 8 new
+  // tokens 153.1 / 305.5 µs on those, 118.1 / 180.4 on it; H100, 2 new tokens (8 columns, two N
+  // tiles here) 182.6 -> 159.9).
   bool shared_o = true;
 };
 

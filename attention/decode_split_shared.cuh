@@ -1,6 +1,7 @@
 // The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
-// columns (new tokens × GQA heads) on 4-bit, 3-bit and FP8 keys with 4-bit values, and on 3-bit
-// keys with 3-bit values (3bit_nc), at D = 128, in half precision. DecodeSplitKernel runs its own
+// columns (new tokens × GQA heads) on 4-bit, 3-bit and FP8 keys with 4-bit values (FP8 keys: 5-32,
+// as they have no other half-precision kernel), and on 3-bit keys with 3-bit values (3bit_nc), at
+// D = 128, in half precision. DecodeSplitKernel runs its own
 // prologue (block ids, the group's rotated query rows and, for codebook keys, the table in shared
 // memory), then SharedOSplit::Run for the chunks and the output.
 //

@@ -166,7 +166,9 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     return {};
   }
   SplitVariant v{kind, value_bits, head_dim};
-  if (c.shared_o && c.half && c.staged && group > 8 &&
+  // FP8 keys' groups 5-8 too: they have no other half-precision kernel, and their exact kernels
+  // of one N tile run on registers.
+  if (c.shared_o && c.half && c.staged && (group > 8 || (kind == KeyKind::kFp8 && group > 4)) &&
       HasSharedOKernel(kind, value_bits, head_dim)) {
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;

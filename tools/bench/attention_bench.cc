@@ -471,8 +471,9 @@ int Main(int argc, char** argv) {
   }
   // Verify passes of 9-32 columns on the kernels the shared-output kernel replaced (its warps
   // each hold their own output): 4 and 8 new tokens (16 and 32 columns at GQA 4), and 32 new
-  // tokens in passes of 8.
-  for (const char* name : {"verify 64x4k q4", "verify 64x4k q8", "verify 64x4k q32 passes"}) {
+  // tokens in passes of 8; with --verify-q 2, 2 new tokens (8 columns: k8v4's exact kernels).
+  for (const char* name :
+       {"verify 64x4k q2", "verify 64x4k q4", "verify 64x4k q8", "verify 64x4k q32 passes"}) {
     for (const Shape& s : std::vector<Shape>(shapes)) {
       if (s.name != name) continue;
       Shape own = s;
