@@ -665,7 +665,14 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   }
   sp.tokens_per_split = plan.tokens_per_split;
   sp.max_splits = plan.max_splits;
-  if (verify != nullptr) sp.verify = *verify;
+  VerifyColumns columns;
+  if (verify != nullptr) {
+    columns = *verify;
+    // (NewTokenOfColumn's range: a pass's columns, rows x group, are at most MaxGroup <= 32.)
+    TQKV_CHECK(columns.group >= 1 && columns.group <= plan.num_q_heads / num_kv_heads());
+    columns.group_reciprocal = (65535 + columns.group) / columns.group;
+  }
+  sp.verify = columns;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
   const DType out_dtype = a.output_dtype;
@@ -707,7 +714,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   mp.tokens_per_split = plan.tokens_per_split;
   mp.max_splits = plan.max_splits;
   mp.num_kv_heads = num_kv_heads();
-  if (verify != nullptr) mp.verify = *verify;
+  mp.verify = columns;
   mp.trigger_at_start = overlap_next && launch == Launch::kAll ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else

@@ -123,6 +123,14 @@ __device__ __forceinline__ uint32_t Pinned(uint32_t x) {
   asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
   return r;
 }
+// A pointer the compiler cannot take apart: base + 32-bit offsets then stay a 64-bit add each,
+// instead of being folded into one wide multiply-add per offset that holds each offset as a
+// 64-bit register pair.
+__device__ __forceinline__ const uint8_t* PinnedPointer(const uint8_t* x) {
+  const uint8_t* r;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(r) : "l"(x));
+  return r;
+}
 // An L2 evict-first policy for the cache copies (kStream below): a call reads each cache byte
 // once, so its lines should go before the block tables, the query and the partials, which the
 // next calls read again (an engine's next layer reads the same tables). Not for 3-bit keys,
@@ -232,6 +240,14 @@ __device__ __forceinline__ ColumnSpan SpanOfColumns(const VerifyColumns& v,
   }
   return s;
 }
+// The new token of verify column c (c / group), where the split kernels mask their last chunks
+// and find a column's rows: (c · ⌈65536 / group⌉) >> 16, a multiply and a shift instead of an
+// integer division per score and output, equals c / group for every c < 64 and group <= 32 (a
+// pass holds at most 32 columns).
+__device__ __forceinline__ int NewTokenOfColumn(const VerifyColumns& v, int c) {
+  return static_cast<int>((static_cast<uint32_t>(c) * static_cast<uint32_t>(v.group_reciprocal)) >>
+                          16);
+}
 // The caller's row (query and output) of column c of KV head h in sequence b, of a plan with
 // num_q_heads = columns · num_kv_heads; −1 for a verify column past the sequence's new tokens.
 __device__ __forceinline__ int64_t RowOfColumn(const VerifyColumns& v, const ColumnSpan& s,
@@ -240,9 +256,10 @@ __device__ __forceinline__ int64_t RowOfColumn(const VerifyColumns& v, const Col
   if (v.query_start_loc == nullptr) {
     return static_cast<int64_t>(b) * num_q_heads + h * (num_q_heads / num_kv_heads) + c;
   }
-  const int i = c / v.group;
+  const int i = NewTokenOfColumn(v, c);
   if (i >= s.rows) return -1;
-  return static_cast<int64_t>(s.q0 + v.row_begin + i) * v.num_q_heads + h * v.group + c % v.group;
+  return static_cast<int64_t>(s.q0 + v.row_begin + i) * v.num_q_heads + h * v.group + c -
+         i * v.group;
 }
 
 // 2^x by the SFU alone (exp2f adds a range check and a scaling for results below 2^-126, which

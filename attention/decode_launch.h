@@ -30,6 +30,8 @@ struct VerifyColumns {
   int row_begin = 0;                         // the pass's first new token
   int group = 0;                             // the call's query heads per KV head
   int num_q_heads = 0;                       // the call's query heads
+  // ⌈65536 / group⌉, set by CudaDecoder::RunColumns: NewTokenOfColumn's multiplier.
+  int group_reciprocal = 0;
 };
 
 // Everything one decode launch needs. Pointers are device pointers.

@@ -83,7 +83,7 @@ struct SplitCompute {
     // Whether column c sees token 2g + r: a verify pass's column c sees c / group tokens past
     // end0 (within the split's end).
     auto sees = [&](int c, int r) {
-      const int extra = p.verify.query_start_loc != nullptr ? c / p.verify.group : 0;
+      const int extra = p.verify.query_start_loc != nullptr ? NewTokenOfColumn(p.verify, c) : 0;
       return t0 + 2 * g + r < min(end, end0 + extra);
     };
 

@@ -89,8 +89,8 @@ struct SplitPipelines {
     const uint32_t token_bytes = static_cast<uint32_t>(stride_token);
     auto issue = [&](int cc, uint32_t dst, int block) {
       const uint32_t bytes = cc < num_full ? 16u : 0u;
-      const uint8_t* base =
-          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint8_t* base = PinnedPointer(
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes);
       const uint32_t pos0 = (begin + cc * kChunk) & (p.block_size - 1);
       const uint8_t* src = base + pos0 * token_bytes;
 #pragma unroll
@@ -314,8 +314,8 @@ struct SplitPipelines {
     // 7 more instructions per chunk.)
     auto issue = [&](int cc, uint32_t dst, uint32_t meta_dst, int block) {
       const uint32_t bytes = cc < num_full ? 16u : 0u;
-      const uint8_t* base =
-          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint8_t* base = PinnedPointer(
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes);
       const uint32_t pos0 = kFixedPos ? 0u : (begin + cc * kChunk) & (p.block_size - 1);
       const uint8_t* from = base + (pos0 * stride_token + copy_src);
 #pragma unroll

@@ -276,8 +276,8 @@ struct SharedOSplit {
     const uint32_t block_bytes = static_cast<uint32_t>(p.block_bytes);
     auto issue = [&](int cc, int s, int block) {
       const uint32_t bytes = cc < num_chunks ? 16u : 0u;
-      const uint8_t* base =
-          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes;
+      const uint8_t* base = PinnedPointer(
+          p.cache + static_cast<uint64_t>(static_cast<uint32_t>(block)) * block_bytes);
       const uint8_t* from = base + copy_src;
       const uint32_t dst = smem_base + Layout::Stage(warp, s);
 #pragma unroll
@@ -527,7 +527,8 @@ struct SharedOSplit {
           }
           if constexpr (kTail) {
             const int col = 8 * nt + 2 * t + e % 2;
-            const int extra = p.verify.query_start_loc != nullptr ? col / p.verify.group : 0;
+            const int extra =
+                p.verify.query_start_loc != nullptr ? NewTokenOfColumn(p.verify, col) : 0;
             s[nt][e] = t0 + 2 * g + e / 2 < min(end, end0 + extra) ? s[nt][e] : -INFINITY;
           }
         }
