@@ -1,9 +1,9 @@
 // The split kernel whose warps share one output (SplitVariant::shared_o): verify passes of 9-32
 // columns (new tokens × GQA heads) on 4-bit, 3-bit and FP8 keys with 4-bit values (FP8 keys: 5-32,
 // as they have no other half-precision kernel), and on 3-bit keys with 3-bit values (3bit_nc), at
-// D = 128, in half precision. DecodeSplitKernel runs its own
-// prologue (block ids, the group's rotated query rows and, for codebook keys, the table in shared
-// memory), then SharedOSplit::Run for the chunks and the output.
+// D = 128, in half precision. DecodeSplitKernel runs its own prologue (block ids, the group's
+// rotated query rows and, for codebook keys, the table in shared memory), then SharedOSplit::Run
+// for the chunks and the output.
 //
 // The other split kernels give each warp its own chunks and its own output Oᵀ[d, column] for
 // every d: at 32 columns that is 128 accumulator registers per thread, so only 8 warps fit an SM
