@@ -670,7 +670,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     columns = *verify;
     // (NewTokenOfColumn's range: a pass's columns, rows x group, are at most MaxGroup <= 32.)
     TQKV_CHECK(columns.group >= 1 && columns.group <= plan.num_q_heads / num_kv_heads());
-    columns.group_reciprocal = (65535 + columns.group) / columns.group;
+    columns.group_reciprocal = decode_detail::GroupReciprocal(columns.group);
   }
   sp.verify = columns;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));

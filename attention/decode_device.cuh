@@ -240,13 +240,9 @@ __device__ __forceinline__ ColumnSpan SpanOfColumns(const VerifyColumns& v,
   }
   return s;
 }
-// The new token of verify column c (c / group), where the split kernels mask their last chunks
-// and find a column's rows: (c · ⌈65536 / group⌉) >> 16, a multiply and a shift instead of an
-// integer division per score and output, equals c / group for every c < 64 and group <= 32 (a
-// pass holds at most 32 columns).
+// The new token of verify column c, c / group (decode_variant.h: a multiply and a shift).
 __device__ __forceinline__ int NewTokenOfColumn(const VerifyColumns& v, int c) {
-  return static_cast<int>((static_cast<uint32_t>(c) * static_cast<uint32_t>(v.group_reciprocal)) >>
-                          16);
+  return NewTokenOfColumn(c, v.group_reciprocal);
 }
 // The caller's row (query and output) of column c of KV head h in sequence b, of a plan with
 // num_q_heads = columns · num_kv_heads; −1 for a verify column past the sequence's new tokens.

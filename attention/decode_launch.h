@@ -30,7 +30,7 @@ struct VerifyColumns {
   int row_begin = 0;                         // the pass's first new token
   int group = 0;                             // the call's query heads per KV head
   int num_q_heads = 0;                       // the call's query heads
-  // ⌈65536 / group⌉, set by CudaDecoder::RunColumns: NewTokenOfColumn's multiplier.
+  // GroupReciprocal(group), set by CudaDecoder::RunColumns: NewTokenOfColumn's multiplier.
   int group_reciprocal = 0;
 };
 

@@ -136,6 +136,25 @@ constexpr bool HasSharedOKernel(KeyKind kind, int value_bits, int head_dim) {
          (HasStagedKernel(kind, value_bits, head_dim, false, true) || kind == KeyKind::kFp8);
 }
 
+// A verify pass's column c belongs to new token c / group (decode_launch.h, VerifyColumns). The
+// split kernels take that per score of their masked last chunk and per output, so they multiply by
+// GroupReciprocal(group) and shift instead of dividing: exact for every c < 64 and group <= 32 (a
+// pass holds at most MaxSplitGroup <= 32 columns), which the static_assert below checks.
+constexpr int GroupReciprocal(int group) { return (65535 + group) / group; }
+constexpr int NewTokenOfColumn(int c, int group_reciprocal) {
+  return static_cast<int>((static_cast<uint32_t>(c) * static_cast<uint32_t>(group_reciprocal)) >>
+                          16);
+}
+constexpr bool NewTokenOfColumnIsExact() {
+  for (int group = 1; group <= 32; ++group) {
+    for (int c = 0; c < 64; ++c) {
+      if (NewTokenOfColumn(c, GroupReciprocal(group)) != c / group) return false;
+    }
+  }
+  return true;
+}
+static_assert(NewTokenOfColumnIsExact());
+
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
 // where the half-precision staged kernels of four N tiles exist (4-bit values at D = 128) and are
 // asked for, or the shared-output one (3bit_nc at D = 128: its accumulators and 3-bit decode do
