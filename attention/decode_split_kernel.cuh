@@ -164,24 +164,30 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // launch and the table and sign loads above (decoder-owned constants) overlap the kernel before.
   if (p.wait_at_start) GridDependencyWait();
   if (p.trigger_at_start) LaunchDependents();
-  // The first query row this warp rotates in finish_prologue (head = warp), for 16-bit queries:
-  // its load is issued here, beside the sequence length's, so that its latency overlaps the
-  // seq_len -> block table -> first copies chain instead of following it (ncu, 4bit_nc 64 x 1k:
-  // the warps waited as long for the query as for the first block ids).
-  uint32_t q_pre[kE / 2];
-  // (A verify pass's rows depend on query_start_loc: loaded in finish_prologue; a query aligned to
-  // its 2-byte elements alone, element by element there.)
-  const bool q_prefetched = p.wait_at_start && p.query_dtype != DType::kF32 &&
-                            (reinterpret_cast<uintptr_t>(p.query) & 3u) == 0 &&
-                            p.verify.query_start_loc == nullptr &&
-                            warp < p.num_q_heads / p.num_kv_heads && warp < Config::kQueryHeads;
-  if (q_prefetched) {
-    const int64_t row =
-        static_cast<int64_t>(b) * p.num_q_heads + h * (p.num_q_heads / p.num_kv_heads) + warp;
+  // The query rows this warp rotates in finish_prologue (heads warp, warp + kW, ...), for 16-bit
+  // queries aligned to 4 bytes, loaded early so that their latency overlaps the chain before the
+  // first copies instead of following it. A decode row (head = warp; a warp rotates one, two
+  // at GQA 8 on 4-warp CTAs, whose second is loaded in finish_prologue) here, beside the sequence
+  // length (ncu, 4bit_nc 64 x 1k: the warps waited as long for the query as for the first block
+  // ids); a verify pass's rows, which depend on query_start_loc, once the span is known (below;
+  // ncu, 4bit_nc 64 x 4k with 4 new tokens: the first use of a row loaded in finish_prologue was
+  // the kernel's longest wait outside the main loop, 3 % of the warp samples).
+  constexpr int kQRows = SplitPrologue<V>::kRowsPerWarp;
+  uint32_t q_pre[kQRows][kE / 2];
+  int q_prefetched_rows = 0;  // q_pre[r] holds the row of head warp + r·kW for every r below
+  const bool q_16bit = p.wait_at_start && p.query_dtype != DType::kF32 &&
+                       (reinterpret_cast<uintptr_t>(p.query) & 3u) == 0;
+  auto prefetch_query_row = [&](int r, int64_t row) {
     const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.query) +
                                                             row * kD + kE * lane);
 #pragma unroll
-    for (int w = 0; w < kE / 2; ++w) q_pre[w] = src[w];
+    for (int w = 0; w < kE / 2; ++w) q_pre[r][w] = src[w];
+  };
+  if (q_16bit && p.verify.query_start_loc == nullptr && warp < p.num_q_heads / p.num_kv_heads &&
+      warp < Config::kQueryHeads) {
+    prefetch_query_row(
+        0, static_cast<int64_t>(b) * p.num_q_heads + h * (p.num_q_heads / p.num_kv_heads) + warp);
+    q_prefetched_rows = 1;
   }
   // The block ids of this warp's first chunks, read beside the sequence length instead of after
   // it (one memory round trip less before the first copies): where they lie past the sequence's
@@ -232,6 +238,19 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   const int end = min(begin + p.tokens_per_split, len);
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
+  // (Not in k8v4's 32-column kernel: its passes measured 6 % slower with it, H100, 64 x 4k and
+  // 32 x 4k with 8 new tokens, where the other kinds' passes gained 2-5 %.)
+  constexpr bool kPrefetchVerifyRows = !(kKind == KeyKind::kFp8 && V.n_tiles == 4);
+  if (kPrefetchVerifyRows && q_16bit && p.verify.query_start_loc != nullptr) {
+#pragma unroll
+    for (int r = 0; r < kQRows; ++r) {
+      const int head = warp + r * kW;
+      if (head >= Config::kQueryHeads || head >= group) continue;
+      const int64_t row = RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, h, head);
+      if (row >= 0) prefetch_query_row(r, row);
+    }
+    q_prefetched_rows = kQRows;
+  }
 
   // Query fragments (B operand of the score MMA): head 8·nt + g. The compressed kinds carry q as
   // fp16 hi + lo parts (q ≈ hi + lo to ~2^-22), one MMA chain each, and the codebook kinds the
@@ -239,9 +258,10 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // the query rounded to the cache's type (exact for a query of that type).
   constexpr int kQParts = Config::kQParts;
   uint32_t qf[kQParts][Config::kFragTiles][kKSteps][2];
-  const SplitPrologue<V> finish_prologue{p,     unit,         span,  warp,   lane,    b,
-                                         h,     group,        q_pre, q_sign, entries, num_ids,
-                                         ids_s, q_prefetched, ids_pre, g,    t,       qf};
+  const SplitPrologue<V> finish_prologue{
+      p,       unit,  span,   warp,    lane,    b,     h,
+      group,   q_pre, q_sign, entries, num_ids, ids_s, q_prefetched_rows,
+      ids_pre, g,     t,      qf};
 
   if constexpr (V.shared_o) {  // the warps share one output: decode_split_shared.cuh
     const typename SharedOSplit<V>::Frame frame{p, begin, end,   lane,      warp,  g,          t, h,

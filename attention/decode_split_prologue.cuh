@@ -45,12 +45,12 @@ struct SplitPrologue {
   const int& unit;
   const ColumnSpan& span;  // the sequence's verify columns (query rows), if any
   const int &warp, &lane, &b, &h, &group;
-  const uint32_t (&q_pre)[kE / 2];
+  const uint32_t (&q_pre)[kRowsPerWarp][kE / 2];
   const float (&q_sign)[kE];  // the rotation's signs (1 without)
   const uint2 (&entries)[kEntriesPerThread > 0 ? kEntriesPerThread : 1];
   const int& num_ids;
   int* const& ids_s;
-  const bool& q_prefetched;  // q_pre holds the row of head `warp`
+  const int& q_prefetched_rows;  // q_pre[r] holds the row of head warp + r·kW for r below it
   const int (&ids_pre)[kIdsPerThread > 0 ? kIdsPerThread : 1];
   const int &g, &t;
   // out: the score MMA's B fragments (Config::kQueryInSmem: none, the compute reads them)
@@ -80,8 +80,8 @@ struct SplitPrologue {
 #pragma unroll
       for (int e = 0; e < kE; ++e) {
         const int64_t at = row * kD + kE * lane + e;
-        if (r == 0 && q_prefetched) {
-          const auto bits = static_cast<uint16_t>(q_pre[e / 2] >> (16 * (e % 2)));
+        if (r < q_prefetched_rows) {
+          const auto bits = static_cast<uint16_t>(q_pre[r][e / 2] >> (16 * (e % 2)));
           xs[r][e] = p.query_dtype == DType::kF16 ? __half2float(__ushort_as_half(bits))
                                                   : __bfloat162float(__ushort_as_bfloat16(bits));
         } else if (p.query_dtype == DType::kF32) {
