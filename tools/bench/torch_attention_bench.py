@@ -155,11 +155,27 @@ def base_shape(shape):
     return " ".join(parts[:n])
 
 
+def print_compact(ours, peers):
+    """One line per shape: each kind's fastest-slowest µs, then SDPA and dequantize-then-SDPA."""
+    by_shape = {}
+    for r in ours:
+        by_shape.setdefault(r["shape"], {}).setdefault(r["kind"].replace("turboquant_", ""), []).append(r["us"])
+    for shape, kinds in by_shape.items():
+        cells = "  ".join(f"{k} {min(v):.1f}-{max(v):.1f}" for k, v in kinds.items())
+        p = peers.get(base_shape(shape))
+        peer = (f"  | SDPA {p['sdpa_us']:.1f} ({p['backend']})" +
+                (f", dequant+SDPA {p['dequant_us']:.1f}" if p["dequant_us"] > 0 else "")) if p else ""
+        print(f"{shape:<30} {cells}{peer}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compact", action="store_true",
+                    help="one line per shape (every kind's fastest-slowest µs over attention_bench's "
+                         "--repeat runs, the peers) instead of the joint table")
     args = ap.parse_args()
     ours = json.load(open(args.ours))
     peers = {}
@@ -182,6 +198,9 @@ def main():
     if args.out:
         json.dump(peers, open(args.out, "w"), indent=1)
     print()
+    if args.compact:
+        print_compact(ours, peers)
+        return
     print("| shape | kind | tqkv µs | TFLOP/s (% of 790) | GB/s (% of read) | extra MB | SDPA bf16 µs "
           "| vs SDPA | dequant+SDPA µs (extra MB) | vs dequant |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
