@@ -166,10 +166,10 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   if (p.trigger_at_start) LaunchDependents();
   // The query rows this warp rotates in finish_prologue (heads warp, warp + kW, ...), for 16-bit
   // queries aligned to 4 bytes, loaded early so that their latency overlaps the chain before the
-  // first copies instead of following it. A decode row (head = warp; a warp rotates one, two
-  // at GQA 8 on 4-warp CTAs, whose second is loaded in finish_prologue) here, beside the sequence
-  // length (ncu, 4bit_nc 64 x 1k: the warps waited as long for the query as for the first block
-  // ids); a verify pass's rows, which depend on query_start_loc, once the span is known (below;
+  // first copies instead of following it. A decode row (head = warp; at GQA 8 a 4-warp CTA's warp
+  // rotates a second, loaded in finish_prologue) is loaded here, beside the sequence length (ncu,
+  // 4bit_nc 64 x 1k: the warps waited as long for the query as for the first block ids); a
+  // verify pass's rows, which depend on query_start_loc, once the span is known (below;
   // ncu, 4bit_nc 64 x 4k with 4 new tokens: the first use of a row loaded in finish_prologue was
   // the kernel's longest wait outside the main loop, 3 % of the warp samples).
   constexpr int kQRows = SplitPrologue<V>::kRowsPerWarp;
