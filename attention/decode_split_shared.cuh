@@ -544,9 +544,10 @@ struct SharedOSplit {
           }
         }
       }
-      // The vote is also the barrier after which the stage that the previous step's P·V read
-      // (every group warp's stage (s + 2) mod 3) is free.
-      if (GroupAny(group, need)) {
+      // Where some score of the group passed its column's maximum by more than the lazy margin
+      // (rarely after the first step): every group warp's column maxima of this step through
+      // shared memory, the same new maximum in each, l, z and the accumulators rescaled to it.
+      auto move_maximum = [&] {
         if constexpr (kRel) {  // back to the scores
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) {
@@ -556,7 +557,6 @@ struct SharedOSplit {
             for (int j = 0; j < 2; ++j) mx[nt][j] = fmaxf(s[nt][j], s[nt][j + 2]);
           }
         }
-        // Every group warp's column maxima of this step, then the same new maximum in each.
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -591,42 +591,52 @@ struct SharedOSplit {
             }
           }
         }
-      }
+      };
       // The copy two steps ahead, into the stage the previous step read.
-      const int s_ahead = stage_index == 0 ? kS - 1 : stage_index - 1;
-      issue(ahead, s_ahead, next_block);
-      CopyAsyncCommit();
-      next_block = following;
-
-      // P' = p · value scale in fp16, stored as P'ᵀ[column][k-slot] (module comment).
-      const uint32_t p_chunk = kWg ? p_own : p_lane + 256u * kNT * warp;
+      auto issue_ahead = [&] {
+        const int s_ahead = stage_index == 0 ? kS - 1 : stage_index - 1;
+        issue(ahead, s_ahead, next_block);
+        CopyAsyncCommit();
+        next_block = following;
+      };
+      // P' = p · value scale in fp16, stored as P'ᵀ[column][k-slot] (module comment); p added
+      // to l and z.
+      auto store_p = [&] {
+        const uint32_t p_chunk = kWg ? p_own : p_lane + 256u * kNT * warp;
 #pragma unroll
-      for (int nt = 0; nt < kNT; nt += 2) {
-        uint32_t packed[2][2];  // [N tile][token 2g / 2g + 1]
+        for (int nt = 0; nt < kNT; nt += 2) {
+          uint32_t packed[2][2];  // [N tile][token 2g / 2g + 1]
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          float pw[4];
+          for (int k = 0; k < 2; ++k) {
+            float pw[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = e % 2, r = e / 2;
-            // Past the end s = -inf: p = 0 (m may be -inf too, for a column that has seen no
-            // token yet).
-            const float pr = kTail && s[nt + k][e] == -INFINITY ? 0.0f
-                             : kRel                             ? FastExp2(s[nt + k][e])
-                                    : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
-            st.l[nt + k][j] += pr;
-            st.z[nt + k][j] += pr * vz[r];
-            pw[e] = pr * vs[r];
+            for (int e = 0; e < 4; ++e) {
+              const int j = e % 2, r = e / 2;
+              // Past the end s = -inf: p = 0 (m may be -inf too, for a column that has seen no
+              // token yet).
+              const float pr = kTail && s[nt + k][e] == -INFINITY ? 0.0f
+                               : kRel                             ? FastExp2(s[nt + k][e])
+                                      : FastExp2(s[nt + k][e] - st.m[nt + k][j]);
+              st.l[nt + k][j] += pr;
+              st.z[nt + k][j] += pr * vz[r];
+              pw[e] = pr * vs[r];
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
+              packed[k][r] = *reinterpret_cast<const uint32_t*>(&x);
+            }
           }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const __half2 x = __floats2half2_rn(pw[2 * r], pw[2 * r + 1]);
-            packed[k][r] = *reinterpret_cast<const uint32_t*>(&x);
-          }
+          SharedStsmX4Trans(p_chunk + (kWg ? 1024u : 256u) * nt, packed[0][0], packed[0][1],
+                            packed[1][0], packed[1][1]);
         }
-        SharedStsmX4Trans(p_chunk + (kWg ? 1024u : 256u) * nt, packed[0][0], packed[0][1],
-                          packed[1][0], packed[1][1]);
-      }
+      };
+
+      // The vote is also the barrier after which the stage that the previous step's P·V read
+      // (every group warp's stage (s + 2) mod 3) is free.
+      if (GroupAny(group, need)) move_maximum();
+      issue_ahead();
+      store_p();
 #if TQKV_SHARED_O_WGMMA
       if constexpr (kWg) wgmma::FenceProxyAsync();  // the stores, for the MMAs' reads
 #endif
