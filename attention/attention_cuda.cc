@@ -373,7 +373,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
   // chunk kernel's plan above stays for a sliding window. Columns past the decode kernels' largest
-  // group (16 but on the half-precision kernels) are left to a further pass. Beyond
+  // group (16 but on the half-precision kernels and the plain caches' at head_dim 128: 32) are
+  // left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = options.decode;

@@ -533,7 +533,9 @@ TEST(CudaDecodeTest, Bf16AndFp16CachesMatchAttention) {
   TQKV_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     for (int d : {64, 128, 256}) {
-      for (int group : {1, 4, 8, 16}) {
+      // (Groups 17-32: D = 128 alone, the staged kernel of four N tiles.)
+      for (int group : {1, 4, 8, 16, 24, 32}) {
+        if (group > 16 && d != 128) continue;
         const int bs = d == 128 ? 16 : 64;
         const Errors e = CheckPlain(dtype, d, 2, group, bs, EdgeLengths(bs));
         const std::string what = fmt::format("{} D={} group={}", DTypeName(dtype), d, group);
@@ -549,7 +551,7 @@ TEST(CudaDecodeTest, Bf16AndFp16CachesMatchAttention) {
 
 // The staged plain kernels (D = 64, 128) at every block size and at forced split lengths (64: one
 // chunk per warp or none; 8192: one split per sequence, no merge, an empty sequence), with GQA
-// groups of one and two query-head tiles (8 and 16).
+// groups of one, two and four query-head tiles (8, 16 and 32).
 TEST(CudaDecodeTest, PlainBlockSizesAndSplitLengths) {
   TQKV_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBF16, DType::kF16}) {
@@ -562,7 +564,8 @@ TEST(CudaDecodeTest, PlainBlockSizesAndSplitLengths) {
       EXPECT_LE(e.out, PlainOutTol(dtype)) << what;
       EXPECT_LE(e.lse, kLseTol) << what;
     }
-    for (const auto& [d, group] : {std::pair{128, 8}, std::pair{128, 16}, std::pair{64, 4}}) {
+    for (const auto& [d, group] :
+         {std::pair{128, 8}, std::pair{128, 16}, std::pair{128, 32}, std::pair{64, 4}}) {
       for (int tps : {64, 640, 8192}) {
         const Errors e = CheckPlain(dtype, d, 8, group, 16, {1, 63, 0, 700, 4097}, tps);
         const std::string what =

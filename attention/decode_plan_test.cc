@@ -303,9 +303,9 @@ TEST(DecodePlanTest, UnstagedKernelsFillEveryResidentCta) {
 // faster than the exact ones: unpacked (GQA groups 5-16) staged kernels of 4-bit and 3-bit keys
 // with 4-bit values at D = 128 and 64, and of 3-bit keys with 3-bit values at D = 128 and 64.
 // Everywhere else the choice is ignored, and the variant is the one without it. Groups 17-32
-// exist on the D = 128 kernels of 4-bit values alone (four N tiles, 4-warp CTAs), and
-// MaxSplitGroup says so; with shared_o also 3bit_nc's and k8v4's at D = 128 (the shared-output
-// kernel).
+// exist on the D = 128 kernels of 4-bit values (four N tiles, 4-warp CTAs) and of the bf16 /
+// fp16 caches (staged, four N tiles, half or not), and MaxSplitGroup says so; with shared_o also
+// 3bit_nc's and k8v4's at D = 128 (the shared-output kernel).
 // Every chosen variant is instantiated (SplitVariantsOf) and survives its code.
 TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
   using decode_detail::ChooseSplitVariant;
@@ -332,20 +332,42 @@ TEST(DecodePlanTest, HalfPrecisionKernelsOnlyOnTheStagedCodebookPipeline) {
                         ((bits == 4 && (kind == KeyKind::kMse4 || kind == KeyKind::kMse3)) ||
                          (bits == 3 && kind == KeyKind::kMse3)));
             const bool wide = half_kernels && !d64 && bits == 4;  // groups 17-32
+            // The bf16 / fp16 caches' staged kernel of four N tiles (4-warp CTAs, their own
+            // outputs), half or not.
+            const bool plain_wide = staged && d == 128 && bits == 16 && IsPlain(kind);
             const bool expected = half_kernels && group > 4;
             const std::string what = fmt::format("kind {} bits {} D {} group {} staged {}",
                                                  static_cast<int>(kind), bits, d, group, staged);
-            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true), wide ? 32 : 16)
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true),
+                      wide || plain_wide ? 32 : 16)
                 << what;
-            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false), 16) << what;
-            const bool shared_wide = wide ||
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false),
+                      plain_wide ? 32 : 16)
+                << what;
+            const bool shared_wide = wide || plain_wide ||
                                      (staged && d == 128 && bits == 3 && kind == KeyKind::kMse3) ||
                                      (staged && d == 128 && bits == 4 && kind == KeyKind::kFp8);
             EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, true, true),
                       shared_wide ? 32 : 16)
                 << what;
-            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false, true), 16) << what;
-            EXPECT_FALSE(without.ok && group > 16) << what;
+            EXPECT_EQ(decode_detail::MaxSplitGroup(kind, bits, d, staged, false, true),
+                      plain_wide ? 32 : 16)
+                << what;
+            EXPECT_FALSE(without.ok && group > 16 && !plain_wide) << what;
+            if (group > 16 && plain_wide) {
+              ASSERT_EQ(with.ok, group <= 32) << what;
+              ASSERT_EQ(without.ok, group <= 32) << what;
+              if (!with.ok) continue;
+              EXPECT_EQ(with.variant, without.variant) << what;
+              EXPECT_FALSE(with.variant.half) << what;
+              EXPECT_TRUE(with.variant.staged()) << what;
+              EXPECT_EQ(with.variant.n_tiles, 4) << what;
+              EXPECT_EQ(with.variant.cta_warps(), 4) << what;
+              bool instantiated = false;
+              for (int i = 0; i < listed.size; ++i) instantiated |= listed.items[i] == with.variant;
+              EXPECT_TRUE(instantiated) << what;
+              continue;
+            }
             if (group > 16) {
               ASSERT_EQ(with.ok, expected && wide && group <= 32) << what;
               if (!with.ok) continue;

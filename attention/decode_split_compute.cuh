@@ -64,6 +64,10 @@ struct SplitCompute {
   __device__ __forceinline__ uint32_t QueryRunAddress() const {
     if constexpr (!Config::kQueryInSmem) {
       return 0u;
+    } else if constexpr (Traits::kPlain) {  // (+ 64-byte half j, Config::QueryAt)
+      extern __shared__ __align__(16) uint8_t smem[];
+      return static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + Config::kQueryOffset +
+             2u * static_cast<uint32_t>(g * kD + 8 * t);
     } else {
       extern __shared__ __align__(16) uint8_t smem[];
       const uint32_t f = 2u * static_cast<uint32_t>(t >> 1) ^ static_cast<uint32_t>(g & 1);
@@ -157,6 +161,23 @@ struct SplitCompute {
             MmaF16(sp[2][nt], a1, qf[0][nt][ks][0], qf[0][nt][ks][1]);
             MmaF16(sp[3][nt], a1, qf[1][nt][ks][0], qf[1][nt][ks][1]);
           }
+        }
+      } else if constexpr (Traits::kPlain && Config::kQueryInSmem) {
+        // k-steps 2j and 2j + 1 of N tile nt: the 16-byte unit at d = 32j + 8t of row 8·nt + g,
+        // in 64-byte half j XOR (g mod 2) (Config::QueryAt).
+        static_assert(Config::kPlainStaged);  // interleaved keys
+        if constexpr (ks % 2 == 0) {
+          const uint32_t half = (64u * (ks / 2)) ^ (64u * static_cast<uint32_t>(g & 1));
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            SharedLoad16(q_run + half + 16u * kD * nt, qv[nt]);
+          }
+        }
+        uint32_t a[4];
+        Traits::template KeyFrag<ks>(cur.kg, cur.k8, a);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          MmaPlain<Traits::kFp16>(sp[0][nt], a, qv[nt][2 * (ks % 2)], qv[nt][2 * (ks % 2) + 1]);
         }
       } else {
         uint32_t a[4];

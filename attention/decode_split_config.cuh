@@ -419,6 +419,12 @@ struct SplitKernelConfig {
       return (s >> 2) * kQueryHeads * 64 + head * 64 + 8 * ((pos >> 3) ^ (head & 7)) + (pos & 7);
     } else if constexpr (!kQueryInSmem) {
       return head * kD + d;
+    } else if constexpr (IsPlain(kKind)) {
+      // The bf16 / fp16 caches' staged kernel of four N tiles (interleaved keys: a thread t's
+      // elements of k-steps 2j and 2j + 1 are d = 32j + 8t .. + 7, one 16-byte unit): odd rows
+      // have the 64-byte halves of every 128 bytes swapped, so that rows g and g + 1 of an 8-lane
+      // phase fall on distinct banks.
+      return head * kD + (d ^ ((head & 1) << 5));
     } else {
       const int f = (2 * ((d >> 6) & 1)) ^ (head & 1);
       return head * kD + (d ^ (f << 3));

@@ -158,12 +158,15 @@ static_assert(NewTokenOfColumnIsExact());
 // The largest GQA group (columns of one split grid) a split kernel serves for these choices: 32
 // where the half-precision staged kernels of four N tiles exist (4-bit values at D = 128) and are
 // asked for, or the shared-output one (3bit_nc at D = 128: its accumulators and 3-bit decode do
-// not fit the kernel of four N tiles that keeps one output per warp), else 16.
+// not fit the kernel of four N tiles that keeps one output per warp), or the bf16 / fp16 caches'
+// staged kernel of four N tiles at D = 128 (so that a verify pass of 8 new tokens at GQA 4 reads
+// the cache once), else 16.
 constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half,
                             bool shared_o = false) {
-  return staged && half && !IsPlain(kind) && head_dim == 128 &&
-                 ((value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) ||
-                  (shared_o && HasSharedOKernel(kind, value_bits, head_dim)))
+  return (staged && half && !IsPlain(kind) && head_dim == 128 &&
+          ((value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) ||
+           (shared_o && HasSharedOKernel(kind, value_bits, head_dim)))) ||
+                 (staged && IsPlain(kind) && value_bits == 16 && head_dim == 128)
              ? 32
              : 16;
 }
@@ -173,7 +176,7 @@ constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool sta
 // narrow, which only 3-bit keys and 4-bit keys with 4-bit values have: groups <= 4 at D = 128 (and
 // 4-bit keys' at D = 64), groups above 8 on the staged kernels at D = 128 and 64.
 // Groups 17-32 have one kernel (the half-precision one of four N tiles, or with shared_o the
-// shared-output one), narrow or not.
+// shared-output one; the bf16 / fp16 caches' staged one), narrow or not.
 constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int head_dim,
                                                int group, SplitChoice c) {
   const bool valid_bits = IsPlain(kind)            ? value_bits == 16
@@ -192,6 +195,11 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;
     v.shared_o = true;
+    v.pipeline = SplitPipeline::kStaged;
+    return {true, v};
+  }
+  if (group > 16 && IsPlain(kind)) {  // 4-warp CTAs, their own outputs (128 accumulators)
+    v.n_tiles = 4;
     v.pipeline = SplitPipeline::kStaged;
     return {true, v};
   }
