@@ -373,8 +373,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
   // chunk kernel's plan above stays for a sliding window. Columns past the decode kernels' largest
-  // group (16 but on the half-precision kernels and the plain caches' at head_dim 128: 32) are
-  // left to a further pass. Beyond
+  // group (16 but on the half-precision kernels and the plain caches' at head_dim 64 and 128:
+  // 32) are left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = options.decode;
@@ -389,7 +389,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // The plan's choice (verify_max_q_len -1): at head_dim 64 the compressed caches' verify passes
   // beat the prefill kernel up to 16 new tokens in 4 passes: H100, SmolLM2's 9:3:64, 64 × 4k, 16
   // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
-  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254 (the bf16 cache's the other way: 323 / 213).
+  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254 (the bf16 cache's the other way in 4 passes of
+  // 5: 323 / 213).
   int verify_q = options.verify_max_q_len;
   if (verify_q < 0) {
     const int rows = std::max(1, max_columns / group);

@@ -71,10 +71,10 @@ struct AttentionOptions {
   int verify_max_q_len = -1;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
   // other, 1 to 32 (16 at most but on the half-precision kernels and the bf16 / fp16 caches'
-  // staged kernel at head_dim 128: CudaDecoder::MaxGroup; 8 on the compressed caches at head_dim
-  // 256, whose 9-16-column kernel is slower per column): a call of
-  // q_len new tokens per sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group)
-  // tokens, each reading the cache once.
+  // staged kernel at head_dim 64 and 128: CudaDecoder::MaxGroup; 8 on the compressed caches at
+  // head_dim 256, whose 9-16-column kernel is slower per column): a call of q_len new tokens per
+  // sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group) tokens, each reading
+  // the cache once.
   int verify_max_group = 32;
   DecodeOptions decode;  // the decode kernels' choices, where they run
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;

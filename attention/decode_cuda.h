@@ -207,7 +207,7 @@ class CudaDecoder {
   // The largest GQA group Plan takes with these options: 32 for the half-precision kernels
   // (DecodeOptions::half and ::staged on 4bit_nc and k3v4_nc caches at head_dim 128, and with
   // ::shared_o on 3bit_nc's and k8v4's there: verify passes of up to 32 columns) and for the bf16
-  // / fp16 caches' staged kernel at head_dim 128 (four N tiles, 4-warp CTAs), else 16.
+  // / fp16 caches' staged kernel at head_dim 64 and 128 (four N tiles, 4-warp CTAs), else 16.
   int MaxGroup(const DecodeOptions& options = {}) const;
 
   // The longest context the decode kernels read: 256 splits of at most 8,192 tokens (a split's

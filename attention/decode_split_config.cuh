@@ -422,8 +422,8 @@ struct SplitKernelConfig {
     } else if constexpr (IsPlain(kKind)) {
       // The bf16 / fp16 caches' staged kernel of four N tiles (interleaved keys: a thread t's
       // elements of k-steps 2j and 2j + 1 are d = 32j + 8t .. + 7, one 16-byte unit): odd rows
-      // have the 64-byte halves of every 128 bytes swapped, so that rows g and g + 1 of an 8-lane
-      // phase fall on distinct banks.
+      // have the 64-byte halves of every 128 bytes swapped (D = 64 and 128), so that rows g and
+      // g + 1 of an 8-lane phase fall on distinct banks.
       return head * kD + (d ^ ((head & 1) << 5));
     } else {
       const int f = (2 * ((d >> 6) & 1)) ^ (head & 1);

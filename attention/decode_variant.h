@@ -159,14 +159,14 @@ static_assert(NewTokenOfColumnIsExact());
 // where the half-precision staged kernels of four N tiles exist (4-bit values at D = 128) and are
 // asked for, or the shared-output one (3bit_nc at D = 128: its accumulators and 3-bit decode do
 // not fit the kernel of four N tiles that keeps one output per warp), or the bf16 / fp16 caches'
-// staged kernel of four N tiles at D = 128 (so that a verify pass of 8 new tokens at GQA 4 reads
-// the cache once), else 16.
+// staged kernel of four N tiles at D = 64 and 128 (so that a verify pass of 8 new tokens at GQA 4
+// reads the cache once), else 16.
 constexpr int MaxSplitGroup(KeyKind kind, int value_bits, int head_dim, bool staged, bool half,
                             bool shared_o = false) {
   return (staged && half && !IsPlain(kind) && head_dim == 128 &&
           ((value_bits == 4 && HasStagedKernel(kind, value_bits, head_dim, false, true)) ||
            (shared_o && HasSharedOKernel(kind, value_bits, head_dim)))) ||
-                 (staged && IsPlain(kind) && value_bits == 16 && head_dim == 128)
+                 (staged && IsPlain(kind) && value_bits == 16 && head_dim <= 128)
              ? 32
              : 16;
 }
