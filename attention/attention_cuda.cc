@@ -389,12 +389,13 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // The plan's choice (verify_max_q_len -1): at head_dim 64 the compressed caches' verify passes
   // beat the prefill kernel up to 16 new tokens in 4 passes: H100, SmolLM2's 9:3:64, 64 × 4k, 16
   // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
-  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254 (the bf16 cache's the other way in 4 passes of
-  // 5: 323 / 213).
+  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254; the bf16 / fp16 caches' in 2 passes (32
+  // columns), not in 4: the bf16 cache 177.5 against 211 µs at 9:3:64 (2 passes of 10), 375 / 519
+  // at 32:8:64 (2 of 8), but 323 / 213 in 4 passes of 5.
   int verify_q = options.verify_max_q_len;
   if (verify_q < 0) {
     const int rows = std::max(1, max_columns / group);
-    verify_q = d == 64 && !s.plain && (16 + rows - 1) / rows <= 4 ? 16 : 8;
+    verify_q = d == 64 && (16 + rows - 1) / rows <= (s.plain ? 2 : 4) ? 16 : 8;
   }
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
                      (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&

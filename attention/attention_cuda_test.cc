@@ -1098,9 +1098,9 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 }
 
 // At head_dim 64 the plan's choice (verify_max_q_len -1) runs up to 16 new tokens as verify passes
-// on the compressed caches where they take at most 4 passes (SmolLM2's GQA 3: 4 passes of 5); 17
-// tokens, more passes, an explicit 8, head_dim 128 and the bf16 cache keep the prefill kernel.
-// The passes match the reference.
+// on the compressed caches where they take at most 4 passes (SmolLM2's GQA 3: 4 passes of 5), on
+// the bf16 / fp16 caches where they take at most 2; 17 tokens, more passes, an explicit 8 and
+// head_dim 128 keep the prefill kernel. The passes match the reference.
 TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
   TQKV_SKIP_WITHOUT_GPU();
   int k = 0;
@@ -1141,8 +1141,32 @@ TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
       EXPECT_LE(e.decode_out, db.out) << what;
     }
   }
+  // The bf16 / fp16 caches: at most 2 passes (of up to 32 columns), 2 of 10 at GQA 3; not the 3
+  // of 6 at GQA 5. The passes match the reference.
   const CudaAttention plain(MakeBf16BlockFormat(64, 3, 16, DType::kBF16));
-  EXPECT_FALSE(plain.Plan(2, 32, 9, 4, 16).verify_rows);
+  const AttentionPlan pp = plain.Plan(2, 32, 9, 4, 16);
+  ASSERT_TRUE(pp.verify_rows);
+  EXPECT_EQ(pp.verify_pass_rows, 10);
+  EXPECT_EQ(pp.verify_passes, 2);
+  EXPECT_FALSE(plain.Plan(2, 32, 15, 4, 16).verify_rows);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int hk = 2, group = 3, bs = 32;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", 64, hk, bs);
+    AttentionScenario s =
+        BuildAttention(any, {300, 77, 1000, 150, 0, 65}, {16, 1, 12, 9, 0, 16}, hk * group, 1300);
+    for (float& x : s.queries) {
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(64, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    const Errors e = RunAndCompare({.plain = &f}, s, cache);
+    EXPECT_EQ(e.verify_columns, 10 * group) << DTypeName(dtype);
+    ExpectWithin(e, kLseTol,
+                 fmt::format("{} D 64: verify passes out {:.2e} lse {:.2e}", DTypeName(dtype),
+                             e.decode_out, e.decode_lse),
+                 DecodeBoundsOf(DTypeName(dtype)));
+  }
 }
 
 // Verify passes in half precision (the default, ChunkPrecision::kHalf): 4bit_nc's and k3v4_nc's
