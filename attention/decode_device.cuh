@@ -133,11 +133,12 @@ __device__ __forceinline__ const uint8_t* PinnedPointer(const uint8_t* x) {
 }
 // An L2 evict-first policy for the cache copies (kStream below): a call reads each cache byte
 // once, so its lines should go before the block tables, the query and the partials, which the
-// next calls read again (an engine's next layer reads the same tables). Not for 3-bit keys,
-// whose 48-byte pieces share 32-byte sectors with the neighbouring KV head's, read by another
-// CTA moments later. Measured on the H200 (l2ef, commit 9d65190): 4bit_nc
-// 16 × 4k 22.2-22.5 -> 21.8-21.9 µs, 64 × 1k 24.4 -> 23.7-23.9, 1 × 32k 15.5-15.7 -> 15.3-15.5,
-// 1 × 4k 7.1 -> 7.2-7.3; k3v4_nc 64 × 4k 77.0-77.3 -> 77.6 with it, so its kernels copy without.
+// next calls read again (an engine's next layer reads the same tables). Not for 3-bit keys in
+// the decode kernels, whose 48-byte pieces share 32-byte sectors with the neighbouring KV head's,
+// read by another CTA moments later (the verify passes' shared-output kernels do use it). Measured
+// on the H200 (l2ef, commit 9d65190): 4bit_nc 16 × 4k 22.2-22.5 -> 21.8-21.9 µs, 64 × 1k 24.4
+// -> 23.7-23.9, 1 × 32k 15.5-15.7 -> 15.3-15.5, 1 × 4k 7.1 -> 7.2-7.3; k3v4_nc 64 × 4k 77.0-77.3
+// -> 77.6 with it, so its kernels copy without.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));  // hoisted, CSE'd
