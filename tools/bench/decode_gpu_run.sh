@@ -27,7 +27,7 @@ export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_L
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv
   if [ -z "$skip_tests" ]; then
     echo "== decode GPU tests"
-    timeout 420 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
+    timeout 480 "$here/bin/attention/decode_cuda_test" 2>&1 | tail -n 40
     echo "decode_cuda_test exit ${PIPESTATUS[0]}"
   fi
   echo "== PyTorch SDPA"
