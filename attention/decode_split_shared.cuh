@@ -185,8 +185,8 @@ struct SharedOSplit {
   static constexpr int kChains = kNT > 2 || kWg ? 1 : 2;
   // The cache copies with the L2 evict-first policy, 3-bit keys' too (SplitPipelines copies
   // theirs without): a verify pass that reads 3-bit keys that way is faster, the decode kernels
-  // are not (H100, two calls: k3v4_nc 8 new tokens 0.973x-0.985x, 1 × 128k 0.93x-0.94x; 3bit_nc
-  // 0.985x-0.99x; the decode kernels' 3bit_nc with it 1.01x-1.04x).
+  // are not (H100, three calls: k3v4_nc 8 new tokens 0.973x-0.985x, 1 × 128k 0.93x-0.94x;
+  // 3bit_nc 0.978x-0.994x; the decode kernels' 3bit_nc with it 1.00x-1.04x).
   static constexpr bool kStreamCopies = true;
   static_assert(V.shared_o && V.half && kD == 128 && !V.packed &&
                 (V.value_bits == 4 || (kV3 && kKind == KeyKind::kMse3)) &&
