@@ -9,6 +9,8 @@ SyntheticKv::SyntheticKv(const SyntheticKvOptions& o) : options_(o), rng_(o.seed
   channel_scale_.assign(size_t(o.num_kv_heads) * d, 1.0f);
   channel_mean_.assign(size_t(o.num_kv_heads) * d, 0.0f);
   head_scale_.resize(o.num_kv_heads);
+  rope_freq_.resize(d / 2);
+  for (int i = 0; i < d / 2; ++i) rope_freq_[i] = std::pow(double(o.rope_base), -2.0 * i / d);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   std::uniform_int_distribution<int> channel(0, d - 1);
   for (int h = 0; h < o.num_kv_heads; ++h) {
@@ -21,15 +23,22 @@ SyntheticKv::SyntheticKv(const SyntheticKvOptions& o) : options_(o), rng_(o.seed
   }
 }
 
-void SyntheticKv::Rope(float* x, int64_t pos) const {
-  const int d = options_.head_dim;
-  for (int i = 0; i < d / 2; ++i) {  // pairs (i, i + d/2), as in Llama's rotate_half
-    const double freq = std::pow(double(options_.rope_base), -2.0 * i / d);
-    const double angle = double(pos) * freq;
-    const double c = std::cos(angle), s = std::sin(angle);
-    const double a = x[i], b = x[i + d / 2];
+void SyntheticKv::RopeAngles(int64_t pos, std::vector<double>& cs) const {
+  cs.resize(rope_freq_.size() * 2);
+  for (size_t i = 0; i < rope_freq_.size(); ++i) {
+    const double angle = double(pos) * rope_freq_[i];
+    cs[2 * i] = std::cos(angle);
+    cs[2 * i + 1] = std::sin(angle);
+  }
+}
+
+void SyntheticKv::Rope(float* x, const std::vector<double>& cs) const {
+  const int half = options_.head_dim / 2;
+  for (int i = 0; i < half; ++i) {  // pairs (i, i + d/2), as in Llama's rotate_half
+    const double c = cs[2 * i], s = cs[2 * i + 1];
+    const double a = x[i], b = x[i + half];
     x[i] = static_cast<float>(a * c - b * s);
-    x[i + d / 2] = static_cast<float>(a * s + b * c);
+    x[i + half] = static_cast<float>(a * s + b * c);
   }
 }
 
@@ -37,14 +46,16 @@ void SyntheticKv::Generate(int64_t first_pos, int64_t count, std::vector<float>&
                            std::vector<float>& values) {
   const int d = options_.head_dim;
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<double> cs;
   for (int64_t t = 0; t < count; ++t) {
+    RopeAngles(first_pos + t, cs);
     for (int h = 0; h < options_.num_kv_heads; ++h) {
       const size_t k0 = keys.size();
       for (int i = 0; i < d; ++i) {
         const size_t c = size_t(h) * d + i;
         keys.push_back(head_scale_[h] * (channel_mean_[c] + channel_scale_[c] * normal(rng_)));
       }
-      Rope(keys.data() + k0, first_pos + t);
+      Rope(keys.data() + k0, cs);
       for (int i = 0; i < d; ++i) values.push_back(head_scale_[h] * normal(rng_));
     }
   }
@@ -55,6 +66,8 @@ void SyntheticKv::GenerateQuery(int64_t pos, std::vector<float>& queries) {
   const int group = options_.num_q_heads / options_.num_kv_heads;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<double> cs;
+  RopeAngles(pos, cs);
   for (int hq = 0; hq < options_.num_q_heads; ++hq) {
     const int h = hq / group;
     // Queries lean on the keys' large channels (weight ∝ the channel's scale), scaled so that the
@@ -72,7 +85,7 @@ void SyntheticKv::GenerateQuery(int64_t pos, std::vector<float>& queries) {
     const double tau = 1.5 + 2.5 * unit(rng_);
     const double factor = tau * std::sqrt(double(d)) / std::sqrt(energy);
     for (int i = 0; i < d; ++i) queries[q0 + i] = static_cast<float>(queries[q0 + i] * factor);
-    Rope(queries.data() + q0, pos);
+    Rope(queries.data() + q0, cs);
   }
 }
 

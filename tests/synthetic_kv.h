@@ -33,10 +33,14 @@ class SyntheticKv {
   const SyntheticKvOptions& options() const { return options_; }
 
  private:
-  void Rope(float* x, int64_t pos) const;
+  // cos and sin of position `pos` for each channel pair: [head_dim / 2][2], computed once per
+  // token for all of its heads.
+  void RopeAngles(int64_t pos, std::vector<double>& cs) const;
+  void Rope(float* x, const std::vector<double>& cs) const;
 
   SyntheticKvOptions options_;
   std::mt19937_64 rng_;
+  std::vector<double> rope_freq_;     // [head_dim / 2]
   std::vector<float> channel_scale_;  // [num_kv_heads, head_dim]
   std::vector<float> channel_mean_;   // [num_kv_heads, head_dim]
   std::vector<float> head_scale_;     // [num_kv_heads]
