@@ -43,6 +43,6 @@ cp tools/gpu_bundle_run_all.sh "$out/run_all.sh"
 cp tools/gpu_check.sh tools/sim_compare.py tools/testdata/make_cli_inputs.py \
   tools/bench/torch_decode_bench.py tools/bench/decode_gpu_run.sh tools/bench/store_gpu_run.sh \
   tools/bench/store_seed_bench.py tools/bench/ab_run.sh tools/bench/torch_attention_bench.py \
-  tools/bench/attention_gpu_run.sh tools/bench/ab_attention.sh "$out/"
+  tools/bench/attention_gpu_run.sh tools/bench/ab_attention.sh tools/bench/gtest_shards.sh "$out/"
 chmod +x "$out/run_all.sh" "$out/gpu_check.sh"
 echo "bundle in $out: $(wc -l <"$out/tests.txt") tests, $(wc -l <"$out/benchmarks.txt") benchmarks"

@@ -34,6 +34,7 @@ for t in $targets; do
 done
 for x in "$@"; do cp -f "$x" "$stage/b/bin/"; done
 cp tools/bench/torch_attention_bench.py tools/bench/attention_gpu_run.sh tools/bench/ab_attention.sh \
+  tools/bench/gtest_shards.sh \
   "$stage/b/"
 rm -rf .gpu_bundle_pack
 mkdir -p .gpu_bundle_pack
