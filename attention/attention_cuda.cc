@@ -391,11 +391,23 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
   // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254; the bf16 / fp16 caches' in 2 passes (32
   // columns), not in 4: the bf16 cache 177.5 against 211 µs at 9:3:64 (2 passes of 10), 375 / 519
-  // at 32:8:64 (2 of 8), but 323 / 213 in 4 passes of 5.
+  // at 32:8:64 (2 of 8), but 323 / 213 in 4 passes of 5. At head_dim 128 the codebook-key
+  // caches' in at most 2 passes (their 32-column kernels; more passes lose): H100, 32:8:128, 16
+  // new tokens in 2 passes of 8 against the prefill kernel, 64 × 4k: 4bit_nc 248.0 against 365.1
+  // µs, k3v4_nc 261.7 / 368.6, 3bit_nc 281.0 / 406.0; 1 × 128k: 131.5 / 162.1, 140.3 / 163.4,
+  // 150.1 / 181.1; at 24:8:128 (2 passes of 10) 4bit_nc 243.9 / 349.1; 32 new tokens in 4
+  // passes: 4bit_nc 505.4 against 352.1. Not k8v4 (its passes copy 192-byte slots twice: 350.7
+  // / 362.4 at 64 × 4k, but 192.2 / 159.9 at 1 × 128k) nor the bf16 cache (738.7 / 765.6, 370.5
+  // / 360.4).
   int verify_q = options.verify_max_q_len;
   if (verify_q < 0) {
     const int rows = std::max(1, max_columns / group);
-    verify_q = d == 64 && (16 + rows - 1) / rows <= (s.plain ? 2 : 4) ? 16 : 8;
+    const int passes16 = (16 + rows - 1) / rows;
+    const bool codebook_keys = !s.plain && s.key_kind != KeyKind::kFp8;
+    verify_q =
+        (d == 64 && passes16 <= (s.plain ? 2 : 4)) || (d == 128 && codebook_keys && passes16 <= 2)
+            ? 16
+            : 8;
   }
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
                      (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&

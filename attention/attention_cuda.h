@@ -67,7 +67,8 @@ struct AttentionOptions {
   // position; so do calls with more whose new tokens all fit one pass (max_q_len · group up to
   // the columns of verify_max_group; 0: never). -1, the default: the plan's choice, 16 at
   // head_dim 64 where that takes at most 4 passes on the compressed caches (SmolLM2's GQA 3: 5
-  // new tokens per pass) or 2 on the bf16 / fp16 caches (10 per pass), else 8.
+  // new tokens per pass) or 2 on the bf16 / fp16 caches (10 per pass), 16 at head_dim 128 where
+  // that takes at most 2 passes on 4bit_nc, k3v4_nc and 3bit_nc (GQA 4: 8 per pass), else 8.
   int verify_max_q_len = -1;
   // The most decode columns (new tokens × GQA heads, per KV head) one verify pass puts beside each
   // other, 1 to 32 (16 at most but on the half-precision kernels and the bf16 / fp16 caches'

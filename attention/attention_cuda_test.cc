@@ -1099,9 +1099,10 @@ TEST(CudaAttentionTest, PrefillKernelRescalesWhenScoresJump) {
 
 // At head_dim 64 the plan's choice (verify_max_q_len -1) runs up to 16 new tokens as verify passes
 // on the compressed caches where they take at most 4 passes (SmolLM2's GQA 3: 4 passes of 5), on
-// the bf16 / fp16 caches where they take at most 2; 17 tokens, more passes, an explicit 8 and
-// head_dim 128 keep the prefill kernel. The passes match the reference.
-TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
+// the bf16 / fp16 caches where they take at most 2; at head_dim 128 on 4bit_nc, k3v4_nc and
+// 3bit_nc where they take at most 2; 17 tokens, more passes and an explicit 8 keep the prefill
+// kernel. The passes at head_dim 64 match the reference (at 128: VerifyInHalfPrecision).
+TEST(CudaAttentionTest, VerifyPassesTakeSixteenNewTokens) {
   TQKV_SKIP_WITHOUT_GPU();
   int k = 0;
   for (const char* preset :
@@ -1117,8 +1118,19 @@ TEST(CudaAttentionTest, HeadDim64VerifyPassesTakeSixteenNewTokens) {
     AttentionOptions eight;
     eight.verify_max_q_len = 8;
     EXPECT_FALSE(attn.Plan(2, 32, 9, 4, 16, eight).verify_rows) << preset;
+    // At head_dim 128 (32 columns per pass) the codebook keys: at most 2 passes, 2 of 10 at
+    // GQA 3, not 3 of 6 at GQA 5, and not the exact kernels' 4 of 5 (16 columns); k8v4 never.
     const CudaAttention d128(Quantizer::Create(preset, 128, 3, 16));
-    EXPECT_FALSE(d128.Plan(2, 32, 9, 4, 16).verify_rows) << preset;
+    const AttentionPlan p128 = d128.Plan(2, 32, 9, 4, 16);
+    const bool fp8 = std::string_view(preset) == "turboquant_k8v4";
+    ASSERT_EQ(p128.verify_rows, !fp8) << preset;
+    EXPECT_EQ(p128.verify_pass_rows, fp8 ? 0 : 10) << preset;
+    EXPECT_EQ(p128.verify_passes, fp8 ? 0 : 2) << preset;
+    EXPECT_FALSE(d128.Plan(2, 34, 9, 4, 17).verify_rows) << preset;
+    EXPECT_FALSE(d128.Plan(2, 32, 15, 4, 16).verify_rows) << preset;
+    AttentionOptions exact;
+    exact.verify_precision = ChunkPrecision::kExact;
+    EXPECT_FALSE(d128.Plan(2, 32, 9, 4, 16, exact).verify_rows) << preset;
 
     const int hk = 2, group = 3;
     const Quantizer q = Quantizer::Create(preset, 64, hk, 16 << (k % 4));
@@ -1306,15 +1318,15 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
   }
   EXPECT_GE(wide_passes, 16);
   EXPECT_GE(shared_passes, 16);
-  // More new tokens than verify_max_q_len (8) still run as verify rows where one pass holds them
-  // all (max_q_len · group up to 32 columns on the half kernels, 16 elsewhere); otherwise the
-  // prefill kernel.
+  // More new tokens than 8 still run as verify rows where one pass holds them all (max_q_len ·
+  // group up to 32 columns on the half kernels, 16 elsewhere), or up to 16 in at most 2 passes
+  // (the plan's choice at head_dim 128, but for k8v4); otherwise the prefill kernel.
   for (const char* preset :
        {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"}) {
-    for (const auto& [q_lens, group] :
-         {std::pair{std::vector<int32_t>{32, 1, 9, 20, 0, 31}, 1},
-          std::pair{std::vector<int32_t>{16, 1, 12, 9, 0, 16}, 2},
-          std::pair{std::vector<int32_t>{12, 1, 2, 9, 0, 10}, 4}}) {
+    for (const auto& [q_lens, group] : {std::pair{std::vector<int32_t>{32, 1, 9, 20, 0, 31}, 1},
+                                        std::pair{std::vector<int32_t>{16, 1, 12, 9, 0, 16}, 2},
+                                        std::pair{std::vector<int32_t>{12, 1, 2, 9, 0, 10}, 4},
+                                        std::pair{std::vector<int32_t>{20, 1, 2, 17, 0, 9}, 4}}) {
       const int hk = 2, d = 128, max_q = *std::max_element(q_lens.begin(), q_lens.end());
       const Quantizer q = Quantizer::Create(preset, d, hk, 16 << (k % 4));
       const AttentionScenario s = BuildAttention(q, {300, 77, 1000, 150, 0, 65}, q_lens,
@@ -1323,17 +1335,20 @@ TEST(CudaAttentionTest, VerifyInHalfPrecision) {
       c.options.verify_precision = ChunkPrecision::kHalf;
       c.options.chunk_precision = ChunkPrecision::kHalf;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      // One pass holds up to 32 columns, in half precision (every one-pass case here has 16 or 32
-      // columns: k8v4's on the shared-output kernel too).
-      const bool one_pass = max_q * group <= 32;
+      // A pass holds up to 32 columns, in half precision (every verify case here has 16 or 32
+      // columns per pass: k8v4's on the shared-output kernel too); 12 new tokens at GQA 4 take 2
+      // passes of 8 (k8v4: the prefill kernel).
+      const bool verify = max_q * group <= 32 || (max_q <= 16 && group == 4 &&
+                                                  std::string_view(preset) != "turboquant_k8v4");
+      const int columns = std::min(max_q, 32 / group) * group;
       const std::string what = fmt::format("{} group={} max_q_len={}: out {:.2e} lse {:.2e}",
                                            preset, group, max_q, e.out, e.lse);
-      EXPECT_EQ(e.verify_columns, one_pass ? max_q * group : 0) << what;
-      if (!one_pass) EXPECT_TRUE(e.prefill) << what;  // (a verify plan keeps one for windows)
-      EXPECT_EQ(e.half_verify, one_pass) << what;
+      EXPECT_EQ(e.verify_columns, verify ? columns : 0) << what;
+      if (!verify) EXPECT_TRUE(e.prefill) << what;  // (a verify plan keeps one for windows)
+      EXPECT_EQ(e.half_verify, verify) << what;
       EXPECT_EQ(e.bad, 0) << what;
       const HalfBounds b = HalfBoundsOf(false);
-      if (one_pass) {
+      if (verify) {
         EXPECT_LE(e.decode_lse, b.lse) << what;
         EXPECT_LE(e.decode_out, b.out) << what;
       } else {

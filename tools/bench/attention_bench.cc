@@ -454,14 +454,19 @@ int Main(int argc, char** argv) {
       shapes.push_back(v);
     }
   }
-  // Longer drafts (16 and 32 new tokens): the plan's choice, and verify passes on the decode
-  // kernels ("passes": AttentionOptions::verify_max_q_len raised to q).
-  for (int q : {16, 32}) {
-    shapes.push_back(Uniform(fmt::format("verify 64x4k q{}", q), 64, 4096, q));
-    Shape v = Uniform(fmt::format("verify 64x4k q{} passes", q), 64, 4096, q);
-    v.verify_max_q_len = q;
-    shapes.push_back(v);
-  }
+  // Longer drafts (16 and 32 new tokens): the plan's choice, verify passes on the decode kernels
+  // ("passes": AttentionOptions::verify_max_q_len raised to q) and the prefill kernel ("prefill":
+  // verify_max_q_len 0), as the plan weighs them.
+  auto long_drafts = [&](const std::string& name, int batch, int len, int q) {
+    shapes.push_back(Uniform(name, batch, len, q));
+    for (const int max_q_len : {q, 0}) {
+      Shape v = Uniform(name + (max_q_len > 0 ? " passes" : " prefill"), batch, len, q);
+      v.verify_max_q_len = max_q_len;
+      shapes.push_back(v);
+    }
+  };
+  for (int q : {16, 32}) long_drafts(fmt::format("verify 64x4k q{}", q), 64, 4096, q);
+  long_drafts("verify 1x128k q16", 1, 131072, 16);
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
       if (quick && chunk == 8192 && prefix == 8192) continue;
