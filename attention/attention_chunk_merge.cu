@@ -14,6 +14,7 @@ namespace {
 __global__ void ChunkMergeKernel(const ChunkMergeParams p) {
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
+  if (p.skip_before != nullptr && p.row0 + row < int64_t{*p.skip_before} * p.num_q_heads) return;
   const float* lse = p.partial_lse + row * p.max_splits;
   float m = -INFINITY;
   for (int s = 0; s < p.max_splits; ++s) m = fmaxf(m, lse[s]);

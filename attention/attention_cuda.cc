@@ -267,7 +267,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.max_blocks_per_seq = max_blocks_per_seq;
   plan.max_q_len = max_q_len;
   // One new token per sequence: max_q_len 1, or the caller says every sequence has one.
-  const bool all_one = max_q_len == 1 || options.leading_decode_seqs == num_seqs;
+  const bool all_one =
+      max_q_len == 1 || (options.leading_decode_seqs == num_seqs && options.leading_max_q_len == 1);
   // Longer contexts than the decode kernels read run on the chunk kernels alone.
   const bool decode_kernels =
       options.decode_kernels &&
@@ -344,21 +345,28 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
                           ">= 0, or -1 (the plan's choice)");
   }
+  if (options.leading_max_q_len < 1) {
+    throw InvalidArgument(kWhere, "options.leading_max_q_len", options.leading_max_q_len,
+                          ">= 1 (1: one new token per leading sequence)");
+  }
+  const int64_t lead_tokens = int64_t{options.leading_decode_seqs} * options.leading_max_q_len;
   if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
       options.leading_decode_seqs > num_tokens ||
-      (options.leading_decode_seqs == num_seqs && num_tokens != num_seqs)) {
+      (options.leading_decode_seqs == num_seqs && options.leading_max_q_len == 1 &&
+       num_tokens != num_seqs)) {
     throw InvalidArgument(kWhere, "options.leading_decode_seqs", options.leading_decode_seqs,
                           fmt::format("0 to min(num_seqs, num_tokens) = {} (num_seqs only where "
-                                      "num_tokens = num_seqs = {})",
+                                      "num_tokens = num_seqs = {} or leading_max_q_len > 1)",
                                       std::min(num_seqs, num_tokens), num_tokens));
   }
   if (const int lead = options.leading_decode_seqs;
-      lead > 0 && int64_t{num_tokens} - lead > int64_t{num_seqs - lead} * max_q_len) {
+      lead > 0 && num_tokens > lead_tokens + int64_t{num_seqs - lead} * max_q_len) {
     throw InvalidArgument(
         kWhere, "num_tokens", num_tokens,
-        fmt::format("at most leading_decode_seqs + (num_seqs - leading_decode_seqs) · max_q_len "
-                    "= {} (the leading sequences have one new token each)",
-                    lead + int64_t{num_seqs - lead} * max_q_len));
+        fmt::format("at most leading_decode_seqs · leading_max_q_len + (num_seqs - "
+                    "leading_decode_seqs) · max_q_len = {} (the leading sequences have at most "
+                    "leading_max_q_len = {} new tokens each)",
+                    lead_tokens + int64_t{num_seqs - lead} * max_q_len, options.leading_max_q_len));
   }
   if (options.verify_max_group < 1 || options.verify_max_group > 32) {
     throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
@@ -419,12 +427,28 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.decode_plan =
         s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
   }
-  // The caller's leading one-token sequences: on the decode kernels where they lie.
-  if (plan.decode_rows && options.leading_decode_seqs > 0) {
+  // The caller's leading one-token sequences: on the decode kernels where they lie. Leading
+  // verify rows (leading_max_q_len > 1, up to the verify limit) there too, as verify passes: a
+  // draft of 4 tokens per sequence beside a chunk runs at verify speed, not on the chunk's kernel
+  // (H100, 4bit_nc, 63 × 4k with 4 new tokens each beside a 2,048-token chunk: 209.1 µs, 1.02x
+  // the two parts run apart, against 396.4 with every row on the prefill kernel).
+  const int lead_q = std::min(options.leading_max_q_len, max_q_len);
+  if (plan.decode_rows && options.leading_decode_seqs > 0 && lead_q == 1) {
     plan.decode_rows = false;
     plan.leading_decodes = options.leading_decode_seqs;
+    plan.leading_max_q_len = 1;
     plan.decode_plan =
         s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, options.decode);
+  } else if (decode_kernels && !plan.decode && !plan.verify_rows && lead_q > 1 &&
+             lead_q <= verify_q && options.leading_decode_seqs > 0 &&
+             options.leading_decode_seqs < num_seqs && group <= 16) {
+    plan.decode_rows = false;
+    plan.leading_decodes = options.leading_decode_seqs;
+    plan.leading_max_q_len = lead_q;
+    plan.verify_pass_rows = std::min(lead_q, std::max(1, max_columns / group));
+    plan.verify_passes = (lead_q + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
+    plan.decode_plan = s.decoder.Plan(plan.leading_decodes, hk * plan.verify_pass_rows * group,
+                                      max_blocks_per_seq, decode);
   }
 #if TQKV_HAVE_CUDA
   if (plan.prefill) {
@@ -490,8 +514,13 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         (decode_paths == 0 || dp.max_blocks_per_seq == plan.max_blocks_per_seq) &&
         (plan.decode || plan.decode_rows
              ? dp.num_seqs == plan.num_seqs && dp.num_q_heads == plan.num_q_heads
-         : plan.leading_decodes > 0
+         : plan.leading_decodes > 0 && plan.leading_max_q_len == 1
              ? dp.num_seqs == plan.leading_decodes && dp.num_q_heads == plan.num_q_heads
+         : plan.leading_decodes > 0
+             ? dp.num_seqs == plan.leading_decodes && plan.verify_pass_rows >= 1 &&
+                   plan.leading_max_q_len <= plan.max_q_len &&
+                   dp.num_q_heads == num_kv_heads() * plan.verify_pass_rows * group &&
+                   int64_t{plan.verify_pass_rows} * plan.verify_passes >= plan.leading_max_q_len
          : plan.verify_rows
              ? dp.num_seqs == plan.num_seqs && plan.verify_pass_rows >= 1 &&
                    dp.num_q_heads == num_kv_heads() * plan.verify_pass_rows * group &&
@@ -518,6 +547,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         !prefill_ok || !prefill_options_ok || plan.max_q_len > max_len || plan.max_q_len < 1 ||
         plan.max_q_len > plan.num_tokens || decode_paths > 1 || plan.leading_decodes < 0 ||
         plan.leading_decodes > plan.num_seqs || !decode_plan_ok ||
+        (plan.leading_decodes > 0 && plan.leading_max_q_len < 1) ||
         (plan.row_warps != 1 && plan.row_warps != 2 && plan.row_warps != 4) ||
         plan.row_tiles < RowTileSlots(plan.num_tokens, plan.num_seqs, group, cta_rows) ||
         plan.max_splits > kMaxSplits || plan.tokens_per_split < 64 ||
@@ -621,12 +651,20 @@ void CudaAttention::CheckArrays(const AttentionPlan& plan, const AttentionArgs& 
   ValidateAttentionArrays(kWhere, s.layout, host);
   for (int i = 0; i < a.num_seqs; ++i) {
     const int32_t q_len = loc[i + 1] - loc[i];
-    const bool one = plan.decode || i < plan.leading_decodes;
-    if (one ? q_len != 1 : q_len > plan.max_q_len) {
+    const bool one = plan.decode || (i < plan.leading_decodes && plan.leading_max_q_len == 1);
+    const bool lead_verify = !one && i < plan.leading_decodes;
+    if (one           ? q_len != 1
+        : lead_verify ? q_len < 1 || q_len > plan.leading_max_q_len
+                      : q_len > plan.max_q_len) {
       throw InvalidArgument(
           kWhere, fmt::format("query_start_loc[{}]", i + 1), loc[i + 1],
           one ? fmt::format("{} (query_start_loc[{}] + 1: {})", loc[i] + 1, i,
                             plan.decode ? "a one-token plan" : "a leading decode sequence")
+          : lead_verify
+              ? fmt::format("{} to {} (query_start_loc[{}] + 1 to + plan.leading_max_q_len {}: a "
+                            "leading sequence)",
+                            int64_t{loc[i]} + 1, int64_t{loc[i]} + plan.leading_max_q_len, i,
+                            plan.leading_max_q_len)
               : fmt::format("at most {} (query_start_loc[{}] + plan.max_q_len {})",
                             int64_t{loc[i]} + plan.max_q_len, i, plan.max_q_len));
     }
@@ -735,10 +773,34 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   const bool defer_merge =
       lead > 0 && plan.decode_plan.overlap_next && plan.decode_plan.max_splits > 1;
   const auto lead_launch = defer_merge ? CudaDecoder::Launch::kSplits : CudaDecoder::Launch::kAll;
+  // q·Πᵀ of every row (MSE keys, where the prefill kernel does not rotate the query itself), for
+  // the chunk kernel and a dense Πᵀ's leading verify rows.
+  const bool query_prep = rotate && !plan.prefill_rotates;
+  if (query_prep) {
+    decode_detail::QueryPrepParams qp;
+    qp.query = a.query;
+    qp.in_dtype = a.query_dtype;
+    qp.rotation = s.rotation.data();
+    qp.rotation_fragments = s.rotation_fragments.data();
+    qp.out = reinterpret_cast<float*>(ws);
+    qp.rows = static_cast<int>(rows);
+    qp.head_dim = d;
+    TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
+  }
+  // Leading verify rows (plan.leading_max_q_len > 1): passes of verify_pass_rows new tokens,
+  // reading and writing the caller's rows in place (RunVerify's columns).
+  const bool lead_verify = lead > 0 && plan.leading_max_q_len > 1;
+  decode_detail::VerifyColumns lead_columns;
+  lead_columns.query_start_loc = a.query_start_loc;
+  lead_columns.rows = plan.verify_pass_rows;
+  lead_columns.group = plan.num_q_heads / num_kv_heads();
+  lead_columns.num_q_heads = plan.num_q_heads;
   CudaDecodeArgs lead_args;
   if (lead > 0) {
-    lead_args.query = a.query;
-    lead_args.query_dtype = a.query_dtype;
+    // A dense Πᵀ's verify passes read q·Πᵀ (the decode kernels apply a Hadamard one themselves).
+    const bool mapped = lead_verify && query_prep && !s.fwht;
+    lead_args.query = mapped ? static_cast<const void*>(ws) : a.query;
+    lead_args.query_dtype = mapped ? DType::kF32 : a.query_dtype;
     lead_args.cache = a.cache;
     lead_args.block_tables = a.block_tables;
     lead_args.seq_lens = a.seq_lens;
@@ -748,7 +810,16 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     lead_args.lse = a.lse;
     lead_args.workspace = ws + w.query + w.partial_out + w.partial_lse;
     lead_args.workspace_bytes = w.rows_workspace;
-    s.decoder.RunColumns(plan.decode_plan, lead_args, nullptr, stream, lead_launch);
+    if (lead_verify) {
+      for (int pass = 0; pass < plan.verify_passes; ++pass) {
+        lead_columns.row_begin = pass * plan.verify_pass_rows;
+        const bool last = pass + 1 == plan.verify_passes;
+        s.decoder.RunColumns(plan.decode_plan, lead_args, &lead_columns, stream,
+                             last ? lead_launch : CudaDecoder::Launch::kAll);
+      }
+    } else {
+      s.decoder.RunColumns(plan.decode_plan, lead_args, nullptr, stream, lead_launch);
+    }
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
   // after the chunk kernel (the decode kernels have no sliding window).
@@ -797,16 +868,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     p.query_fwht = 1;
     p.query_signs = s.signs.data();
     p.query_scale = 1.0f / std::sqrt(static_cast<float>(d));
-  } else if (rotate) {
-    decode_detail::QueryPrepParams qp;
-    qp.query = a.query;
-    qp.in_dtype = a.query_dtype;
-    qp.rotation = s.rotation.data();
-    qp.rotation_fragments = s.rotation_fragments.data();
-    qp.out = reinterpret_cast<float*>(ws);
-    qp.rows = static_cast<int>(rows);
-    qp.head_dim = d;
-    TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
+  } else if (rotate) {  // (q·Πᵀ of every row, before the leading rows: see query_prep above)
     p.query = ws;
     p.query_dtype = DType::kF32;
   } else {
@@ -854,7 +916,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     TQKV_CUDA_CHECK(LaunchChunkAttention(s.key_kind, s.value_bits, d, p, stream));
   }
   if (plan.max_splits > 1) {
-    // The rows from row `lead` on (the leading rows are the decode kernels' outputs).
+    // The rows from row `lead` on (the leading rows are the decode kernels' outputs; leading
+    // verify rows: from query_start_loc[lead] on, found on the device).
     const int64_t first = int64_t{lead} * plan.num_q_heads;
     ChunkMergeParams mp;
     mp.partial_out = p.partial_out + first * plan.max_splits * d;
@@ -865,10 +928,16 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     mp.rows = static_cast<int>(rows - first);
     mp.head_dim = d;
     mp.max_splits = plan.max_splits;
+    if (lead_verify) {  // (the leading sequences' tokens past the first `lead`)
+      mp.skip_before = a.query_start_loc + lead;
+      mp.row0 = first;
+      mp.num_q_heads = plan.num_q_heads;
+    }
     TQKV_CUDA_CHECK(LaunchChunkMerge(mp, stream));
   }
   if (defer_merge) {
-    s.decoder.RunColumns(plan.decode_plan, lead_args, nullptr, stream, CudaDecoder::Launch::kMerge);
+    s.decoder.RunColumns(plan.decode_plan, lead_args, lead_verify ? &lead_columns : nullptr, stream,
+                         CudaDecoder::Launch::kMerge);
   }
   if (decode_rows) TQKV_CUDA_CHECK(LaunchScatterDecodeRows(rp, stream));
 }

@@ -10,7 +10,8 @@
 // AttentionOptions::leading_decode_seqs = num_seqs, and num_tokens == num_seqs) and no sliding
 // window runs the decode kernels (attention/decode_cuda.h), and so do the one-token sequences of
 // a mixed call (decode rows beside prefill chunks: in place where the caller says they come
-// first, AttentionOptions::leading_decode_seqs), and a call of few new
+// first, AttentionOptions::leading_decode_seqs; so do leading verify rows,
+// AttentionOptions::leading_max_q_len), and a call of few new
 // tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
 // ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc,
 // k3v4_nc, 3bit_nc and k8v4 at head_dim 128 in half precision; 8 on the compressed caches at
@@ -97,6 +98,14 @@ struct AttentionOptions {
   // them); 0: the one-token sequences are found on the device. 0 to num_seqs; Run's arrays must
   // agree (query_start_loc[b] = b up to it).
   int leading_decode_seqs = 0;
+  // The most new tokens each of those leading sequences has (1, the default: exactly one each).
+  // More: they are verify rows (vLLM's decodes with draft tokens, up to its
+  // reorder_batch_threshold), 1 to leading_max_q_len new tokens each, and where that is at most
+  // the plan's verify limit (verify_max_q_len or the plan's choice of it) they run as verify
+  // passes in place beside the chunk or prefill kernel's tiles for the others, as one-token rows
+  // do; past it every sequence runs on the chunk or prefill kernel. A call of leading sequences
+  // alone (leading_decode_seqs = num_seqs) is planned as any call of few new tokens.
+  int leading_max_q_len = 1;
   // Whether the prefill kernel may take long chunks' own tiles dequantized once into the
   // workspace (AttentionPlan::prefill_tiles; the same values its producers would write): less
   // time, more workspace (32 KB per 64 new tokens and KV head, not growing with the context
@@ -119,8 +128,10 @@ struct AttentionPlan {
   // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
   // or prefill kernel's grid covers the others (decode_plan.overlap_next: launched as the decode's
   // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
-  // chunk kernel).
+  // chunk kernel). leading_max_q_len > 1 (AttentionOptions::leading_max_q_len): they have 1 to
+  // that many each and run as verify_passes passes of verify_pass_rows (below) in place.
   int leading_decodes = 0;
+  int leading_max_q_len = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len, or the plan's choice of
   // it): the decode kernels in passes of verify_pass_rows new tokens per sequence beside the GQA
   // heads (a decode of group verify_pass_rows · G, each column over the context up to its own

@@ -68,6 +68,8 @@ struct Errors {
   bool shared_verify = false;             // .. on the kernel whose warps share the output
   int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
+  int leading_max_q_len = 0;              // AttentionPlan::leading_max_q_len
+  int verify_passes = 0;                  // AttentionPlan::verify_passes
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   int decode_splits = 0;                  // the decode plan's max_splits
   bool decode = false;                    // AttentionPlan::decode
@@ -178,20 +180,28 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     }
   }
   lse.CopyToHost(l);
-  // Rows on the decode kernels: one-token sequences, or every row of a verify plan.
+  // Rows on the decode kernels: one-token sequences, every row of a verify plan, and the leading
+  // verify rows of a mixed call.
   std::vector<bool> single(s.num_tokens, plan.verify_rows && c.window == 0);
+  const bool lead_verify = plan.leading_max_q_len > 1 && c.window == 0;
   for (int b = 0; b < num_seqs; ++b) {
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
+    if (lead_verify && b < plan.leading_decodes) {
+      for (int t = s.query_start_loc[b]; t < s.query_start_loc[b + 1]; ++t) single[t] = true;
+    }
   }
   Errors e;
   e.prefill = plan.prefill;
   e.prefill_rotates = plan.prefill_rotates;
-  e.half_verify = plan.verify_rows && c.window == 0 && plan.decode_plan.variant.half;
+  e.half_verify =
+      (plan.verify_rows || lead_verify) && c.window == 0 && plan.decode_plan.variant.half;
   e.narrow_half_verify = e.half_verify && plan.decode_plan.variant.pipeline ==
                                               decode_detail::SplitPipeline::kStagedNarrow;
   e.shared_verify = e.half_verify && plan.decode_plan.variant.shared_o;
   e.verify_columns = plan.verify_rows ? plan.decode_plan.num_q_heads / attn.num_kv_heads() : 0;
   e.leading_decodes = plan.leading_decodes;
+  e.leading_max_q_len = plan.leading_max_q_len;
+  e.verify_passes = plan.verify_passes;
   e.overlap_next = plan.decode_plan.overlap_next;
   e.decode_splits = plan.decode_plan.max_splits;
   e.decode = plan.decode;
@@ -352,7 +362,7 @@ TEST(CudaAttentionTest, SplitsMergeToTheSameResult) {
 TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{300, 77, 1000, 150, 0, 65}, {4, 1, 8, 3, 0, 2}};
-  int k = 0, deferred_merges = 0;
+  int k = 0;
   for (const char* preset : kPresetNames) {
     for (int d : {64, 128, 256}) {
       const int group = (k % 4) + 1, hk = 2, bs = 16 << (k % 4);
@@ -950,6 +960,103 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
   ExpectWithin(e, kLseTol, "one-token sequences only", DecodeBoundsOf("turboquant_4bit_nc"));
 }
 
+// Leading verify rows (AttentionOptions::leading_max_q_len > 1: vLLM's decodes with draft tokens
+// first in the step) beside prefill chunks: 1 to 4 new tokens per leading sequence run as one
+// verify pass in place, 1 to 12 as 2 passes of 8 where the plan takes 16 new tokens as passes
+// (4bit_nc, k3v4_nc and 3bit_nc at head_dim 128; 3 of 4 at 64), on the prefill or chunk kernel
+// with the others where it does not (k8v4 and the bf16 cache past 8). Against the reference: the
+// exact verify and chunk numerics (the default Case) to the decode bounds, half precision to the
+// half bounds; with splits of the chunk's context, a sliding window (every row on the chunk
+// kernel) and a dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
+TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step four{{300, 1000, 77, 2000, 700, 150}, {4, 1, 3, 4, 200, 65}};
+  const Step twelve{{300, 1000, 77, 2000, 700, 150}, {12, 1, 9, 12, 200, 65}};
+  auto check = [](const Errors& e, const char* kind, bool half, const std::string& what) {
+    EXPECT_EQ(e.bad, 0) << what;
+    if (half) {  // (the bf16 cache: its prefill kernel's bounds)
+      const HalfBounds hb = HalfBoundsOf(std::string_view(kind) == "BF16");
+      EXPECT_LE(std::max(e.lse, e.decode_lse), hb.lse) << what;
+      EXPECT_LE(std::max(e.out, e.decode_out), hb.out) << what;
+    } else {
+      ExpectWithin(e, kLseTol, what, DecodeBoundsOf(kind));
+    }
+  };
+  int k = 0, passes2 = 0, deferred_merges = 0;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+                             "turboquant_k8v4", "bf16"}) {
+    const bool plain = std::string_view(preset) == "bf16";
+    for (int d : {64, 128}) {
+      const int hk = 2, group = 4, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q =
+          Quantizer::Create(plain ? "turboquant_k8v4" : preset, d, hk, bs);  // (plain: its shape)
+      const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, DType::kBF16);
+      for (const Step* step : {&four, &twelve}) {
+        const int lead_q = step == &four ? 4 : 12;
+        AttentionScenario s = BuildAttention(q, step->lens, step->q_lens, hk * group, 1400 + k);
+        if (plain) {
+          for (float& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+        }
+        const std::vector<uint8_t> cache = plain ? testing::StorePlain(s, f) : s.base.cache;
+        for (int variant = 0; variant < 4; ++variant) {
+          Case c = plain ? Case{.plain = &f} : Case{.quantizer = &q};
+          c.options.leading_decode_seqs = 4;
+          c.options.leading_max_q_len = lead_q;
+          const bool half = variant == 1 || variant == 2;
+          if (half) {
+            c.options.chunk_precision = ChunkPrecision::kHalf;
+            c.options.verify_precision = ChunkPrecision::kHalf;
+          }
+          if (variant == 2) c.options.tokens_per_split = 64;
+          if (variant == 3) c.window = 100;
+          const Errors e = RunAndCompare(c, s, cache);
+          const std::string what = fmt::format(
+              "{} D={} bs={} leading_max_q_len {} variant {}: out {:.2e} lse {:.2e}, leading "
+              "rows out {:.2e} lse {:.2e}",
+              preset, d, bs, lead_q, variant, e.out, e.lse, e.decode_out, e.decode_lse);
+          // The plan's verify limit: 16 at head_dim 64 (4 passes of 16 columns on the compressed
+          // caches, 2 of 32 on the bf16 one), and at 128 on the codebook keys' 32-column passes
+          // (half precision), else 8.
+          const bool codebook = !plain && std::string_view(preset) != "turboquant_k8v4";
+          const bool sixteen = d == 64 || (d == 128 && codebook && half);
+          const bool led = lead_q <= 8 || sixteen;
+          EXPECT_EQ(e.leading_decodes, led ? 4 : 0) << what;
+          EXPECT_EQ(e.leading_max_q_len, led ? lead_q : 0) << what;
+          if (led && c.window == 0) {
+            const int rows = d == 128 || plain ? 8 : 4;  // new tokens per pass at GQA 4
+            EXPECT_EQ(e.verify_passes, (lead_q + rows - 1) / rows) << what;
+            passes2 += e.verify_passes > 1 ? 1 : 0;
+            deferred_merges += e.overlap_next && e.decode_splits > 1 ? 1 : 0;
+          }
+          check(e, plain ? "BF16" : preset, half, what);
+        }
+      }
+    }
+  }
+  EXPECT_GE(passes2, 6);
+  EXPECT_GE(deferred_merges, 1);  // the last pass's merge came after the chunk kernel
+  {                               // A dense Πᵀ: the verify passes read the chunk's q·Πᵀ.
+    const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16, RotationKind::kHaar, 5);
+    for (const Step* step : {&four, &twelve}) {
+      const AttentionScenario s = BuildAttention(q, step->lens, step->q_lens, 8, 1450);
+      Case c{.quantizer = &q};
+      c.options.leading_decode_seqs = 4;
+      c.options.leading_max_q_len = step == &four ? 4 : 12;
+      c.options.chunk_precision = ChunkPrecision::kHalf;
+      c.options.verify_precision = ChunkPrecision::kHalf;
+      const Errors e = RunAndCompare(c, s, s.base.cache);
+      const std::string what = fmt::format(
+          "haar, leading_max_q_len {}: out {:.2e} lse {:.2e}, leading rows out {:.2e} "
+          "lse {:.2e}",
+          c.options.leading_max_q_len, e.out, e.lse, e.decode_out, e.decode_lse);
+      EXPECT_EQ(e.leading_decodes, 4) << what;
+      EXPECT_FALSE(e.overlap_next) << what;
+      check(e, "turboquant_4bit_nc", true, what);
+    }
+  }
+}
+
 // Value metadata whose values reach past fp16 (scales 2,000-30,000, zeros near -55,000 on every
 // third 8-token group: values up to ~400,000; tqkv's store never writes them, a cache converted
 // from elsewhere may hold them). The prefill kernels dequantize values to fp16 divided by 16 (the
@@ -1517,6 +1624,21 @@ TEST(CudaAttentionTest, CheckArraysNamesTheBrokenEntry) {
       ::testing::ThrowsMessage<Error>(
           ::testing::AllOf(::testing::HasSubstr("invalid query_start_loc[1] = 2"),
                            ::testing::HasSubstr("a leading decode sequence"))));
+  // A leading verify sequence (up to 2 new tokens) with 3, and with none.
+  const AttentionScenario v = BuildAttention(q, {40, 33, 20}, {2, 31, 20}, 32, 7);
+  a.num_tokens = v.num_tokens;
+  lead.leading_max_q_len = 2;
+  const AttentionPlan lv = attn.Plan(3, v.num_tokens, 32, v.base.max_blocks, 33, lead);
+  ASSERT_EQ(lv.leading_decodes, 1);
+  ASSERT_EQ(lv.leading_max_q_len, 2);
+  EXPECT_NO_THROW(check(lv, v.base.block_tables, v.base.seq_lens, v.query_start_loc));
+  for (const auto& [starts, bad] : {std::pair{std::vector<int32_t>{0, 3, 34, 53}, 3},
+                                    std::pair{std::vector<int32_t>{0, 0, 33, 53}, 0}}) {
+    EXPECT_THAT([&] { check(lv, v.base.block_tables, v.base.seq_lens, starts); },
+                ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                    ::testing::HasSubstr(fmt::format("invalid query_start_loc[1] = {}", bad)),
+                    ::testing::HasSubstr("1 to 2"), ::testing::HasSubstr("a leading sequence"))));
+  }
 }
 
 TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
@@ -1610,6 +1732,24 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   EXPECT_THAT([&] { attn.Plan(3, 8, 32, 4, 3, one_lead); },
               ::testing::ThrowsMessage<Error>(::testing::AllOf(
                   ::testing::HasSubstr("invalid num_tokens = 8"), ::testing::HasSubstr("= 7"))));
+  // Leading verify rows: at least 1 new token each, and at most leading_max_q_len.
+  AttentionOptions lead_two = one_lead;
+  lead_two.leading_max_q_len = 2;
+  EXPECT_NO_THROW(attn.Plan(3, 8, 32, 4, 3, lead_two));
+  EXPECT_THAT([&] { attn.Plan(3, 9, 32, 4, 3, lead_two); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(
+                  ::testing::HasSubstr("invalid num_tokens = 9"), ::testing::HasSubstr("= 8"))));
+  lead_two.leading_max_q_len = 0;
+  EXPECT_THAT([&] { attn.Plan(3, 7, 32, 4, 3, lead_two); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("invalid options.leading_max_q_len = 0")));
+  // Every sequence leading with up to 2 new tokens: planned as verify rows.
+  AttentionOptions all_two;
+  all_two.leading_decode_seqs = 3;
+  all_two.leading_max_q_len = 2;
+  const AttentionPlan all_verify = attn.Plan(3, 5, 32, 4, 2, all_two);
+  EXPECT_TRUE(all_verify.verify_rows);
+  EXPECT_EQ(all_verify.leading_decodes, 0);
   AttentionOptions precision;
   precision.verify_precision = static_cast<ChunkPrecision>(7);
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, precision); },

@@ -152,6 +152,12 @@ struct ChunkMergeParams {
   int rows = 0;  // num_tokens · num_q_heads
   int head_dim = 0;
   int max_splits = 0;
+  // Where set (a mixed call's leading verify rows, whose count only the device knows): the rows
+  // above hold global rows row0 on, and those before skip_before[0] · num_q_heads (written by the
+  // decode kernels) are left alone.
+  const int32_t* skip_before = nullptr;
+  int64_t row0 = 0;
+  int num_q_heads = 0;
 };
 
 // A mixed call's one-token sequences on the decode kernels: GatherDecodeRows writes, per sequence,

@@ -121,6 +121,7 @@ struct Shape {
   int verify_max_group = AttentionOptions{}.verify_max_group;
   int verify_max_q_len = AttentionOptions{}.verify_max_q_len;
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
+  int leading_max_q_len = 1;    // AttentionOptions::leading_max_q_len
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shared_o = DecodeOptions{}.shared_o;
@@ -226,6 +227,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
     options.verify_max_group = s.verify_max_group;
     options.verify_max_q_len = s.verify_max_q_len;
     options.leading_decode_seqs = s.leading_decode_seqs;
+    options.leading_max_q_len = s.leading_max_q_len;
     options.decode.tokens_per_split = s.decode_tokens_per_split;
     options.decode.narrow = s.decode_narrow;
     options.decode.shared_o = s.shared_o;
@@ -270,9 +272,14 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
         r.workspace / 1e6,
         plan.verify_rows ? fmt::format("decode kernels, {} passes of {} rows, ", plan.verify_passes,
                                        plan.verify_pass_rows)
-        : plan.decode    ? "decode kernels, "
-        : plan.prefill   ? "prefill kernel, "
-                         : "chunk kernel, ",
+        : plan.leading_max_q_len > 1
+            ? fmt::format("leading rows on the decode kernels, {} passes of {} rows, then the {} "
+                          "kernel, ",
+                          plan.verify_passes, plan.verify_pass_rows,
+                          plan.prefill ? "prefill" : "chunk")
+        : plan.decode  ? "decode kernels, "
+        : plan.prefill ? "prefill kernel, "
+                       : "chunk kernel, ",
         r.splits);
     std::fflush(stdout);
     if (s.leading_decode_seqs <= 0 || s.leading_decode_seqs >= batch) continue;
@@ -523,6 +530,22 @@ int Main(int argc, char** argv) {
   mixed_exact.name += " exact";
   mixed_exact.precision = ChunkPrecision::kExact;
   shapes.push_back(mixed_exact);
+  // Speculative decoding beside a chunk: 63 sequences with 4 or 8 new tokens first
+  // (AttentionOptions::leading_max_q_len: verify passes in place), and without saying so (every
+  // row on the prefill kernel).
+  for (int q : {4, 8}) {
+    Shape spec{fmt::format("mixed 2048 + 63x4k q{}", q), std::vector<int32_t>(63, 4096),
+               std::vector<int32_t>(63, q)};
+    spec.lens.push_back(2048);
+    spec.q_lens.push_back(2048);
+    spec.leading_decode_seqs = 63;
+    spec.leading_max_q_len = q;
+    shapes.push_back(spec);
+    spec.name += " unsaid";
+    spec.leading_decode_seqs = 0;
+    spec.leading_max_q_len = 1;
+    shapes.push_back(spec);
+  }
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
