@@ -464,8 +464,10 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   }
 #endif
   const bool chunk_query_prep = !s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates;
-  // The chunk right after the leading rows' decode (no query prep between them) starts on the SMs
-  // that decode leaves; it reads nothing the decode writes.
+  // The chunk right after the leading rows' decode starts on the SMs that decode leaves; it reads
+  // nothing the decode writes. Only where the chunk needs no q·Πᵀ of its own (RunChunk now runs
+  // that prep before the leading rows, so the overlap could extend to those calls too: not
+  // measured).
   if (plan.leading_decodes > 0) plan.decode_plan.overlap_next = !chunk_query_prep;
   plan.workspace_bytes = WorkspaceBytes(plan);
   return plan;

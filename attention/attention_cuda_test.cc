@@ -966,12 +966,15 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
 // (4bit_nc, k3v4_nc and 3bit_nc at head_dim 128; 3 of 4 at 64), on the prefill or chunk kernel
 // with the others where it does not (k8v4 and the bf16 cache past 8). Against the reference: the
 // exact verify and chunk numerics (the default Case) to the decode bounds, half precision to the
-// half bounds; with splits of the chunk's context, a sliding window (every row on the chunk
-// kernel) and a dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
+// half bounds; with splits of the chunk's context (whose merge must leave the leading rows
+// alone), a sliding window (every row on the chunk kernel) and a dense Πᵀ (the verify passes
+// read the chunk's q·Πᵀ).
 TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
-  const Step four{{300, 1000, 77, 2000, 700, 150}, {4, 1, 3, 4, 200, 65}};
-  const Step twelve{{300, 1000, 77, 2000, 700, 150}, {12, 1, 9, 12, 200, 65}};
+  // (A chunk of 300 new tokens: at head_dim 128 in half precision its own tiles are dequantized
+  // into the workspace first, for the sequences after the leading ones.)
+  const Step four{{300, 1000, 77, 2000, 700, 150}, {4, 1, 3, 4, 300, 65}};
+  const Step twelve{{300, 1000, 77, 2000, 700, 150}, {12, 1, 9, 12, 300, 65}};
   auto check = [](const Errors& e, const char* kind, bool half, const std::string& what) {
     EXPECT_EQ(e.bad, 0) << what;
     if (half) {  // (the bf16 cache: its prefill kernel's bounds)
@@ -982,7 +985,7 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
       ExpectWithin(e, kLseTol, what, DecodeBoundsOf(kind));
     }
   };
-  int k = 0, passes2 = 0, deferred_merges = 0;
+  int k = 0, passes2 = 0, deferred_merges = 0, tiles = 0;
   for (const char* preset : {"turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
                              "turboquant_k8v4", "bf16"}) {
     const bool plain = std::string_view(preset) == "bf16";
@@ -1024,10 +1027,12 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           EXPECT_EQ(e.leading_decodes, led ? 4 : 0) << what;
           EXPECT_EQ(e.leading_max_q_len, led ? lead_q : 0) << what;
           if (led && c.window == 0) {
-            const int rows = d == 128 || plain ? 8 : 4;  // new tokens per pass at GQA 4
+            // New tokens per pass at GQA 4: 32 or 16 columns (MaxSplitGroup).
+            const int rows = plain || (d == 128 && half) ? 8 : 4;
             EXPECT_EQ(e.verify_passes, (lead_q + rows - 1) / rows) << what;
             passes2 += e.verify_passes > 1 ? 1 : 0;
             deferred_merges += e.overlap_next && e.decode_splits > 1 ? 1 : 0;
+            tiles += e.prefill_tiles ? 1 : 0;
           }
           check(e, plain ? "BF16" : preset, half, what);
         }
@@ -1036,6 +1041,7 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
   }
   EXPECT_GE(passes2, 6);
   EXPECT_GE(deferred_merges, 1);  // the last pass's merge came after the chunk kernel
+  EXPECT_GE(tiles, 1);            // and the chunk's tiles were dequantized first
   {                               // A dense Πᵀ: the verify passes read the chunk's q·Πᵀ.
     const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 2, 16, RotationKind::kHaar, 5);
     for (const Step* step : {&four, &twelve}) {
