@@ -430,8 +430,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // The caller's leading one-token sequences: on the decode kernels where they lie. Leading
   // verify rows (leading_max_q_len > 1, up to the verify limit) there too, as verify passes: a
   // draft of 4 tokens per sequence beside a chunk runs at verify speed, not on the chunk's kernel
-  // (H100, 4bit_nc, 63 × 4k with 4 new tokens each beside a 2,048-token chunk: 209.1 µs, 1.02x
-  // the two parts run apart, against 396.4 with every row on the prefill kernel).
+  // (H100, 4bit_nc, 63 × 4k with 4 new tokens each beside a 2,048-token chunk: 207.3 µs, 1.04x
+  // the two parts run apart, against 392.0 with every row on the prefill kernel).
   const int lead_q = std::min(options.leading_max_q_len, max_q_len);
   if (plan.decode_rows && options.leading_decode_seqs > 0 && lead_q == 1) {
     plan.decode_rows = false;
