@@ -141,6 +141,29 @@ void SetCacheLayout(const State& s, attention_detail::ChunkParams& p) {
 
 }  // namespace
 
+AttentionOptions WithLeadingSequences(AttentionOptions options,
+                                      std::span<const int32_t> query_start_loc,
+                                      int max_leading_q_len) {
+  constexpr const char* kWhere = "WithLeadingSequences";
+  if (max_leading_q_len < 1) {
+    throw InvalidArgument(kWhere, "max_leading_q_len", max_leading_q_len, ">= 1");
+  }
+  if (query_start_loc.empty()) {
+    throw InvalidArgument(kWhere, "query_start_loc.size()", 0, ">= 1 (num_seqs + 1 offsets)");
+  }
+  const size_t num_seqs = query_start_loc.size() - 1;
+  int lead = 0, most = 1;
+  for (size_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = int64_t{query_start_loc[b + 1]} - query_start_loc[b];
+    if (q_len < 1 || q_len > max_leading_q_len) break;
+    most = std::max(most, static_cast<int>(q_len));
+    ++lead;
+  }
+  options.leading_decode_seqs = lead;
+  options.leading_max_q_len = most;
+  return options;
+}
+
 CudaAttention::CudaAttention(const Quantizer& q) : state_(std::make_unique<State>(CudaDecoder(q))) {
   State& s = *state_;
   s.format = q.format();

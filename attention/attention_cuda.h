@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "attention/attention.h"
 #include "attention/decode_cuda.h"
@@ -112,6 +113,18 @@ struct AttentionOptions {
   // before the chunk). false: every row tile dequantizes the tiles it reads.
   bool prefill_tiles = true;
 };
+
+// AttentionOptions for a step whose decoding sequences come first (as vLLM and model::Server
+// order a step): the leading run of sequences with 1 to max_leading_q_len new tokens each (one
+// token, or one plus its drafts) as leading_decode_seqs, the most new tokens among them as
+// leading_max_q_len (1 where the run is empty); the other options as given. query_start_loc: the
+// step's num_seqs + 1 offsets on the host. The default, 16, is the most new tokens the plan takes
+// as verify passes; a run that exceeds the plan's limit runs on the chunk or prefill kernel (see
+// leading_max_q_len). Throws InvalidArgument for max_leading_q_len < 1 or a query_start_loc of
+// fewer than 1 entry.
+AttentionOptions WithLeadingSequences(AttentionOptions options,
+                                      std::span<const int32_t> query_start_loc,
+                                      int max_leading_q_len = 16);
 
 struct AttentionPlan {
   int num_seqs = 0;

@@ -214,16 +214,14 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   moved |= d.batch.data() != batch_before;
 
   // Attention plans (host only) and their workspace.
-  // The one-token requests at the front of the batch run on the decode kernels in place.
+  // The decoding requests at the front of the batch (one new token, or one plus its drafts) run
+  // on the decode kernels in place, beside the prompt chunks' kernel.
   int max_q_len = 0;
-  AttentionOptions options;
-  bool leading = true;
   for (int32_t i = 0; i < batch_.num_requests(); ++i) {
-    const int32_t q_len = batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i];
-    max_q_len = std::max(max_q_len, q_len);
-    leading = leading && q_len == 1;
-    if (leading) ++options.leading_decode_seqs;
+    max_q_len = std::max(max_q_len, batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i]);
   }
+  const AttentionOptions options =
+      WithLeadingSequences({}, batch_.query_start_loc().first(batch_.num_requests() + 1));
   std::optional<AttentionPlan> plan, plan_bf16;
   int64_t attention_bytes = 256;
   if (d.attention) {

@@ -223,14 +223,7 @@ class CudaBackend : public Backend {
     for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
     // The decoding sequences at the front of the batch (one new token, or with --spec-tokens up
     // to 1 + K) run on the decode kernels in place.
-    // (Up to 16 new tokens, the most the plan takes as verify passes.)
-    AttentionOptions options;
-    while (options.leading_decode_seqs < b_) {
-      const int32_t q_len = loc[options.leading_decode_seqs + 1] - loc[options.leading_decode_seqs];
-      if (q_len < 1 || q_len > 16) break;
-      options.leading_max_q_len = std::max(options.leading_max_q_len, q_len);
-      ++options.leading_decode_seqs;
-    }
+    const AttentionOptions options = WithLeadingSequences({}, loc.first(b_ + 1));
     plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len, options);
     out_bytes_ = int64_t{layers_} * t_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
     // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
