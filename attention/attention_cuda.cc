@@ -486,12 +486,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                          attention_detail::PrefillTakesTiles(s.key_kind, s.value_bits, d, layout);
   }
 #endif
-  const bool chunk_query_prep = !s.plain && s.key_kind != KeyKind::kFp8 && !plan.prefill_rotates;
   // The chunk right after the leading rows' decode starts on the SMs that decode leaves; it reads
-  // nothing the decode writes. Only where the chunk needs no q·Πᵀ of its own (RunChunk now runs
-  // that prep before the leading rows, so the overlap could extend to those calls too: not
-  // measured).
-  if (plan.leading_decodes > 0) plan.decode_plan.overlap_next = !chunk_query_prep;
+  // nothing the decode writes (its q·Πᵀ, where it needs one, is computed before the leading
+  // rows). Not where the decode kernels map one-token rows by a dense Πᵀ with a query prep of
+  // their own, before their split grid.
+  const bool dense = !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht;
+  if (plan.leading_decodes > 0) {
+    plan.decode_plan.overlap_next = !(dense && plan.leading_max_q_len == 1);
+  }
   plan.workspace_bytes = WorkspaceBytes(plan);
   return plan;
 }

@@ -95,9 +95,9 @@ struct AttentionOptions {
   // caller knows it (vLLM orders a step's decodes first: its num_decodes). A mixed call then runs
   // those rows on the decode kernels where they lie (no gather, no scatter) and launches the
   // chunk or prefill kernel's tiles for the other sequences only, which start on the SMs the
-  // decode leaves (a programmatic dependent launch; not where a dense Πᵀ puts a query prep between
-  // them); 0: the one-token sequences are found on the device. 0 to num_seqs; Run's arrays must
-  // agree (query_start_loc[b] = b up to it).
+  // decode leaves (a programmatic dependent launch; not for one-token rows under a dense Πᵀ,
+  // whose decode runs a query prep of its own first); 0: the one-token sequences are found on the
+  // device. 0 to num_seqs; Run's arrays must agree (query_start_loc[b] = b up to it).
   int leading_decode_seqs = 0;
   // The most new tokens each of those leading sequences has (1, the default: exactly one each).
   // More: they are verify rows (vLLM's decodes with draft tokens, up to its
