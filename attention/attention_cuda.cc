@@ -217,6 +217,64 @@ int CudaAttention::num_kv_heads() const { return state_->layout.num_kv_heads; }
 int CudaAttention::block_size() const { return state_->layout.block_size; }
 const CacheLayout& CudaAttention::layout() const { return state_->layout; }
 
+std::pair<int, int> CudaAttention::VerifyLimits(int group, const AttentionOptions& options) const {
+  const State& s = *state_;
+  const int d = head_dim();
+  DecodeOptions decode = options.decode;
+  decode.half = options.verify_precision == ChunkPrecision::kHalf;
+  // At head_dim 256 the compressed kinds' split kernel of 9-16 columns (two N tiles on the
+  // register pipeline) costs more per column than two passes of up to 8: H100, 16:8:256, 64 × 4k,
+  // 8 new tokens at GQA 2, one pass of 16 columns against two of 8: 4bit_nc 809 against 474 µs,
+  // k3v4_nc 764 / 461, k8v4 864 / 658 (the bf16 cache's kernel the other way: 943 / 1,534). A
+  // GQA group above 8 still takes one token of 9-16 columns per pass.
+  const int max_columns = std::min(
+      {options.verify_max_group, s.decoder.MaxGroup(decode), d == 256 && !s.plain ? 8 : 32});
+  // The plan's choice (verify_max_q_len -1): at head_dim 64 the compressed caches' verify passes
+  // beat the prefill kernel up to 16 new tokens in 4 passes: H100, SmolLM2's 9:3:64, 64 × 4k, 16
+  // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
+  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254; the bf16 / fp16 caches' in 2 passes (32
+  // columns), not in 4: the bf16 cache 177.5 against 211 µs at 9:3:64 (2 passes of 10), 375 / 519
+  // at 32:8:64 (2 of 8), but 323 / 213 in 4 passes of 5. At head_dim 128 the codebook-key
+  // caches' in at most 2 passes (their 32-column kernels; more passes lose): H100, 32:8:128, 16
+  // new tokens in 2 passes of 8 against the prefill kernel, 64 × 4k: 4bit_nc 248.0 against 365.1
+  // µs, k3v4_nc 261.7 / 368.6, 3bit_nc 281.0 / 406.0; 1 × 128k: 131.5 / 162.1, 140.3 / 163.4,
+  // 150.1 / 181.1; at 24:8:128 (2 passes of 10) 4bit_nc 243.9 / 349.1; 32 new tokens in 4
+  // passes: 4bit_nc 505.4 against 352.1. Not k8v4 (its passes copy 192-byte slots twice: 350.7
+  // / 362.4 at 64 × 4k, but 192.2 / 159.9 at 1 × 128k) nor the bf16 cache (738.7 / 765.6, 370.5
+  // / 360.4).
+  int verify_q = options.verify_max_q_len;
+  if (verify_q < 0) {
+    const int rows = std::max(1, max_columns / group);
+    const int passes16 = (16 + rows - 1) / rows;
+    const bool codebook_keys = !s.plain && s.key_kind != KeyKind::kFp8;
+    verify_q =
+        (d == 64 && passes16 <= (s.plain ? 2 : 4)) || (d == 128 && codebook_keys && passes16 <= 2)
+            ? 16
+            : 8;
+  }
+  return {max_columns, verify_q};
+}
+
+int CudaAttention::MaxLeadingQLen(int num_q_heads, const AttentionOptions& options) const {
+  constexpr const char* kWhere = "CudaAttention::MaxLeadingQLen";
+  const int hk = num_kv_heads();
+  if (num_q_heads < 1 || num_q_heads % hk != 0) {
+    throw InvalidArgument(kWhere, "num_q_heads", num_q_heads,
+                          fmt::format("a positive multiple of num_kv_heads = {}", hk));
+  }
+  if (options.verify_max_group < 1 || options.verify_max_group > 32) {
+    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
+  }
+  if (options.verify_max_q_len < -1) {
+    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
+                          ">= 0, or -1 (the plan's choice)");
+  }
+  const int group = num_q_heads / hk;
+  // (Plan's conditions for leading verify rows that do not depend on the call's shape.)
+  if (!options.decode_kernels || group > 16) return 1;
+  return std::max(1, VerifyLimits(group, options).second);
+}
+
 AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                                   int max_blocks_per_seq, int max_q_len,
                                   const AttentionOptions& options) const {
@@ -410,36 +468,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
-  // At head_dim 256 the compressed kinds' split kernel of 9-16 columns (two N tiles on the
-  // register pipeline) costs more per column than two passes of up to 8: H100, 16:8:256, 64 × 4k,
-  // 8 new tokens at GQA 2, one pass of 16 columns against two of 8: 4bit_nc 809 against 474 µs,
-  // k3v4_nc 764 / 461, k8v4 864 / 658 (the bf16 cache's kernel the other way: 943 / 1,534). A
-  // GQA group above 8 still takes one token of 9-16 columns per pass.
-  const int max_columns = std::min(
-      {options.verify_max_group, s.decoder.MaxGroup(decode), d == 256 && !s.plain ? 8 : 32});
-  // The plan's choice (verify_max_q_len -1): at head_dim 64 the compressed caches' verify passes
-  // beat the prefill kernel up to 16 new tokens in 4 passes: H100, SmolLM2's 9:3:64, 64 × 4k, 16
-  // new tokens, 4 passes of 5 against the prefill kernel: 4bit_nc 144 against 260 µs, k3v4_nc
-  // 147 / 330, 3bit_nc 151 / 332, k8v4 186 / 254; the bf16 / fp16 caches' in 2 passes (32
-  // columns), not in 4: the bf16 cache 177.5 against 211 µs at 9:3:64 (2 passes of 10), 375 / 519
-  // at 32:8:64 (2 of 8), but 323 / 213 in 4 passes of 5. At head_dim 128 the codebook-key
-  // caches' in at most 2 passes (their 32-column kernels; more passes lose): H100, 32:8:128, 16
-  // new tokens in 2 passes of 8 against the prefill kernel, 64 × 4k: 4bit_nc 248.0 against 365.1
-  // µs, k3v4_nc 261.7 / 368.6, 3bit_nc 281.0 / 406.0; 1 × 128k: 131.5 / 162.1, 140.3 / 163.4,
-  // 150.1 / 181.1; at 24:8:128 (2 passes of 10) 4bit_nc 243.9 / 349.1; 32 new tokens in 4
-  // passes: 4bit_nc 505.4 against 352.1. Not k8v4 (its passes copy 192-byte slots twice: 350.7
-  // / 362.4 at 64 × 4k, but 192.2 / 159.9 at 1 × 128k) nor the bf16 cache (738.7 / 765.6, 370.5
-  // / 360.4).
-  int verify_q = options.verify_max_q_len;
-  if (verify_q < 0) {
-    const int rows = std::max(1, max_columns / group);
-    const int passes16 = (16 + rows - 1) / rows;
-    const bool codebook_keys = !s.plain && s.key_kind != KeyKind::kFp8;
-    verify_q =
-        (d == 64 && passes16 <= (s.plain ? 2 : 4)) || (d == 128 && codebook_keys && passes16 <= 2)
-            ? 16
-            : 8;
-  }
+  const auto [max_columns, verify_q] = VerifyLimits(group, options);
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
                      (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&
                      group <= 16;

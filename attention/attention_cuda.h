@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 
 #include "attention/attention.h"
 #include "attention/decode_cuda.h"
@@ -118,10 +119,10 @@ struct AttentionOptions {
 // order a step): the leading run of sequences with 1 to max_leading_q_len new tokens each (one
 // token, or one plus its drafts) as leading_decode_seqs, the most new tokens among them as
 // leading_max_q_len (1 where the run is empty); the other options as given. query_start_loc: the
-// step's num_seqs + 1 offsets on the host. The default, 16, is the most new tokens the plan takes
-// as verify passes; a run that exceeds the plan's limit runs on the chunk or prefill kernel (see
-// leading_max_q_len). Throws InvalidArgument for max_leading_q_len < 1 or a query_start_loc of
-// fewer than 1 entry.
+// step's num_seqs + 1 offsets on the host. max_leading_q_len: CudaAttention::MaxLeadingQLen for
+// the layer (a run past the plan's limit would run on the chunk or prefill kernel, one-token rows
+// included); 16, the default, is the most the plan ever takes. Throws InvalidArgument for
+// max_leading_q_len < 1 or a query_start_loc of fewer than 1 entry.
 AttentionOptions WithLeadingSequences(AttentionOptions options,
                                       std::span<const int32_t> query_start_loc,
                                       int max_leading_q_len = 16);
@@ -225,6 +226,11 @@ class CudaAttention {
   // reads the arrays on the host (they may not exist there yet, as in a captured graph).
   void CheckArrays(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
 
+  // The most new tokens per leading sequence that Plan runs as verify passes in place
+  // (AttentionOptions::leading_max_q_len) with num_q_heads query heads and these options, where
+  // the decode kernels take the contexts; 1 where it runs none. WithLeadingSequences' limit.
+  int MaxLeadingQLen(int num_q_heads, const AttentionOptions& options = {}) const;
+
  private:
   // Run's device paths: verify passes on the decode kernels, and the chunk or prefill kernel with
   // the call's one-token rows on the decode kernels.
@@ -232,6 +238,9 @@ class CudaAttention {
   void RunChunk(const AttentionPlan& plan, const AttentionArgs& args, StreamHandle stream) const;
   // The workspace a plan needs on this instance (Plan's workspace_bytes; Run checks it again).
   int64_t WorkspaceBytes(const AttentionPlan& plan) const;
+  // The verify passes' columns per pass and the most new tokens per sequence they take
+  // (verify_max_q_len, or the plan's choice of it) at GQA `group` with these options.
+  std::pair<int, int> VerifyLimits(int group, const AttentionOptions& options) const;
 
   struct State;
   std::unique_ptr<State> state_;

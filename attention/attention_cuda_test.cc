@@ -1060,6 +1060,9 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           const bool codebook = !plain && std::string_view(preset) != "turboquant_k8v4";
           const bool sixteen = d == 64 || (d == 128 && codebook && half);
           const bool led = lead_q <= 8 || sixteen;
+          // WithLeadingSequences' limit, as the plan takes it.
+          const CudaAttention attn = plain ? CudaAttention(f) : CudaAttention(q);
+          EXPECT_EQ(attn.MaxLeadingQLen(hk * group, c.options), sixteen ? 16 : 8) << what;
           EXPECT_EQ(e.leading_decodes, led ? 4 : 0) << what;
           EXPECT_EQ(e.leading_max_q_len, led ? lead_q : 0) << what;
           if (led && c.window == 0) {
@@ -1076,6 +1079,12 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
     }
   }
   EXPECT_GE(passes2, 6);
+  {  // No leading verify rows past GQA 16 or without the decode kernels.
+    const CudaAttention attn(Quantizer::Create("turboquant_4bit_nc", 128, 2, 16));
+    EXPECT_EQ(attn.MaxLeadingQLen(2 * 17), 1);
+    EXPECT_EQ(attn.MaxLeadingQLen(2 * 16), 8);  // (8 passes of 2 for 16: past the limit)
+    EXPECT_EQ(attn.MaxLeadingQLen(8, {.decode_kernels = false}), 1);
+  }
   EXPECT_GE(deferred_merges, 1);  // the last pass's merge came after the chunk kernel
   EXPECT_GE(tiles, 1);            // and the chunk's tiles were dequantized first
   {                               // A dense Πᵀ: the verify passes read the chunk's q·Πᵀ.
@@ -1701,6 +1710,10 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   AttentionOptions wide;
   wide.verify_max_group = 33;
   EXPECT_THAT([&] { attn.Plan(2, 5, 32, 4, 3, wide); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 33")));
+  EXPECT_THAT([&] { attn.MaxLeadingQLen(30); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("num_q_heads = 30")));
+  EXPECT_THAT([&] { attn.MaxLeadingQLen(32, wide); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("verify_max_group = 33")));
   for (int lead : {-1, 3}) {
     AttentionOptions o;

@@ -220,8 +220,13 @@ void CudaEngine::Compute(std::span<const int32_t> tokens, std::span<const int32_
   for (int32_t i = 0; i < batch_.num_requests(); ++i) {
     max_q_len = std::max(max_q_len, batch_.query_start_loc()[i + 1] - batch_.query_start_loc()[i]);
   }
-  const AttentionOptions options =
-      WithLeadingSequences({}, batch_.query_start_loc().first(batch_.num_requests() + 1));
+  // (Up to the most the plans take in place: past it they would run every row on the prompt
+  // chunks' kernel, the one-token ones too.)
+  int lead_limit = 16;
+  if (d.attention) lead_limit = std::min(lead_limit, d.attention->MaxLeadingQLen(hq));
+  if (d.attention_bf16) lead_limit = std::min(lead_limit, d.attention_bf16->MaxLeadingQLen(hq));
+  const AttentionOptions options = WithLeadingSequences(
+      {}, batch_.query_start_loc().first(batch_.num_requests() + 1), lead_limit);
   std::optional<AttentionPlan> plan, plan_bf16;
   int64_t attention_bytes = 256;
   if (d.attention) {

@@ -223,7 +223,8 @@ class CudaBackend : public Backend {
     for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
     // The decoding sequences at the front of the batch (one new token, or with --spec-tokens up
     // to 1 + K) run on the decode kernels in place.
-    const AttentionOptions options = WithLeadingSequences({}, loc.first(b_ + 1));
+    const AttentionOptions options =
+        WithLeadingSequences({}, loc.first(b_ + 1), attention_.MaxLeadingQLen(hq_));
     plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len, options);
     out_bytes_ = int64_t{layers_} * t_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
     // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
