@@ -120,9 +120,9 @@ struct AttentionOptions {
 // token, or one plus its drafts) as leading_decode_seqs, the most new tokens among them as
 // leading_max_q_len (1 where the run is empty); the other options as given. query_start_loc: the
 // step's num_seqs + 1 offsets on the host. max_leading_q_len: CudaAttention::MaxLeadingQLen for
-// the layer (a run past the plan's limit would run on the chunk or prefill kernel, one-token rows
-// included); 16, the default, is the most the plan ever takes. Throws InvalidArgument for
-// max_leading_q_len < 1 or a query_start_loc of fewer than 1 entry.
+// the layer (past the plan's limit none of the leading rows would run in place); 16, the
+// default, is the most the plan ever takes. Throws InvalidArgument for max_leading_q_len < 1 or a
+// query_start_loc of fewer than 1 entry.
 AttentionOptions WithLeadingSequences(AttentionOptions options,
                                       std::span<const int32_t> query_start_loc,
                                       int max_leading_q_len = 16);
