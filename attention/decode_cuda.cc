@@ -601,6 +601,14 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
   CheckScale(kWhere, a.scale);
+  if (a.sliding_window < 0) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window, ">= 0 (0: none)");
+  }
+  if (a.sliding_window > 0 && (verify != nullptr || plan.variant.shared_o)) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
+                          "0 for verify columns and for a plan on the shared-output kernel "
+                          "(half precision, GQA groups above 8, above 4 with FP8 keys)");
+  }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
   const int d = head_dim();
@@ -673,6 +681,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     columns.group_reciprocal = decode_detail::GroupReciprocal(columns.group);
   }
   sp.verify = columns;
+  sp.window = a.sliding_window;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
   const DType out_dtype = a.output_dtype;
@@ -715,6 +724,8 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   mp.max_splits = plan.max_splits;
   mp.num_kv_heads = num_kv_heads();
   mp.verify = columns;
+  mp.window = a.sliding_window;
+  mp.block_size = block_size();
   mp.trigger_at_start = overlap_next && launch == Launch::kAll ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else

@@ -178,6 +178,12 @@ struct CudaDecodeArgs {
   float* lse = nullptr;                   // [num_seqs, num_q_heads] device, natural log
   void* workspace = nullptr;              // device, >= plan.workspace_bytes
   int64_t workspace_bytes = 0;
+  // Sliding window: 0 none; else each row (at position seq_len − 1) reads positions
+  // (seq_len − 1 − sliding_window, seq_len − 1], as AttentionArgs::sliding_window; the block-table
+  // entries before the block holding the first of them are not read (a window may have released
+  // them). Not for a plan on the shared-output kernel (DecodePlan::variant.shared_o: with
+  // DecodeOptions::half, GQA groups above 8, above 4 with FP8 keys).
+  int32_t sliding_window = 0;
 };
 
 // The alignment the CUDA attention kernels need of a call's rows: query and output their
