@@ -83,7 +83,11 @@ struct AttentionOptions {
   // sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group) tokens, each reading
   // the cache once.
   int verify_max_group = 32;
-  DecodeOptions decode;  // the decode kernels' choices, where they run
+  // The decode kernels' choices, where they run. decode.sliding_window: the window a one-token
+  // plan's Run will be given (AttentionArgs::sliding_window, 1 to it), so that its decode splits
+  // are sized for the tokens the window reads rather than for max_blocks_per_seq's (batch 1 ×
+  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens).
+  DecodeOptions decode;
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
   // 128 and 64, and 3bit_nc, wherever a pass has more than 4 decode columns per KV head, and on

@@ -507,19 +507,23 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
           sw.base.block_tables[b * sw.base.max_blocks + i] = never_written;
         }
       }
-      for (int tps : {0, 64}) {
+      // The plan's splits, splits of 64 tokens, and splits sized for the window
+      // (DecodeOptions::sliding_window).
+      for (int variant : {0, 1, 2}) {
+        const int tps = variant == 1 ? 64 : 0;
         Case c{.quantizer = q, .plain = f, .window = w};
         c.options.decode.tokens_per_split = tps;
+        if (variant == 2) c.options.decode.sliding_window = w;
         std::vector<float> out;
         c.keep_out = &out;
         const Errors e = RunAndCompare(c, sw, cache);
-        const std::string at = fmt::format(
-            "{} window {} tokens_per_split {} ({} splits): out "
-            "{:.2e} lse {:.2e}",
-            what, w, tps, e.decode_splits, e.decode_out, e.decode_lse);
+        const std::string at =
+            fmt::format("{} window {} tokens_per_split {}{} ({} splits): out {:.2e} lse {:.2e}",
+                        what, w, tps, variant == 2 ? " planned for the window" : "",
+                        e.decode_splits, e.decode_out, e.decode_lse);
         ASSERT_TRUE(e.decode) << at;
         ExpectWithin(e, kLseTol, at, DecodeBoundsOf(kind));
-        if (w != 50 || tps != 0 || e.decode_on_shared_o) continue;
+        if (w != 50 || variant != 0 || e.decode_on_shared_o) continue;
         Case chunk = c;
         chunk.options.decode_kernels = false;
         std::vector<float> chunk_out;

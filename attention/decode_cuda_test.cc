@@ -941,6 +941,28 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   }
 }
 
+// DecodeOptions::sliding_window sizes the splits for the tokens the window reads: batch 1 with a
+// table of 32k tokens under a window of 4,000 splits as 4,000 tokens would, with the table's row
+// length kept.
+TEST(CudaDecodeTest, SlidingWindowPlanSizesTheSplitsForTheWindow) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const CudaDecoder decoder(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16));
+  const DecodePlan windowed = decoder.Plan(1, 32, 2048, {.sliding_window = 4000});
+  const DecodePlan short_context = decoder.Plan(1, 32, 250);
+  const DecodePlan whole = decoder.Plan(1, 32, 2048);
+  EXPECT_EQ(windowed.max_blocks_per_seq, 2048);
+  EXPECT_EQ(windowed.sliding_window, 4000);
+  EXPECT_EQ(windowed.tokens_per_split, short_context.tokens_per_split);
+  EXPECT_EQ(windowed.max_splits, short_context.max_splits);
+  EXPECT_LT(int64_t{windowed.max_splits} * windowed.tokens_per_split,
+            int64_t{whole.max_splits} * whole.tokens_per_split);
+  // A window past the table's tokens changes nothing.
+  const DecodePlan wide = decoder.Plan(1, 32, 250, {.sliding_window = 100000});
+  EXPECT_EQ(wide.max_splits, short_context.max_splits);
+  EXPECT_THAT([&] { decoder.Plan(1, 32, 250, {.sliding_window = -1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("sliding_window = -1")));
+}
+
 TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
@@ -1014,6 +1036,16 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   a.sliding_window = -1;
   EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("sliding_window = -1")));
+  a.sliding_window = 0;
+  // A plan sized for a window takes windows from 1 to it only.
+  const DecodePlan windowed = decoder.Plan(4, 32, 10, {.sliding_window = 50});
+  for (int32_t w : {0, 51}) {
+    a.sliding_window = w;
+    EXPECT_THAT([&] { decoder.Run(windowed, a, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr(fmt::format("sliding_window = {}", w)),
+                                     ::testing::HasSubstr("1 to 50"))));
+  }
   a.sliding_window = 0;
   {
     const Quantizer fp8 = Quantizer::Create("turboquant_k8v4", 128, 8, 16);

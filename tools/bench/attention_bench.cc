@@ -126,7 +126,8 @@ struct Shape {
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shared_o = DecodeOptions{}.shared_o;
-  int window = 0;  // AttentionArgs::sliding_window
+  int window = 0;            // AttentionArgs::sliding_window
+  bool plan_window = false;  // and DecodeOptions::sliding_window
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -234,6 +235,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
     options.decode.tokens_per_split = s.decode_tokens_per_split;
     options.decode.narrow = s.decode_narrow;
     options.decode.shared_o = s.shared_o;
+    if (s.plan_window) options.decode.sliding_window = s.window;
     const AttentionPlan plan = attn->Plan(batch, tokens, hq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -552,8 +554,9 @@ int Main(int argc, char** argv) {
   }
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
   // One token per sequence under a sliding window (the decode kernels from the chunk holding the
-  // window's first position; windows that start inside a chunk) and on the chunk kernel
-  // ("chunk"), beside the same count of tokens without one ("none").
+  // window's first position; windows that start inside a chunk; "planned": with the splits
+  // sized for the window, DecodeOptions::sliding_window) and on the chunk kernel ("chunk"),
+  // beside the same count of tokens without one ("none").
   for (const auto& [name, batch, context, window] :
        {std::tuple{"window 64x4k w1000", 64, 4096, 1000},
         {"window 64x1000 none", 64, 1000, 0},
@@ -562,6 +565,9 @@ int Main(int argc, char** argv) {
     shapes.push_back(Uniform(name, batch, context, 1));
     shapes.back().window = window;
     if (window == 0) continue;
+    shapes.push_back(shapes.back());
+    shapes.back().name += " planned";  // the decode splits sized for the window
+    shapes.back().plan_window = true;
     shapes.push_back(Uniform(std::string(name) + " chunk", batch, context, 1, false));
     shapes.back().window = window;
   }
