@@ -358,7 +358,11 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   if (plan.decode) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
   }
-  // The chunk kernel (also a one-token plan's, for a sliding window).
+  // The other calls' decode rows never run under a window (Run sends such calls to the chunk
+  // kernel), so their plans are not sized for one.
+  DecodeOptions rows_decode = options.decode;
+  rows_decode.sliding_window = 0;
+  // The chunk kernel (also a one-token plan's, for a sliding window on the shared-output kernel).
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   // 16, 32 or 64 query rows (new tokens x GQA heads) per CTA: the fewest that hold a sequence's
   // rows, up to 64 (the other warps of a CTA with fewer rows split each KV tile; head_dim 256's
@@ -420,7 +424,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.decode_rows = decode_kernels && !plan.decode && max_q_len > 1 && num_seqs > 1 &&
                      int64_t{num_tokens} < int64_t{num_seqs} * max_q_len && group <= 16;
   if (plan.decode_rows) {
-    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
+    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, rows_decode);
   }
   if (options.verify_max_q_len < -1) {
     throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
@@ -466,7 +470,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // 32) are left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
-  DecodeOptions decode = options.decode;
+  DecodeOptions decode = rows_decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
   const auto [max_columns, verify_q] = VerifyLimits(group, options);
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
@@ -490,7 +494,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.leading_decodes = options.leading_decode_seqs;
     plan.leading_max_q_len = 1;
     plan.decode_plan =
-        s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, options.decode);
+        s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, rows_decode);
   } else if (decode_kernels && !plan.decode && !plan.verify_rows && lead_q > 1 &&
              lead_q <= verify_q && options.leading_decode_seqs > 0 &&
              options.leading_decode_seqs < num_seqs && group <= 16) {
@@ -644,11 +648,15 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
                     std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
   }
+  // A sliding window runs one-token calls on the decode kernels where their plan's kernel takes
+  // one (not the shared-output kernel), every other call on the chunk kernel.
+  const bool run_decode =
+      plan.decode && (a.sliding_window == 0 || !plan.decode_plan.variant.shared_o);
   if ((plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
-      a.sliding_window == 0) {  // (a window runs every row on the chunk kernel)
+      (a.sliding_window == 0 || run_decode)) {
     s.decoder.CheckScale(kWhere, a.scale);
   }
-  if (plan.decode && a.sliding_window == 0) {
+  if (run_decode) {
     CudaDecodeArgs da;
     da.query = a.query;
     da.query_dtype = a.query_dtype;
@@ -661,6 +669,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     da.lse = a.lse;
     da.workspace = a.workspace;
     da.workspace_bytes = a.workspace_bytes;
+    da.sliding_window = a.sliding_window;
     s.decoder.Run(plan.decode_plan, da, stream);
     return;
   }
@@ -878,7 +887,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     }
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
-  // after the chunk kernel (the decode kernels have no sliding window).
+  // after the chunk kernel (not with a sliding window: the decode kernels take one only for a
+  // call of one-token rows alone).
   const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
   DecodeRowsParams rp;
   if (decode_rows) {

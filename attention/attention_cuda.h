@@ -7,8 +7,11 @@
 //   attention.Run(plan, args, stream);                  // never allocates; graph-capturable
 //
 // A plan whose every sequence has exactly one new token (max_q_len 1 or
-// AttentionOptions::leading_decode_seqs = num_seqs, and num_tokens == num_seqs) and no sliding
-// window runs the decode kernels (attention/decode_cuda.h), and so do the one-token sequences of
+// AttentionOptions::leading_decode_seqs = num_seqs, and num_tokens == num_seqs) runs the decode
+// kernels (attention/decode_cuda.h; with a sliding window too, from the block holding the window's
+// first position, unless DecodeOptions::half puts GQA groups above 8, above 4 with FP8 keys, on
+// the shared-output kernel),
+// and without a sliding window so do the one-token sequences of
 // a mixed call (decode rows beside prefill chunks: in place where the caller says they come
 // first, AttentionOptions::leading_decode_seqs; so do leading verify rows,
 // AttentionOptions::leading_max_q_len), and a call of few new
@@ -80,7 +83,11 @@ struct AttentionOptions {
   // sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group) tokens, each reading
   // the cache once.
   int verify_max_group = 32;
-  DecodeOptions decode;  // the decode kernels' choices, where they run
+  // The decode kernels' choices, where they run. decode.sliding_window: the window a one-token
+  // plan's Run will be given (AttentionArgs::sliding_window, 1 to it), so that its decode splits
+  // are sized for the tokens the window reads rather than for max_blocks_per_seq's (batch 1 ×
+  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens).
+  DecodeOptions decode;
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
   // 128 and 64, and 3bit_nc, wherever a pass has more than 4 decode columns per KV head, and on
@@ -133,7 +140,8 @@ struct AttentionPlan {
   int num_q_heads = 0;
   int max_blocks_per_seq = 0;
   int max_q_len = 0;
-  // One new token per sequence: the decode kernels, unless Run gets a sliding window.
+  // One new token per sequence: the decode kernels (with a sliding window too, unless
+  // decode_plan's kernel is the shared-output one: then the chunk kernel).
   bool decode = false;
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
   // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.

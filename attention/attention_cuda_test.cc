@@ -74,6 +74,7 @@ struct Errors {
   bool overlap_next = false;              // .. whose decode the chunk kernel overlaps
   int decode_splits = 0;                  // the decode plan's max_splits
   bool decode = false;                    // AttentionPlan::decode
+  bool decode_on_shared_o = false;        // .. on the shared-output kernel
   bool prefill_tiles = false;             // AttentionPlan::prefill_tiles
 };
 
@@ -207,6 +208,7 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   e.overlap_next = plan.decode_plan.overlap_next;
   e.decode_splits = plan.decode_plan.max_splits;
   e.decode = plan.decode;
+  e.decode_on_shared_o = plan.decode && plan.decode_plan.variant.shared_o;
   e.prefill_tiles = plan.prefill_tiles;
   if (c.keep_out != nullptr) *c.keep_out = o;
   if (c.keep_lse != nullptr) *c.keep_lse = l;
@@ -473,6 +475,100 @@ TEST(CudaAttentionTest, SlidingWindow) {
       const Errors e = RunAndCompare(c, s, s.base.cache);
       ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps));
     }
+  }
+}
+
+// One token per sequence under a sliding window runs the decode kernels (except on the
+// shared-output kernel: k8v4 above GQA 4 keeps the chunk kernel), reading from the block that
+// holds the window's first position: every preset and the plain caches, head dims 64-256, block
+// sizes 16-128, GQA groups 1-8, windows that start inside a chunk, at a chunk, past the block
+// before, or before the context, with the plan's splits and splits of 64 tokens (the merge). The
+// table entries of blocks before that block name a block that was never written (NaN bytes),
+// so a read of one shows up; outputs differ from the chunk kernel's (the decode kernels ran).
+TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> lens = {1, 5, 17, 100, 129, 700, 2100};
+  const std::vector<int32_t> q_lens(lens.size(), 1);
+  auto check = [&](const Quantizer* q, const Bf16BlockFormat* f, const std::string& kind,
+                   const AttentionScenario& s, const std::vector<uint8_t>& cache, int bs,
+                   const std::string& what) {
+    std::vector<bool> named(s.base.num_blocks);
+    for (int32_t id : s.base.block_tables) {
+      if (id >= 0) named[id] = true;
+    }
+    const auto unnamed = std::find(named.begin(), named.end(), false);
+    ASSERT_NE(unnamed, named.end()) << what;
+    const auto never_written = static_cast<int32_t>(unnamed - named.begin());
+    for (int32_t w : {1, 7, 16, 50, 333, 5000}) {
+      AttentionScenario sw = s;
+      for (size_t b = 0; b < lens.size(); ++b) {
+        const int32_t first = lens[b] > w ? lens[b] - w : 0;
+        for (int32_t i = 0; i < first / bs; ++i) {
+          sw.base.block_tables[b * sw.base.max_blocks + i] = never_written;
+        }
+      }
+      // The plan's splits, splits of 64 tokens, and splits sized for the window
+      // (DecodeOptions::sliding_window).
+      for (int variant : {0, 1, 2}) {
+        const int tps = variant == 1 ? 64 : 0;
+        Case c{.quantizer = q, .plain = f, .window = w};
+        c.options.decode.tokens_per_split = tps;
+        if (variant == 2) c.options.decode.sliding_window = w;
+        std::vector<float> out;
+        c.keep_out = &out;
+        const Errors e = RunAndCompare(c, sw, cache);
+        const std::string at =
+            fmt::format("{} window {} tokens_per_split {}{} ({} splits): out {:.2e} lse {:.2e}",
+                        what, w, tps, variant == 2 ? " planned for the window" : "",
+                        e.decode_splits, e.decode_out, e.decode_lse);
+        ASSERT_TRUE(e.decode) << at;
+        ExpectWithin(e, kLseTol, at, DecodeBoundsOf(kind));
+        if (w != 50 || variant != 0 || e.decode_on_shared_o) continue;
+        Case chunk = c;
+        chunk.options.decode_kernels = false;
+        std::vector<float> chunk_out;
+        chunk.keep_out = &chunk_out;
+        const Errors ce = RunAndCompare(chunk, sw, cache);
+        EXPECT_FALSE(ce.decode) << at;
+        EXPECT_NE(out, chunk_out) << at << ": the same outputs as the chunk kernel's";
+      }
+    }
+  };
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = 1 + k % 8, hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, lens, q_lens, hk * group, 700 + k);
+      check(&q, nullptr, preset, s, s.base.cache, bs,
+            fmt::format("{} D={} group={} bs={}", preset, d, group, bs));
+    }
+  }
+  {  // k8v4 at GQA 8, head_dim 128; with DecodeOptions::half its plan takes the shared-output
+     // kernel, so the chunk kernel runs the window
+    const Quantizer q = Quantizer::Create("turboquant_k8v4", 128, 2, 16);
+    const AttentionScenario s = BuildAttention(q, lens, q_lens, 2 * 8, 790);
+    check(&q, nullptr, "turboquant_k8v4", s, s.base.cache, 16, "turboquant_k8v4 D=128 group=8");
+    Case c{.quantizer = &q, .window = 50};
+    c.options.decode.half = true;
+    const Errors e = RunAndCompare(c, s, s.base.cache);
+    EXPECT_TRUE(e.decode_on_shared_o);
+    ExpectWithin(e, kLseTol, "turboquant_k8v4 D=128 group=8 window 50, shared-output plan",
+                 DecodeBoundsOf("turboquant_k8v4"));
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int d = 128, hk = 2, group = 4, bs = 32;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, lens, q_lens, hk * group, 800);
+    for (float& x : s.queries) {  // (the plain kinds' kernels round the query to the cache's type)
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    const std::string name(DTypeName(dtype));
+    check(nullptr, &f, name, s, cache, bs, name);
   }
 }
 

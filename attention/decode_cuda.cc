@@ -433,7 +433,14 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
     throw InvalidArgument(kWhere, "narrow", static_cast<int>(options.narrow),
                           "Narrow::kAuto (0), kNever (1) or kAlways (2)");
   }
-  const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
+  if (options.sliding_window < 0) {
+    throw InvalidArgument(kWhere, "sliding_window", options.sliding_window, ">= 0 (0: none)");
+  }
+  // The most tokens a sequence's splits hold (a window's: from the block boundary at or after its
+  // first position; the chunks before that boundary run in split 0 besides).
+  const int64_t max_len =
+      std::min<int64_t>(int64_t{max_blocks_per_seq} * block_size(),
+                        options.sliding_window > 0 ? options.sliding_window : kMaxContextTokens);
   const int tokens_per_split = options.tokens_per_split;
   if (tokens_per_split != 0) {
     if (tokens_per_split < 64 || tokens_per_split > kMaxSplitTokens || tokens_per_split % 64 != 0 ||
@@ -466,6 +473,7 @@ DecodePlan CudaDecoder::Plan(int num_seqs, int num_q_heads, int max_blocks_per_s
   plan.half = options.half;
   plan.shared_o = options.shared_o;
   plan.dependent_launch = options.dependent_launch;
+  plan.sliding_window = options.sliding_window;
   const decode_detail::MaybeSplitVariant variant = Variant(num_q_heads / hk, plan);
   TQKV_CHECK(variant.ok);  // the layouts come from this cache's occupancy
   plan.variant = variant.variant;
@@ -513,10 +521,12 @@ SplitKernelOccupancy CudaDecoder::CheckPlan(std::string_view where, const Decode
   plan_options.staged = plan.staged;
   plan_options.half = plan.half;
   plan_options.shared_o = plan.shared_o;
-  const int64_t plan_len = int64_t{plan.max_blocks_per_seq} * block_size();
+  const int64_t plan_len =
+      std::min<int64_t>(int64_t{plan.max_blocks_per_seq} * block_size(),
+                        plan.sliding_window > 0 ? plan.sliding_window : kMaxContextTokens);
   if (plan.num_seqs < 1 || plan.num_seqs > 65535 || plan.tokens_per_split < 64 ||
       plan.tokens_per_split > kMaxSplitTokens || plan.max_splits < 1 ||
-      plan.max_splits > kMaxSplits || plan.max_blocks_per_seq < 1 ||
+      plan.max_splits > kMaxSplits || plan.max_blocks_per_seq < 1 || plan.sliding_window < 0 ||
       plan_len > int64_t{plan.max_splits} * plan.tokens_per_split ||
       plan.num_q_heads % num_kv_heads() != 0 || group < 1 || group > MaxGroup(plan_options)) {
     throw Error(fmt::format("{}: the plan was not made by this decoder's Plan", where));
@@ -601,6 +611,20 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     throw InvalidArgument(kWhere, "scale", *a.scale, "finite and > 0");
   }
   CheckScale(kWhere, a.scale);
+  if (a.sliding_window < 0) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window, ">= 0 (0: none)");
+  }
+  if (plan.sliding_window > 0 && (a.sliding_window < 1 || a.sliding_window > plan.sliding_window)) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
+                          fmt::format("1 to {} (DecodePlan::sliding_window: the plan's splits "
+                                      "hold that many tokens)",
+                                      plan.sliding_window));
+  }
+  if (a.sliding_window > 0 && (verify != nullptr || plan.variant.shared_o)) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
+                          "0 for verify columns and for a plan on the shared-output kernel "
+                          "(half precision, GQA groups above 8, above 4 with FP8 keys)");
+  }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
   const int d = head_dim();
@@ -673,6 +697,7 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
     columns.group_reciprocal = decode_detail::GroupReciprocal(columns.group);
   }
   sp.verify = columns;
+  sp.window = a.sliding_window;
   const float scale = a.scale ? *a.scale : 1.0f / std::sqrt(static_cast<float>(d));
   sp.score_scale = scale * static_cast<float>(std::numbers::log2e) / s.codebook_scale;
   const DType out_dtype = a.output_dtype;
@@ -715,6 +740,8 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   mp.max_splits = plan.max_splits;
   mp.num_kv_heads = num_kv_heads();
   mp.verify = columns;
+  mp.window = a.sliding_window;
+  mp.block_size = block_size();
   mp.trigger_at_start = overlap_next && launch == Launch::kAll ? 1 : 0;
   TQKV_CUDA_CHECK(LaunchDecodeMerge(mp, stream));
 #else

@@ -112,6 +112,11 @@ struct DecodeOptions {
   // tokens 153.1 / 305.5 µs on those, 118.1 / 180.4 on it; H100, 2 new tokens (8 columns, two N
   // tiles here) 182.6 -> 159.9).
   bool shared_o = true;
+  // The sliding window Run will be given (CudaDecodeArgs::sliding_window), or 0 for any or none:
+  // the splits are sized for the tokens such a window reads (at most that many from the block
+  // boundary at or after its first position), not for max_blocks_per_seq's, and Run takes only
+  // windows from 1 to this one.
+  int32_t sliding_window = 0;
 };
 
 // A split layout: tokens per split (a multiple of 64 from 64 to 8,192; at most 256 splits) and
@@ -155,6 +160,7 @@ struct DecodePlan {
   bool half = false;         // DecodeOptions::half
   bool shared_o = false;     // DecodeOptions::shared_o
   bool dependent_launch = true;  // DecodeOptions::dependent_launch
+  int32_t sliding_window = 0;    // DecodeOptions::sliding_window
   // Set by a caller whose next kernel in the stream reads nothing this decode writes and waits
   // for it only at its end (CudaAttention's chunk after a call's leading decode rows): the last
   // grid lets that kernel launch once each of its CTAs has started, so that its CTAs take the SMs
@@ -178,6 +184,12 @@ struct CudaDecodeArgs {
   float* lse = nullptr;                   // [num_seqs, num_q_heads] device, natural log
   void* workspace = nullptr;              // device, >= plan.workspace_bytes
   int64_t workspace_bytes = 0;
+  // Sliding window: 0 none; else each row (at position seq_len − 1) reads positions
+  // (seq_len − 1 − sliding_window, seq_len − 1], as AttentionArgs::sliding_window; the block-table
+  // entries before the block holding the first of them are not read (a window may have released
+  // them). Not for a plan on the shared-output kernel (DecodePlan::variant.shared_o: with
+  // DecodeOptions::half, GQA groups above 8, above 4 with FP8 keys).
+  int32_t sliding_window = 0;
 };
 
 // The alignment the CUDA attention kernels need of a call's rows: query and output their

@@ -941,6 +941,28 @@ TEST(CudaDecodeTest, K3v4CodebookAndGridChooseTheHiOnlyOrExactKernel) {
   }
 }
 
+// DecodeOptions::sliding_window sizes the splits for the tokens the window reads: batch 1 with a
+// table of 32k tokens under a window of 4,000 splits as 4,000 tokens would, with the table's row
+// length kept.
+TEST(CudaDecodeTest, SlidingWindowPlanSizesTheSplitsForTheWindow) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const CudaDecoder decoder(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16));
+  const DecodePlan windowed = decoder.Plan(1, 32, 2048, {.sliding_window = 4000});
+  const DecodePlan short_context = decoder.Plan(1, 32, 250);
+  const DecodePlan whole = decoder.Plan(1, 32, 2048);
+  EXPECT_EQ(windowed.max_blocks_per_seq, 2048);
+  EXPECT_EQ(windowed.sliding_window, 4000);
+  EXPECT_EQ(windowed.tokens_per_split, short_context.tokens_per_split);
+  EXPECT_EQ(windowed.max_splits, short_context.max_splits);
+  EXPECT_LT(int64_t{windowed.max_splits} * windowed.tokens_per_split,
+            int64_t{whole.max_splits} * whole.tokens_per_split);
+  // A window past the table's tokens changes nothing.
+  const DecodePlan wide = decoder.Plan(1, 32, 250, {.sliding_window = 100000});
+  EXPECT_EQ(wide.max_splits, short_context.max_splits);
+  EXPECT_THAT([&] { decoder.Plan(1, 32, 250, {.sliding_window = -1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("sliding_window = -1")));
+}
+
 TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   TQKV_SKIP_WITHOUT_GPU();
   const Quantizer q = Quantizer::Create("turboquant_4bit_nc", 128, 8, 16);
@@ -1007,6 +1029,43 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("a 16-byte aligned device pointer"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace ="));
+  }
+  // A negative sliding window, and a window on the shared-output kernel (k8v4 at GQA 8 in half
+  // precision), which takes none.
+  a.workspace = big.data();
+  a.sliding_window = -1;
+  EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("sliding_window = -1")));
+  a.sliding_window = 0;
+  // A plan sized for a window takes windows from 1 to it only.
+  const DecodePlan windowed = decoder.Plan(4, 32, 10, {.sliding_window = 50});
+  for (int32_t w : {0, 51}) {
+    a.sliding_window = w;
+    EXPECT_THAT([&] { decoder.Run(windowed, a, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr(fmt::format("sliding_window = {}", w)),
+                                     ::testing::HasSubstr("1 to 50"))));
+  }
+  a.sliding_window = 0;
+  {
+    const Quantizer fp8 = Quantizer::Create("turboquant_k8v4", 128, 8, 16);
+    const CudaDecoder shared(fp8);
+    const DecodePlan wide = shared.Plan(4, 64, 10, {.half = true});
+    ASSERT_TRUE(wide.variant.shared_o);
+    CudaDecodeArgs w = a;
+    w.cache = {cache.data(), 1, fp8.layout()};
+    DeviceBuffer<uint8_t> wide_query(4 * 64 * 128 * 4), wide_out(4 * 64 * 128 * 4),
+        wide_lse(4 * 64 * 4), wide_ws(wide.workspace_bytes + 256);
+    w.query = wide_query.data();
+    w.output = wide_out.data();
+    w.lse = reinterpret_cast<float*>(wide_lse.data());
+    w.workspace = wide_ws.data();
+    w.workspace_bytes = wide.workspace_bytes;
+    w.sliding_window = 100;
+    EXPECT_THAT([&] { shared.Run(wide, w, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr("sliding_window = 100"),
+                                     ::testing::HasSubstr("shared-output kernel"))));
   }
   // An uncompressed format of another element type than bf16 / fp16 is refused.
   Bf16BlockFormat f32 = MakeBf16BlockFormat(128, 8, 16);

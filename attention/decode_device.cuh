@@ -241,6 +241,12 @@ __device__ __forceinline__ ColumnSpan SpanOfColumns(const VerifyColumns& v,
   }
   return s;
 }
+// The span's positions counted from `origin` (a sliding window's, SplitParams::window).
+__device__ __forceinline__ ColumnSpan ShiftSpan(ColumnSpan s, int origin) {
+  s.end0 -= origin;
+  s.len -= origin;
+  return s;
+}
 // The new token of verify column c, c / group (decode_variant.h: a multiply and a shift).
 __device__ __forceinline__ int NewTokenOfColumn(const VerifyColumns& v, int c) {
   return NewTokenOfColumn(c, v.group_reciprocal);

@@ -81,7 +81,32 @@ struct SplitParams {
   // wait_at_start.
   int trigger_at_start = 0;
   VerifyColumns verify;
+  // Sliding window (0: none; not with verify columns, nor on the shared-output kernels): the row
+  // of a sequence of length len reads positions WindowLo(len, window) .. len − 1 (its position is
+  // len − 1, as AttentionArgs::sliding_window defines it). The splits read the sequence from
+  // WindowOrigin on (that position rounded up to a block), through its block-table row and
+  // positions shifted by it, so that the pipelines are those of a sequence of len − origin
+  // tokens; the chunks between the window's first position and the origin run masked in split 0.
+  // Blocks before the one holding that position are not read.
+  int window = 0;
 };
+
+// Sliding window (SplitParams::window): the first position a one-token row at len − 1 reads,
+// the origin its splits start from (block_size: a power of two), and how many splits hold
+// tokens: ceil((len − origin) / tokens_per_split), or split 0 alone where only the chunks before
+// the origin do.
+__host__ __device__ inline int WindowLo(int len, int window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+__host__ __device__ inline int WindowOrigin(int lo, int block_size) {
+  return (lo + block_size - 1) & -block_size;
+}
+__host__ __device__ inline int SplitsHoldingTokens(int len, int tokens_per_split, int window,
+                                                   int block_size) {
+  const int lo = WindowLo(len, window), origin = WindowOrigin(lo, block_size);
+  const int splits = len > origin ? (len - origin + tokens_per_split - 1) / tokens_per_split : 0;
+  return lo < origin && splits == 0 ? 1 : splits;
+}
 
 struct MergeParams {
   const float* partial_out = nullptr;  // [num_seqs, num_q_heads, max_splits, head_dim]
@@ -100,6 +125,8 @@ struct MergeParams {
   int trigger_at_start = 0;
   int num_kv_heads = 0;  // read with verify only
   VerifyColumns verify;
+  int window = 0;      // SplitParams::window
+  int block_size = 0;  // read with window only
 };
 
 // q·Πᵀ for a dense Πᵀ (haar, custom), as its own launch before the split kernel. (Hadamard

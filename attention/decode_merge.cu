@@ -54,7 +54,7 @@ __global__ void DecodeMergeKernel(const MergeParams p) {
         RowOfColumn(p.verify, span, p.num_q_heads, p.num_kv_heads, b, hq / columns, hq % columns);
     if (out_row < 0) return;  // past the sequence's new tokens
   }
-  const int splits = (len + p.tokens_per_split - 1) / p.tokens_per_split;
+  const int splits = SplitsHoldingTokens(len, p.tokens_per_split, p.window, p.block_size);
   if (splits > kMaxMergeSplits) __trap();  // the plan never makes more
   // No early trigger for a next step's split kernel: launched while these CTAs and the split
   // grid's last ones still ran, it took 4-7 µs longer at batch 1 (see LaunchDependents in the

@@ -57,6 +57,9 @@ struct SplitCompute {
   float (&m_thr)[kNTiles][2];
   float (&l)[kNTiles][2];
   float (&z)[kNTiles][2];
+  // Masked chunks: tokens before it are masked too (a sliding window's first position: the chunk
+  // holding it, SplitParams::window).
+  int lo = 0;
 
   // Config::kQueryInSmem: the shared address of unit 0 of the thread's run of row g (N tile 0),
   // its XOR permutation applied (unit j is at this ^ 16·j; kQueryOffset and the window's start
@@ -81,14 +84,14 @@ struct SplitCompute {
     const int t0 = begin + c * kChunk;
     bool valid[2] = {true, true};  // tokens 2g, 2g + 1
     if constexpr (kTail) {
-      valid[0] = t0 + 2 * g < end;
-      valid[1] = t0 + 2 * g + 1 < end;
+      valid[0] = t0 + 2 * g < end && t0 + 2 * g >= lo;
+      valid[1] = t0 + 2 * g + 1 < end && t0 + 2 * g + 1 >= lo;
     }
     // Whether column c sees token 2g + r: a verify pass's column c sees c / group tokens past
     // end0 (within the split's end).
     auto sees = [&](int c, int r) {
       const int extra = p.verify.query_start_loc != nullptr ? NewTokenOfColumn(p.verify, c) : 0;
-      return t0 + 2 * g + r < min(end, end0 + extra);
+      return t0 + 2 * g + r < min(end, end0 + extra) && t0 + 2 * g + r >= lo;
     };
 
     // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA
@@ -352,14 +355,15 @@ struct SplitCompute {
     }
 
     // Plain values of tokens past the end may be NaN garbage; zero them (P' is 0 there, but
-    // 0 · NaN is NaN). Codes of the compressed kinds are always finite.
+    // 0 · NaN is NaN), and those before lo alike. Codes of the compressed kinds are always finite.
     if constexpr (Traits::kPlain && kTail) {
-      const bool vvalid[4] = {t0 + 4 * t < end, t0 + 4 * t + 2 < end, t0 + 4 * t + 1 < end,
-                              t0 + 4 * t + 3 < end};
+      constexpr int kTok[4] = {0, 2, 1, 3};  // value rows i: tokens 4t + kTok[i]
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        const int tok = t0 + 4 * t + kTok[i];
+        const bool vvalid = tok < end && tok >= lo;
 #pragma unroll
-        for (int w = 0; w < kVW; ++w) cur.v[i][w] = vvalid[i] ? cur.v[i][w] : 0u;
+        for (int w = 0; w < kVW; ++w) cur.v[i][w] = vvalid ? cur.v[i][w] : 0u;
       }
     }
     // Oᵀ[d, head] += Vᵀ[d, token] · P'ᵀ[token, head].

@@ -196,11 +196,24 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   const int begin = split * p.tokens_per_split;
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = 31 - __clz(p.block_size);
+  // A sliding window (SplitParams::window): the splits read the sequence from its origin on,
+  // through the table row and positions shifted by it (one memory round trip more before the
+  // first copies, for such calls only; the loops are those of a shorter sequence). Not on the
+  // shared-output kernels (CudaDecoder::Run refuses a window there).
+  int table_len = p.max_blocks_per_seq, origin = 0;
+  bool window_head = false;  // split 0 runs masked chunks before the origin
+  if (!V.shared_o && p.window > 0) {
+    const int lo = WindowLo(p.seq_lens[b], p.window);
+    origin = WindowOrigin(lo, p.block_size);
+    table += origin >> block_shift;
+    table_len -= origin >> block_shift;
+    window_head = split == 0 && lo < origin;
+  }
   int first_block_ids[kStages];
 #pragma unroll
   for (int k = 0; k < kStages; ++k) {
     const int at = (begin + (warp + k * kW) * kChunk) >> block_shift;
-    first_block_ids[k] = at < p.max_blocks_per_seq ? __ldg(table + at) : 0;
+    first_block_ids[k] = at < table_len ? __ldg(table + at) : 0;
   }
   // The 8-warp staged compressed kernels read the block ids of their later chunks from shared
   // memory (ids_s, written in finish_prologue) instead of from global memory one chunk ahead of
@@ -210,8 +223,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // (Config::kMaxIds: none in the other kernels).
   constexpr int kIdsPerThread = (Config::kMaxIds + kT - 1) / kT;
   const int id0 = begin >> block_shift;
-  const int num_ids =
-      min(((begin + p.tokens_per_split - 1) >> block_shift) + 1, p.max_blocks_per_seq) - id0;
+  const int num_ids = min(((begin + p.tokens_per_split - 1) >> block_shift) + 1, table_len) - id0;
   int ids_pre[kIdsPerThread > 0 ? kIdsPerThread : 1];
 #pragma unroll
   for (int k = 0; k < kIdsPerThread; ++k) {
@@ -221,9 +233,9 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   int* const ids_s = reinterpret_cast<int*>(smem + Config::kIdsOffset);
   // Every column sees the tokens before span.end0; a verify pass's later columns a few more, up
   // to span.len (VerifyColumns).
-  const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, b);
+  const ColumnSpan span = ShiftSpan(SpanOfColumns(p.verify, p.seq_lens, b), origin);
   const int len = span.len;
-  if (begin >= len) {  // the merge reads only splits that hold tokens
+  if (begin >= len && !window_head) {  // the merge reads only splits that hold tokens
     // No merge: an empty sequence's rows are 0, LSE -inf (a verify pass has no rows there).
     if (p.output != nullptr && p.verify.query_start_loc == nullptr) {
       const int group = p.num_q_heads / p.num_kv_heads;
@@ -361,14 +373,25 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
     } else {
       Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
     }
-    // The span again (not held in registers through the loop).
-    const ColumnSpan last = SpanOfColumns(p.verify, p.seq_lens, b);
+    // The span and a window's first position and origin again (not held in registers through
+    // the loop); lo relative to the origin.
+    const ColumnSpan unshifted = SpanOfColumns(p.verify, p.seq_lens, b);
+    const int lo_abs = WindowLo(unshifted.len, p.window);
+    const int tail_origin = WindowOrigin(lo_abs, p.block_size), lo = lo_abs - tail_origin;
+    const ColumnSpan last = ShiftSpan(unshifted, tail_origin);
     const SplitCompute<V> masked{p,  begin, end, last.end0, g, t, lane_word,
-                                 qf, acc,   m,   m_thr,     l, z};
-    const int num_chunks = (end - begin + kChunk - 1) / kChunk;
+                                 qf, acc,   m,   m_thr,     l, z, lo};
+    // (end < begin only in split 0 of a window whose origin lies past the sequence's end.)
+    const int num_chunks = max(0, end - begin + kChunk - 1) / kChunk;
+    // First, in split 0 of a sliding window whose first position is not at its origin, the
+    // chunks before the origin from the one holding that position on (c < 0; their blocks hold
+    // positions of the window, so they are live), masked below it; then the split's last chunks.
+    static_assert((kW & (kW - 1)) == 0);
+    const int head_chunks = split == 0 && lo < 0 ? (kChunk - 1 - lo) / kChunk : 0;
 #pragma unroll 1
-    for (int c = num_full; c < num_chunks; ++c) {
-      if (c % kW != warp) continue;
+    for (int c = head_chunks > 0 ? -head_chunks : num_full; c < num_chunks;
+         c = c == -1 ? num_full : c + 1) {
+      if ((c & (kW - 1)) != warp) continue;
       Chunk tail;
       load(c, tail, block_of(c, c + 1));
       masked.template operator()<true>(c, tail);

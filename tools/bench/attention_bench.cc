@@ -43,6 +43,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention_cuda.h"
@@ -125,6 +126,8 @@ struct Shape {
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shared_o = DecodeOptions{}.shared_o;
+  int window = 0;            // AttentionArgs::sliding_window
+  bool plan_window = false;  // and DecodeOptions::sliding_window
 };
 
 Shape Uniform(std::string name, int batch, int context, int q_len, bool decode_kernels = true) {
@@ -188,9 +191,10 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
       loc.push_back(tokens);
       set_blocks += (s.lens[b] + kBlock - 1) / kBlock;
       for (int i = 0; i < s.q_lens[b]; ++i) {
-        flops += 4.0 * dim * hq * (s.lens[b] - s.q_lens[b] + i + 1);
+        const int seen = s.lens[b] - s.q_lens[b] + i + 1;
+        flops += 4.0 * dim * hq * (s.window > 0 ? std::min(seen, s.window) : seen);
       }
-      bytes += double(s.lens[b]) * hk * slot_bytes;
+      bytes += double(s.window > 0 ? std::min(s.lens[b], s.window) : s.lens[b]) * hk * slot_bytes;
     }
     const int width = (max_len + kBlock - 1) / kBlock;
     const int sets = static_cast<int>(std::clamp<int64_t>(
@@ -231,6 +235,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
     options.decode.tokens_per_split = s.decode_tokens_per_split;
     options.decode.narrow = s.decode_narrow;
     options.decode.shared_o = s.shared_o;
+    if (s.plan_window) options.decode.sliding_window = s.window;
     const AttentionPlan plan = attn->Plan(batch, tokens, hq, width, max_q, options);
     DeviceBuffer<uint8_t> ws(std::max<int64_t>(1, plan.workspace_bytes));
     AttentionArgs a;
@@ -243,6 +248,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
     a.seq_lens = d_lens.data();
     a.max_blocks_per_seq = width;
     a.cache = {pool.data(), pool_blocks, attn->layout()};
+    a.sliding_window = s.window;
     a.output = out.data();
     a.output_dtype = DType::kBF16;
     a.lse = lse.data();
@@ -547,6 +553,24 @@ int Main(int argc, char** argv) {
     shapes.push_back(spec);
   }
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
+  // One token per sequence under a sliding window (the decode kernels from the chunk holding the
+  // window's first position; windows that start inside a chunk; "planned": with the splits
+  // sized for the window, DecodeOptions::sliding_window) and on the chunk kernel ("chunk"),
+  // beside the same count of tokens without one ("none").
+  for (const auto& [name, batch, context, window] :
+       {std::tuple{"window 64x4k w1000", 64, 4096, 1000},
+        {"window 64x1000 none", 64, 1000, 0},
+        {"window 1x32k w4000", 1, 32768, 4000},
+        {"window 1x4000 none", 1, 4000, 0}}) {
+    shapes.push_back(Uniform(name, batch, context, 1));
+    shapes.back().window = window;
+    if (window == 0) continue;
+    shapes.push_back(shapes.back());
+    shapes.back().name += " planned";  // the decode splits sized for the window
+    shapes.back().plan_window = true;
+    shapes.push_back(Uniform(std::string(name) + " chunk", batch, context, 1, false));
+    shapes.back().window = window;
+  }
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
     s.decode_narrow = decode_narrow;

@@ -145,13 +145,17 @@ def parse(shape):
         return [(1, 2048, 2048), (63, 4096, 1)]
     if parts[0] == "decode":
         return [(63, 4096, 1)]
+    if parts[0] == "window":  # SDPA over the tokens the window reads ("none": all of them)
+        batch, context = (int(x[:-1]) * 1024 if x.endswith("k") else int(x)
+                          for x in parts[1].split("x"))
+        return [(batch, context if parts[2] == "none" else min(context, int(parts[2][1:])), 1)]
     raise ValueError(shape)
 
 
 def base_shape(shape):
     """The shape a variant runs (kernel choices after the shape: "chunk", "rows4", "exact")."""
     parts = shape.split()
-    n = 3 if parts[0] in ("verify", "prefill") else 2 if parts[0] == "decode" else 4
+    n = 3 if parts[0] in ("verify", "prefill", "window") else 2 if parts[0] == "decode" else 4
     return " ".join(parts[:n])
 
 
@@ -186,7 +190,7 @@ def main():
             t, name = best_sdpa(batch, kv_len, q_len)
             us += t
             names.append(name)
-            if not shape.startswith("decode"):
+            if not shape.startswith(("decode", "window")):
                 d_us, d_peak = dequant_then_attend(batch, kv_len, q_len)
                 dq_us += d_us
                 dq_peak = max(dq_peak, d_peak)
