@@ -478,11 +478,12 @@ TEST(CudaAttentionTest, SlidingWindow) {
   }
 }
 
-// One token per sequence under a sliding window runs the decode kernels (except on the
-// shared-output kernel: k8v4 above GQA 4 keeps the chunk kernel), reading from the block that
-// holds the window's first position: every preset and the plain caches, head dims 64-256, block
-// sizes 16-128, GQA groups 1-8, windows that start inside a chunk, at a chunk, past the block
-// before, or before the context, with the plan's splits and splits of 64 tokens (the merge). The
+// One token per sequence under a sliding window runs the decode kernels (except where
+// DecodeOptions::half puts the call on the shared-output kernel, as k8v4 at GQA 8: then the chunk
+// kernel), reading nothing before the 16-token chunk that holds the window's first position:
+// every preset and the plain caches, head dims 64-256, block sizes 16-128, GQA groups 1-8,
+// windows that start inside a chunk, at a chunk, past the block before, or before the context,
+// with the plan's splits, splits of 64 tokens (the merge) and splits sized for the window. The
 // table entries of blocks before that block name a block that was never written (NaN bytes),
 // so a read of one shows up; outputs differ from the chunk kernel's (the decode kernels ran).
 TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {

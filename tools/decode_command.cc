@@ -122,9 +122,9 @@ void RunDecode(const DecodeFlags& flags) {
   const int64_t batch = tensors.batch;
   const Quantizer q = MakeQuantizer(flags.quant, tensors.head_dim, tensors.num_kv_heads, in);
   CheckCacheMetadata(cache_file, q);
-  // Decode runs as attention of one new token per sequence with a window (the decode kernels
-  // read whole contexts) and, on CUDA, past the longest context the decode kernels read (the
-  // attention kernels take any).
+  // Decode runs as attention of one new token per sequence with a window (the decode API reads
+  // whole contexts; on CUDA, attention runs such rows on the decode kernels too) and, on CUDA,
+  // past the longest context the decode kernels read (the attention kernels take any).
   const bool beyond_decode =
       flags.device == "cuda" &&
       int64_t{tensors.max_blocks_per_seq} * q.format().block_size > CudaDecoder::kMaxContextTokens;
