@@ -231,6 +231,7 @@ void Validate(const SimConfig& c) {
     bad("--decode-len", c.decode_len, fmt::format("1 to {}", kMaxSimTokens));
   }
   if (c.spec_tokens < 0 || c.spec_tokens > 64) bad("--spec-tokens", c.spec_tokens, "0 to 64");
+  if (c.sliding_window < 0) bad("--sliding-window", c.sliding_window, ">= 0 (0: none)");
   if (c.prefill_chunk < 1) bad("--prefill-chunk", c.prefill_chunk, ">= 1");
   if (c.max_running < 1) bad("--max-running", c.max_running, ">= 1");
   if (!(c.fork_fraction >= 0 && c.fork_fraction <= 1)) {
@@ -306,10 +307,11 @@ SimReport RunSim(const SimConfig& c) {
   mo.block_size = c.block_size;
   mo.format = MakeFormatTag(format, quantizer ? quantizer->rotation().id : 0);
   mo.enable_prefix_caching = c.enable_prefix_caching;
+  mo.sliding_window = c.sliding_window;
   KVCacheManager manager(mo);
   std::unique_ptr<Backend> backend =
       MakeBackend(c.device, format, quantizer ? &*quantizer : nullptr, c.layers,
-                  static_cast<int32_t>(num_blocks), c.q_heads, c.kernel_timing);
+                  static_cast<int32_t>(num_blocks), c.q_heads, c.sliding_window, c.kernel_timing);
   const ActivationModel model(c);
 
   // Requests: the shared system prompt, then tokens of their own.
@@ -572,8 +574,12 @@ SimReport RunSim(const SimConfig& c) {
                             (t - batch.query_start_loc()[i]);
         const float* out0 = outputs.output + size_t(t) * q_row;  // layer 0
         std::vector<double> ref(q_row), ref_lse(hq);
-        ReferenceAttention(in.query + size_t(t) * q_row, b.raw_k.data(), b.raw_v.data(), pos + 1,
-                           hq, hk, d, 1.0 / std::sqrt(double(d)), ref.data(), ref_lse.data());
+        // (Under a sliding window, positions (pos - window, pos].)
+        const int32_t lo = c.sliding_window > 0 ? std::max(0, pos + 1 - c.sliding_window) : 0;
+        const size_t kv_at = size_t(lo) * hk * d;
+        ReferenceAttention(in.query + size_t(t) * q_row, b.raw_k.data() + kv_at,
+                           b.raw_v.data() + kv_at, pos + 1 - lo, hq, hk, d,
+                           1.0 / std::sqrt(double(d)), ref.data(), ref_lse.data());
         for (int h = 0; h < hq; ++h) {
           double dot = 0, na = 0, nb = 0, err = 0;
           for (int e = 0; e < d; ++e) {
@@ -726,8 +732,9 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
   auto row = [&](std::string_view what, const std::string& value) {
     s += fmt::format("  {:<38} {}\n", what, value);
   };
-  s += fmt::format("tqkv sim: {} on {}, {} layers, Hq {} / Hk {}, D {}, block {}\n", c.preset,
-                   c.device, c.layers, c.q_heads, c.kv_heads, c.head_dim, c.block_size);
+  s += fmt::format("tqkv sim: {} on {}, {} layers, Hq {} / Hk {}, D {}, block {}{}\n", c.preset,
+                   c.device, c.layers, c.q_heads, c.kv_heads, c.head_dim, c.block_size,
+                   c.sliding_window > 0 ? fmt::format(", window {}", c.sliding_window) : "");
   row("steps", fmt::format("{}", r.steps));
   row("tokens processed (prefill + decode)",
       fmt::format("{} + {} (cached prefix tokens skipped: {})", r.prefill_tokens,
@@ -795,6 +802,7 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
                         {"shared_prefix", c.shared_prefix},
                         {"decode_len", c.decode_len},
                         {"spec_tokens", c.spec_tokens},
+                        {"sliding_window", c.sliding_window},
                         {"seed", c.seed},
                         {"prefix_caching", c.enable_prefix_caching},
                         {"kernel_timing", c.kernel_timing}}},

@@ -36,6 +36,9 @@ struct SimConfig {
   // is right with a fixed seeded probability; the first wrong one and all after it are rejected
   // and rewound, so the generated tokens are the same as without drafts.
   int spec_tokens = 0;
+  // Sliding-window attention (KVCacheManagerOptions::sliding_window: a token at position p
+  // attends to (p - window, p], and blocks before a sequence's window are released); 0: none.
+  int sliding_window = 0;
   int prefill_chunk = 256;      // prompt tokens per step, all sequences together
   int max_running = 16;         // sequences in flight
   double fork_fraction = 0.25;  // requests that fork one extra branch after their prompt

@@ -42,11 +42,13 @@ class CpuBackend : public Backend {
   }
 
  public:
-  CpuBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks, int hq)
+  CpuBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks, int hq,
+             int32_t window)
       : format_(format),
         q_(q),
         layers_(layers),
         hq_(hq),
+        window_(window),
         cache_(format, layers, blocks, CacheDevice::kCpu) {}
 
   StepInputs PrepareStep(const StepBatch& batch) override {
@@ -143,6 +145,7 @@ class CpuBackend : public Backend {
     a.cache = cache_.layer(layer);
     a.output = out_.data() + at * hq_ * d;
     a.lse = lse_.data() + at * hq_;
+    a.sliding_window = window_;
     if (q_ != nullptr) {
       AttentionCpu(*q_, a);
     } else {
@@ -153,6 +156,7 @@ class CpuBackend : public Backend {
   CacheFormat format_;
   const Quantizer* q_;
   int layers_, hq_;
+  int32_t window_;
   KVCache cache_;
   int32_t t_ = 0, b_ = 0;
   std::vector<float> k_, v_, q_in_, out_, lse_;
@@ -182,11 +186,12 @@ int64_t Align256(int64_t n) { return (n + 255) / 256 * 256; }
 class CudaBackend : public Backend {
  public:
   CudaBackend(const CacheFormat& format, const Quantizer* q, int layers, int32_t blocks, int hq,
-              bool kernel_timing)
+              int32_t window, bool kernel_timing)
       : layers_(layers),
         hq_(hq),
         hk_(format.num_kv_heads),
         d_(format.head_dim),
+        window_(window),
         kernel_timing_(kernel_timing),
         cache_(format, layers, blocks, CacheDevice::kCuda),
         store_(*q),
@@ -223,8 +228,11 @@ class CudaBackend : public Backend {
     for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
     // The decoding sequences at the front of the batch (one new token, or with --spec-tokens up
     // to 1 + K) run on the decode kernels in place.
-    const AttentionOptions options =
+    // Under a sliding window a step of decoding sequences alone runs the decode kernels with
+    // splits sized for it (the other steps run the chunk kernel).
+    AttentionOptions options =
         WithLeadingSequences({}, loc.first(b_ + 1), attention_.MaxLeadingQLen(hq_));
+    options.decode.sliding_window = window_;
     plan_ = attention_.Plan(b_, t_, hq_, batch.block_table_width(), max_q_len, options);
     out_bytes_ = int64_t{layers_} * t_ * hq_ * (d_ + 1) * 4;  // outputs, then LSEs
     // Growing frees the old buffers (cudaFree waits for the device): rare, and before this
@@ -342,6 +350,7 @@ class CudaBackend : public Backend {
     a.lse = out + int64_t{layers_} * t_ * hq_ * d_ + rows;
     a.workspace = attention_ws_.data();
     a.workspace_bytes = attention_ws_.size_bytes();
+    a.sliding_window = window_;
     return a;
   }
 
@@ -400,6 +409,7 @@ class CudaBackend : public Backend {
   }
 
   int layers_, hq_, hk_, d_;
+  int32_t window_;
   bool kernel_timing_;
   Stream stream_;
   KVCache cache_;
@@ -432,9 +442,10 @@ class CudaBackend : public Backend {
 
 std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat& format,
                                      const Quantizer* quantizer, int num_layers, int32_t num_blocks,
-                                     int num_q_heads, bool kernel_timing) {
+                                     int num_q_heads, int32_t sliding_window, bool kernel_timing) {
   if (device == "cpu") {
-    return std::make_unique<CpuBackend>(format, quantizer, num_layers, num_blocks, num_q_heads);
+    return std::make_unique<CpuBackend>(format, quantizer, num_layers, num_blocks, num_q_heads,
+                                        sliding_window);
   }
   RequireCudaDevice("tqkv sim --device cuda");
   if (quantizer == nullptr) {
@@ -444,8 +455,9 @@ std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat&
   }
 #if TQKV_HAVE_CUDA
   return std::make_unique<CudaBackend>(format, quantizer, num_layers, num_blocks, num_q_heads,
-                                       kernel_timing);
+                                       sliding_window, kernel_timing);
 #else
+  (void)sliding_window;
   (void)num_layers;
   (void)num_blocks;
   (void)num_q_heads;

@@ -110,10 +110,12 @@ class Backend {
   virtual const StepResult& FinishStep() = 0;
 };
 
-// device "cpu" or "cuda"; quantizer is null for the bf16 format. On CUDA, kernel_timing adds
-// the graph-replay timing pass to every step (StepResult::*.kernels_s; 0 without it).
+// device "cpu" or "cuda"; quantizer is null for the bf16 format; sliding_window: the attention
+// window (AttentionArgs::sliding_window, 0: none). On CUDA, kernel_timing adds the graph-replay
+// timing pass to every step (StepResult::*.kernels_s; 0 without it).
 std::unique_ptr<Backend> MakeBackend(std::string_view device, const CacheFormat& format,
                                      const Quantizer* quantizer, int num_layers, int32_t num_blocks,
-                                     int num_q_heads, bool kernel_timing = true);
+                                     int num_q_heads, int32_t sliding_window = 0,
+                                     bool kernel_timing = true);
 
 }  // namespace tqkv::sim

@@ -43,6 +43,10 @@ void AddSimCommand(CLI::App& app) {
   cmd->add_option("--spec-tokens", config->spec_tokens,
                   "draft tokens verified per decoding sequence and step (0: none)")
       ->capture_default_str();
+  cmd->add_option("--sliding-window", config->sliding_window,
+                  "sliding-window attention: a token at position p attends to (p - W, p]; 0: "
+                  "whole context")
+      ->capture_default_str();
   cmd->add_option("--prefill-chunk", config->prefill_chunk, "prompt tokens per step")
       ->capture_default_str();
   cmd->add_option("--max-running", config->max_running, "sequences in flight")

@@ -35,9 +35,10 @@ SimConfig Small(const char* preset) {
 
 // The same workload on both devices: the same steps and rows, decode outputs within the
 // kernels' tolerance (checksums as tools/sim_compare.py compares them), the same accuracy.
-void ExpectSameAsCpu(const char* preset, int spec_tokens = 0) {
+void ExpectSameAsCpu(const char* preset, int spec_tokens = 0, int sliding_window = 0) {
   SimConfig c = Small(preset);
   c.spec_tokens = spec_tokens;
+  c.sliding_window = sliding_window;
   const SimReport cpu = RunSim(c);
   c.device = "cuda";
   const SimReport gpu = RunSim(c);
@@ -90,6 +91,14 @@ TEST(SimCudaTest, K3v4MatchesCpu) {
 TEST(SimCudaTest, SpeculativeVerifyMatchesCpu) {
   TQKV_SKIP_WITHOUT_GPU();
   ExpectSameAsCpu("turboquant_4bit_nc", 3);
+}
+
+// Sliding-window attention (decode steps on the decode kernels from the window's blocks, the
+// blocks before it released by the manager), with and without speculative verify.
+TEST(SimCudaTest, SlidingWindowMatchesCpu) {
+  TQKV_SKIP_WITHOUT_GPU();
+  ExpectSameAsCpu("turboquant_4bit_nc", 0, 24);
+  ExpectSameAsCpu("turboquant_k3v4_nc", 2, 24);
 }
 
 TEST(SimCudaTest, Fp8KeysMatchCpu) {
