@@ -57,8 +57,8 @@ struct SplitCompute {
   float (&m_thr)[kNTiles][2];
   float (&l)[kNTiles][2];
   float (&z)[kNTiles][2];
-  // Masked chunks: tokens before it are masked too (a sliding window's first position: the chunk
-  // holding it, SplitParams::window).
+  // Masked chunks: tokens before it are masked too (a sliding window's first position, counted
+  // from the window's origin as begin is, SplitParams::window; 0 without one).
   int lo = 0;
 
   // Config::kQueryInSmem: the shared address of unit 0 of the thread's run of row g (N tile 0),
