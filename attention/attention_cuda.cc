@@ -656,13 +656,14 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
                     std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
   }
-  // A sliding window runs one-token calls and verify passes on the decode kernels where their
-  // plan's kernel takes one (not the shared-output kernel), every other call on the chunk kernel.
+  // A sliding window runs the rows the plan gives the decode kernels (one-token calls, verify
+  // passes, a mixed call's one-token or leading rows) there where the decode plan's kernel takes
+  // one (not the shared-output kernel); else the chunk or prefill kernel takes them.
   const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
   const bool run_decode = plan.decode && window_decode;
   const bool run_verify = plan.verify_rows && window_decode;
   if ((plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
-      (a.sliding_window == 0 || run_decode || run_verify)) {
+      window_decode) {
     s.decoder.CheckScale(kWhere, a.scale);
   }
   // (Before anything is queued: a verify call's query prep precedes its passes.)
@@ -824,8 +825,10 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d, num_kv_heads());
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // The caller's leading one-token sequences (AttentionOptions::leading_decode_seqs) on the
-  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on.
-  const int lead = a.sliding_window == 0 ? plan.leading_decodes : 0;
+  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on. Under a
+  // sliding window only where the decode plan's kernel takes one (Run).
+  const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
+  const int lead = window_decode ? plan.leading_decodes : 0;
   // The dequantized tiles (AttentionPlan::prefill_tiles), written first: the prefill kernel may
   // start before the leading rows' decode ends, not before it starts.
   uint8_t* const tiles = plan.prefill_tiles ? ws + w.Before(w.tiles) : nullptr;
@@ -893,6 +896,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     lead_args.lse = a.lse;
     lead_args.workspace = ws + w.query + w.partial_out + w.partial_lse;
     lead_args.workspace_bytes = w.rows_workspace;
+    lead_args.sliding_window = a.sliding_window;
     if (lead_verify) {
       for (int pass = 0; pass < plan.verify_passes; ++pass) {
         lead_columns.row_begin = pass * plan.verify_pass_rows;
@@ -905,9 +909,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     }
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
-  // after the chunk kernel (not with a sliding window: the decode kernels take one only for a
-  // call of one-token rows alone).
-  const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
+  // after the chunk kernel (under a sliding window as the leading rows).
+  const bool decode_rows = plan.decode_rows && window_decode;
   DecodeRowsParams rp;
   if (decode_rows) {
     uint8_t* at = ws + w.query + w.partial_out + w.partial_lse;
@@ -941,6 +944,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     da.lse = const_cast<float*>(rp.decode_lse);
     da.workspace = at + w.rows_query + w.rows_lens + w.rows_out + w.rows_lse;
     da.workspace_bytes = w.rows_workspace;
+    da.sliding_window = a.sliding_window;
     s.decoder.Run(plan.decode_plan, da, stream);
   }
   ChunkParams p;

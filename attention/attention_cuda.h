@@ -11,7 +11,7 @@
 // kernels (attention/decode_cuda.h; with a sliding window too, from the block holding the window's
 // first position, unless DecodeOptions::half puts GQA groups above 8, above 4 with FP8 keys, on
 // the shared-output kernel),
-// and without a sliding window so do the one-token sequences of
+// and so do the one-token sequences of
 // a mixed call (decode rows beside prefill chunks: in place where the caller says they come
 // first, AttentionOptions::leading_decode_seqs; so do leading verify rows,
 // AttentionOptions::leading_max_q_len), and a call of few new
@@ -21,8 +21,9 @@
 // head_dim 256), each column over the context up to its own token (one split grid per pass, causal
 // masks in its last chunks; the first two at head_dim 128 and 64, and 3bit_nc at both, passes of
 // more than 4 columns, k8v4 at head_dim 128 passes of more than 8: in half precision,
-// AttentionOptions::verify_precision; under a sliding window where the plan was told of it,
-// AttentionOptions::decode.sliding_window, each column over its own window). Chunks of 16 rows —
+// AttentionOptions::verify_precision; under a sliding window each column over its own window,
+// except on the shared-output kernel, which a plan told of the window does not take:
+// AttentionOptions::decode.sliding_window). Chunks of 16 rows —
 // new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill kernel in half
 // precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product; from 16 rows
 // on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the H200, its tiles mostly empty),
@@ -148,14 +149,16 @@ struct AttentionPlan {
   // decode_plan's kernel is the shared-output one: then the chunk kernel).
   bool decode = false;
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
-  // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
+  // decode kernels (gathered, decoded, scattered back; under a sliding window as leading_decodes
+  // below), the others on the chunk kernel.
   bool decode_rows = false;
   // A mixed call whose first leading_decodes sequences have one new token each
   // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
   // or prefill kernel's grid covers the others (decode_plan.overlap_next: launched as the decode's
-  // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
-  // chunk kernel). leading_max_q_len > 1 (AttentionOptions::leading_max_q_len): they have 1 to
-  // that many each and run as verify_passes passes of verify_pass_rows (below) in place.
+  // programmatic dependent); under a sliding window only where decode_plan's kernel is not the
+  // shared-output one (else every sequence runs on the chunk kernel). leading_max_q_len > 1
+  // (AttentionOptions::leading_max_q_len): they have 1 to that many each and run as verify_passes
+  // passes of verify_pass_rows (below) in place.
   int leading_decodes = 0;
   int leading_max_q_len = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len, or the plan's choice of

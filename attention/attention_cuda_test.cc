@@ -190,7 +190,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   const bool verify_on_decode =
       plan.verify_rows && (c.window == 0 || !plan.decode_plan.variant.shared_o);
   std::vector<bool> single(s.num_tokens, verify_on_decode);
-  const bool lead_verify = plan.leading_max_q_len > 1 && c.window == 0;
+  const bool lead_verify =
+      plan.leading_max_q_len > 1 && (c.window == 0 || !plan.decode_plan.variant.shared_o);
   for (int b = 0; b < num_seqs; ++b) {
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
     if (lead_verify && b < plan.leading_decodes) {
@@ -1093,9 +1094,10 @@ TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
 // (AttentionOptions::leading_decode_seqs): those rows run on the decode kernels in place, the
 // chunk and prefill kernels' grids start after them. Decode rows to the decode kernels' bounds,
 // the others to the kernel's own (the prefill kernel's half precision, the chunk kernel's exact
-// numerics), with splits (the merge of the rows after the leading ones), a sliding window (every
-// row on the chunk kernel) and a step of one-token sequences only. The leading rows' contexts are
-// split, so that where the chunk kernel overlaps their decode, their merge runs after it.
+// numerics), with splits (the merge of the rows after the leading ones), a sliding window (the
+// leading rows on the decode kernels under it too) and a step of one-token sequences only. The
+// leading rows' contexts are split, so that where the chunk kernel overlaps their decode, their
+// merge runs after it.
 TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{300, 1000, 77, 700, 150, 2000}, {1, 1, 1, 200, 65, 300}};
@@ -1169,8 +1171,9 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
 // exact verify and chunk numerics (the default Case) to the decode bounds, half precision to the
 // half bounds, where the rows after the leading sequences come out bit for bit as in the same
 // call without leading rows (the same kernel, the same splits); with splits of the chunk's
-// context (whose merge must leave the leading rows alone), a sliding window (every row on the
-// chunk kernel) and a dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
+// context (whose merge must leave the leading rows alone), a sliding window (the leading rows
+// on the decode kernels under it too, where their kernel is not the shared-output one) and a
+// dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
 TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   // (A chunk of 300 new tokens: at head_dim 128 in half precision its own tiles are dequantized

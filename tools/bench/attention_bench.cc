@@ -588,6 +588,15 @@ int Main(int argc, char** argv) {
     shapes.back().name += " own-o";
     shapes.back().shared_o = false;
   }
+  // A mixed step under a sliding window: the decode rows in place on the decode kernels; "chunk":
+  // every row on the prefill kernel, as they ran before.
+  Shape window_mixed = mixed;
+  window_mixed.name = "window mixed 2048 + 63x4k w1000";
+  window_mixed.window = 1000;
+  shapes.push_back(window_mixed);
+  window_mixed.name += " chunk";
+  window_mixed.decode_kernels = false;
+  shapes.push_back(window_mixed);
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
     s.decode_narrow = decode_narrow;
