@@ -478,7 +478,10 @@ TEST(CudaAttentionTest, SlidingWindow) {
       Case c{.quantizer = &q, .window = w};
       c.options.tokens_per_split = tps;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps));
+      // (The one-token rows run on the decode kernels: k3v4_nc's hi-only twin, held to its
+      // bound.)
+      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps),
+                   DecodeBoundsOf("turboquant_k3v4_nc"));
     }
   }
 }

@@ -574,13 +574,17 @@ int Main(int argc, char** argv) {
     shapes.back().window = window;
   }
   // Verify under a sliding window: with the plan told of it, the passes on the kernels whose
-  // warps hold their own outputs ("planned"); untold, the chunk kernel ("chunk": the passes'
-  // shared-output kernel reads no window); beside the same count of tokens without one.
+  // warps hold their own outputs ("planned"); untold, where the plan's kernel is the
+  // shared-output one (which reads no window), the chunk or prefill kernel ("untold"); without
+  // the decode kernels ("chunk", as every kind ran it before); beside the same count of tokens
+  // without a window.
   for (int q : {4, 8}) {
     shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} planned", q), 64, 4096, q));
     shapes.back().window = 1000;
     shapes.back().plan_window = true;
-    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} chunk", q), 64, 4096, q));
+    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} untold", q), 64, 4096, q));
+    shapes.back().window = 1000;
+    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} chunk", q), 64, 4096, q, false));
     shapes.back().window = 1000;
     shapes.push_back(
         Uniform(fmt::format("window 64x{} none q{}", 1000 + q - 1, q), 64, 1000 + q - 1, q));
