@@ -222,6 +222,9 @@ std::pair<int, int> CudaAttention::VerifyLimits(int group, const AttentionOption
   const int d = head_dim();
   DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
+  // Under a sliding window the plan is told of, the passes run on the kernels whose warps hold
+  // their own outputs (the shared-output kernel reads no window).
+  if (options.decode.sliding_window > 0) decode.shared_o = false;
   // At head_dim 256 the compressed kinds' split kernel of 9-16 columns (two N tiles on the
   // register pipeline) costs more per column than two passes of up to 8: H100, 16:8:256, 64 × 4k,
   // 8 new tokens at GQA 2, one pass of 16 columns against two of 8: 4bit_nc 809 against 474 µs,
@@ -465,13 +468,16 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     }
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
-  // chunk kernel's plan above stays for a sliding window. Columns past the decode kernels' largest
+  // chunk kernel's plan above stays for a sliding window on the shared-output kernel; told of a
+  // window (options.decode.sliding_window), the passes run on the kernels with their own outputs,
+  // their splits sized for it. Columns past the decode kernels' largest
   // group (16 but on the half-precision kernels and the plain caches' at head_dim 64 and 128:
   // 32) are left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = rows_decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
+  if (options.decode.sliding_window > 0) decode.shared_o = false;  // as VerifyLimits
   const auto [max_columns, verify_q] = VerifyLimits(group, options);
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
                      (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&
@@ -480,8 +486,10 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.decode_rows = false;
     plan.verify_pass_rows = std::min(max_q_len, std::max(1, max_columns / group));
     plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
-    plan.decode_plan =
-        s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
+    DecodeOptions verify_decode = decode;
+    verify_decode.sliding_window = options.decode.sliding_window;
+    plan.decode_plan = s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group,
+                                      max_blocks_per_seq, verify_decode);
   }
   // The caller's leading one-token sequences: on the decode kernels where they lie. Leading
   // verify rows (leading_max_q_len > 1, up to the verify limit) there too, as verify passes: a
@@ -648,13 +656,23 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
                     std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
   }
-  // A sliding window runs one-token calls on the decode kernels where their plan's kernel takes
-  // one (not the shared-output kernel), every other call on the chunk kernel.
-  const bool run_decode =
-      plan.decode && (a.sliding_window == 0 || !plan.decode_plan.variant.shared_o);
+  // A sliding window runs the rows the plan gives the decode kernels (one-token calls, verify
+  // passes, a mixed call's one-token or leading rows) there where the decode plan's kernel takes
+  // one (not the shared-output kernel); else the chunk or prefill kernel takes them.
+  const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
+  const bool run_decode = plan.decode && window_decode;
+  const bool run_verify = plan.verify_rows && window_decode;
   if ((plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
-      (a.sliding_window == 0 || run_decode)) {
+      window_decode) {
     s.decoder.CheckScale(kWhere, a.scale);
+  }
+  // (Before anything is queued: a verify call's query prep precedes its passes.)
+  if (const int32_t w = plan.decode_plan.sliding_window;
+      (run_decode || run_verify) && w > 0 && (a.sliding_window < 1 || a.sliding_window > w)) {
+    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
+                          fmt::format("1 to {} (AttentionOptions::decode.sliding_window: the "
+                                      "plan's decode splits hold that many tokens)",
+                                      w));
   }
   if (run_decode) {
     CudaDecodeArgs da;
@@ -674,7 +692,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     return;
   }
 #if TQKV_HAVE_CUDA
-  if (plan.verify_rows && a.sliding_window == 0) {
+  if (run_verify) {
     RunVerify(plan, a, stream);
   } else {
     RunChunk(plan, a, stream);
@@ -778,6 +796,7 @@ void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
   da.lse = a.lse;
   da.workspace = ws + v.mapped;
   da.workspace_bytes = v.decode;
+  da.sliding_window = a.sliding_window;
   decode_detail::VerifyColumns columns;
   columns.query_start_loc = a.query_start_loc;
   columns.rows = plan.verify_pass_rows;
@@ -806,8 +825,10 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d, num_kv_heads());
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // The caller's leading one-token sequences (AttentionOptions::leading_decode_seqs) on the
-  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on.
-  const int lead = a.sliding_window == 0 ? plan.leading_decodes : 0;
+  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on. Under a
+  // sliding window only where the decode plan's kernel takes one (Run).
+  const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
+  const int lead = window_decode ? plan.leading_decodes : 0;
   // The dequantized tiles (AttentionPlan::prefill_tiles), written first: the prefill kernel may
   // start before the leading rows' decode ends, not before it starts.
   uint8_t* const tiles = plan.prefill_tiles ? ws + w.Before(w.tiles) : nullptr;
@@ -875,6 +896,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     lead_args.lse = a.lse;
     lead_args.workspace = ws + w.query + w.partial_out + w.partial_lse;
     lead_args.workspace_bytes = w.rows_workspace;
+    lead_args.sliding_window = a.sliding_window;
     if (lead_verify) {
       for (int pass = 0; pass < plan.verify_passes; ++pass) {
         lead_columns.row_begin = pass * plan.verify_pass_rows;
@@ -887,9 +909,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     }
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
-  // after the chunk kernel (not with a sliding window: the decode kernels take one only for a
-  // call of one-token rows alone).
-  const bool decode_rows = plan.decode_rows && a.sliding_window == 0;
+  // after the chunk kernel (under a sliding window as the leading rows).
+  const bool decode_rows = plan.decode_rows && window_decode;
   DecodeRowsParams rp;
   if (decode_rows) {
     uint8_t* at = ws + w.query + w.partial_out + w.partial_lse;
@@ -923,6 +944,7 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     da.lse = const_cast<float*>(rp.decode_lse);
     da.workspace = at + w.rows_query + w.rows_lens + w.rows_out + w.rows_lse;
     da.workspace_bytes = w.rows_workspace;
+    da.sliding_window = a.sliding_window;
     s.decoder.Run(plan.decode_plan, da, stream);
   }
   ChunkParams p;

@@ -11,7 +11,7 @@
 // kernels (attention/decode_cuda.h; with a sliding window too, from the block holding the window's
 // first position, unless DecodeOptions::half puts GQA groups above 8, above 4 with FP8 keys, on
 // the shared-output kernel),
-// and without a sliding window so do the one-token sequences of
+// and so do the one-token sequences of
 // a mixed call (decode rows beside prefill chunks: in place where the caller says they come
 // first, AttentionOptions::leading_decode_seqs; so do leading verify rows,
 // AttentionOptions::leading_max_q_len), and a call of few new
@@ -21,11 +21,13 @@
 // head_dim 256), each column over the context up to its own token (one split grid per pass, causal
 // masks in its last chunks; the first two at head_dim 128 and 64, and 3bit_nc at both, passes of
 // more than 4 columns, k8v4 at head_dim 128 passes of more than 8: in half precision,
-// AttentionOptions::verify_precision). Chunks of 16 rows — new tokens ×
-// GQA heads — or more per sequence (head_dim 64 or 128) run the prefill kernel in half precision
-// (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product; from 16 rows on it beat
-// the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the H200, its tiles mostly empty), unless
-// AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
+// AttentionOptions::verify_precision; under a sliding window each column over its own window,
+// except on the shared-output kernel, which a plan told of the window does not take:
+// AttentionOptions::decode.sliding_window). Chunks of 16 rows —
+// new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill kernel in half
+// precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product; from 16 rows
+// on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the H200, its tiles mostly empty),
+// unless AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
 // (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
 // dequantized into shared memory, split over the context where the grid would not fill the
 // device, then a log-sum-exp merge of the splits. The workspace holds no
@@ -83,10 +85,14 @@ struct AttentionOptions {
   // sequence runs ceil(q_len / rows) passes of rows = max(1, columns / group) tokens, each reading
   // the cache once.
   int verify_max_group = 32;
-  // The decode kernels' choices, where they run. decode.sliding_window: the window a one-token
-  // plan's Run will be given (AttentionArgs::sliding_window, 1 to it), so that its decode splits
-  // are sized for the tokens the window reads rather than for max_blocks_per_seq's (batch 1 ×
-  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens).
+  // The decode kernels' choices, where they run. decode.sliding_window: the window Run will be
+  // given (AttentionArgs::sliding_window, 1 to it) where a one-token or verify plan runs the
+  // decode kernels, so that their splits are sized for the tokens the window reads rather than
+  // for max_blocks_per_seq's (batch 1 × 32k under a window of 4,000: 16 CTAs per KV head instead
+  // of 2 with tokens); a verify plan then runs its passes on the kernels whose warps hold their
+  // own outputs (decode.shared_o off: the shared-output kernel reads no window; H100, 4bit_nc,
+  // 64 × 4k under a window of 1,000 with 4 new tokens: 43.2 µs, against 220.3 on the prefill
+  // kernel untold).
   DecodeOptions decode;
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
@@ -144,20 +150,23 @@ struct AttentionPlan {
   // decode_plan's kernel is the shared-output one: then the chunk kernel).
   bool decode = false;
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
-  // decode kernels (gathered, decoded, scattered back), the others on the chunk kernel.
+  // decode kernels (gathered, decoded, scattered back; under a sliding window as leading_decodes
+  // below), the others on the chunk kernel.
   bool decode_rows = false;
   // A mixed call whose first leading_decodes sequences have one new token each
   // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
   // or prefill kernel's grid covers the others (decode_plan.overlap_next: launched as the decode's
-  // programmatic dependent); unless Run gets a sliding window (then every sequence runs on the
-  // chunk kernel). leading_max_q_len > 1 (AttentionOptions::leading_max_q_len): they have 1 to
-  // that many each and run as verify_passes passes of verify_pass_rows (below) in place.
+  // programmatic dependent); under a sliding window only where decode_plan's kernel is not the
+  // shared-output one (else every sequence runs on the chunk kernel). leading_max_q_len > 1
+  // (AttentionOptions::leading_max_q_len): they have 1 to that many each and run as verify_passes
+  // passes of verify_pass_rows (below) in place.
   int leading_decodes = 0;
   int leading_max_q_len = 0;
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len, or the plan's choice of
   // it): the decode kernels in passes of verify_pass_rows new tokens per sequence beside the GQA
   // heads (a decode of group verify_pass_rows · G, each column over the context up to its own
-  // token); unless Run gets a sliding window.
+  // token); under a sliding window only where decode_plan's kernel is not the shared-output one
+  // (AttentionOptions::decode.sliding_window), else the chunk kernel.
   bool verify_rows = false;
   int verify_pass_rows = 0;
   int verify_passes = 0;

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -67,6 +68,7 @@ struct Errors {
   bool half_verify = false;               // verify passes on the half-precision decode kernel
   bool narrow_half_verify = false;        // .. on its narrow twin (4-warp CTAs, two per SM)
   bool shared_verify = false;             // .. on the kernel whose warps share the output
+  bool verify_on_decode = false;          // a verify plan's passes ran (under a window too)
   int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   int leading_max_q_len = 0;              // AttentionPlan::leading_max_q_len
@@ -183,10 +185,13 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     }
   }
   lse.CopyToHost(l);
-  // Rows on the decode kernels: one-token sequences, every row of a verify plan, and the leading
-  // verify rows of a mixed call.
-  std::vector<bool> single(s.num_tokens, plan.verify_rows && c.window == 0);
-  const bool lead_verify = plan.leading_max_q_len > 1 && c.window == 0;
+  // Rows on the decode kernels: one-token sequences, every row of a verify plan (under a window
+  // where its kernel is not the shared-output one), and the leading verify rows of a mixed call.
+  const bool verify_on_decode =
+      plan.verify_rows && (c.window == 0 || !plan.decode_plan.variant.shared_o);
+  std::vector<bool> single(s.num_tokens, verify_on_decode);
+  const bool lead_verify =
+      plan.leading_max_q_len > 1 && (c.window == 0 || !plan.decode_plan.variant.shared_o);
   for (int b = 0; b < num_seqs; ++b) {
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
     if (lead_verify && b < plan.leading_decodes) {
@@ -196,8 +201,8 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
   Errors e;
   e.prefill = plan.prefill;
   e.prefill_rotates = plan.prefill_rotates;
-  e.half_verify =
-      (plan.verify_rows || lead_verify) && c.window == 0 && plan.decode_plan.variant.half;
+  e.half_verify = (verify_on_decode || lead_verify) && plan.decode_plan.variant.half;
+  e.verify_on_decode = verify_on_decode;
   e.narrow_half_verify = e.half_verify && plan.decode_plan.variant.pipeline ==
                                               decode_detail::SplitPipeline::kStagedNarrow;
   e.shared_verify = e.half_verify && plan.decode_plan.variant.shared_o;
@@ -411,7 +416,7 @@ TEST(CudaAttentionTest, VerifyRowsOnTheDecodeKernels) {
         ExpectWithin(ce, kLseTol, what + " (chunk kernel)", DecodeBoundsOf(preset));
         Case window{.quantizer = &q, .window = 100};
         const Errors we = RunAndCompare(window, s, s.base.cache);
-        ExpectWithin(we, kLseTol, what + " (sliding window: chunk kernel)", DecodeBoundsOf(preset));
+        ExpectWithin(we, kLseTol, what + " (sliding window)", DecodeBoundsOf(preset));
       }
     }
   }
@@ -473,7 +478,10 @@ TEST(CudaAttentionTest, SlidingWindow) {
       Case c{.quantizer = &q, .window = w};
       c.options.tokens_per_split = tps;
       const Errors e = RunAndCompare(c, s, s.base.cache);
-      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps));
+      // (The one-token rows run on the decode kernels: k3v4_nc's hi-only twin, held to its
+      // bound.)
+      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps),
+                   DecodeBoundsOf("turboquant_k3v4_nc"));
     }
   }
 }
@@ -637,6 +645,100 @@ struct HalfBounds {
 };
 HalfBounds HalfBoundsOf(bool bf16) {
   return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{2e-3, 6e-3};
+}
+
+// Verify calls under a sliding window run their passes on the decode kernels where the plan's
+// kernel is not the shared-output one, each column over its own token's window: in exact
+// precision (kernels with their own outputs), in half precision with the plan told of the window
+// (AttentionOptions::decode.sliding_window: shared_o off, splits sized for it; also splits of 64
+// tokens, the merge), and in half precision untold (the shared-output kernel where it would run:
+// then the chunk kernel). Every preset and the plain caches, head dims 64-256, block sizes 16-128,
+// GQA groups 1-8, 1 to 8 new tokens per sequence, windows of 1 to 5,000 tokens. Table entries
+// before the block holding the first new token's first position name a never-written (NaN)
+// block; outputs differ from the chunk kernel's (the passes ran).
+TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const Step verify{{3, 9, 77, 300, 1000, 2100, 0, 65}, {2, 1, 4, 8, 3, 8, 0, 2}};
+  int on_decode = 0, on_chunk = 0;
+  auto check = [&](const Quantizer* q, const Bf16BlockFormat* f, const std::string& kind,
+                   const AttentionScenario& s, const std::vector<uint8_t>& cache, int bs,
+                   const std::string& what) {
+    std::vector<bool> named(s.base.num_blocks);
+    for (int32_t id : s.base.block_tables) {
+      if (id >= 0) named[id] = true;
+    }
+    const auto unnamed = std::find(named.begin(), named.end(), false);
+    ASSERT_NE(unnamed, named.end()) << what;
+    const auto never_written = static_cast<int32_t>(unnamed - named.begin());
+    for (int32_t w : {1, 7, 16, 50, 333, 5000}) {
+      AttentionScenario sw = s;
+      for (size_t b = 0; b < verify.lens.size(); ++b) {
+        // The first new token's window starts first.
+        const int32_t len0 = verify.lens[b] - verify.q_lens[b] + 1;
+        const int32_t first = len0 > w ? len0 - w : 0;
+        for (int32_t i = 0; i < first / bs; ++i) {
+          sw.base.block_tables[b * sw.base.max_blocks + i] = never_written;
+        }
+      }
+      for (int variant : {0, 1, 2, 3}) {
+        Case c{.quantizer = q, .plain = f, .window = w};
+        if (variant > 0) c.options.verify_precision = ChunkPrecision::kHalf;
+        if (variant == 1 || variant == 2) c.options.decode.sliding_window = w;
+        if (variant == 2) c.options.decode.tokens_per_split = 64;
+        std::vector<float> out;
+        c.keep_out = &out;
+        bool verify_rows = false;
+        const Errors e = RunAndCompare(c, sw, cache, nullptr, &verify_rows);
+        const std::string at = fmt::format(
+            "{} window {} {} ({} splits): out {:.2e} lse {:.2e}", what, w,
+            std::array{"exact", "half, planned for the window",
+                       "half, planned for the window, splits of 64 tokens", "half"}[variant],
+            e.decode_splits, e.decode_out, e.decode_lse);
+        ASSERT_TRUE(verify_rows) << at;
+        if (variant < 3) EXPECT_TRUE(e.verify_on_decode) << at;
+        (e.verify_on_decode ? on_decode : on_chunk) += 1;
+        const HalfBounds hb = HalfBoundsOf(f != nullptr && f->dtype == DType::kBF16);
+        ExpectWithin(e, kLseTol, at,
+                     e.half_verify ? DecodeBounds{hb.lse, hb.out} : DecodeBoundsOf(kind));
+        if (w != 50 || variant != 0) continue;
+        Case chunk = c;
+        chunk.options.verify_max_q_len = 0;
+        std::vector<float> chunk_out;
+        chunk.keep_out = &chunk_out;
+        const Errors ce = RunAndCompare(chunk, sw, cache);
+        EXPECT_FALSE(ce.verify_on_decode) << at;
+        EXPECT_NE(out, chunk_out) << at << ": the same outputs as the chunk kernel's";
+      }
+    }
+  };
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = 1 + k % 8, hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s =
+          BuildAttention(q, verify.lens, verify.q_lens, hk * group, 900 + k);
+      check(&q, nullptr, preset, s, s.base.cache, bs,
+            fmt::format("{} D={} group={} bs={}", preset, d, group, bs));
+    }
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int d = 128, hk = 2, group = 4, bs = 32;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, verify.lens, verify.q_lens, hk * group, 950);
+    for (float& x : s.queries) {  // (the plain kinds' kernels round the query to the cache's type)
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    const std::string name(DTypeName(dtype));
+    check(nullptr, &f, name, s, cache, bs, name);
+  }
+  // Both routes ran: untold half-precision plans at head_dim 128 take the shared-output kernel.
+  EXPECT_GT(on_decode, 0);
+  EXPECT_GT(on_chunk, 0);
 }
 
 TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
@@ -995,9 +1097,10 @@ TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
 // (AttentionOptions::leading_decode_seqs): those rows run on the decode kernels in place, the
 // chunk and prefill kernels' grids start after them. Decode rows to the decode kernels' bounds,
 // the others to the kernel's own (the prefill kernel's half precision, the chunk kernel's exact
-// numerics), with splits (the merge of the rows after the leading ones), a sliding window (every
-// row on the chunk kernel) and a step of one-token sequences only. The leading rows' contexts are
-// split, so that where the chunk kernel overlaps their decode, their merge runs after it.
+// numerics), with splits (the merge of the rows after the leading ones), a sliding window (the
+// leading rows on the decode kernels under it too) and a step of one-token sequences only. The
+// leading rows' contexts are split, so that where the chunk kernel overlaps their decode, their
+// merge runs after it.
 TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step step{{300, 1000, 77, 700, 150, 2000}, {1, 1, 1, 200, 65, 300}};
@@ -1071,8 +1174,9 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
 // exact verify and chunk numerics (the default Case) to the decode bounds, half precision to the
 // half bounds, where the rows after the leading sequences come out bit for bit as in the same
 // call without leading rows (the same kernel, the same splits); with splits of the chunk's
-// context (whose merge must leave the leading rows alone), a sliding window (every row on the
-// chunk kernel) and a dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
+// context (whose merge must leave the leading rows alone), a sliding window (the leading rows
+// on the decode kernels under it too, where their kernel is not the shared-output one) and a
+// dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
 TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
   // (A chunk of 300 new tokens: at head_dim 128 in half precision its own tiles are dequantized
@@ -1974,6 +2078,25 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
     EXPECT_THAT([&] { attn.Run(changed, a, nullptr); },
                 ::testing::ThrowsMessage<Error>(
                     ::testing::HasSubstr("CudaAttention::Run (decode_plan): ")));
+  }
+  // A verify plan told of a window (its passes' splits sized for it) takes windows from 1 to
+  // it only, refused before the call's query prep or passes are queued.
+  AttentionOptions told;
+  told.decode.sliding_window = 50;
+  const AttentionPlan windowed = attn.Plan(2, 5, 32, 4, 3, told);
+  ASSERT_TRUE(windowed.verify_rows);
+  EXPECT_FALSE(windowed.decode_plan.variant.shared_o);
+  EXPECT_EQ(windowed.decode_plan.sliding_window, 50);
+  DeviceBuffer<uint8_t> windowed_ws(std::max<int64_t>(windowed.workspace_bytes, 1));
+  for (int32_t w : {0, 51}) {
+    AttentionArgs wa = a;
+    wa.workspace = windowed_ws.data();
+    wa.workspace_bytes = windowed_ws.size_bytes();
+    wa.sliding_window = w;
+    EXPECT_THAT([&] { attn.Run(windowed, wa, nullptr); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AllOf(::testing::HasSubstr(fmt::format("sliding_window = {}", w)),
+                                     ::testing::HasSubstr("1 to 50"))));
   }
   AttentionArgs over = a;
   over.lse = output.data() + 5;

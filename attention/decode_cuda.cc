@@ -620,10 +620,11 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                                       "hold that many tokens)",
                                       plan.sliding_window));
   }
-  if (a.sliding_window > 0 && (verify != nullptr || plan.variant.shared_o)) {
+  if (a.sliding_window > 0 && plan.variant.shared_o) {
     throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
-                          "0 for verify columns and for a plan on the shared-output kernel "
-                          "(half precision, GQA groups above 8, above 4 with FP8 keys)");
+                          "0 for a plan on the shared-output kernel (DecodeOptions::shared_o with "
+                          "half precision: GQA groups above 8, above 4 with FP8 keys, and verify "
+                          "passes)");
   }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;

@@ -187,8 +187,9 @@ struct CudaDecodeArgs {
   // Sliding window: 0 none; else each row (at position seq_len − 1) reads positions
   // (seq_len − 1 − sliding_window, seq_len − 1], as AttentionArgs::sliding_window; the block-table
   // entries before the block holding the first of them are not read (a window may have released
-  // them). Not for a plan on the shared-output kernel (DecodePlan::variant.shared_o: with
-  // DecodeOptions::half, GQA groups above 8, above 4 with FP8 keys).
+  // them). A verify pass's columns (RunColumns) each read their own token's window. Not for a
+  // plan on the shared-output kernel (DecodePlan::variant.shared_o: with DecodeOptions::half,
+  // GQA groups above 8, above 4 with FP8 keys, and verify passes).
   int32_t sliding_window = 0;
 };
 

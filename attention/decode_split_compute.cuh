@@ -26,6 +26,9 @@ struct SplitChunk {
   uint32_t norm, vscale, vzero;        // fp16 pairs: tokens 2g (low half), 2g + 1 (high half)
 };
 
+// SplitCompute::lo_end0 without a window: below any position, also plus a column's new token.
+inline constexpr int kNoWindowStart = -(1 << 30);
+
 template <SplitVariant V>
 struct SplitCompute {
   using Config = SplitKernelConfig<V>;
@@ -58,8 +61,11 @@ struct SplitCompute {
   float (&l)[kNTiles][2];
   float (&z)[kNTiles][2];
   // Masked chunks: tokens before it are masked too (a sliding window's first position, counted
-  // from the window's origin as begin is, SplitParams::window; 0 without one).
+  // from the window's origin as begin is, SplitParams::window; 0 without one). A verify pass's
+  // column of new token i sees its own window: tokens from lo_end0 + i on (lo_end0 = end0 −
+  // window; lo_end0 + i >= lo for every column).
   int lo = 0;
+  int lo_end0 = kNoWindowStart;
 
   // Config::kQueryInSmem: the shared address of unit 0 of the thread's run of row g (N tile 0),
   // its XOR permutation applied (unit j is at this ^ 16·j; kQueryOffset and the window's start
@@ -88,10 +94,11 @@ struct SplitCompute {
       valid[1] = t0 + 2 * g + 1 < end && t0 + 2 * g + 1 >= lo;
     }
     // Whether column c sees token 2g + r: a verify pass's column c sees c / group tokens past
-    // end0 (within the split's end).
+    // end0 (within the split's end), and under a window starts as many later.
     auto sees = [&](int c, int r) {
       const int extra = p.verify.query_start_loc != nullptr ? NewTokenOfColumn(p.verify, c) : 0;
-      return t0 + 2 * g + r < min(end, end0 + extra) && t0 + 2 * g + r >= lo;
+      const int tok = t0 + 2 * g + r;
+      return tok < min(end, end0 + extra) && tok >= max(lo, lo_end0 + extra);
     };
 
     // Scores Sᵀ[token, head] for tokens 2g, 2g+1 and heads 8·nt + 2t, +1, in independent MMA

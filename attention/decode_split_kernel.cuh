@@ -198,16 +198,18 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   const int block_shift = 31 - __clz(p.block_size);
   // A sliding window (SplitParams::window): the splits read the sequence from its origin on,
   // through the table row and positions shifted by it (one memory round trip more before the
-  // first copies, for such calls only; the loops are those of a shorter sequence). Not on the
-  // shared-output kernels (CudaDecoder::Run refuses a window there).
+  // first copies, for such calls only; the loops are those of a shorter sequence). The origin is
+  // that of the span's last column (a verify pass's latest new token, whose window starts last),
+  // so every column sees every token from it on; the first column's window starts earliest. Not
+  // on the shared-output kernels (CudaDecoder::Run refuses a window there).
   int table_len = p.max_blocks_per_seq, origin = 0;
   bool window_head = false;  // split 0 runs masked chunks before the origin
   if (!V.shared_o && p.window > 0) {
-    const int lo = WindowLo(p.seq_lens[b], p.window);
-    origin = WindowOrigin(lo, p.block_size);
+    const ColumnSpan columns = SpanOfColumns(p.verify, p.seq_lens, b);
+    origin = WindowOrigin(WindowLo(columns.len, p.window), p.block_size);
     table += origin >> block_shift;
     table_len -= origin >> block_shift;
-    window_head = split == 0 && lo < origin;
+    window_head = split == 0 && WindowLo(columns.end0, p.window) < origin;
   }
   int first_block_ids[kStages];
 #pragma unroll
@@ -373,14 +375,16 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
     } else {
       Pipelines::Registers(frame, first_block, block_of, finish_prologue, load, compute);
     }
-    // The span and a window's first position and origin again (not held in registers through
-    // the loop); lo relative to the origin.
+    // The span, a window's origin and its columns' first positions again (not held in registers
+    // through the loop), relative to the origin: the first column's (lo) and, for a verify
+    // pass's column of new token i, end0 − window + i (SplitCompute::lo_end0).
     const ColumnSpan unshifted = SpanOfColumns(p.verify, p.seq_lens, b);
-    const int lo_abs = WindowLo(unshifted.len, p.window);
-    const int tail_origin = WindowOrigin(lo_abs, p.block_size), lo = lo_abs - tail_origin;
+    const int tail_origin = WindowOrigin(WindowLo(unshifted.len, p.window), p.block_size);
+    const int lo = WindowLo(unshifted.end0, p.window) - tail_origin;
     const ColumnSpan last = ShiftSpan(unshifted, tail_origin);
-    const SplitCompute<V> masked{p,  begin, end, last.end0, g, t, lane_word,
-                                 qf, acc,   m,   m_thr,     l, z, lo};
+    const int lo_end0 = p.window > 0 ? last.end0 - p.window : kNoWindowStart;
+    const SplitCompute<V> masked{p,   begin, end,   last.end0, g, t,  lane_word, qf,
+                                 acc, m,     m_thr, l,         z, lo, lo_end0};
     // (end < begin only in split 0 of a window whose origin lies past the sequence's end.)
     const int num_chunks = max(0, end - begin + kChunk - 1) / kChunk;
     // First, in split 0 of a sliding window whose first position is not at its origin, the

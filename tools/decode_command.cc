@@ -94,8 +94,12 @@ void RunAttention(const Quantizer& q, const DecodeInputTensors& t,
   d_lens.CopyFromHost(t.seq_lens->values<int32_t>());
   d_loc.CopyFromHost(query_start_loc);
   const CudaAttention attention(q);
-  const AttentionPlan plan =
-      attention.Plan(t.batch, t.num_tokens, t.num_q_heads, t.max_blocks_per_seq, max_q_len);
+  // Told of the window: one-token and verify calls run it on the decode kernels, their splits
+  // sized for it.
+  AttentionOptions options;
+  options.decode.sliding_window = flags.sliding_window;
+  const AttentionPlan plan = attention.Plan(t.batch, t.num_tokens, t.num_q_heads,
+                                            t.max_blocks_per_seq, max_q_len, options);
   DeviceBuffer<uint8_t> workspace(std::max<int64_t>(1, plan.workspace_bytes));
   DeviceBuffer<float> d_out(static_cast<int64_t>(std::max<size_t>(1, output.size()))),
       d_lse(static_cast<int64_t>(std::max<size_t>(1, lse.size())));

@@ -228,8 +228,9 @@ class CudaBackend : public Backend {
     for (int32_t i = 0; i < b_; ++i) max_q_len = std::max(max_q_len, loc[i + 1] - loc[i]);
     // The decoding sequences at the front of the batch (one new token, or with --spec-tokens up
     // to 1 + K) run on the decode kernels in place.
-    // Under a sliding window a step of decoding sequences alone runs the decode kernels with
-    // splits sized for it (the other steps run the chunk kernel).
+    // Under a sliding window a step of decoding sequences alone (one new token each, or with
+    // --spec-tokens their drafts as verify passes) runs the decode kernels with splits sized for
+    // it (the other steps run the chunk or prefill kernel).
     AttentionOptions options =
         WithLeadingSequences({}, loc.first(b_ + 1), attention_.MaxLeadingQLen(hq_));
     options.decode.sliding_window = window_;

@@ -93,8 +93,9 @@ TEST(SimCudaTest, SpeculativeVerifyMatchesCpu) {
   ExpectSameAsCpu("turboquant_4bit_nc", 3);
 }
 
-// Sliding-window attention (decode steps on the decode kernels from the window's blocks, the
-// blocks before it released by the manager), with and without speculative verify.
+// Sliding-window attention (decode steps on the decode kernels from the window's blocks, verify
+// steps of decoding sequences alone as passes on them too, the blocks before the window released
+// by the manager), with and without speculative verify.
 TEST(SimCudaTest, SlidingWindowMatchesCpu) {
   TQKV_SKIP_WITHOUT_GPU();
   ExpectSameAsCpu("turboquant_4bit_nc", 0, 24);

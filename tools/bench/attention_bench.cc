@@ -194,7 +194,9 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
         const int seen = s.lens[b] - s.q_lens[b] + i + 1;
         flops += 4.0 * dim * hq * (s.window > 0 ? std::min(seen, s.window) : seen);
       }
-      bytes += double(s.window > 0 ? std::min(s.lens[b], s.window) : s.lens[b]) * hk * slot_bytes;
+      // (Under a window: the first new token's window through the last new token.)
+      bytes += double(s.window > 0 ? std::min(s.lens[b], s.window + s.q_lens[b] - 1) : s.lens[b]) *
+               hk * slot_bytes;
     }
     const int width = (max_len + kBlock - 1) / kBlock;
     const int sets = static_cast<int>(std::clamp<int64_t>(
@@ -571,6 +573,34 @@ int Main(int argc, char** argv) {
     shapes.push_back(Uniform(std::string(name) + " chunk", batch, context, 1, false));
     shapes.back().window = window;
   }
+  // Verify under a sliding window: with the plan told of it, the passes on the kernels whose
+  // warps hold their own outputs ("planned"); untold, where the plan's kernel is the
+  // shared-output one (which reads no window), the chunk or prefill kernel ("untold"); without
+  // the decode kernels ("chunk", as every kind ran it before); beside the same count of tokens
+  // without a window.
+  for (int q : {4, 8}) {
+    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} planned", q), 64, 4096, q));
+    shapes.back().window = 1000;
+    shapes.back().plan_window = true;
+    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} untold", q), 64, 4096, q));
+    shapes.back().window = 1000;
+    shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} chunk", q), 64, 4096, q, false));
+    shapes.back().window = 1000;
+    shapes.push_back(
+        Uniform(fmt::format("window 64x{} none q{}", 1000 + q - 1, q), 64, 1000 + q - 1, q));
+    shapes.push_back(shapes.back());
+    shapes.back().name += " own-o";
+    shapes.back().shared_o = false;
+  }
+  // A mixed step under a sliding window: the decode rows in place on the decode kernels; "chunk":
+  // every row on the prefill kernel, as they ran before.
+  Shape window_mixed = mixed;
+  window_mixed.name = "window mixed 2048 + 63x4k w1000";
+  window_mixed.window = 1000;
+  shapes.push_back(window_mixed);
+  window_mixed.name += " chunk";
+  window_mixed.decode_kernels = false;
+  shapes.push_back(window_mixed);
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
     s.decode_narrow = decode_narrow;

@@ -148,7 +148,10 @@ def parse(shape):
     if parts[0] == "window":  # SDPA over the tokens the window reads ("none": all of them)
         batch, context = (int(x[:-1]) * 1024 if x.endswith("k") else int(x)
                           for x in parts[1].split("x"))
-        return [(batch, context if parts[2] == "none" else min(context, int(parts[2][1:])), 1)]
+        q = int(parts[3][1:]) if len(parts) > 3 and parts[3].startswith("q") else 1
+        # (q new tokens: the first one's window through the last one.)
+        return [(batch, context if parts[2] == "none" else min(context, int(parts[2][1:]) + q - 1),
+                 q)]
     raise ValueError(shape)
 
 
@@ -156,6 +159,8 @@ def base_shape(shape):
     """The shape a variant runs (kernel choices after the shape: "chunk", "rows4", "exact")."""
     parts = shape.split()
     n = 3 if parts[0] in ("verify", "prefill", "window") else 2 if parts[0] == "decode" else 4
+    if parts[0] == "window" and len(parts) > 3 and parts[3].startswith("q"):
+        n = 4
     return " ".join(parts[:n])
 
 
@@ -184,6 +189,8 @@ def main():
     ours = json.load(open(args.ours))
     peers = {}
     for shape in dict.fromkeys(base_shape(r["shape"]) for r in ours):
+        if shape.startswith("window mixed"):  # (no SDPA peer: a window's mask is not causal)
+            continue
         calls = parse(shape)
         us, names, dq_us, dq_peak = 0.0, [], 0.0, 0
         for batch, kv_len, q_len in calls:
