@@ -486,6 +486,60 @@ TEST(CudaAttentionTest, SlidingWindow) {
   }
 }
 
+// The sliding-window tests' caches: every preset at head_dim 64, 128 and 256 (GQA groups 1-8 and
+// block sizes 16-128 in turn), then the bf16 and fp16 caches (head_dim 128, GQA 4, block 32; the
+// plain kinds' kernels round the query to the cache's type, so the scenario's is rounded first).
+// check(quantizer, plain format, kind name, scenario, cache bytes, block size, description);
+// the scenarios' seeds seed + 1, ... and plain_seed.
+template <typename Check>
+void ForEachWindowCache(const std::vector<int32_t>& lens, const std::vector<int32_t>& q_lens,
+                        uint32_t seed, uint32_t plain_seed, Check&& check) {
+  int k = 0;
+  for (const char* preset : kPresetNames) {
+    for (int d : {64, 128, 256}) {
+      const int group = 1 + k % 8, hk = 2, bs = 16 << (k % 4);
+      ++k;
+      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
+      const AttentionScenario s = BuildAttention(q, lens, q_lens, hk * group, seed + k);
+      check(&q, nullptr, preset, s, s.base.cache, bs,
+            fmt::format("{} D={} group={} bs={}", preset, d, group, bs));
+    }
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const int d = 128, hk = 2, group = 4, bs = 32;
+    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
+    AttentionScenario s = BuildAttention(any, lens, q_lens, hk * group, plain_seed);
+    for (float& x : s.queries) {
+      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
+                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
+    }
+    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
+    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
+    const std::string name(DTypeName(dtype));
+    check(nullptr, &f, name, s, cache, bs, name);
+  }
+}
+
+// The scenario with every table entry of a block wholly before position first[b] of sequence b
+// naming a block no entry names (never written: NaN bytes), so that a kernel reading one shows.
+AttentionScenario WithBlocksBeforeUnwritten(const AttentionScenario& s,
+                                            const std::vector<int32_t>& first, int bs) {
+  std::vector<bool> named(s.base.num_blocks);
+  for (int32_t id : s.base.block_tables) {
+    if (id >= 0) named[id] = true;
+  }
+  const auto unnamed = std::find(named.begin(), named.end(), false);
+  TQKV_CHECK(unnamed != named.end());  // (BuildAttention leaves spare blocks)
+  const auto never_written = static_cast<int32_t>(unnamed - named.begin());
+  AttentionScenario out = s;
+  for (size_t b = 0; b < first.size(); ++b) {
+    for (int32_t i = 0; i < first[b] / bs; ++i) {
+      out.base.block_tables[b * out.base.max_blocks + i] = never_written;
+    }
+  }
+  return out;
+}
+
 // One token per sequence under a sliding window runs the decode kernels (except where
 // DecodeOptions::half puts the call on the shared-output kernel, as k8v4 at GQA 8: then the chunk
 // kernel), reading nothing before the 16-token chunk that holds the window's first position:
@@ -501,21 +555,10 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
   auto check = [&](const Quantizer* q, const Bf16BlockFormat* f, const std::string& kind,
                    const AttentionScenario& s, const std::vector<uint8_t>& cache, int bs,
                    const std::string& what) {
-    std::vector<bool> named(s.base.num_blocks);
-    for (int32_t id : s.base.block_tables) {
-      if (id >= 0) named[id] = true;
-    }
-    const auto unnamed = std::find(named.begin(), named.end(), false);
-    ASSERT_NE(unnamed, named.end()) << what;
-    const auto never_written = static_cast<int32_t>(unnamed - named.begin());
     for (int32_t w : {1, 7, 16, 50, 333, 5000}) {
-      AttentionScenario sw = s;
-      for (size_t b = 0; b < lens.size(); ++b) {
-        const int32_t first = lens[b] > w ? lens[b] - w : 0;
-        for (int32_t i = 0; i < first / bs; ++i) {
-          sw.base.block_tables[b * sw.base.max_blocks + i] = never_written;
-        }
-      }
+      std::vector<int32_t> first(lens.size());
+      for (size_t b = 0; b < lens.size(); ++b) first[b] = lens[b] > w ? lens[b] - w : 0;
+      const AttentionScenario sw = WithBlocksBeforeUnwritten(s, first, bs);
       // The plan's splits, splits of 64 tokens, and splits sized for the window
       // (DecodeOptions::sliding_window).
       for (int variant : {0, 1, 2}) {
@@ -543,17 +586,7 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
       }
     }
   };
-  int k = 0;
-  for (const char* preset : kPresetNames) {
-    for (int d : {64, 128, 256}) {
-      const int group = 1 + k % 8, hk = 2, bs = 16 << (k % 4);
-      ++k;
-      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
-      const AttentionScenario s = BuildAttention(q, lens, q_lens, hk * group, 700 + k);
-      check(&q, nullptr, preset, s, s.base.cache, bs,
-            fmt::format("{} D={} group={} bs={}", preset, d, group, bs));
-    }
-  }
+  ForEachWindowCache(lens, q_lens, 700, 800, check);
   {  // k8v4 at GQA 8, head_dim 128; with DecodeOptions::half its plan takes the shared-output
      // kernel, so the chunk kernel runs the window
     const Quantizer q = Quantizer::Create("turboquant_k8v4", 128, 2, 16);
@@ -565,19 +598,6 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
     EXPECT_TRUE(e.decode_on_shared_o);
     ExpectWithin(e, kLseTol, "turboquant_k8v4 D=128 group=8 window 50, shared-output plan",
                  DecodeBoundsOf("turboquant_k8v4"));
-  }
-  for (DType dtype : {DType::kBF16, DType::kF16}) {
-    const int d = 128, hk = 2, group = 4, bs = 32;
-    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
-    AttentionScenario s = BuildAttention(any, lens, q_lens, hk * group, 800);
-    for (float& x : s.queries) {  // (the plain kinds' kernels round the query to the cache's type)
-      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
-                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
-    }
-    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
-    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
-    const std::string name(DTypeName(dtype));
-    check(nullptr, &f, name, s, cache, bs, name);
   }
 }
 
@@ -663,23 +683,14 @@ TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
   auto check = [&](const Quantizer* q, const Bf16BlockFormat* f, const std::string& kind,
                    const AttentionScenario& s, const std::vector<uint8_t>& cache, int bs,
                    const std::string& what) {
-    std::vector<bool> named(s.base.num_blocks);
-    for (int32_t id : s.base.block_tables) {
-      if (id >= 0) named[id] = true;
-    }
-    const auto unnamed = std::find(named.begin(), named.end(), false);
-    ASSERT_NE(unnamed, named.end()) << what;
-    const auto never_written = static_cast<int32_t>(unnamed - named.begin());
     for (int32_t w : {1, 7, 16, 50, 333, 5000}) {
-      AttentionScenario sw = s;
+      std::vector<int32_t> first(verify.lens.size());
       for (size_t b = 0; b < verify.lens.size(); ++b) {
         // The first new token's window starts first.
         const int32_t len0 = verify.lens[b] - verify.q_lens[b] + 1;
-        const int32_t first = len0 > w ? len0 - w : 0;
-        for (int32_t i = 0; i < first / bs; ++i) {
-          sw.base.block_tables[b * sw.base.max_blocks + i] = never_written;
-        }
+        first[b] = len0 > w ? len0 - w : 0;
       }
+      const AttentionScenario sw = WithBlocksBeforeUnwritten(s, first, bs);
       for (int variant : {0, 1, 2, 3}) {
         Case c{.quantizer = q, .plain = f, .window = w};
         if (variant > 0) c.options.verify_precision = ChunkPrecision::kHalf;
@@ -711,31 +722,7 @@ TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
       }
     }
   };
-  int k = 0;
-  for (const char* preset : kPresetNames) {
-    for (int d : {64, 128, 256}) {
-      const int group = 1 + k % 8, hk = 2, bs = 16 << (k % 4);
-      ++k;
-      const Quantizer q = Quantizer::Create(preset, d, hk, bs);
-      const AttentionScenario s =
-          BuildAttention(q, verify.lens, verify.q_lens, hk * group, 900 + k);
-      check(&q, nullptr, preset, s, s.base.cache, bs,
-            fmt::format("{} D={} group={} bs={}", preset, d, group, bs));
-    }
-  }
-  for (DType dtype : {DType::kBF16, DType::kF16}) {
-    const int d = 128, hk = 2, group = 4, bs = 32;
-    const Quantizer any = Quantizer::Create("turboquant_k8v4", d, hk, bs);
-    AttentionScenario s = BuildAttention(any, verify.lens, verify.q_lens, hk * group, 950);
-    for (float& x : s.queries) {  // (the plain kinds' kernels round the query to the cache's type)
-      x = dtype == DType::kF16 ? HalfBitsToFloat(FloatToHalfBits(x))
-                               : BFloat16BitsToFloat(FloatToBFloat16Bits(x));
-    }
-    const Bf16BlockFormat f = MakeBf16BlockFormat(d, hk, bs, dtype);
-    const std::vector<uint8_t> cache = testing::StorePlain(s, f);
-    const std::string name(DTypeName(dtype));
-    check(nullptr, &f, name, s, cache, bs, name);
-  }
+  ForEachWindowCache(verify.lens, verify.q_lens, 900, 950, check);
   // Both routes ran: untold half-precision plans at head_dim 128 take the shared-output kernel.
   EXPECT_GT(on_decode, 0);
   EXPECT_GT(on_chunk, 0);
