@@ -351,6 +351,7 @@ SimReport RunSim(const SimConfig& c) {
   CallTimes store_t, attention_t;  // every layer call of the run
   // Per step with calls: the step's mean per call (host, stream, kernels), for the medians.
   std::vector<double> store_samples[3], attention_samples[3];
+  std::vector<double> kind_samples[2][3];  // attention_samples by kind: decoding rows / prefill
   double cos_sum = 0, rel_sum = 0;
   const int d = c.head_dim, hk = c.kv_heads, hq = c.q_heads;
   const size_t kv_row = size_t(hk) * d, q_row = size_t(hq) * d;
@@ -531,6 +532,12 @@ SimReport RunSim(const SimConfig& c) {
     const StepResult& outputs = backend->FinishStep();
     add(store_t, store_samples, outputs.store);
     add(attention_t, attention_samples, outputs.attention);
+    {
+      bool prefill = false;  // some row holds prompt tokens (more than one token and its drafts)
+      for (int i = 0; i < num_req; ++i) prefill |= requests[i].num_new_tokens > 1 + drafts[i];
+      CallTimes unused;
+      add(unused, kind_samples[prefill ? 1 : 0], outputs.attention);
+    }
     step_stream_s += outputs.step_stream_s;
 
     // The rows whose outputs stand: every row but rejected drafts'. Checksums of every layer's
@@ -717,6 +724,13 @@ SimReport RunSim(const SimConfig& c) {
   rep.attention_host_us_per_layer = median_us(attention_samples[0]);
   rep.attention_stream_us_per_layer = median_us(attention_samples[1]);
   rep.attention_kernels_us_per_layer = median_us(attention_samples[2]);
+  for (int k = 0; k < 2; ++k) {
+    SimReport::StepKindTimes& t = k == 0 ? rep.attention_decode_steps : rep.attention_prefill_steps;
+    t.steps = static_cast<int64_t>(kind_samples[k][0].size());
+    t.host_us = median_us(kind_samples[k][0]);
+    t.stream_us = median_us(kind_samples[k][1]);
+    t.kernels_us = median_us(kind_samples[k][2]);
+  }
   rep.step_stream_us = 1e6 * step_stream_s / rep.steps;
   rep.generate_us_per_step = 1e6 * generate_s / rep.steps;
   rep.check_us_per_step = 1e6 * check_s / rep.steps;
@@ -759,12 +773,13 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
   row("manager time per step", fmt::format("{:.1f} us", r.manager_us_per_step));
   row("store time per step (all layers)", fmt::format("{:.1f} us", r.store_us_per_step));
   row("attention time per step (all layers)", fmt::format("{:.1f} us", r.attention_us_per_step));
+  // What one layer's call costs the host, takes on the stream, and what its kernels alone take.
+  auto times = [&](double host, double stream, double kernels) {
+    if (c.device != "cuda") return fmt::format("{:.1f} us", host);  // the call is the work
+    return c.kernel_timing ? fmt::format("{:.1f} / {:.1f} / {:.1f} us", host, stream, kernels)
+                           : fmt::format("{:.1f} / {:.1f} / - us", host, stream);
+  };
   if (c.device == "cuda") {
-    // What one layer's call costs the host, takes on the stream, and what its kernels alone take.
-    auto times = [&](double host, double stream, double kernels) {
-      return c.kernel_timing ? fmt::format("{:.1f} / {:.1f} / {:.1f} us", host, stream, kernels)
-                             : fmt::format("{:.1f} / {:.1f} / - us", host, stream);
-    };
     row("store per layer (median): host / stream / kernels",
         times(r.store_host_us_per_layer, r.store_stream_us_per_layer,
               r.store_kernels_us_per_layer));
@@ -775,6 +790,11 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
   } else {
     row("store per layer call (CPU)", fmt::format("{:.1f} us", r.store_host_us_per_layer));
     row("attention per layer call (CPU)", fmt::format("{:.1f} us", r.attention_host_us_per_layer));
+  }
+  for (const auto& [what, t] : {std::pair{"decoding steps", &r.attention_decode_steps},
+                                std::pair{"steps with prefill", &r.attention_prefill_steps}}) {
+    if (t->steps == 0) continue;
+    row(fmt::format("  {} ({})", what, t->steps), times(t->host_us, t->stream_us, t->kernels_us));
   }
   row("sim's own work per step (host)",
       fmt::format("K/V/Q generation {:.1f} us, accuracy checks {:.1f} us", r.generate_us_per_step,
@@ -789,6 +809,12 @@ std::string FormatReport(const SimConfig& c, const SimReport& r) {
 }
 
 std::string ReportJson(const SimConfig& c, const SimReport& r) {
+  auto kind_json = [](const SimReport::StepKindTimes& t) {
+    return nlohmann::json{{"steps", t.steps},
+                          {"host_us_per_layer", t.host_us},
+                          {"stream_us_per_layer", t.stream_us},
+                          {"kernels_us_per_layer", t.kernels_us}};
+  };
   nlohmann::json j = {{"config",
                        {{"preset", c.preset},
                         {"device", c.device},
@@ -833,6 +859,8 @@ std::string ReportJson(const SimConfig& c, const SimReport& r) {
                       {"attention_host_us_per_layer", r.attention_host_us_per_layer},
                       {"attention_stream_us_per_layer", r.attention_stream_us_per_layer},
                       {"attention_kernels_us_per_layer", r.attention_kernels_us_per_layer},
+                      {"attention_decode_steps", kind_json(r.attention_decode_steps)},
+                      {"attention_prefill_steps", kind_json(r.attention_prefill_steps)},
                       {"step_stream_us", r.step_stream_us},
                       {"generate_us_per_step", r.generate_us_per_step},
                       {"check_us_per_step", r.check_us_per_step},

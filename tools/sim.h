@@ -88,6 +88,15 @@ struct SimReport {
   double store_host_us_per_layer = 0, store_stream_us_per_layer = 0, store_kernels_us_per_layer = 0;
   double attention_host_us_per_layer = 0, attention_stream_us_per_layer = 0,
          attention_kernels_us_per_layer = 0;
+  // The same medians of attention over two kinds of step apart: steps whose every row is a
+  // decoding sequence's (one new token, or one plus its drafts), and steps with prompt tokens
+  // (prefill chunks, alone or beside decoding rows). Their kernels differ: the decode kernels
+  // and verify passes, against the chunk or prefill kernel.
+  struct StepKindTimes {
+    int64_t steps = 0;  // steps of this kind with attention calls
+    double host_us = 0, stream_us = 0, kernels_us = 0;
+  };
+  StepKindTimes attention_decode_steps, attention_prefill_steps;
   // cuda: a step on the stream, from before its copy-on-write copies and uploads to its outputs
   // on the host (the step's one synchronization); 0 on cpu.
   double step_stream_us = 0;

@@ -48,6 +48,8 @@ void ExpectSameAsCpu(const char* preset, int spec_tokens = 0, int sliding_window
   EXPECT_GT(cpu.cow_copies, 0);
   EXPECT_EQ(gpu.store_calls, cpu.store_calls);
   EXPECT_EQ(gpu.attention_calls, cpu.attention_calls);
+  EXPECT_EQ(gpu.attention_decode_steps.steps, cpu.attention_decode_steps.steps);
+  EXPECT_EQ(gpu.attention_prefill_steps.steps, cpu.attention_prefill_steps.steps);
   ASSERT_EQ(gpu.output_checksums.size(), cpu.output_checksums.size());
   double scale = 0, worst = 0;
   for (const auto& [key, v] : cpu.output_checksums) scale = std::max(scale, std::abs(v));
@@ -69,6 +71,11 @@ void ExpectSameAsCpu(const char* preset, int spec_tokens = 0, int sliding_window
   EXPECT_GT(gpu.attention_stream_us_per_layer, 0.0);
   EXPECT_GT(gpu.attention_kernels_us_per_layer, 0.0);
   EXPECT_LE(gpu.attention_kernels_us_per_layer, 1.5 * gpu.attention_stream_us_per_layer + 2.0);
+  for (const SimReport::StepKindTimes* t :
+       {&gpu.attention_decode_steps, &gpu.attention_prefill_steps}) {
+    EXPECT_GT(t->kernels_us, 0.0);
+    EXPECT_LE(t->kernels_us, 1.5 * t->stream_us + 2.0);
+  }
   EXPECT_GT(gpu.step_stream_us, 0.0);
   const std::string report = FormatReport(c, gpu);
   EXPECT_THAT(report, HasSubstr("store per layer (median): host / stream / kernels"));

@@ -135,6 +135,16 @@ TEST(SimTest, NumbersArePlausible) {
   EXPECT_EQ(r.store_kernels_us_per_layer, r.store_host_us_per_layer);
   EXPECT_EQ(r.attention_stream_us_per_layer, r.attention_host_us_per_layer);
   EXPECT_EQ(r.attention_kernels_us_per_layer, r.attention_host_us_per_layer);
+  // Every step with attention calls is counted once, as a decoding step or one with prefill;
+  // this workload has both, and a prefill chunk's call costs more than a step of decode rows.
+  const SimReport::StepKindTimes& dec = r.attention_decode_steps;
+  const SimReport::StepKindTimes& pre = r.attention_prefill_steps;
+  EXPECT_EQ(dec.steps + pre.steps, r.attention_calls / c.layers);
+  EXPECT_GT(dec.steps, 0);
+  EXPECT_GT(pre.steps, 0);
+  EXPECT_GT(dec.host_us, 0.0);
+  EXPECT_GT(pre.host_us, dec.host_us);
+  EXPECT_EQ(pre.kernels_us, pre.host_us);
   EXPECT_EQ(r.step_stream_us, 0.0);
   EXPECT_GT(r.generate_us_per_step, 0.0);
   EXPECT_GT(r.check_us_per_step, 0.0);
