@@ -1253,9 +1253,10 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           // caches, 2 of 32 on the bf16 one), and at 128 on the codebook keys' 32-column passes
           // (half precision), else 8.
           const bool codebook = !plain && std::string_view(preset) != "turboquant_k8v4";
-          // (Told of a window, variant 4, the passes' kernel holds 16 columns at most: the
-          // shared-output kernel's 32 read no window.)
-          const bool sixteen = d == 64 || (d == 128 && codebook && half && variant != 4);
+          // (Told of a window, variant 4, 3bit_nc's passes hold 16 columns at most: its 32-column
+          // kernel is the shared-output one, which reads no window.)
+          const bool told_3bit = variant == 4 && std::string_view(preset) == "turboquant_3bit_nc";
+          const bool sixteen = d == 64 || (d == 128 && codebook && half && !told_3bit);
           const bool led = lead_q <= 8 || sixteen;
           // WithLeadingSequences' limit, as the plan takes it.
           const CudaAttention attn = plain ? CudaAttention(f) : CudaAttention(q);
