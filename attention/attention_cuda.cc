@@ -357,14 +357,16 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   const bool decode_kernels =
       options.decode_kernels &&
       int64_t{max_blocks_per_seq} * block_size() <= CudaDecoder::kMaxContextTokens;
+  // Told of a sliding window (options.decode.sliding_window), every decode plan of the call (one
+  // token per sequence, verify passes, a mixed call's gathered or leading rows) has its splits
+  // sized for it and runs on the kernels whose warps hold their own outputs: the shared-output
+  // kernel reads no window (Run would send such rows to the chunk or prefill kernel).
+  DecodeOptions rows_decode = options.decode;
+  if (rows_decode.sliding_window > 0) rows_decode.shared_o = false;
   plan.decode = decode_kernels && all_one && num_tokens == num_seqs && group <= 16;
   if (plan.decode) {
-    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
+    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, rows_decode);
   }
-  // The other calls' decode rows never run under a window (Run sends such calls to the chunk
-  // kernel), so their plans are not sized for one.
-  DecodeOptions rows_decode = options.decode;
-  rows_decode.sliding_window = 0;
   // The chunk kernel (also a one-token plan's, for a sliding window on the shared-output kernel).
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   // 16, 32 or 64 query rows (new tokens x GQA heads) per CTA: the fewest that hold a sequence's
@@ -468,16 +470,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     }
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
-  // chunk kernel's plan above stays for a sliding window on the shared-output kernel; told of a
-  // window (options.decode.sliding_window), the passes run on the kernels with their own outputs,
-  // their splits sized for it. Columns past the decode kernels' largest
+  // chunk kernel's plan above stays for a sliding window the plan was not told of, where the
+  // passes' kernel is the shared-output one. Columns past the decode kernels' largest
   // group (16 but on the half-precision kernels and the plain caches' at head_dim 64 and 128:
   // 32) are left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
   DecodeOptions decode = rows_decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
-  if (options.decode.sliding_window > 0) decode.shared_o = false;  // as VerifyLimits
   const auto [max_columns, verify_q] = VerifyLimits(group, options);
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
                      (max_q_len <= verify_q || int64_t{max_q_len} * group <= max_columns) &&
@@ -486,10 +486,8 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.decode_rows = false;
     plan.verify_pass_rows = std::min(max_q_len, std::max(1, max_columns / group));
     plan.verify_passes = (max_q_len + plan.verify_pass_rows - 1) / plan.verify_pass_rows;
-    DecodeOptions verify_decode = decode;
-    verify_decode.sliding_window = options.decode.sliding_window;
-    plan.decode_plan = s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group,
-                                      max_blocks_per_seq, verify_decode);
+    plan.decode_plan =
+        s.decoder.Plan(num_seqs, hk * plan.verify_pass_rows * group, max_blocks_per_seq, decode);
   }
   // The caller's leading one-token sequences: on the decode kernels where they lie. Leading
   // verify rows (leading_max_q_len > 1, up to the verify limit) there too, as verify passes: a
@@ -662,13 +660,14 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
   const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
   const bool run_decode = plan.decode && window_decode;
   const bool run_verify = plan.verify_rows && window_decode;
-  if ((plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
-      window_decode) {
-    s.decoder.CheckScale(kWhere, a.scale);
-  }
-  // (Before anything is queued: a verify call's query prep precedes its passes.)
+  const bool any_decode =
+      (plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
+      window_decode;
+  if (any_decode) s.decoder.CheckScale(kWhere, a.scale);
+  // (Before anything is queued: a verify call's query prep precedes its passes, a mixed call's
+  // chunk prep its decode rows.)
   if (const int32_t w = plan.decode_plan.sliding_window;
-      (run_decode || run_verify) && w > 0 && (a.sliding_window < 1 || a.sliding_window > w)) {
+      any_decode && w > 0 && (a.sliding_window < 1 || a.sliding_window > w)) {
     throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
                           fmt::format("1 to {} (AttentionOptions::decode.sliding_window: the "
                                       "plan's decode splits hold that many tokens)",

@@ -86,13 +86,13 @@ struct AttentionOptions {
   // the cache once.
   int verify_max_group = 32;
   // The decode kernels' choices, where they run. decode.sliding_window: the window Run will be
-  // given (AttentionArgs::sliding_window, 1 to it) where a one-token or verify plan runs the
-  // decode kernels, so that their splits are sized for the tokens the window reads rather than
-  // for max_blocks_per_seq's (batch 1 × 32k under a window of 4,000: 16 CTAs per KV head instead
-  // of 2 with tokens); a verify plan then runs its passes on the kernels whose warps hold their
-  // own outputs (decode.shared_o off: the shared-output kernel reads no window; H100, 4bit_nc,
-  // 64 × 4k under a window of 1,000 with 4 new tokens: 43.2 µs, against 220.3 on the prefill
-  // kernel untold).
+  // given (AttentionArgs::sliding_window, 1 to it) where the plan runs rows on the decode kernels
+  // (a one-token or verify plan, a mixed call's one-token or leading rows), so that their splits
+  // are sized for the tokens the window reads rather than for max_blocks_per_seq's (batch 1 ×
+  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens); they then run on
+  // the kernels whose warps hold their own outputs (decode.shared_o off: the shared-output kernel
+  // reads no window; H100, 4bit_nc, 64 × 4k under a window of 1,000 with 4 new tokens: 43.2 µs,
+  // against 220.3 on the prefill kernel untold).
   DecodeOptions decode;
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim

@@ -474,13 +474,16 @@ TEST(CudaAttentionTest, SlidingWindow) {
   const Step step = MixedStep();
   const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, 8, 9);
   for (int32_t w : {1, 50, 128, 333}) {
-    for (int tps : {0, 64}) {
+    // The plan's splits, splits of 64 tokens, and the one-token rows' decode plan told of the
+    // window (its splits sized for it; a larger window than the call's also serves).
+    for (int variant : {0, 1, 2}) {
       Case c{.quantizer = &q, .window = w};
-      c.options.tokens_per_split = tps;
+      if (variant == 1) c.options.tokens_per_split = 64;
+      if (variant == 2) c.options.decode.sliding_window = w + 7;
       const Errors e = RunAndCompare(c, s, s.base.cache);
       // (The one-token rows run on the decode kernels: k3v4_nc's hi-only twin, held to its
       // bound.)
-      ExpectWithin(e, kLseTol, fmt::format("window {} tokens_per_split {}", w, tps),
+      ExpectWithin(e, kLseTol, fmt::format("window {} variant {}", w, variant),
                    DecodeBoundsOf("turboquant_k3v4_nc"));
     }
   }
@@ -1112,12 +1115,13 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
       ++k;
       const Quantizer q = Quantizer::Create(preset, d, hk, bs);
       const AttentionScenario s = BuildAttention(q, step.lens, step.q_lens, hk * group, 970 + k);
-      for (int variant = 0; variant < 4; ++variant) {
+      for (int variant = 0; variant < 5; ++variant) {
         Case c{.quantizer = &q};
         c.options.leading_decode_seqs = 3;
         if (variant == 0) c.options.chunk_precision = ChunkPrecision::kHalf;
         if (variant == 2) c.options.tokens_per_split = 64;
-        if (variant == 3) c.window = 100;
+        if (variant >= 3) c.window = 100;
+        if (variant == 4) c.options.decode.sliding_window = 100;  // the leading rows' splits
         const Errors e = RunAndCompare(c, s, s.base.cache);
         const std::string what = fmt::format(
             "{} D={} group={} bs={} variant {}: out {:.2e} lse {:.2e}, decode rows out {:.2e} lse "
@@ -1199,17 +1203,20 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           for (float& x : s.queries) x = BFloat16BitsToFloat(FloatToBFloat16Bits(x));
         }
         const std::vector<uint8_t> cache = plain ? testing::StorePlain(s, f) : s.base.cache;
-        for (int variant = 0; variant < 4; ++variant) {
+        for (int variant = 0; variant < 5; ++variant) {
           Case c = plain ? Case{.plain = &f} : Case{.quantizer = &q};
           c.options.leading_decode_seqs = 4;
           c.options.leading_max_q_len = lead_q;
-          const bool half = variant == 1 || variant == 2;
+          const bool half = variant == 1 || variant == 2 || variant == 4;
           if (half) {
             c.options.chunk_precision = ChunkPrecision::kHalf;
             c.options.verify_precision = ChunkPrecision::kHalf;
           }
           if (variant == 2) c.options.tokens_per_split = 64;
-          if (variant == 3) c.window = 100;
+          if (variant >= 3) c.window = 100;
+          // Told of the window: the leading passes on the kernels with their own outputs, their
+          // splits sized for it.
+          if (variant == 4) c.options.decode.sliding_window = 128;
           c.rest_from_seq = 4;
           std::vector<float> out_said, out_unsaid;
           c.keep_out = &out_said;
@@ -1246,13 +1253,17 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           // caches, 2 of 32 on the bf16 one), and at 128 on the codebook keys' 32-column passes
           // (half precision), else 8.
           const bool codebook = !plain && std::string_view(preset) != "turboquant_k8v4";
-          const bool sixteen = d == 64 || (d == 128 && codebook && half);
+          // (Told of a window, variant 4, 3bit_nc's passes hold 16 columns at most: its 32-column
+          // kernel is the shared-output one, which reads no window.)
+          const bool told_3bit = variant == 4 && std::string_view(preset) == "turboquant_3bit_nc";
+          const bool sixteen = d == 64 || (d == 128 && codebook && half && !told_3bit);
           const bool led = lead_q <= 8 || sixteen;
           // WithLeadingSequences' limit, as the plan takes it.
           const CudaAttention attn = plain ? CudaAttention(f) : CudaAttention(q);
           EXPECT_EQ(attn.MaxLeadingQLen(hk * group, c.options), sixteen ? 16 : 8) << what;
           EXPECT_EQ(e.leading_decodes, led ? 4 : 0) << what;
           EXPECT_EQ(e.leading_max_q_len, led ? lead_q : 0) << what;
+          if (variant == 4 && led) EXPECT_FALSE(e.shared_verify) << what;  // (told of the window)
           if (led && c.window == 0) {
             // New tokens per pass at GQA 4: 32 or 16 columns (MaxSplitGroup).
             const int rows = plain || (d == 128 && half) ? 8 : 4;
@@ -2067,23 +2078,32 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
                     ::testing::HasSubstr("CudaAttention::Run (decode_plan): ")));
   }
   // A verify plan told of a window (its passes' splits sized for it) takes windows from 1 to
-  // it only, refused before the call's query prep or passes are queued.
+  // it only, refused before the call's query prep or passes are queued; so does a mixed call's
+  // plan told of one for its leading one-token rows (before its chunk's query prep).
   AttentionOptions told;
   told.decode.sliding_window = 50;
   const AttentionPlan windowed = attn.Plan(2, 5, 32, 4, 3, told);
   ASSERT_TRUE(windowed.verify_rows);
   EXPECT_FALSE(windowed.decode_plan.variant.shared_o);
   EXPECT_EQ(windowed.decode_plan.sliding_window, 50);
-  DeviceBuffer<uint8_t> windowed_ws(std::max<int64_t>(windowed.workspace_bytes, 1));
-  for (int32_t w : {0, 51}) {
-    AttentionArgs wa = a;
-    wa.workspace = windowed_ws.data();
-    wa.workspace_bytes = windowed_ws.size_bytes();
-    wa.sliding_window = w;
-    EXPECT_THAT([&] { attn.Run(windowed, wa, nullptr); },
-                ::testing::ThrowsMessage<Error>(
-                    ::testing::AllOf(::testing::HasSubstr(fmt::format("sliding_window = {}", w)),
-                                     ::testing::HasSubstr("1 to 50"))));
+  told.leading_decode_seqs = 1;
+  told.verify_max_q_len = 0;  // (else the verify passes take the whole call)
+  const AttentionPlan mixed = attn.Plan(2, 4, 32, 4, 3, told);  // (1 + 3 tokens)
+  ASSERT_EQ(mixed.leading_decodes, 1);
+  EXPECT_EQ(mixed.decode_plan.sliding_window, 50);
+  for (const AttentionPlan* p : {&windowed, &mixed}) {
+    DeviceBuffer<uint8_t> windowed_ws(std::max<int64_t>(p->workspace_bytes, 1));
+    for (int32_t w : {0, 51}) {
+      AttentionArgs wa = a;
+      wa.num_tokens = p->num_tokens;
+      wa.workspace = windowed_ws.data();
+      wa.workspace_bytes = windowed_ws.size_bytes();
+      wa.sliding_window = w;
+      EXPECT_THAT([&] { attn.Run(*p, wa, nullptr); },
+                  ::testing::ThrowsMessage<Error>(
+                      ::testing::AllOf(::testing::HasSubstr(fmt::format("sliding_window = {}", w)),
+                                       ::testing::HasSubstr("1 to 50"))));
+    }
   }
   AttentionArgs over = a;
   over.lse = output.data() + 5;

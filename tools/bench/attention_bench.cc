@@ -23,6 +23,8 @@
 //                   [--verify-q N]...  (adds verify 64x4k qN and its chunk-kernel twin)
 //                   [--decode-tokens-per-split N]  (the decode kernels' splits, for a sweep;
 //                                                   default: the plan's choice)
+//                   [--tokens-per-split N]  (the chunk and prefill kernels' splits,
+//                                                   AttentionOptions::tokens_per_split)
 //                   [--decode-narrow auto|never|always]  (DecodeOptions::narrow: the narrow
 //                                                   split kernels, for a comparison)
 //                   [--blocks shuffled|ordered] [--seed N]  (where each shape's blocks lie in
@@ -124,6 +126,7 @@ struct Shape {
   int leading_decode_seqs = 0;  // AttentionOptions::leading_decode_seqs
   int leading_max_q_len = 1;    // AttentionOptions::leading_max_q_len
   int decode_tokens_per_split = 0;  // DecodeOptions::tokens_per_split (0: the plan's choice)
+  int tokens_per_split = 0;         // AttentionOptions::tokens_per_split (0: the plan's choice)
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shared_o = DecodeOptions{}.shared_o;
   int window = 0;            // AttentionArgs::sliding_window
@@ -235,6 +238,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
     options.leading_decode_seqs = s.leading_decode_seqs;
     options.leading_max_q_len = s.leading_max_q_len;
     options.decode.tokens_per_split = s.decode_tokens_per_split;
+    options.tokens_per_split = s.tokens_per_split;
     options.decode.narrow = s.decode_narrow;
     options.decode.shared_o = s.shared_o;
     if (s.plan_window) options.decode.sliding_window = s.window;
@@ -342,7 +346,7 @@ std::vector<Row> RunKind(const std::string& kind, const Heads& heads,
 int Main(int argc, char** argv) {
   bool quick = false;
   std::string json_out, only_kind, only_shape;
-  int decode_tokens_per_split = 0;
+  int decode_tokens_per_split = 0, tokens_per_split = 0;
   DecodeOptions::Narrow decode_narrow = DecodeOptions::Narrow::kAuto;
   bool shuffled = true;
   uint32_t seed = 3;
@@ -390,6 +394,17 @@ int Main(int argc, char** argv) {
         return 2;
       }
       decode_tokens_per_split = *tps;
+    } else if (arg == "--tokens-per-split" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const std::optional<int> tps = parse_int(v, 0, 1 << 30);
+      if (!tps) {
+        fmt::print(stderr,
+                   "attention_bench: --tokens-per-split = {}: want 0 (the plan's choice) or a "
+                   "positive count of tokens\n",
+                   v);
+        return 2;
+      }
+      tokens_per_split = *tps;
     } else if (arg == "--heads" && i + 1 < argc) {
       const std::string v = argv[++i];
       const size_t a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
@@ -432,6 +447,7 @@ int Main(int argc, char** argv) {
       fmt::print(stderr,
                  "usage: attention_bench [--quick] [--json OUT] [--kind NAME] [--only TEXT] "
                  "[--heads HQ:HK:D] [--verify-q N]... [--decode-tokens-per-split N] "
+                 "[--tokens-per-split N] "
                  "[--decode-narrow auto|never|always] [--blocks shuffled|ordered] [--seed N] "
                  "[--repeat N]\n");
       return 2;
@@ -485,6 +501,14 @@ int Main(int argc, char** argv) {
   for (int chunk : {2048, 8192}) {
     for (int prefix : {0, 8192, 32768}) {
       if (quick && chunk == 8192 && prefix == 8192) continue;
+      shapes.push_back(
+          Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
+    }
+  }
+  // Chunked prefill with a small step budget (a serving engine's 256 or 512 prompt tokens per
+  // step): the chunk after 1k and 4k of its prompt.
+  for (int chunk : {256, 512}) {
+    for (int prefix : {1024, 4096}) {
       shapes.push_back(
           Uniform(fmt::format("prefill {} +{}k", chunk, prefix / 1024), 1, prefix + chunk, chunk));
     }
@@ -554,6 +578,14 @@ int Main(int argc, char** argv) {
     spec.leading_max_q_len = 1;
     shapes.push_back(spec);
   }
+  // A small-budget step as `tqkv sim` makes them: 31 sequences verifying 4 new tokens at 2k
+  // (leading), beside the next 256 tokens of a prompt after 1k.
+  Shape small{"mixed 256 + 31x2k q4", std::vector<int32_t>(31, 2048), std::vector<int32_t>(31, 4)};
+  small.lens.push_back(1024 + 256);
+  small.q_lens.push_back(256);
+  small.leading_decode_seqs = 31;
+  small.leading_max_q_len = 4;
+  shapes.push_back(small);
   shapes.push_back(Uniform("decode 63x4k", 63, 4096, 1));
   // One token per sequence under a sliding window (the decode kernels from the chunk holding the
   // window's first position; windows that start inside a chunk; "planned": with the splits
@@ -603,6 +635,7 @@ int Main(int argc, char** argv) {
   shapes.push_back(window_mixed);
   for (Shape& s : shapes) {
     s.decode_tokens_per_split = decode_tokens_per_split;
+    s.tokens_per_split = tokens_per_split;
     s.decode_narrow = decode_narrow;
     // The shared-output kernel takes precedence over the narrow choice: a narrow comparison runs
     // on the kernels with their own outputs.
