@@ -383,28 +383,17 @@ int Main(int argc, char** argv) {
       repeat = *parse_int(argv[++i], 1, 100);
     } else if (arg == "--only" && i + 1 < argc) {
       only_shape = argv[++i];
-    } else if (arg == "--decode-tokens-per-split" && i + 1 < argc) {
+    } else if ((arg == "--decode-tokens-per-split" || arg == "--tokens-per-split") &&
+               i + 1 < argc) {
       const std::string v = argv[++i];
       const std::optional<int> tps = parse_int(v, 0, 1 << 30);
       if (!tps) {
-        fmt::print(stderr,
-                   "attention_bench: --decode-tokens-per-split = {}: want 0 (the plan's choice) or "
-                   "a multiple of 64 from 64 to 8,192\n",
-                   v);
+        fmt::print(stderr, "attention_bench: {} = {}: want 0 (the plan's choice) or {}\n", arg, v,
+                   arg == "--tokens-per-split" ? "a positive count of tokens"
+                                               : "a multiple of 64 from 64 to 8,192");
         return 2;
       }
-      decode_tokens_per_split = *tps;
-    } else if (arg == "--tokens-per-split" && i + 1 < argc) {
-      const std::string v = argv[++i];
-      const std::optional<int> tps = parse_int(v, 0, 1 << 30);
-      if (!tps) {
-        fmt::print(stderr,
-                   "attention_bench: --tokens-per-split = {}: want 0 (the plan's choice) or a "
-                   "positive count of tokens\n",
-                   v);
-        return 2;
-      }
-      tokens_per_split = *tps;
+      (arg == "--tokens-per-split" ? tokens_per_split : decode_tokens_per_split) = *tps;
     } else if (arg == "--heads" && i + 1 < argc) {
       const std::string v = argv[++i];
       const size_t a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
