@@ -45,7 +45,8 @@ namespace {
 constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 constexpr int kMinSplitTokens = 256;  // a split shorter than this costs more than it saves
-constexpr int kMaxSplits = 64;
+constexpr int kPrefillMinSplitTokens = 1024;  // the same on the prefill kernel (Plan)
+constexpr int kMaxSplits = kMaxChunkSplits;
 constexpr int64_t kPrefillCtaRows = 128;  // the prefill kernel's
 #if TQKV_HAVE_CUDA
 static_assert(kPrefillCtaRows == attention_detail::kPrefillRows);
@@ -140,6 +141,25 @@ void SetCacheLayout(const State& s, attention_detail::ChunkParams& p) {
 #endif
 
 }  // namespace
+
+int64_t ChunkBusyCtas(const ChunkCall& call) {
+  const int64_t seqs_with_rows = (call.num_tokens + call.max_q_len - 1) / call.max_q_len;
+  const int64_t tiles = (call.num_tokens * call.group + call.cta_rows - 1) / call.cta_rows;
+  return std::max({int64_t{1}, tiles, seqs_with_rows}) * call.num_kv_heads;
+}
+
+// H100, 4bit_nc, 32:8:128, one chunk of 256 new tokens after 1k / 4k on the prefill kernel (1, 2,
+// 3, 5 splits): 34.9, 38.0, 46.2, 51.5 µs / 91.6 (1 split), 85.2 (5 of 1,024 tokens), 98.6 (9 of
+// 512); 512 new tokens after 4k, 2 splits against 3: 116.9 against 128.5 µs. A wave of one CTA
+// per SM instead took 1 × 128k with 8 new tokens (prefill kernel) 1.65x longer.
+ChunkSplits ChooseChunkSplits(const ChunkCall& call, int sm_count) {
+  const int64_t min_split = call.prefill ? kPrefillMinSplitTokens : kMinSplitTokens;
+  const int64_t want = 2 * int64_t{std::max(1, sm_count)} / ChunkBusyCtas(call);
+  int64_t splits = std::clamp<int64_t>(std::min(want, call.max_len / min_split), 1, kMaxSplits);
+  const int64_t tokens = ((call.max_len + splits - 1) / splits + 63) / 64 * 64;
+  splits = (call.max_len + tokens - 1) / tokens;
+  return {static_cast<int>(tokens), static_cast<int>(splits)};
+}
 
 AttentionOptions WithLeadingSequences(AttentionOptions options,
                                       std::span<const int32_t> query_start_loc,
@@ -396,19 +416,21 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                     group, cta_rows));
   }
   plan.row_tiles = static_cast<int>(slots);
-  // At least this many CTAs have rows (the tokens packed into as few tiles as possible); split
-  // the context until about two CTAs per SM have work.
-  const int64_t busy_ctas =
-      std::max<int64_t>(1, (int64_t{num_tokens} * group + cta_rows - 1) / cta_rows) * hk;
+  const ChunkCall call{.max_len = max_len,
+                       .num_tokens = num_tokens,
+                       .max_q_len = max_q_len,
+                       .group = group,
+                       .num_kv_heads = hk,
+                       .cta_rows = static_cast<int>(cta_rows),
+                       .prefill = plan.prefill};
   int64_t splits = 1;
   if (options.tokens_per_split > 0) {
     plan.tokens_per_split = options.tokens_per_split;
     splits = (max_len + options.tokens_per_split - 1) / options.tokens_per_split;
   } else {
-    const int64_t want = (2 * int64_t{std::max(1, s.sm_count)} + busy_ctas - 1) / busy_ctas;
-    splits = std::clamp<int64_t>(std::min(want, max_len / kMinSplitTokens), 1, kMaxSplits);
-    plan.tokens_per_split = static_cast<int>(((max_len + splits - 1) / splits + 63) / 64 * 64);
-    splits = (max_len + plan.tokens_per_split - 1) / plan.tokens_per_split;
+    const ChunkSplits chosen = ChooseChunkSplits(call, s.sm_count);
+    plan.tokens_per_split = chosen.tokens_per_split;
+    splits = chosen.splits;
   }
   if (splits > kMaxSplits) {
     throw InvalidArgument(
@@ -421,7 +443,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // The grid's order. H200, one call, 4bit_nc (bf16 cache): heads fastest at 2,048 after 0 437 µs
   // (259) and the mixed step 548 (531), head by head 573 (356) and 685 (642); heads fastest for
   // every shape cost 4bit_nc 15-20 % after 32k-128k and 9 % at 8,192 after 0 (many waves).
-  const int64_t ctas = busy_ctas * splits;
+  const int64_t ctas = ChunkBusyCtas(call) * splits;
   plan.heads_fastest =
       max_len <= 2 * int64_t{max_q_len} && ctas <= 4 * 2 * int64_t{std::max(1, s.sm_count)};
   // Some sequences may have one new token (fewer tokens than every sequence at max_q_len): those

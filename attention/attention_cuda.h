@@ -197,6 +197,31 @@ struct AttentionPlan {
   int64_t workspace_bytes = 0;
 };
 
+// How CudaAttention::Plan splits each sequence's context over CTAs for the chunk and prefill
+// kernels where AttentionOptions::tokens_per_split is 0 (host arithmetic, so that tests check it
+// without a device). A split's CTA costs its query load, pipeline fill and partial output
+// whatever its length, so the context is split only while the CTAs of all splits fit one wave of
+// two per SM, and while each split keeps 256 context tokens (1,024 on the prefill kernel).
+struct ChunkCall {
+  int64_t max_len = 0;     // the longest context: max_blocks_per_seq · block_size
+  int64_t num_tokens = 0;  // new tokens of the call
+  int max_q_len = 1;       // the most new tokens of one sequence
+  int group = 1;           // query heads per KV head
+  int num_kv_heads = 1;
+  int cta_rows = 16;     // query rows (new tokens × GQA heads) per CTA
+  bool prefill = false;  // the prefill kernel (else the chunk kernel)
+};
+struct ChunkSplits {
+  int tokens_per_split = 0;  // a multiple of 64
+  int splits = 1;            // ceil(max_len / tokens_per_split): 1 to kMaxChunkSplits
+};
+inline constexpr int kMaxChunkSplits = 64;
+// The CTAs with rows in one split: the new tokens packed into as few row tiles as possible, and
+// a tile of its own for each of the at least num_tokens / max_q_len sequences with new tokens (a
+// CTA holds one sequence's rows), for every KV head.
+int64_t ChunkBusyCtas(const ChunkCall& call);
+ChunkSplits ChooseChunkSplits(const ChunkCall& call, int sm_count);
+
 class CudaAttention {
  public:
   explicit CudaAttention(const Quantizer& quantizer);

@@ -1011,6 +1011,41 @@ TEST(CudaAttentionTest, PrefillTilesChangeNoBit) {
 // kernel's sequences), the sequences that take tiles get disjoint slot ranges inside
 // PrefillTileSlots of the whole call, and each has as many CTAs of the dequantization grid as
 // tiles, inside PrefillTileGrid, which find it (PrefillTileSequence) and its tiles in order.
+// The chunk and prefill kernels' splits are ChooseChunkSplits' (attention_plan_test) at the
+// device's SM count: one chunk after 1k and 4k, 64 sequences with 4 new tokens each, 8 new tokens
+// after 128k on the prefill kernel, and on the chunk kernel (exact precision).
+TEST(CudaAttentionTest, ChunkSplitsAreTheHostChoice) {
+  TQKV_SKIP_WITHOUT_GPU();
+  int sms = 0;
+  TQKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const CudaAttention attn(Quantizer::Create("turboquant_4bit_nc", 128, 8, 16));
+  struct Call {
+    int seqs, tokens, max_len, max_q_len;
+  };
+  for (const ChunkPrecision precision : {ChunkPrecision::kHalf, ChunkPrecision::kExact}) {
+    for (const Call& c : {Call{1, 256, 1024 + 256, 256}, Call{1, 256, 4096 + 256, 256},
+                          Call{64, 256, 4096, 4}, Call{1, 8, 131072, 8}}) {
+      const AttentionPlan plan = attn.Plan(c.seqs, c.tokens, 32, c.max_len / 16, c.max_q_len,
+                                           {.decode_kernels = false, .chunk_precision = precision});
+      ASSERT_FALSE(plan.decode);
+      ASSERT_EQ(plan.verify_passes, 0);
+      EXPECT_EQ(plan.prefill, precision == ChunkPrecision::kHalf);
+      const ChunkCall call{.max_len = c.max_len,
+                           .num_tokens = c.tokens,
+                           .max_q_len = c.max_q_len,
+                           .group = 4,
+                           .num_kv_heads = 8,
+                           .cta_rows = plan.prefill ? 128 : 16 * plan.row_warps,
+                           .prefill = plan.prefill};
+      const ChunkSplits want = ChooseChunkSplits(call, sms);
+      const std::string at = fmt::format("{} x {} new tokens, context {}, {}", c.seqs, c.max_q_len,
+                                         c.max_len, plan.prefill ? "prefill" : "chunk");
+      EXPECT_EQ(plan.max_splits, want.splits) << at;
+      EXPECT_EQ(plan.tokens_per_split, want.tokens_per_split) << at;
+    }
+  }
+}
+
 TEST(CudaAttentionTest, PrefillTileSlotsHoldEveryCall) {
   using namespace attention_detail;
   std::mt19937 rng(2026);
