@@ -731,6 +731,49 @@ TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
   EXPECT_GT(on_chunk, 0);
 }
 
+// GQA groups 9-16 in half precision (DecodeOptions::half): untold of a window, the plan takes the
+// shared-output kernel where the preset has one, and the chunk kernel runs the window; told of
+// it, the kernels whose warps hold their own 16 columns run it, each row over its window, within
+// the half-precision bounds.
+TEST(CudaAttentionTest, SlidingWindowDecodeAboveGroupEightInHalfPrecision) {
+  TQKV_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> lens = {1, 17, 129, 700, 2100};
+  const std::vector<int32_t> q_lens(lens.size(), 1);
+  int untold_on_shared = 0;
+  for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"}) {
+    const Quantizer q = Quantizer::Create(preset, 128, 2, 16);
+    const AttentionScenario s = BuildAttention(q, lens, q_lens, 2 * 16, 811);
+    for (int32_t w : {7, 50, 333}) {
+      std::vector<int32_t> first(lens.size());
+      for (size_t b = 0; b < lens.size(); ++b) first[b] = lens[b] > w ? lens[b] - w : 0;
+      const AttentionScenario sw = WithBlocksBeforeUnwritten(s, first, 16);
+      std::vector<float> outs[2];
+      bool untold_shared = false;
+      for (bool told : {false, true}) {
+        Case c{.quantizer = &q, .window = w};
+        c.options.decode.half = true;
+        if (told) c.options.decode.sliding_window = w;
+        c.keep_out = &outs[told];
+        const Errors e = RunAndCompare(c, sw, sw.base.cache);
+        const std::string at = fmt::format(
+            "{} D=128 group=16 window {} {} ({} splits): out {:.2e} "
+            "lse {:.2e}",
+            preset, w, told ? "told" : "untold", e.decode_splits, e.decode_out, e.decode_lse);
+        ASSERT_TRUE(e.decode) << at;
+        if (told) EXPECT_FALSE(e.decode_on_shared_o) << at;
+        if (!told) untold_shared = e.decode_on_shared_o;
+        const HalfBounds hb = HalfBoundsOf(false);
+        ExpectWithin(e, kLseTol, at, DecodeBounds{hb.lse, hb.out});
+      }
+      if (!untold_shared) continue;
+      ++untold_on_shared;
+      EXPECT_NE(outs[0], outs[1]) << preset << " window " << w
+                                  << ": the told plan's outputs are the chunk kernel's";
+    }
+  }
+  EXPECT_GT(untold_on_shared, 0);
+}
+
 TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   // Chunks of 200, 65 and 129 new tokens after a prefix, a whole prompt of 300, beside decode and
