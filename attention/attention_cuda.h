@@ -6,34 +6,35 @@
 //   AttentionPlan plan = attention.Plan(B, T, Hq, max_blocks, max_q_len);   // host only
 //   attention.Run(plan, args, stream);                  // never allocates; graph-capturable
 //
-// A plan whose every sequence has exactly one new token (max_q_len 1 or
-// AttentionOptions::leading_decode_seqs = num_seqs, and num_tokens == num_seqs) runs the decode
-// kernels (attention/decode_cuda.h; with a sliding window too, from the block holding the window's
-// first position, unless DecodeOptions::half puts GQA groups above 8, above 4 with FP8 keys, on
-// the shared-output kernel),
-// and so do the one-token sequences of
-// a mixed call (decode rows beside prefill chunks: in place where the caller says they come
-// first, AttentionOptions::leading_decode_seqs; so do leading verify rows,
-// AttentionOptions::leading_max_q_len), and a call of few new
-// tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): its new tokens
-// ride beside the GQA heads as decode columns (up to 16 per KV head and pass; 32 on 4bit_nc,
-// k3v4_nc, 3bit_nc and k8v4 at head_dim 128 in half precision; 8 on the compressed caches at
-// head_dim 256), each column over the context up to its own token (one split grid per pass, causal
-// masks in its last chunks; the first two at head_dim 128 and 64, and 3bit_nc at both, passes of
-// more than 4 columns, k8v4 at head_dim 128 passes of more than 8: in half precision,
-// AttentionOptions::verify_precision; under a sliding window each column over its own window,
-// except on the shared-output kernel, which a plan told of the window does not take:
-// AttentionOptions::decode.sliding_window). Chunks of 16 rows —
-// new tokens × GQA heads — or more per sequence (head_dim 64 or 128) run the prefill kernel in half
-// precision (attention/attention_prefill.cuh: 128 rows per CTA, one MMA per product; from 16 rows
-// on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on the H200, its tiles mostly empty),
-// unless AttentionOptions::chunk_precision asks for kExact. Everything else runs the chunk kernel
-// (attention/attention_kernel.cuh: 16 to 64 rows per CTA, fp32-level scores). Both read KV tiles
-// dequantized into shared memory, split over the context where the grid would not fill the
-// device, then a log-sum-exp merge of the splits. The workspace holds no
-// dequantized cache and nothing that grows with the context: q·Πᵀ for MSE keys (not where the
-// kernels rotate the query themselves: a Hadamard Πᵀ on the wgmma prefill kernel and the decode
-// kernels), with splits the partial outputs of the step's rows.
+// Which kernels run which rows (AttentionPlan's fields say what a plan chose):
+// - One new token per sequence (max_q_len 1, or AttentionOptions::leading_decode_seqs =
+//   num_seqs): the decode kernels (attention/decode_cuda.h). Under a sliding window they read
+//   from the block holding the window's first position. The shared-output kernel (taken with
+//   DecodeOptions::half at GQA groups above 8, above 4 with FP8 keys) reads no window, so a plan
+//   on it runs a window on the chunk kernel; a plan told of the window
+//   (AttentionOptions::decode.sliding_window) does not take it.
+// - Few new tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): the
+//   decode kernels too. The new tokens ride beside the GQA heads as decode columns (up to 16 per
+//   KV head and pass; 32 on 4bit_nc, k3v4_nc, 3bit_nc and k8v4 at head_dim 128 in half
+//   precision; 8 on the compressed caches at head_dim 256), each column over the context up to
+//   its own token (causal masks in its last chunks), one split grid per pass. Wide passes run in
+//   half precision (AttentionOptions::verify_precision); under a sliding window each column reads
+//   its own token's window.
+// - A mixed call's one-token and verify rows: on the decode kernels as above, in place where the
+//   caller says they come first (AttentionOptions::leading_decode_seqs, ::leading_max_q_len), else
+//   (one-token rows) gathered and scattered back; the other sequences on the kernels below.
+// - Chunks of 16 query rows (new tokens × GQA heads) or more per sequence at head_dim 64 or 128:
+//   the prefill kernel in half precision (attention/attention_prefill.cuh: 128 rows per CTA, one
+//   MMA per product; from 16 rows on it beat the chunk kernel 1.1-3x at 64 × 4k and 1 × 128k on
+//   the H200, its tiles mostly empty), unless AttentionOptions::chunk_precision asks for kExact.
+// - Everything else: the chunk kernel (attention/attention_kernel.cuh: 16 to 64 rows per CTA,
+//   fp32-level scores).
+// The chunk and prefill kernels read KV tiles dequantized into shared memory, split over the
+// context where the grid would not fill the device (ChooseChunkSplits), then merge the splits by
+// their log-sum-exp. The workspace holds no dequantized cache and nothing that grows with the
+// context: q·Πᵀ for MSE keys (not where the kernels rotate the query themselves: a Hadamard Πᵀ on
+// the wgmma prefill kernel and the decode kernels) and, with splits, the partial outputs of the
+// step's rows.
 #pragma once
 
 #include <cstdint>
@@ -65,8 +66,9 @@ enum class ChunkPrecision : uint8_t {
 };
 
 struct AttentionOptions {
-  // Context tokens per split of the chunk kernel: 0 lets the plan choose; otherwise a multiple
-  // of 64 up to CudaAttention::kMaxContextTokens (tuning, benchmarks, tests).
+  // Context tokens per split of the chunk and prefill kernels: 0 lets the plan choose
+  // (ChooseChunkSplits); otherwise a multiple of 64 up to CudaAttention::kMaxContextTokens
+  // (tuning, benchmarks, tests).
   int tokens_per_split = 0;
   // false: never the decode kernels, the chunk kernel for one-token plans too.
   bool decode_kernels = true;
