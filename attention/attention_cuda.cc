@@ -298,12 +298,15 @@ int CudaAttention::MaxLeadingQLen(int num_q_heads, const AttentionOptions& optio
   return std::max(1, VerifyLimits(group, options).second);
 }
 
-AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
-                                  int max_blocks_per_seq, int max_q_len,
-                                  const AttentionOptions& options) const {
+namespace {
+
+// Plan's checks of its arguments, before it chooses anything (the row tiles and splits are checked
+// where they are chosen).
+void CheckPlanArguments(int num_seqs, int num_tokens, int num_q_heads, int max_blocks_per_seq,
+                        int max_q_len, const AttentionOptions& options, int hk, int block_size) {
   constexpr const char* kWhere = "CudaAttention::Plan";
-  const State& s = *state_;
-  const int hk = num_kv_heads(), d = head_dim();
+  constexpr int kMaxSeqs = CudaAttention::kMaxSeqs;
+  constexpr int64_t kMaxContextTokens = CudaAttention::kMaxContextTokens;
   if (num_seqs < 1 || num_seqs > kMaxSeqs) {
     throw InvalidArgument(kWhere, "num_seqs", num_seqs, fmt::format("1 to {}", kMaxSeqs));
   }
@@ -315,19 +318,19 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   // Positions are int32, and the kernels add a split's length to its first position (a window's
   // start plus the splits before it, each below the context): within kMaxContextTokens (2^29)
   // every such sum stays below 2^31.
-  if (max_blocks_per_seq < 1 || int64_t{max_blocks_per_seq} * block_size() > kMaxContextTokens) {
+  if (max_blocks_per_seq < 1 || int64_t{max_blocks_per_seq} * block_size > kMaxContextTokens) {
     throw InvalidArgument(
         kWhere, "max_blocks_per_seq", max_blocks_per_seq,
         fmt::format("1 to {} (contexts up to {} tokens at block size {})",
-                    kMaxContextTokens / block_size(), kMaxContextTokens, block_size()));
+                    kMaxContextTokens / block_size, kMaxContextTokens, block_size));
   }
   if (max_q_len < 1 || max_q_len > num_tokens ||
-      max_q_len > int64_t{max_blocks_per_seq} * block_size()) {
+      max_q_len > int64_t{max_blocks_per_seq} * block_size) {
     throw InvalidArgument(
         kWhere, "max_q_len", max_q_len,
         fmt::format("1 to min(num_tokens = {}, max_blocks_per_seq · block_size = {}) (a "
                     "sequence's new tokens are part of its context)",
-                    num_tokens, int64_t{max_blocks_per_seq} * block_size()));
+                    num_tokens, int64_t{max_blocks_per_seq} * block_size));
   }
   if (int64_t{num_tokens} > int64_t{num_seqs} * max_q_len) {
     throw InvalidArgument(
@@ -363,6 +366,56 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     throw InvalidArgument(kWhere, "options.decode.narrow", static_cast<int>(options.decode.narrow),
                           "Narrow::kAuto (0), kNever (1) or kAlways (2)");
   }
+  if (options.verify_max_q_len < -1) {
+    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
+                          ">= 0, or -1 (the plan's choice)");
+  }
+  if (options.leading_max_q_len < 1) {
+    throw InvalidArgument(kWhere, "options.leading_max_q_len", options.leading_max_q_len,
+                          ">= 1 (1: one new token per leading sequence)");
+  }
+  const int64_t lead_tokens = int64_t{options.leading_decode_seqs} * options.leading_max_q_len;
+  if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
+      options.leading_decode_seqs > num_tokens ||
+      (options.leading_decode_seqs == num_seqs && options.leading_max_q_len == 1 &&
+       num_tokens != num_seqs)) {
+    throw InvalidArgument(kWhere, "options.leading_decode_seqs", options.leading_decode_seqs,
+                          fmt::format("0 to min(num_seqs, num_tokens) = {} (num_seqs only where "
+                                      "num_tokens = num_seqs = {} or leading_max_q_len > 1)",
+                                      std::min(num_seqs, num_tokens), num_tokens));
+  }
+  if (const int lead = options.leading_decode_seqs;
+      lead > 0 && num_tokens > lead_tokens + int64_t{num_seqs - lead} * max_q_len) {
+    throw InvalidArgument(
+        kWhere, "num_tokens", num_tokens,
+        fmt::format("at most leading_decode_seqs · leading_max_q_len + (num_seqs - "
+                    "leading_decode_seqs) · max_q_len = {} (the leading sequences have at most "
+                    "leading_max_q_len = {} new tokens each)",
+                    lead_tokens + int64_t{num_seqs - lead} * max_q_len, options.leading_max_q_len));
+  }
+  if (options.verify_max_group < 1 || options.verify_max_group > 32) {
+    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
+  }
+  for (const auto& [name, precision] :
+       {std::pair{"options.chunk_precision", options.chunk_precision},
+        std::pair{"options.verify_precision", options.verify_precision}}) {
+    if (precision != ChunkPrecision::kHalf && precision != ChunkPrecision::kExact) {
+      throw InvalidArgument(kWhere, name, static_cast<int>(precision),
+                            "ChunkPrecision::kHalf (0) or ChunkPrecision::kExact (1)");
+    }
+  }
+}
+
+}  // namespace
+
+AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
+                                  int max_blocks_per_seq, int max_q_len,
+                                  const AttentionOptions& options) const {
+  constexpr const char* kWhere = "CudaAttention::Plan";
+  const State& s = *state_;
+  const int hk = num_kv_heads(), d = head_dim();
+  CheckPlanArguments(num_seqs, num_tokens, num_q_heads, max_blocks_per_seq, max_q_len, options, hk,
+                     block_size());
   const int group = num_q_heads / hk;
   AttentionPlan plan;
   plan.num_seqs = num_seqs;
@@ -452,44 +505,6 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
                      int64_t{num_tokens} < int64_t{num_seqs} * max_q_len && group <= 16;
   if (plan.decode_rows) {
     plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, rows_decode);
-  }
-  if (options.verify_max_q_len < -1) {
-    throw InvalidArgument(kWhere, "options.verify_max_q_len", options.verify_max_q_len,
-                          ">= 0, or -1 (the plan's choice)");
-  }
-  if (options.leading_max_q_len < 1) {
-    throw InvalidArgument(kWhere, "options.leading_max_q_len", options.leading_max_q_len,
-                          ">= 1 (1: one new token per leading sequence)");
-  }
-  const int64_t lead_tokens = int64_t{options.leading_decode_seqs} * options.leading_max_q_len;
-  if (options.leading_decode_seqs < 0 || options.leading_decode_seqs > num_seqs ||
-      options.leading_decode_seqs > num_tokens ||
-      (options.leading_decode_seqs == num_seqs && options.leading_max_q_len == 1 &&
-       num_tokens != num_seqs)) {
-    throw InvalidArgument(kWhere, "options.leading_decode_seqs", options.leading_decode_seqs,
-                          fmt::format("0 to min(num_seqs, num_tokens) = {} (num_seqs only where "
-                                      "num_tokens = num_seqs = {} or leading_max_q_len > 1)",
-                                      std::min(num_seqs, num_tokens), num_tokens));
-  }
-  if (const int lead = options.leading_decode_seqs;
-      lead > 0 && num_tokens > lead_tokens + int64_t{num_seqs - lead} * max_q_len) {
-    throw InvalidArgument(
-        kWhere, "num_tokens", num_tokens,
-        fmt::format("at most leading_decode_seqs · leading_max_q_len + (num_seqs - "
-                    "leading_decode_seqs) · max_q_len = {} (the leading sequences have at most "
-                    "leading_max_q_len = {} new tokens each)",
-                    lead_tokens + int64_t{num_seqs - lead} * max_q_len, options.leading_max_q_len));
-  }
-  if (options.verify_max_group < 1 || options.verify_max_group > 32) {
-    throw InvalidArgument(kWhere, "options.verify_max_group", options.verify_max_group, "1 to 32");
-  }
-  for (const auto& [name, precision] :
-       {std::pair{"options.chunk_precision", options.chunk_precision},
-        std::pair{"options.verify_precision", options.verify_precision}}) {
-    if (precision != ChunkPrecision::kHalf && precision != ChunkPrecision::kExact) {
-      throw InvalidArgument(kWhere, name, static_cast<int>(precision),
-                            "ChunkPrecision::kHalf (0) or ChunkPrecision::kExact (1)");
-    }
   }
   // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
   // chunk kernel's plan above stays for a sliding window the plan was not told of, where the
