@@ -242,9 +242,6 @@ std::pair<int, int> CudaAttention::VerifyLimits(int group, const AttentionOption
   const int d = head_dim();
   DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
-  // Under a sliding window the plan is told of, the passes run on the kernels whose warps hold
-  // their own outputs (the shared-output kernel reads no window).
-  if (options.decode.sliding_window > 0) decode.shared_o = false;
   // At head_dim 256 the compressed kinds' split kernel of 9-16 columns (two N tiles on the
   // register pipeline) costs more per column than two passes of up to 8: H100, 16:8:256, 64 × 4k,
   // 8 new tokens at GQA 2, one pass of 16 columns against two of 8: 4bit_nc 809 against 474 µs,
@@ -432,15 +429,12 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
       int64_t{max_blocks_per_seq} * block_size() <= CudaDecoder::kMaxContextTokens;
   // Told of a sliding window (options.decode.sliding_window), every decode plan of the call (one
   // token per sequence, verify passes, a mixed call's gathered or leading rows) has its splits
-  // sized for it and runs on the kernels whose warps hold their own outputs: the shared-output
-  // kernel reads no window (Run would send such rows to the chunk or prefill kernel).
-  DecodeOptions rows_decode = options.decode;
-  if (rows_decode.sliding_window > 0) rows_decode.shared_o = false;
+  // sized for it.
   plan.decode = decode_kernels && all_one && num_tokens == num_seqs && group <= 16;
   if (plan.decode) {
-    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, rows_decode);
+    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
   }
-  // The chunk kernel (also a one-token plan's, for a sliding window on the shared-output kernel).
+  // The chunk kernel.
   const int64_t max_len = int64_t{max_blocks_per_seq} * block_size();
   // 16, 32 or 64 query rows (new tokens x GQA heads) per CTA: the fewest that hold a sequence's
   // rows, up to 64 (the other warps of a CTA with fewer rows split each KV tile; head_dim 256's
@@ -504,16 +498,14 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
   plan.decode_rows = decode_kernels && !plan.decode && max_q_len > 1 && num_seqs > 1 &&
                      int64_t{num_tokens} < int64_t{num_seqs} * max_q_len && group <= 16;
   if (plan.decode_rows) {
-    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, rows_decode);
+    plan.decode_plan = s.decoder.Plan(num_seqs, num_q_heads, max_blocks_per_seq, options.decode);
   }
-  // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads. The
-  // chunk kernel's plan above stays for a sliding window the plan was not told of, where the
-  // passes' kernel is the shared-output one. Columns past the decode kernels' largest
-  // group (16 but on the half-precision kernels and the plain caches' at head_dim 64 and 128:
-  // 32) are left to a further pass. Beyond
+  // Few new tokens per sequence: the decode kernels, in passes of rows beside the GQA heads.
+  // Columns past the decode kernels' largest group (16 but on the half-precision kernels and the
+  // plain caches' at head_dim 64 and 128: 32) are left to a further pass. Beyond
   // verify_max_q_len too where one pass holds every new token: one pass of 32 columns took 171 µs
   // where the prefill kernel took 364 for the same 32 rows per sequence (H200, 64 × 4k, 4bit_nc).
-  DecodeOptions decode = rows_decode;
+  DecodeOptions decode = options.decode;
   decode.half = options.verify_precision == ChunkPrecision::kHalf;
   const auto [max_columns, verify_q] = VerifyLimits(group, options);
   plan.verify_rows = decode_kernels && !plan.decode && max_q_len > 1 && verify_q > 0 &&
@@ -537,7 +529,7 @@ AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
     plan.leading_decodes = options.leading_decode_seqs;
     plan.leading_max_q_len = 1;
     plan.decode_plan =
-        s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, rows_decode);
+        s.decoder.Plan(plan.leading_decodes, num_q_heads, max_blocks_per_seq, options.decode);
   } else if (decode_kernels && !plan.decode && !plan.verify_rows && lead_q > 1 &&
              lead_q <= verify_q && options.leading_decode_seqs > 0 &&
              options.leading_decode_seqs < num_seqs && group <= 16) {
@@ -691,15 +683,8 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
         fmt::format("at most {:g} (scale · log2(e), the kernels' fp32 score scale, finite)",
                     std::numeric_limits<float>::max() / static_cast<float>(std::numbers::log2e)));
   }
-  // A sliding window runs the rows the plan gives the decode kernels (one-token calls, verify
-  // passes, a mixed call's one-token or leading rows) there where the decode plan's kernel takes
-  // one (not the shared-output kernel); else the chunk or prefill kernel takes them.
-  const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
-  const bool run_decode = plan.decode && window_decode;
-  const bool run_verify = plan.verify_rows && window_decode;
   const bool any_decode =
-      (plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0) &&
-      window_decode;
+      plan.decode || plan.decode_rows || plan.verify_rows || plan.leading_decodes > 0;
   if (any_decode) s.decoder.CheckScale(kWhere, a.scale);
   // (Before anything is queued: a verify call's query prep precedes its passes, a mixed call's
   // chunk prep its decode rows.)
@@ -710,7 +695,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                                       "plan's decode splits hold that many tokens)",
                                       w));
   }
-  if (run_decode) {
+  if (plan.decode) {
     CudaDecodeArgs da;
     da.query = a.query;
     da.query_dtype = a.query_dtype;
@@ -728,7 +713,7 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
     return;
   }
 #if TQKV_HAVE_CUDA
-  if (run_verify) {
+  if (plan.verify_rows) {
     RunVerify(plan, a, stream);
   } else {
     RunChunk(plan, a, stream);
@@ -861,10 +846,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   const Sections w = WorkspaceSections(rotate && !plan.prefill_rotates, plan, d, num_kv_heads());
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   // The caller's leading one-token sequences (AttentionOptions::leading_decode_seqs) on the
-  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on. Under a
-  // sliding window only where the decode plan's kernel takes one (Run).
-  const bool window_decode = a.sliding_window == 0 || !plan.decode_plan.variant.shared_o;
-  const int lead = window_decode ? plan.leading_decodes : 0;
+  // decode kernels, in place; the chunk or prefill kernel then reads sequences `lead` on.
+  const int lead = plan.leading_decodes;
   // The dequantized tiles (AttentionPlan::prefill_tiles), written first: the prefill kernel may
   // start before the leading rows' decode ends, not before it starts.
   uint8_t* const tiles = plan.prefill_tiles ? ws + w.Before(w.tiles) : nullptr;
@@ -945,8 +928,8 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
     }
   }
   // A mixed call's one-token sequences: gathered, decoded by the decode kernels, scattered back
-  // after the chunk kernel (under a sliding window as the leading rows).
-  const bool decode_rows = plan.decode_rows && window_decode;
+  // after the chunk kernel.
+  const bool decode_rows = plan.decode_rows;
   DecodeRowsParams rp;
   if (decode_rows) {
     uint8_t* at = ws + w.query + w.partial_out + w.partial_lse;

@@ -9,10 +9,7 @@
 // Which kernels run which rows (AttentionPlan's fields say what a plan chose):
 // - One new token per sequence (max_q_len 1, or AttentionOptions::leading_decode_seqs =
 //   num_seqs): the decode kernels (attention/decode_cuda.h). Under a sliding window they read
-//   from the block holding the window's first position. The shared-output kernel (taken with
-//   DecodeOptions::half at GQA groups above 8, above 4 with FP8 keys) reads no window, so a plan
-//   on it runs a window on the chunk kernel; a plan told of the window
-//   (AttentionOptions::decode.sliding_window) does not take it.
+//   from the 16-token chunk holding the window's first position.
 // - Few new tokens per sequence (speculative verify, AttentionOptions::verify_max_q_len): the
 //   decode kernels too. The new tokens ride beside the GQA heads as decode columns (up to 16 per
 //   KV head and pass; 32 on 4bit_nc, k3v4_nc, 3bit_nc and k8v4 at head_dim 128 in half
@@ -91,10 +88,7 @@ struct AttentionOptions {
   // given (AttentionArgs::sliding_window, 1 to it) where the plan runs rows on the decode kernels
   // (a one-token or verify plan, a mixed call's one-token or leading rows), so that their splits
   // are sized for the tokens the window reads rather than for max_blocks_per_seq's (batch 1 ×
-  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens); they then run on
-  // the kernels whose warps hold their own outputs (decode.shared_o off: the shared-output kernel
-  // reads no window; H100, 4bit_nc, 64 × 4k under a window of 1,000 with 4 new tokens: 43.2 µs,
-  // against 220.3 on the prefill kernel untold).
+  // 32k under a window of 4,000: 16 CTAs per KV head instead of 2 with tokens).
   DecodeOptions decode;
   ChunkPrecision chunk_precision = ChunkPrecision::kHalf;
   // The numerics of verify passes (verify_max_q_len) on 4bit_nc and k3v4_nc caches at head_dim
@@ -167,8 +161,7 @@ struct AttentionPlan {
   // Few new tokens per sequence (max_q_len up to options.verify_max_q_len, or the plan's choice of
   // it): the decode kernels in passes of verify_pass_rows new tokens per sequence beside the GQA
   // heads (a decode of group verify_pass_rows · G, each column over the context up to its own
-  // token); under a sliding window only where decode_plan's kernel is not the shared-output one
-  // (AttentionOptions::decode.sliding_window), else the chunk kernel.
+  // token).
   bool verify_rows = false;
   int verify_pass_rows = 0;
   int verify_passes = 0;

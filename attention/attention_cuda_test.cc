@@ -68,7 +68,7 @@ struct Errors {
   bool half_verify = false;               // verify passes on the half-precision decode kernel
   bool narrow_half_verify = false;        // .. on its narrow twin (4-warp CTAs, two per SM)
   bool shared_verify = false;             // .. on the kernel whose warps share the output
-  bool verify_on_decode = false;          // a verify plan's passes ran (under a window too)
+  bool verify_on_decode = false;          // a verify plan's passes ran
   int verify_columns = 0;                 // columns per verify pass (new tokens × GQA heads)
   int leading_decodes = 0;                // AttentionPlan::leading_decodes
   int leading_max_q_len = 0;              // AttentionPlan::leading_max_q_len
@@ -185,13 +185,11 @@ Errors RunAndCompare(const Case& c, AttentionScenario s, const std::vector<uint8
     }
   }
   lse.CopyToHost(l);
-  // Rows on the decode kernels: one-token sequences, every row of a verify plan (under a window
-  // where its kernel is not the shared-output one), and the leading verify rows of a mixed call.
-  const bool verify_on_decode =
-      plan.verify_rows && (c.window == 0 || !plan.decode_plan.variant.shared_o);
+  // Rows on the decode kernels: one-token sequences, every row of a verify plan, and the leading
+  // verify rows of a mixed call.
+  const bool verify_on_decode = plan.verify_rows;
   std::vector<bool> single(s.num_tokens, verify_on_decode);
-  const bool lead_verify =
-      plan.leading_max_q_len > 1 && (c.window == 0 || !plan.decode_plan.variant.shared_o);
+  const bool lead_verify = plan.leading_max_q_len > 1;
   for (int b = 0; b < num_seqs; ++b) {
     if (s.query_start_loc[b + 1] - s.query_start_loc[b] == 1) single[s.query_start_loc[b]] = true;
     if (lead_verify && b < plan.leading_decodes) {
@@ -489,6 +487,22 @@ TEST(CudaAttentionTest, SlidingWindow) {
   }
 }
 
+// Long chunks in half precision (the default, ChunkPrecision::kHalf) on the prefill kernel:
+// every preset and plain cache, head_dim 64 and 128, GQA groups 1-8, every block size, splits, a
+// sliding window and bf16 I/O, against the fp64 reference. Rounding the fp32 query (q·Πᵀ), the
+// keys and P once to fp16 (2^-11 relative each; the wgmma kernel rounds the dequantized keys
+// centroid · norm and values code · scale + zero, the mma.sync kernel P' = p · value scale)
+// measured up to 1.7e-3 of the LSE (relative to max(1, |LSE|), 4bit_nc with a Haar rotation at
+// GQA group 8 on the wgmma kernel) and 4.0e-3 of a row's largest element (bf16 output aside; 5.5e-3
+// with values past fp16, PrefillKernelKeepsValuesPastFp16) on the H200; a bf16 cache multiplies
+// the bf16 query and keys exactly and rounds only P.
+struct HalfBounds {
+  double lse, out;
+};
+HalfBounds HalfBoundsOf(bool bf16) {
+  return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{2e-3, 6e-3};
+}
+
 // The sliding-window tests' caches: every preset at head_dim 64, 128 and 256 (GQA groups 1-8 and
 // block sizes 16-128 in turn), then the bf16 and fp16 caches (head_dim 128, GQA 4, block 32; the
 // plain kinds' kernels round the query to the cache's type, so the scenario's is rounded first).
@@ -543,9 +557,9 @@ AttentionScenario WithBlocksBeforeUnwritten(const AttentionScenario& s,
   return out;
 }
 
-// One token per sequence under a sliding window runs the decode kernels (except where
-// DecodeOptions::half puts the call on the shared-output kernel, as k8v4 at GQA 8: then the chunk
-// kernel), reading nothing before the 16-token chunk that holds the window's first position:
+// One token per sequence under a sliding window runs the decode kernels (the shared-output one
+// too, where DecodeOptions::half puts the call, as k8v4 at GQA 8), reading nothing before the
+// 16-token chunk that holds the window's first position:
 // every preset and the plain caches, head dims 64-256, block sizes 16-128, GQA groups 1-8,
 // windows that start inside a chunk, at a chunk, past the block before, or before the context,
 // with the plan's splits, splits of 64 tokens (the merge) and splits sized for the window. The
@@ -577,8 +591,11 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
                         what, w, tps, variant == 2 ? " planned for the window" : "",
                         e.decode_splits, e.decode_out, e.decode_lse);
         ASSERT_TRUE(e.decode) << at;
-        ExpectWithin(e, kLseTol, at, DecodeBoundsOf(kind));
-        if (w != 50 || variant != 0 || e.decode_on_shared_o) continue;
+        ExpectWithin(e, kLseTol, at,
+                     e.decode_on_shared_o
+                         ? DecodeBounds{HalfBoundsOf(false).lse, HalfBoundsOf(false).out}
+                         : DecodeBoundsOf(kind));
+        if (w != 50 || variant != 0) continue;
         Case chunk = c;
         chunk.options.decode_kernels = false;
         std::vector<float> chunk_out;
@@ -591,7 +608,7 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
   };
   ForEachWindowCache(lens, q_lens, 700, 800, check);
   {  // k8v4 at GQA 8, head_dim 128; with DecodeOptions::half its plan takes the shared-output
-     // kernel, so the chunk kernel runs the window
+     // kernel, which runs the window
     const Quantizer q = Quantizer::Create("turboquant_k8v4", 128, 2, 16);
     const AttentionScenario s = BuildAttention(q, lens, q_lens, 2 * 8, 790);
     check(&q, nullptr, "turboquant_k8v4", s, s.base.cache, 16, "turboquant_k8v4 D=128 group=8");
@@ -600,7 +617,7 @@ TEST(CudaAttentionTest, SlidingWindowDecodeOnTheDecodeKernels) {
     const Errors e = RunAndCompare(c, s, s.base.cache);
     EXPECT_TRUE(e.decode_on_shared_o);
     ExpectWithin(e, kLseTol, "turboquant_k8v4 D=128 group=8 window 50, shared-output plan",
-                 DecodeBoundsOf("turboquant_k8v4"));
+                 DecodeBounds{HalfBoundsOf(false).lse, HalfBoundsOf(false).out});
   }
 }
 
@@ -654,35 +671,19 @@ TEST(CudaAttentionTest, OneTokenPlansAndHalfPrecisionIo) {
   }
 }
 
-// Long chunks in half precision (the default, ChunkPrecision::kHalf) on the prefill kernel:
-// every preset and plain cache, head_dim 64 and 128, GQA groups 1-8, every block size, splits, a
-// sliding window and bf16 I/O, against the fp64 reference. Rounding the fp32 query (q·Πᵀ), the
-// keys and P once to fp16 (2^-11 relative each; the wgmma kernel rounds the dequantized keys
-// centroid · norm and values code · scale + zero, the mma.sync kernel P' = p · value scale)
-// measured up to 1.7e-3 of the LSE (relative to max(1, |LSE|), 4bit_nc with a Haar rotation at
-// GQA group 8 on the wgmma kernel) and 4.0e-3 of a row's largest element (bf16 output aside; 5.5e-3
-// with values past fp16, PrefillKernelKeepsValuesPastFp16) on the H200; a bf16 cache multiplies
-// the bf16 query and keys exactly and rounds only P.
-struct HalfBounds {
-  double lse, out;
-};
-HalfBounds HalfBoundsOf(bool bf16) {
-  return bf16 ? HalfBounds{4e-3, 2e-2} : HalfBounds{2e-3, 6e-3};
-}
-
-// Verify calls under a sliding window run their passes on the decode kernels where the plan's
-// kernel is not the shared-output one, each column over its own token's window: in exact
-// precision (kernels with their own outputs), in half precision with the plan told of the window
-// (AttentionOptions::decode.sliding_window: shared_o off, splits sized for it; also splits of 64
-// tokens, the merge), and in half precision untold (the shared-output kernel where it would run:
-// then the chunk kernel). Every preset and the plain caches, head dims 64-256, block sizes 16-128,
-// GQA groups 1-8, 1 to 8 new tokens per sequence, windows of 1 to 5,000 tokens. Table entries
-// before the block holding the first new token's first position name a never-written (NaN)
-// block; outputs differ from the chunk kernel's (the passes ran).
+// Verify calls under a sliding window run their passes on the decode kernels, each column over
+// its own token's window: in exact precision (kernels with their own outputs), in half precision
+// with the plan told of the window (AttentionOptions::decode.sliding_window: splits sized for it;
+// also splits of 64 tokens, the merge) and untold (splits for the whole table); at head_dim 128
+// the half-precision passes of 9-32 columns run on the shared-output kernel (its masked first
+// steps). Every preset and the plain caches, head dims 64-256, block sizes 16-128, GQA groups
+// 1-8, 1 to 8 new tokens per sequence, windows of 1 to 5,000 tokens. Table entries before the
+// block holding the first new token's first position name a never-written (NaN) block; outputs
+// differ from the chunk kernel's (the passes ran).
 TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
   TQKV_SKIP_WITHOUT_GPU();
   const Step verify{{3, 9, 77, 300, 1000, 2100, 0, 65}, {2, 1, 4, 8, 3, 8, 0, 2}};
-  int on_decode = 0, on_chunk = 0;
+  int on_shared = 0;
   auto check = [&](const Quantizer* q, const Bf16BlockFormat* f, const std::string& kind,
                    const AttentionScenario& s, const std::vector<uint8_t>& cache, int bs,
                    const std::string& what) {
@@ -709,12 +710,12 @@ TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
                        "half, planned for the window, splits of 64 tokens", "half"}[variant],
             e.decode_splits, e.decode_out, e.decode_lse);
         ASSERT_TRUE(verify_rows) << at;
-        if (variant < 3) EXPECT_TRUE(e.verify_on_decode) << at;
-        (e.verify_on_decode ? on_decode : on_chunk) += 1;
+        EXPECT_TRUE(e.verify_on_decode) << at;
+        on_shared += e.shared_verify;
         const HalfBounds hb = HalfBoundsOf(f != nullptr && f->dtype == DType::kBF16);
         ExpectWithin(e, kLseTol, at,
                      e.half_verify ? DecodeBounds{hb.lse, hb.out} : DecodeBoundsOf(kind));
-        if (w != 50 || variant != 0) continue;
+        if (w != 50 || (variant != 0 && !e.shared_verify)) continue;
         Case chunk = c;
         chunk.options.verify_max_q_len = 0;
         std::vector<float> chunk_out;
@@ -726,52 +727,53 @@ TEST(CudaAttentionTest, SlidingWindowVerifyOnTheDecodeKernels) {
     }
   };
   ForEachWindowCache(verify.lens, verify.q_lens, 900, 950, check);
-  // Both routes ran: untold half-precision plans at head_dim 128 take the shared-output kernel.
-  EXPECT_GT(on_decode, 0);
-  EXPECT_GT(on_chunk, 0);
+  EXPECT_GT(on_shared, 0);
 }
 
-// GQA groups 9-16 in half precision (DecodeOptions::half): untold of a window, the plan takes the
-// shared-output kernel where the preset has one, and the chunk kernel runs the window; told of
-// it, the kernels whose warps hold their own 16 columns run it, each row over its window, within
-// the half-precision bounds.
+// GQA groups 9-16 in half precision (DecodeOptions::half): told of a window or not, one token per
+// sequence runs on the shared-output kernel (these presets have one), each row over its window
+// (the kernel's masked first steps, from the 16-token chunk holding the window's first
+// position), within the half-precision bounds; at block sizes 16 and 128, table entries of the
+// blocks before the window's first naming a never-written (NaN) block. The chunk kernel's
+// outputs differ (the decode kernel ran).
 TEST(CudaAttentionTest, SlidingWindowDecodeAboveGroupEightInHalfPrecision) {
   TQKV_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> lens = {1, 17, 129, 700, 2100};
   const std::vector<int32_t> q_lens(lens.size(), 1);
-  int untold_on_shared = 0;
   for (const char* preset : {"turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"}) {
-    const Quantizer q = Quantizer::Create(preset, 128, 2, 16);
-    const AttentionScenario s = BuildAttention(q, lens, q_lens, 2 * 16, 811);
-    for (int32_t w : {7, 50, 333}) {
-      std::vector<int32_t> first(lens.size());
-      for (size_t b = 0; b < lens.size(); ++b) first[b] = lens[b] > w ? lens[b] - w : 0;
-      const AttentionScenario sw = WithBlocksBeforeUnwritten(s, first, 16);
-      std::vector<float> outs[2];
-      bool untold_shared = false;
-      for (bool told : {false, true}) {
-        Case c{.quantizer = &q, .window = w};
-        c.options.decode.half = true;
-        if (told) c.options.decode.sliding_window = w;
-        c.keep_out = &outs[told];
-        const Errors e = RunAndCompare(c, sw, sw.base.cache);
-        const std::string at = fmt::format(
-            "{} D=128 group=16 window {} {} ({} splits): out {:.2e} "
-            "lse {:.2e}",
-            preset, w, told ? "told" : "untold", e.decode_splits, e.decode_out, e.decode_lse);
-        ASSERT_TRUE(e.decode) << at;
-        if (told) EXPECT_FALSE(e.decode_on_shared_o) << at;
-        if (!told) untold_shared = e.decode_on_shared_o;
-        const HalfBounds hb = HalfBoundsOf(false);
-        ExpectWithin(e, kLseTol, at, DecodeBounds{hb.lse, hb.out});
+    for (int bs : {16, 128}) {
+      const Quantizer q = Quantizer::Create(preset, 128, 2, bs);
+      const AttentionScenario s = BuildAttention(q, lens, q_lens, 2 * 16, 811);
+      for (int32_t w : {7, 50, 333}) {
+        std::vector<int32_t> first(lens.size());
+        for (size_t b = 0; b < lens.size(); ++b) first[b] = lens[b] > w ? lens[b] - w : 0;
+        const AttentionScenario sw = WithBlocksBeforeUnwritten(s, first, bs);
+        for (bool told : {false, true}) {
+          Case c{.quantizer = &q, .window = w};
+          c.options.decode.half = true;
+          if (told) c.options.decode.sliding_window = w;
+          std::vector<float> out;
+          c.keep_out = &out;
+          const Errors e = RunAndCompare(c, sw, sw.base.cache);
+          const std::string at = fmt::format(
+              "{} D=128 group=16 bs={} window {} {} ({} splits): out {:.2e} lse {:.2e}", preset, bs,
+              w, told ? "told" : "untold", e.decode_splits, e.decode_out, e.decode_lse);
+          ASSERT_TRUE(e.decode) << at;
+          EXPECT_TRUE(e.decode_on_shared_o) << at;
+          const HalfBounds hb = HalfBoundsOf(false);
+          ExpectWithin(e, kLseTol, at, DecodeBounds{hb.lse, hb.out});
+          if (!told) continue;
+          Case chunk = c;
+          chunk.options.decode_kernels = false;
+          std::vector<float> chunk_out;
+          chunk.keep_out = &chunk_out;
+          const Errors ce = RunAndCompare(chunk, sw, sw.base.cache);
+          EXPECT_FALSE(ce.decode) << at;
+          EXPECT_NE(out, chunk_out) << at << ": the same outputs as the chunk kernel's";
+        }
       }
-      if (!untold_shared) continue;
-      ++untold_on_shared;
-      EXPECT_NE(outs[0], outs[1]) << preset << " window " << w
-                                  << ": the told plan's outputs are the chunk kernel's";
     }
   }
-  EXPECT_GT(untold_on_shared, 0);
 }
 
 TEST(CudaAttentionTest, PrefillKernelInHalfPrecision) {
@@ -1292,8 +1294,7 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           }
           if (variant == 2) c.options.tokens_per_split = 64;
           if (variant >= 3) c.window = 100;
-          // Told of the window: the leading passes on the kernels with their own outputs, their
-          // splits sized for it.
+          // Told of the window: the leading passes' splits sized for it.
           if (variant == 4) c.options.decode.sliding_window = 128;
           c.rest_from_seq = 4;
           std::vector<float> out_said, out_unsaid;
@@ -1331,17 +1332,18 @@ TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
           // caches, 2 of 32 on the bf16 one), and at 128 on the codebook keys' 32-column passes
           // (half precision), else 8.
           const bool codebook = !plain && std::string_view(preset) != "turboquant_k8v4";
-          // (Told of a window, variant 4, 3bit_nc's passes hold 16 columns at most: its 32-column
-          // kernel is the shared-output one, which reads no window.)
-          const bool told_3bit = variant == 4 && std::string_view(preset) == "turboquant_3bit_nc";
-          const bool sixteen = d == 64 || (d == 128 && codebook && half && !told_3bit);
+          const bool sixteen = d == 64 || (d == 128 && codebook && half);
           const bool led = lead_q <= 8 || sixteen;
           // WithLeadingSequences' limit, as the plan takes it.
           const CudaAttention attn = plain ? CudaAttention(f) : CudaAttention(q);
           EXPECT_EQ(attn.MaxLeadingQLen(hk * group, c.options), sixteen ? 16 : 8) << what;
           EXPECT_EQ(e.leading_decodes, led ? 4 : 0) << what;
           EXPECT_EQ(e.leading_max_q_len, led ? lead_q : 0) << what;
-          if (variant == 4 && led) EXPECT_FALSE(e.shared_verify) << what;  // (told of the window)
+          // (Under a window too, the half-precision passes at head_dim 128 run on the shared-output
+          // kernel: its window twin.)
+          if (variant >= 3 && led) {
+            EXPECT_EQ(e.shared_verify, half && !plain && d == 128) << what;
+          }
           if (led && c.window == 0) {
             // New tokens per pass at GQA 4: 32 or 16 columns (MaxSplitGroup).
             const int rows = plain || (d == 128 && half) ? 8 : 4;
@@ -2162,7 +2164,8 @@ TEST(CudaAttentionTest, PlanAndRunRejectBadArguments) {
   told.decode.sliding_window = 50;
   const AttentionPlan windowed = attn.Plan(2, 5, 32, 4, 3, told);
   ASSERT_TRUE(windowed.verify_rows);
-  EXPECT_FALSE(windowed.decode_plan.variant.shared_o);
+  // (The window does not change the passes' kernel.)
+  EXPECT_EQ(windowed.decode_plan.variant, attn.Plan(2, 5, 32, 4, 3).decode_plan.variant);
   EXPECT_EQ(windowed.decode_plan.sliding_window, 50);
   told.leading_decode_seqs = 1;
   told.verify_max_q_len = 0;  // (else the verify passes take the whole call)

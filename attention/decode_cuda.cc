@@ -620,12 +620,6 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
                                       "hold that many tokens)",
                                       plan.sliding_window));
   }
-  if (a.sliding_window > 0 && plan.variant.shared_o) {
-    throw InvalidArgument(kWhere, "sliding_window", a.sliding_window,
-                          "0 for a plan on the shared-output kernel (DecodeOptions::shared_o with "
-                          "half precision: GQA groups above 8, above 4 with FP8 keys, and verify "
-                          "passes)");
-  }
 #if TQKV_HAVE_CUDA
   using namespace decode_detail;
   const int d = head_dim();
@@ -723,7 +717,10 @@ void CudaDecoder::RunColumns(const DecodePlan& plan, const CudaDecodeArgs& a,
   // With the merge left for later, the kernel right after the split grid is the caller's.
   sp.trigger_at_start = overlap_next && (plan.max_splits == 1 || launch == Launch::kSplits) ? 1 : 0;
   if (launch != Launch::kMerge) {
-    TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, plan.variant, programmatic, stream));
+    // Under a window the shared-output kernel's window twin (the same layout and occupancy).
+    SplitVariant variant = plan.variant;
+    variant.window = variant.shared_o && a.sliding_window > 0;
+    TQKV_CUDA_CHECK(LaunchDecodeSplits(sp, variant, programmatic, stream));
   }
   if (plan.max_splits == 1 || launch == Launch::kSplits) return;
 

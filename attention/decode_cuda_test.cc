@@ -1030,8 +1030,7 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("a 16-byte aligned device pointer"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("workspace ="));
   }
-  // A negative sliding window, and a window on the shared-output kernel (k8v4 at GQA 8 in half
-  // precision), which takes none.
+  // A negative sliding window.
   a.workspace = big.data();
   a.sliding_window = -1;
   EXPECT_THAT([&] { decoder.Run(plan, a, nullptr); },
@@ -1047,26 +1046,6 @@ TEST(CudaDecodeTest, BadArgumentsThrowBeforeLaunching) {
                                      ::testing::HasSubstr("1 to 50"))));
   }
   a.sliding_window = 0;
-  {
-    const Quantizer fp8 = Quantizer::Create("turboquant_k8v4", 128, 8, 16);
-    const CudaDecoder shared(fp8);
-    const DecodePlan wide = shared.Plan(4, 64, 10, {.half = true});
-    ASSERT_TRUE(wide.variant.shared_o);
-    CudaDecodeArgs w = a;
-    w.cache = {cache.data(), 1, fp8.layout()};
-    DeviceBuffer<uint8_t> wide_query(4 * 64 * 128 * 4), wide_out(4 * 64 * 128 * 4),
-        wide_lse(4 * 64 * 4), wide_ws(wide.workspace_bytes + 256);
-    w.query = wide_query.data();
-    w.output = wide_out.data();
-    w.lse = reinterpret_cast<float*>(wide_lse.data());
-    w.workspace = wide_ws.data();
-    w.workspace_bytes = wide.workspace_bytes;
-    w.sliding_window = 100;
-    EXPECT_THAT([&] { shared.Run(wide, w, nullptr); },
-                ::testing::ThrowsMessage<Error>(
-                    ::testing::AllOf(::testing::HasSubstr("sliding_window = 100"),
-                                     ::testing::HasSubstr("shared-output kernel"))));
-  }
   // An uncompressed format of another element type than bf16 / fp16 is refused.
   Bf16BlockFormat f32 = MakeBf16BlockFormat(128, 8, 16);
   f32.dtype = DType::kF32;

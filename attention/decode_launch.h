@@ -81,16 +81,20 @@ struct SplitParams {
   // wait_at_start.
   int trigger_at_start = 0;
   VerifyColumns verify;
-  // Sliding window (0: none; not on the shared-output kernels): the row of a sequence of length
-  // len reads positions WindowLo(len, window) .. len − 1 (its position is len − 1, as
-  // AttentionArgs::sliding_window defines it; a verify column, ColumnSpan, is the row of a
-  // sequence of end0 + its new token). The splits read the sequence from WindowOrigin on (the
-  // span's last column's first position rounded up to a block), through its block-table row and
-  // positions shifted by it, so that the pipelines are those of a sequence of len − origin
-  // tokens; the chunks between the first column's first position and the origin run masked in
-  // split 0. Blocks before the one holding that position are not read.
+  // Sliding window (0: none): the row of a sequence of length len reads positions
+  // WindowLo(len, window) .. len − 1 (its position is len − 1, as AttentionArgs::sliding_window
+  // defines it; a verify column, ColumnSpan, is the row of a sequence of end0 + its new token).
+  // The splits read the sequence from WindowOrigin on (the span's last column's first position
+  // rounded up to a block), through its block-table row and positions shifted by it, so that the
+  // pipelines are those of a sequence of len − origin tokens; the chunks between the first
+  // column's first position and the origin run masked in split 0. Blocks before the one holding
+  // that position are not read.
   int window = 0;
 };
+
+// A column's first position without a window (SplitCompute::lo_end0, the shared-output kernel's
+// masked steps): below any position, also plus a column's new token.
+inline constexpr int kNoWindowStart = -(1 << 30);
 
 // Sliding window (SplitParams::window): the first position a one-token row at len − 1 reads,
 // the origin its splits start from (block_size: a power of two), and how many splits hold

@@ -597,8 +597,9 @@ TEST(DecodePlanTest, ThreeBitValuesOnRegistersAtHeadDim256) {
 // groups 9-32 at D = 128 (4-bit values, and 3bit_nc's 3-bit ones: its groups 17-32 only here), and
 // k8v4's groups 5-32 (FP8 keys: the only half-precision kernel they have; without it their groups
 // 5-16 run the exact kernels, which have no narrow layout), on 8-warp CTAs (two N tiles up to 16
-// columns, four above), whatever the narrow choice; everywhere else the choice is ignored. Each
-// variant is instantiated and survives its code.
+// columns, four above), whatever the narrow choice; everywhere else the choice is ignored. So is
+// the window choice, which gives the shared-output variants their window twins. Each variant and
+// twin is instantiated and survives its code.
 TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
   using decode_detail::ChooseSplitVariant;
   using decode_detail::MaybeSplitVariant;
@@ -630,6 +631,11 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                   ASSERT_EQ(with.ok, without.ok) << what;
                   if (with.ok) {
                     EXPECT_EQ(with.variant, without.variant) << what;
+                    // (Nor does the window choice change anything here.)
+                    const MaybeSplitVariant windowed = ChooseSplitVariant(
+                        kind, bits, d, group, {staged, narrow, true, false, half, true, true});
+                    ASSERT_TRUE(windowed.ok) << what;
+                    EXPECT_EQ(windowed.variant, with.variant) << what;
                   }
                   continue;
                 }
@@ -647,10 +653,23 @@ TEST(DecodePlanTest, SharedOutputKernelOnlyForWideHalfPrecisionPasses) {
                   EXPECT_EQ(with.variant.n_tiles, without.variant.n_tiles) << what;
                 }
                 EXPECT_EQ(SplitVariant::FromCode(with.variant.Code()), with.variant) << what;
-                bool instantiated = false;
-                for (int i = 0; i < listed.size; ++i)
+                // Its window twin (SplitChoice::window): the same kernel but for that.
+                const MaybeSplitVariant twin = ChooseSplitVariant(
+                    kind, bits, d, group, {staged, narrow, true, false, half, true, true});
+                ASSERT_TRUE(twin.ok) << what;
+                EXPECT_TRUE(twin.variant.window) << what;
+                EXPECT_FALSE(with.variant.window) << what;
+                SplitVariant untwinned = twin.variant;
+                untwinned.window = false;
+                EXPECT_EQ(untwinned, with.variant) << what;
+                EXPECT_EQ(SplitVariant::FromCode(twin.variant.Code()), twin.variant) << what;
+                bool instantiated = false, twin_instantiated = false;
+                for (int i = 0; i < listed.size; ++i) {
                   instantiated |= listed.items[i] == with.variant;
+                  twin_instantiated |= listed.items[i] == twin.variant;
+                }
                 EXPECT_TRUE(instantiated) << what;
+                EXPECT_TRUE(twin_instantiated) << what;
               }
             }
           }

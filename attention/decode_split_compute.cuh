@@ -26,9 +26,6 @@ struct SplitChunk {
   uint32_t norm, vscale, vzero;        // fp16 pairs: tokens 2g (low half), 2g + 1 (high half)
 };
 
-// SplitCompute::lo_end0 without a window: below any position, also plus a column's new token.
-inline constexpr int kNoWindowStart = -(1 << 30);
-
 template <SplitVariant V>
 struct SplitCompute {
   using Config = SplitKernelConfig<V>;

@@ -193,23 +193,30 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
   // it (one memory round trip less before the first copies): where they lie past the sequence's
   // blocks they are still inside the table's row (max_blocks_per_seq entries) and are dropped by
   // first_block below.
-  const int begin = split * p.tokens_per_split;
+  int begin = split * p.tokens_per_split;
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = 31 - __clz(p.block_size);
   // A sliding window (SplitParams::window): the splits read the sequence from its origin on,
   // through the table row and positions shifted by it (one memory round trip more before the
   // first copies, for such calls only; the loops are those of a shorter sequence). The origin is
   // that of the span's last column (a verify pass's latest new token, whose window starts last),
-  // so every column sees every token from it on; the first column's window starts earliest. Not
-  // on the shared-output kernels (CudaDecoder::Run refuses a window there).
+  // so every column sees every token from it on; the first column's window starts earliest:
+  // split 0 also runs the chunks before the origin from the one holding that position (negative
+  // positions; their blocks hold positions of the window, so they are live), masked below each
+  // column's first position. The kernels with their own outputs run them after the split's other
+  // chunks (window_head); the shared-output kernel's window twin (SplitVariant::window; CudaDecoder
+  // ::Run takes it for a window) as its first steps, from a begin below 0. The shared-output
+  // kernel without the twin reads no window.
   int table_len = p.max_blocks_per_seq, origin = 0;
-  bool window_head = false;  // split 0 runs masked chunks before the origin
-  if (!V.shared_o && p.window > 0) {
+  bool window_head = false;
+  if ((!V.shared_o || V.window) && p.window > 0) {
     const ColumnSpan columns = SpanOfColumns(p.verify, p.seq_lens, b);
     origin = WindowOrigin(WindowLo(columns.len, p.window), p.block_size);
     table += origin >> block_shift;
     table_len -= origin >> block_shift;
-    window_head = split == 0 && WindowLo(columns.end0, p.window) < origin;
+    const int lo = WindowLo(columns.end0, p.window);
+    window_head = split == 0 && lo < origin;
+    if (V.window && window_head) begin = (lo & -kChunk) - origin;
   }
   int first_block_ids[kStages];
 #pragma unroll
@@ -249,7 +256,7 @@ __global__ void __launch_bounds__(SplitVariant::FromCode(kCode).cta_warps() * 32
     }
     return;
   }
-  const int end = min(begin + p.tokens_per_split, len);
+  const int end = min(split * p.tokens_per_split + p.tokens_per_split, len);
   const int g = lane >> 2, t = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
   // (Not in k8v4's 32-column kernel: its passes measured 6 % slower with it, H100, 64 x 4k and

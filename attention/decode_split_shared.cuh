@@ -180,6 +180,12 @@ struct SharedOSplit {
   // Both products as warpgroup MMAs (Config::kSharedOWgmma), else one m16n8k16 MMA per warp,
   // k-step and N tile.
   static constexpr bool kWg = Config::kSharedOWgmma;
+  // The twin for calls under a sliding window (SplitVariant::window): the masks of a column's
+  // first position and split 0's steps before the window's origin. The kernel without windows
+  // keeps none of that code: with the masked loop ahead of the full steps' loop ptxas schedules
+  // that loop anew (4bit_nc's twin at 32 columns: 382 instructions per step against 409, but 13
+  // local loads and stores against 3).
+  static constexpr bool kWindow = V.window;
   // Score chains per N tile of the m16n8k16 MMAs: two (k-step parity) where there are two N
   // tiles, else one.
   static constexpr int kChains = kNT > 2 || kWg ? 1 : 2;
@@ -412,8 +418,10 @@ struct SharedOSplit {
     // One step: this warp's chunk c = kW·i + warp from stage s, P·V over its group's chunks.
     // kRel (a step after the first, no masks: every column has a finite maximum m): s holds
     // s − m, the exponent of p, from one FFMA, and the lazy check reads it; the scores are
-    // recovered as (s − m) + m only where the maximum moves.
-    auto step = [&](int i, int stage_index, int end0, auto tail_c, auto rel_c) {
+    // recovered as (s − m) + m only where the maximum moves. kTail: masked, a column of new token
+    // i seeing the positions before end0 + i (within the split's end) and, on the window twin,
+    // from lo_end0 + i on.
+    auto step = [&](int i, int stage_index, int end0, int lo_end0, auto tail_c, auto rel_c) {
       constexpr bool kTail = decltype(tail_c)::value;
       constexpr bool kRel = decltype(rel_c)::value;
       static_assert(!(kTail && kRel));
@@ -505,13 +513,14 @@ struct SharedOSplit {
         vs[r] = HalfBitsToFloat(static_cast<uint16_t>(vscale >> (16 * r)));
         vz[r] = HalfBitsToFloat(static_cast<uint16_t>(vzero >> (16 * r)));
         if constexpr (kTail) {  // metadata past the end may be NaN garbage (0 · NaN = NaN)
-          valid[r] = t0 + 2 * g + r < end;
+          valid[r] = t0 + 2 * g + r < end && (!kWindow || t0 + 2 * g + r >= lo_end0);
           vs[r] = valid[r] ? vs[r] : 0.0f;
           vz[r] = valid[r] ? vz[r] : 0.0f;
         }
       }
       // s[nt][e]: token 2g + e / 2, column 8·nt + 2t + e % 2 (kRel: minus the column's maximum);
-      // a verify pass's column c sees c / group tokens past end0 (within the split's end).
+      // a verify pass's column c sees c / group tokens past end0 (within the split's end), and
+      // under a window from as many past lo_end0.
       float s[kNT][4];
       float mx[kNT][2];
       bool need = false;
@@ -532,7 +541,10 @@ struct SharedOSplit {
             const int col = 8 * nt + 2 * t + e % 2;
             const int extra =
                 p.verify.query_start_loc != nullptr ? NewTokenOfColumn(p.verify, col) : 0;
-            s[nt][e] = t0 + 2 * g + e / 2 < min(end, end0 + extra) ? s[nt][e] : -INFINITY;
+            const int token = t0 + 2 * g + e / 2;
+            const bool seen =
+                token < min(end, end0 + extra) && (!kWindow || token >= lo_end0 + extra);
+            s[nt][e] = seen ? s[nt][e] : -INFINITY;
           }
         }
 #pragma unroll
@@ -756,27 +768,42 @@ struct SharedOSplit {
     };
 
     // Steps whose 8 chunks every column sees whole, then the split's last steps (a partial chunk,
-    // a verify pass's causal part, chunks past the end), masked. All warps run every step.
-    const ColumnSpan span = SpanOfColumns(p.verify, p.seq_lens, f.b);
+    // a verify pass's causal part, chunks past the end), masked; on the window twin first split
+    // 0's steps below the window's origin (begin < 0), masked too. All warps run every step.
+    // (Positions count from the origin: DecodeSplitKernel.)
+    const ColumnSpan unshifted = SpanOfColumns(p.verify, p.seq_lens, f.b);
+    const int origin = kWindow ? WindowOrigin(WindowLo(unshifted.len, p.window), p.block_size) : 0;
+    const ColumnSpan span = ShiftSpan(unshifted, origin);
+    // The first column's first position (a column of new token i sees from lo_end0 + i on).
+    const int lo_end0 = kWindow ? span.end0 - p.window : kNoWindowStart;
     const int num_full = max(0, min(end, span.end0) - begin) / kChunk;
     const int full_steps = num_full / kW;
     const int num_steps = (num_chunks + kW - 1) / kW;
     int stage_index = 0;
     int i = 0;
     static_assert(kS > 1);
-    if (full_steps > 0) {  // the first step sets every column's maximum
-      step(0, 0, span.end0, std::false_type{}, std::false_type{});
-      stage_index = 1;
-      i = 1;
+    if constexpr (kWindow) {
+      const int head_steps =
+          begin < 0 ? min((kW * kChunk - 1 - begin) / (kW * kChunk), num_steps) : 0;
+#pragma unroll 1
+      for (; i < head_steps; ++i) {
+        step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
+        stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+      }
+    }
+    if (i < full_steps) {  // the first full step sets every column's maximum
+      step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::false_type{});
+      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+      ++i;
     }
 #pragma unroll 1
     for (; i < full_steps; ++i) {
-      step(i, stage_index, span.end0, std::false_type{}, std::true_type{});
+      step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::true_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
 #pragma unroll 1
     for (; i < num_steps; ++i) {
-      step(i, stage_index, span.end0, std::true_type{}, std::false_type{});
+      step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
       stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
     }
     CopyAsyncWait();  // (only empty or unread groups remain) before shared memory is reused

@@ -58,6 +58,11 @@ struct SplitVariant {
   // group's 4 chunks (attention/decode_split_shared.cuh). 32 accumulator registers instead of 128,
   // so two 8-warp CTAs fit an SM where the other kernel of 17-32 columns runs two of 4 warps.
   bool shared_o = false;
+  // The shared-output kernel's twin for calls under a sliding window, which CudaDecoder::Run
+  // takes for them (its plan names the kernel without): each column's first position masked, and
+  // split 0's chunks before the window's origin run first. A twin, so that the kernel without
+  // windows keeps its code.
+  bool window = false;
 
   constexpr bool staged() const { return pipeline != SplitPipeline::kRegisters; }
   // Warps per CTA, and KV heads per CTA.
@@ -75,7 +80,7 @@ struct SplitVariant {
            static_cast<uint32_t>(head_dim) << 8 | static_cast<uint32_t>(n_tiles) << 17 |
            uint32_t{packed} << 20 | static_cast<uint32_t>(pipeline) << 21 |
            uint32_t{hi_only} << 23 | uint32_t{one_cta} << 24 | uint32_t{half} << 25 |
-           uint32_t{shared_o} << 26;
+           uint32_t{shared_o} << 26 | uint32_t{window} << 27;
   }
   static constexpr SplitVariant FromCode(uint32_t c) {
     return {static_cast<KeyKind>(c & 7u),
@@ -87,7 +92,8 @@ struct SplitVariant {
             ((c >> 23) & 1u) != 0,
             ((c >> 24) & 1u) != 0,
             ((c >> 25) & 1u) != 0,
-            ((c >> 26) & 1u) != 0};
+            ((c >> 26) & 1u) != 0,
+            ((c >> 27) & 1u) != 0};
   }
 };
 
@@ -101,6 +107,7 @@ struct SplitChoice {
   bool one_cta = false;  // 4-bit keys: the 8-warp kernel's one-CTA-per-SM twin
   bool half = false;     // the half-precision staged kernels where they exist (GQA group > 4)
   bool shared_o = false;  // with half, groups 9-32: the kernel whose warps share the output
+  bool window = false;    // with shared_o: that kernel's window twin (SplitVariant::window)
 };
 
 // A variant, or none (ok = false) where no kernel serves that combination.
@@ -195,6 +202,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
     v.n_tiles = group > 16 ? 4 : 2;
     v.half = true;
     v.shared_o = true;
+    v.window = c.window;
     v.pipeline = SplitPipeline::kStaged;
     return {true, v};
   }
@@ -268,7 +276,7 @@ constexpr MaybeSplitVariant ChooseSplitVariant(KeyKind kind, int value_bits, int
 }
 
 // Every variant ChooseSplitVariant returns for a kind (no duplicates): the kernels to instantiate.
-inline constexpr int kMaxVariantsPerKind = 48;
+inline constexpr int kMaxVariantsPerKind = 56;
 struct SplitVariantList {
   std::array<SplitVariant, kMaxVariantsPerKind> items{};
   int size = 0;
@@ -285,7 +293,13 @@ constexpr SplitVariantList SplitVariantsOf(KeyKind kind) {
           if (!m.ok) continue;
           bool seen = false;
           for (int i = 0; i < list.size; ++i) seen = seen || list.items[i] == m.variant;
-          if (!seen) list.items[list.size++] = m.variant;  // overflow fails constant evaluation
+          if (seen) continue;
+          list.items[list.size++] = m.variant;  // overflow fails constant evaluation
+          // (SplitChoice::window changes the shared-output variants alone: their twins.)
+          if (m.variant.shared_o) {
+            list.items[list.size] = m.variant;
+            list.items[list.size++].window = true;
+          }
         }
       }
     }

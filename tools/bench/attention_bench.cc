@@ -594,11 +594,11 @@ int Main(int argc, char** argv) {
     shapes.push_back(Uniform(std::string(name) + " chunk", batch, context, 1, false));
     shapes.back().window = window;
   }
-  // Verify under a sliding window: with the plan told of it, the passes on the kernels whose
-  // warps hold their own outputs ("planned"); untold, where the plan's kernel is the
-  // shared-output one (which reads no window), the chunk or prefill kernel ("untold"); without
-  // the decode kernels ("chunk", as every kind ran it before); beside the same count of tokens
-  // without a window.
+  // Verify under a sliding window: with the plan told of it (its splits sized for the window,
+  // "planned") and untold ("untold"), the passes on the decode kernels; without the decode
+  // kernels ("chunk", as every kind ran it before); beside the same count of tokens without a
+  // window, on the plan's kernels and on those whose warps hold their own outputs ("own-o", as
+  // a window ran before the shared-output kernel's window twin).
   for (int q : {4, 8}) {
     shapes.push_back(Uniform(fmt::format("window 64x4k w1000 q{} planned", q), 64, 4096, q));
     shapes.back().window = 1000;

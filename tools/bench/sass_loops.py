@@ -20,7 +20,8 @@ marked "rare". A kernel DecodeSplitKernel<code> is described by its SplitVariant
 (attention/decode_variant.h, SplitVariant::Code), e.g. "mse4 v4 D128 nt1 packed staged": key kind
 (mse4, mse3, fp8, bf16, f16), value bits, head_dim, N tiles, packed or unpacked, pipeline
 (registers, staged, narrow, paired), hi_only, one_cta, half, shared_o (whose loop is one step:
-its warp's chunk scored, then P·V over four chunks for a quarter of head_dim; the same HMMAs).
+its warp's chunk scored, then P·V over four chunks for a quarter of head_dim; the same HMMAs),
+window (the shared-output kernel's sliding-window twin).
 
 cuobjdump is not in every CUDA toolkit image: the script looks in PATH, CUDA_HOME/bin,
 /usr/local/cuda/bin, then in a pip-installed nvidia-cuda-cuobjdump
@@ -57,6 +58,8 @@ def describe(name):
         words.append("half")
     if (c >> 26) & 1:
         words.append("shared_o")
+    if (c >> 27) & 1:
+        words.append("window")
     return " ".join(words)
 # 16: the hi-only score path; the half-precision kernels 32 (nt2) or 64 (nt4); the shared-output
 # kernels 32 (nt2) or, with warpgroup MMAs, 16 (nt4).
