@@ -142,18 +142,16 @@ struct AttentionPlan {
   int num_q_heads = 0;
   int max_blocks_per_seq = 0;
   int max_q_len = 0;
-  // One new token per sequence: the decode kernels (with a sliding window too, unless
-  // decode_plan's kernel is the shared-output one: then the chunk kernel).
+  // One new token per sequence: the decode kernels (under a sliding window too).
   bool decode = false;
   // A mixed call (some sequences of one new token, some of more): those of one token run on the
-  // decode kernels (gathered, decoded, scattered back; under a sliding window as leading_decodes
-  // below), the others on the chunk kernel.
+  // decode kernels (gathered, decoded, scattered back; under a sliding window too), the others on
+  // the chunk kernel.
   bool decode_rows = false;
   // A mixed call whose first leading_decodes sequences have one new token each
   // (AttentionOptions::leading_decode_seqs): those run on the decode kernels in place, the chunk
   // or prefill kernel's grid covers the others (decode_plan.overlap_next: launched as the decode's
-  // programmatic dependent); under a sliding window only where decode_plan's kernel is not the
-  // shared-output one (else every sequence runs on the chunk kernel). leading_max_q_len > 1
+  // programmatic dependent), under a sliding window too. leading_max_q_len > 1
   // (AttentionOptions::leading_max_q_len): they have 1 to that many each and run as verify_passes
   // passes of verify_pass_rows (below) in place.
   int leading_decodes = 0;

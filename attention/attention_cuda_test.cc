@@ -1246,7 +1246,7 @@ TEST(CudaAttentionTest, LeadingDecodeRowsRunInPlace) {
 // half bounds, where the rows after the leading sequences come out bit for bit as in the same
 // call without leading rows (the same kernel, the same splits); with splits of the chunk's
 // context (whose merge must leave the leading rows alone), a sliding window (the leading rows
-// on the decode kernels under it too, where their kernel is not the shared-output one) and a
+// on the decode kernels under it too, the shared-output kernel's window twin among them) and a
 // dense Πᵀ (the verify passes read the chunk's q·Πᵀ).
 TEST(CudaAttentionTest, LeadingVerifyRowsRunInPlace) {
   TQKV_SKIP_WITHOUT_GPU();
