@@ -349,24 +349,14 @@ __global__ void __launch_bounds__(kWarps * 32) ChunkAttentionKernel(const ChunkP
     GridDependencyWait();         // ChunkParams::programmatic
     return;
   }
-  const int first_i = cta.row0 / cta.group, last_i = (cta.row_end - 1) / cta.group;
-  const int kv_end = cta.ctx0 + last_i + 1;
-  const int kv_begin =
-      p.sliding_window > 0 ? max(0, cta.ctx0 + first_i - p.sliding_window + 1) : 0;
-  const int split_begin = kv_begin + split * p.tokens_per_split;
-  const int split_end = min(kv_end, split_begin + p.tokens_per_split);
+  const SplitSpan span = SplitSpanOf(p, cta.ctx0, cta.group, cta.row0, cta.row_end, split);
+  const int split_begin = span.begin, split_end = span.end;
   const int32_t* table = p.block_tables + int64_t{b} * p.max_blocks_per_seq;
   cta.LoadQuery(h);
-  // The split's block ids into shared memory where they fit.
-  const int id_begin = split_begin / p.block_size;
-  const int id_count = split_end > split_begin ? (split_end - 1) / p.block_size - id_begin + 1 : 0;
-  const bool staged_ids = id_count <= kMaxStagedIds;
-  int32_t* smem_ids = reinterpret_cast<int32_t*>(smem + Cta::L::kIds);
-  if (staged_ids) {
-    for (int i = threadIdx.x; i < id_count; i += kWarps * 32) smem_ids[i] = table[id_begin + i];
-  }
-  const int32_t* ids = staged_ids ? smem_ids : table;
-  const int id_base = staged_ids ? id_begin : 0;
+  const SplitIds staged =
+      StageSplitIds<kWarps * 32>(p, table, span, reinterpret_cast<int32_t*>(smem + Cta::L::kIds));
+  const int32_t* ids = staged.ids;
+  const int id_base = staged.base;
   __syncthreads();
 
   RawTile<kKind, kValueBits, kD, Cta::kRows> raw;

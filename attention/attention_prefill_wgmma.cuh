@@ -646,11 +646,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) PrefillWgmmaKernel(const ChunkP
     return;
   }
   const int ctx0 = p.seq_lens[b] - q_len;
-  const int first_i = row0 / group, last_i = (row_end - 1) / group;
-  const int kv_end = ctx0 + last_i + 1;
-  const int kv_begin = p.sliding_window > 0 ? max(0, ctx0 + first_i - p.sliding_window + 1) : 0;
-  const int split_begin = kv_begin + split * p.tokens_per_split;
-  const int split_end = min(kv_end, split_begin + p.tokens_per_split);
+  const SplitSpan span = SplitSpanOf(p, ctx0, group, row0, row_end, split);
+  const int split_begin = span.begin, split_end = span.end;
   // Tiles start on multiples of 64 (a sliding window's first tile masks the tokens before it).
   const int loop_begin = split_begin - split_begin % kWgTile;
   const int tiles = split_end > split_begin ? (split_end - loop_begin + kWgTile - 1) / kWgTile : 0;

@@ -77,6 +77,41 @@ __device__ __forceinline__ float LoadQueryElement(const void* q, DType t, int64_
 
 inline constexpr int kMaxStagedIds = 512;
 
+// The tokens split `split` of a row tile reads, [begin, end): the tile's rows row0 .. row_end − 1
+// (new token r / group at position ctx0 + r / group) see from the first row's window start (0
+// without a window) to the last row's own token, and a split is tokens_per_split of that.
+struct SplitSpan {
+  int begin, end;
+};
+__device__ __forceinline__ SplitSpan SplitSpanOf(const ChunkParams& p, int ctx0, int group,
+                                                 int row0, int row_end, int split) {
+  const int first_i = row0 / group, last_i = (row_end - 1) / group;
+  const int kv_end = ctx0 + last_i + 1;
+  const int kv_begin = p.sliding_window > 0 ? max(0, ctx0 + first_i - p.sliding_window + 1) : 0;
+  const int begin = kv_begin + split * p.tokens_per_split;
+  return {begin, min(kv_end, begin + p.tokens_per_split)};
+}
+
+// The block ids of a split's tokens: token t's block is ids[t / block_size − base]. Copied into
+// shared memory (smem_ids) by the CTA's kThreads threads where they fit (kMaxStagedIds), so that
+// no tile's loads wait on a dependent global load of the block table; the caller synchronizes
+// the CTA before reading them.
+struct SplitIds {
+  const int32_t* ids;
+  int base;
+};
+template <int kThreads>
+__device__ __forceinline__ SplitIds StageSplitIds(const ChunkParams& p, const int32_t* table,
+                                                  SplitSpan span, int32_t* smem_ids) {
+  const int id_begin = span.begin / p.block_size;
+  const int id_count = span.end > span.begin ? (span.end - 1) / p.block_size - id_begin + 1 : 0;
+  const bool staged = id_count <= kMaxStagedIds;
+  if (staged) {
+    for (int i = threadIdx.x; i < id_count; i += kThreads) smem_ids[i] = table[id_begin + i];
+  }
+  return staged ? SplitIds{smem_ids, id_begin} : SplitIds{table, 0};
+}
+
 // The KV head and row-tile slot of this CTA: by head (all of head 0's slots, then head 1's), or with
 // heads_fastest every head's slot 0, then every head's slot 1, ... (ChunkParams::heads_fastest).
 __device__ __forceinline__ void SlotOfBlock(const ChunkParams& p, int& h, int& slot) {
