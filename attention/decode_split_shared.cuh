@@ -182,9 +182,10 @@ struct SharedOSplit {
   static constexpr bool kWg = Config::kSharedOWgmma;
   // The twin for calls under a sliding window (SplitVariant::window): the masks of a column's
   // first position and split 0's steps before the window's origin. The kernel without windows
-  // keeps none of that code: with the masked loop ahead of the full steps' loop ptxas schedules
-  // that loop anew (4bit_nc's twin at 32 columns: 382 instructions per step against 409, but 13
-  // local loads and stores against 3).
+  // keeps none of that code: with any masked loop ahead of the full steps' loop ptxas schedules
+  // that loop anew. The twin runs all its masked steps in one loop (Run), which leaves its full
+  // step near the kernel without windows' (4bit_nc at 32 columns: 406 instructions and 9 local
+  // loads and stores per step against 409 and 3; with a second masked loop, 382 and 13).
   static constexpr bool kWindow = V.window;
   // Score chains per N tile of the m16n8k16 MMAs: two (k-step parity) where there are two N
   // tiles, else one.
@@ -782,29 +783,42 @@ struct SharedOSplit {
     int stage_index = 0;
     int i = 0;
     static_assert(kS > 1);
-    if constexpr (kWindow) {
-      const int head_steps =
-          begin < 0 ? min((kW * kChunk - 1 - begin) / (kW * kChunk), num_steps) : 0;
-#pragma unroll 1
-      for (; i < head_steps; ++i) {
-        step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
-        stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+    auto next_stage = [&] { stage_index = stage_index == kS - 1 ? 0 : stage_index + 1; };
+    // The full steps: the first sets every column's maximum.
+    auto full = [&] {
+      if (i < full_steps) {
+        step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::false_type{});
+        next_stage();
+        ++i;
       }
-    }
-    if (i < full_steps) {  // the first full step sets every column's maximum
-      step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::false_type{});
-      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
-      ++i;
-    }
 #pragma unroll 1
-    for (; i < full_steps; ++i) {
-      step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::true_type{});
-      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
-    }
+      for (; i < full_steps; ++i) {
+        step(i, stage_index, span.end0, lo_end0, std::false_type{}, std::true_type{});
+        next_stage();
+      }
+    };
+    if constexpr (kWindow) {
+      // One loop of masked steps (a second one ahead of the full steps made ptxas spill in
+      // theirs): split 0's steps below the origin, then, after the full steps, the last ones.
+      int masked_end = begin < 0 ? min((kW * kChunk - 1 - begin) / (kW * kChunk), num_steps) : 0;
 #pragma unroll 1
-    for (; i < num_steps; ++i) {
-      step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
-      stage_index = stage_index == kS - 1 ? 0 : stage_index + 1;
+      for (;;) {
+#pragma unroll 1
+        for (; i < masked_end; ++i) {
+          step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
+          next_stage();
+        }
+        if (masked_end == num_steps) break;
+        full();
+        masked_end = num_steps;
+      }
+    } else {
+      full();
+#pragma unroll 1
+      for (; i < num_steps; ++i) {
+        step(i, stage_index, span.end0, lo_end0, std::true_type{}, std::false_type{});
+        next_stage();
+      }
     }
     CopyAsyncWait();  // (only empty or unread groups remain) before shared memory is reused
 
