@@ -403,6 +403,42 @@ void CheckPlanArguments(int num_seqs, int num_tokens, int num_q_heads, int max_b
   }
 }
 
+// The decode kernels' arguments for rows they read and write where the caller's arguments have
+// them (one-token calls, verify passes, a mixed call's leading rows): the caller's query (or
+// `query`, of `query_dtype`, in its place: q·Πᵀ in the workspace), cache, tables, lengths,
+// outputs and window, and their share of the workspace.
+CudaDecodeArgs DecodeArgsInPlace(const AttentionArgs& a, const void* query, DType query_dtype,
+                                 void* workspace, int64_t workspace_bytes) {
+  CudaDecodeArgs da;
+  da.query = query;
+  da.query_dtype = query_dtype;
+  da.cache = a.cache;
+  da.block_tables = a.block_tables;
+  da.seq_lens = a.seq_lens;
+  da.scale = a.scale;
+  da.output = a.output;
+  da.output_dtype = a.output_dtype;
+  da.lse = a.lse;
+  da.workspace = workspace;
+  da.workspace_bytes = workspace_bytes;
+  da.sliding_window = a.sliding_window;
+  return da;
+}
+
+#if TQKV_HAVE_CUDA
+// A verify pass's columns (VerifyColumns, decode_launch.h): plan.verify_pass_rows new tokens per
+// sequence beside the GQA heads; each pass sets row_begin.
+decode_detail::VerifyColumns VerifyColumnsOf(const AttentionPlan& plan, const AttentionArgs& a,
+                                             int num_kv_heads) {
+  decode_detail::VerifyColumns columns;
+  columns.query_start_loc = a.query_start_loc;
+  columns.rows = plan.verify_pass_rows;
+  columns.group = plan.num_q_heads / num_kv_heads;
+  columns.num_q_heads = plan.num_q_heads;
+  return columns;
+}
+#endif
+
 }  // namespace
 
 AttentionPlan CudaAttention::Plan(int num_seqs, int num_tokens, int num_q_heads,
@@ -696,20 +732,9 @@ void CudaAttention::Run(const AttentionPlan& plan, const AttentionArgs& a,
                                       w));
   }
   if (plan.decode) {
-    CudaDecodeArgs da;
-    da.query = a.query;
-    da.query_dtype = a.query_dtype;
-    da.cache = a.cache;
-    da.block_tables = a.block_tables;
-    da.seq_lens = a.seq_lens;
-    da.scale = a.scale;
-    da.output = a.output;
-    da.output_dtype = a.output_dtype;
-    da.lse = a.lse;
-    da.workspace = a.workspace;
-    da.workspace_bytes = a.workspace_bytes;
-    da.sliding_window = a.sliding_window;
-    s.decoder.Run(plan.decode_plan, da, stream);
+    s.decoder.Run(plan.decode_plan,
+                  DecodeArgsInPlace(a, a.query, a.query_dtype, a.workspace, a.workspace_bytes),
+                  stream);
     return;
   }
 #if TQKV_HAVE_CUDA
@@ -792,9 +817,8 @@ void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
   const bool dense = !s.plain && s.key_kind != KeyKind::kFp8 && !s.fwht;
   const VerifySections v = VerifyLayout(plan, dense, d);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
-  CudaDecodeArgs da;
-  da.query = a.query;
-  da.query_dtype = a.query_dtype;
+  const void* query = a.query;
+  DType query_dtype = a.query_dtype;
   if (dense) {  // q·Πᵀ of every row once, for all passes
     decode_detail::QueryPrepParams qp;
     qp.query = a.query;
@@ -805,24 +829,11 @@ void CudaAttention::RunVerify(const AttentionPlan& plan, const AttentionArgs& a,
     qp.rows = plan.num_tokens * plan.num_q_heads;
     qp.head_dim = d;
     TQKV_CUDA_CHECK(decode_detail::LaunchQueryPrep(qp, stream));
-    da.query = qp.out;
-    da.query_dtype = DType::kF32;
+    query = qp.out;
+    query_dtype = DType::kF32;
   }
-  da.cache = a.cache;
-  da.block_tables = a.block_tables;
-  da.seq_lens = a.seq_lens;
-  da.scale = a.scale;
-  da.output = a.output;
-  da.output_dtype = a.output_dtype;
-  da.lse = a.lse;
-  da.workspace = ws + v.mapped;
-  da.workspace_bytes = v.decode;
-  da.sliding_window = a.sliding_window;
-  decode_detail::VerifyColumns columns;
-  columns.query_start_loc = a.query_start_loc;
-  columns.rows = plan.verify_pass_rows;
-  columns.group = plan.num_q_heads / num_kv_heads();
-  columns.num_q_heads = plan.num_q_heads;
+  const CudaDecodeArgs da = DecodeArgsInPlace(a, query, query_dtype, ws + v.mapped, v.decode);
+  decode_detail::VerifyColumns columns = VerifyColumnsOf(plan, a, num_kv_heads());
   for (int pass = 0; pass < plan.verify_passes; ++pass) {
     columns.row_begin = pass * plan.verify_pass_rows;
     s.decoder.RunColumns(plan.decode_plan, da, &columns, stream);
@@ -895,27 +906,13 @@ void CudaAttention::RunChunk(const AttentionPlan& plan, const AttentionArgs& a,
   // Leading verify rows (plan.leading_max_q_len > 1): passes of verify_pass_rows new tokens,
   // reading and writing the caller's rows in place (RunVerify's columns).
   const bool lead_verify = lead > 0 && plan.leading_max_q_len > 1;
-  decode_detail::VerifyColumns lead_columns;
-  lead_columns.query_start_loc = a.query_start_loc;
-  lead_columns.rows = plan.verify_pass_rows;
-  lead_columns.group = plan.num_q_heads / num_kv_heads();
-  lead_columns.num_q_heads = plan.num_q_heads;
-  CudaDecodeArgs lead_args;
+  decode_detail::VerifyColumns lead_columns = VerifyColumnsOf(plan, a, num_kv_heads());
+  // A dense Πᵀ's verify passes read q·Πᵀ (the decode kernels apply a Hadamard one themselves).
+  const bool mapped = lead_verify && query_prep && !s.fwht;
+  const CudaDecodeArgs lead_args = DecodeArgsInPlace(
+      a, mapped ? static_cast<const void*>(ws) : a.query, mapped ? DType::kF32 : a.query_dtype,
+      ws + w.query + w.partial_out + w.partial_lse, w.rows_workspace);
   if (lead > 0) {
-    // A dense Πᵀ's verify passes read q·Πᵀ (the decode kernels apply a Hadamard one themselves).
-    const bool mapped = lead_verify && query_prep && !s.fwht;
-    lead_args.query = mapped ? static_cast<const void*>(ws) : a.query;
-    lead_args.query_dtype = mapped ? DType::kF32 : a.query_dtype;
-    lead_args.cache = a.cache;
-    lead_args.block_tables = a.block_tables;
-    lead_args.seq_lens = a.seq_lens;
-    lead_args.scale = a.scale;
-    lead_args.output = a.output;
-    lead_args.output_dtype = a.output_dtype;
-    lead_args.lse = a.lse;
-    lead_args.workspace = ws + w.query + w.partial_out + w.partial_lse;
-    lead_args.workspace_bytes = w.rows_workspace;
-    lead_args.sliding_window = a.sliding_window;
     if (lead_verify) {
       for (int pass = 0; pass < plan.verify_passes; ++pass) {
         lead_columns.row_begin = pass * plan.verify_pass_rows;
